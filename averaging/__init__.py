@@ -1,0 +1,1 @@
+"""Decentralized parameter averaging: DHT matchmaking, butterfly all-reduce in groups."""

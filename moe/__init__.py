@@ -1,0 +1,1 @@
+"""Decentralized mixture-of-experts: expert servers, remote experts, fault-tolerant MoE layers."""

@@ -1,0 +1,10 @@
+"""Shared fixtures: an in-memory network for simulated tests."""
+
+import pytest
+
+from peer.net import MemoryNetwork
+
+
+@pytest.fixture
+def memory_network() -> MemoryNetwork:
+    return MemoryNetwork(latency=0.005, seed=1234)
