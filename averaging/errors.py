@@ -1,0 +1,39 @@
+"""Typed errors of the averaging package: each one says which peer and which operation it is about.
+
+Shared by the all-reduce, state download and matchmaking modules (matchmaking appends its own classes here).
+"""
+
+from __future__ import annotations
+
+from peer.identity import PeerID
+
+
+class AveragingError(Exception):
+    """Base of every averaging error. `peer` is the other side (None when no single peer is to blame),
+    `operation` a short name such as "allreduce.push" or "state.download"."""
+
+    def __init__(self, message: str, *, peer: PeerID | None = None, operation: str | None = None):
+        super().__init__(message)
+        self.peer = peer
+        self.operation = operation
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        where = []
+        if self.operation:
+            where.append(self.operation)
+        if self.peer is not None:
+            where.append(f"peer {PeerID(bytes(self.peer)).short()}")
+        return f"{text} ({', '.join(where)})" if where else text
+
+
+class GroupMismatch(AveragingError):
+    """The local tensors or group description do not fit the round (no reducer, wrong shapes, not a member)."""
+
+
+class AllReduceFailed(AveragingError):
+    """The round could not average anything at all (e.g. every reducer was lost or the deadline passed)."""
+
+
+class StateDownloadFailed(AveragingError):
+    """No peer could provide its state (all asked peers failed, refused, or sent inconsistent data)."""
