@@ -1,0 +1,193 @@
+"""The grid search must return the true top-k among alive experts, in few oracle rounds."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from moe.beam_search import ExpertLocation, GridSearch, find_best_experts, normalize_prefix, parse_location
+
+
+def brute_force_top_k(prefix, grid_size, scores, k, alive):
+    """Reference: score every alive expert and sort."""
+    prefix = normalize_prefix(prefix)
+    out = []
+    for b in range(len(scores[0])):
+        scored = []
+        for uid in alive:
+            coords = tuple(int(c) for c in uid[len(prefix):].split("."))
+            scored.append((sum(scores[d][b][c] for d, c in enumerate(coords)), uid))
+        scored.sort(key=lambda item: (-item[0], item[1]))
+        out.append([uid for _, uid in scored[:k]])
+    return out
+
+
+def grid_children(prefix, alive):
+    """What the DHT prefix entries say for a set of alive experts: prefix -> {coordinate: value}."""
+    prefix = normalize_prefix(prefix)
+    table = {}
+    for uid, location in alive.items():
+        coords = uid[len(prefix):].split(".")
+        for depth in range(len(coords)):
+            key = prefix + "".join(f"{c}." for c in coords[:depth])
+            table.setdefault(key, {})[int(coords[depth])] = [uid, location.host, location.port, location.peer_id_hex]
+    return table
+
+
+class TableOracle:
+    """Answers like the DHT would, and counts rounds."""
+
+    def __init__(self, table):
+        self.table = table
+        self.rounds = 0
+        self.keys_asked = 0
+
+    async def children(self, prefixes):
+        self.rounds += 1
+        self.keys_asked += len(prefixes)
+        return {key: self.table.get(key) for key in prefixes}
+
+
+def run_sync(search: GridSearch, table) -> int:
+    rounds = 0
+    while not search.done:
+        search.provide({key: table.get(key) for key in search.wanted()})
+        rounds += 1
+    return rounds
+
+
+def random_alive(rng, grid_size, fraction):
+    alive = {}
+    for coords in itertools.product(*(range(g) for g in grid_size)):
+        if rng.random() < fraction:
+            uid = "ffn." + ".".join(map(str, coords))
+            alive[uid] = ExpertLocation("127.0.0.1", 1000 + rng.randrange(5), "ab" * 20)
+    return alive
+
+
+def random_scores(rng, grid_size, batch):
+    return [[[rng.gauss(0, 1) for _ in range(g)] for _ in range(batch)] for g in grid_size]
+
+
+@pytest.mark.parametrize("grid_size", [(8,), (4, 5), (3, 4, 5), (2, 2, 2, 3)])
+@pytest.mark.parametrize("fraction", [1.0, 0.5, 0.15])
+def test_search_equals_brute_force(grid_size, fraction):
+    rng = random.Random(hash((grid_size, fraction)) & 0xFFFF)
+    for trial in range(10):
+        alive = random_alive(rng, grid_size, fraction)
+        scores = random_scores(rng, grid_size, batch=7)
+        for k in (1, 3, 6):
+            search = GridSearch("ffn", grid_size, scores, k)
+            run_sync(search, grid_children("ffn", alive))
+            got = [[choice.uid for choice in sample] for sample in search.results()]
+            assert got == brute_force_top_k("ffn", grid_size, scores, k, alive)
+
+
+def test_search_reports_scores_coords_and_locations():
+    alive = {"ffn.1.2": ExpertLocation("10.0.0.1", 31337, "cd" * 20)}
+    scores = [[[0.0, 1.5]], [[0.0, 0.0, 2.25]]]
+    search = GridSearch("ffn.", (2, 3), scores, 2)
+    run_sync(search, grid_children("ffn", alive))
+    [[choice]] = search.results()
+    assert choice.uid == "ffn.1.2" and choice.coords == (1, 2)
+    assert choice.score == pytest.approx(3.75)
+    assert choice.location.address == ("10.0.0.1", 31337) and choice.location.peer_id_hex == "cd" * 20
+
+
+def test_prefix_with_high_score_but_no_alive_children_does_not_hide_better_experts():
+    # dimension 0 prefers rows 0 and 1, but only row 2 has an expert whose second coordinate scores high:
+    # a beam of width 2 over rows would never look at row 2; the search must.
+    alive = {
+        "ffn.0.0": ExpertLocation("h", 1, "00"),
+        "ffn.1.0": ExpertLocation("h", 1, "00"),
+        "ffn.2.3": ExpertLocation("h", 1, "00"),
+    }
+    scores = [[[10.0, 9.0, 0.0]], [[0.0, 0.0, 0.0, 100.0]]]
+    search = GridSearch("ffn", (3, 4), scores, 2)
+    run_sync(search, grid_children("ffn", alive))
+    assert [c.uid for c in search.results()[0]] == ["ffn.2.3", "ffn.0.0"]
+
+
+@pytest.mark.parametrize("batch", [1, 16, 64])
+@pytest.mark.parametrize("grid_size", [(8,), (8, 8), (16, 16)])
+def test_full_grid_costs_one_round_per_level(batch, grid_size):
+    for seed in range(10):
+        rng = random.Random(seed)
+        alive = random_alive(rng, grid_size, 1.0)
+        search = GridSearch("ffn", grid_size, random_scores(rng, grid_size, batch=batch), 4)
+        assert run_sync(search, grid_children("ffn", alive)) == len(grid_size)
+
+
+def test_deep_sparse_grid_needs_a_bounded_number_of_rounds():
+    # exactness can cost extra rounds (an unexplored prefix may still beat explored ones), but few
+    for seed in range(20):
+        rng = random.Random(seed)
+        grid_size = (4, 4, 4)
+        alive = random_alive(rng, grid_size, 0.5)
+        search = GridSearch("ffn", grid_size, random_scores(rng, grid_size, batch=8), 4)
+        assert run_sync(search, grid_children("ffn", alive)) <= 3 * len(grid_size)
+
+
+def test_banned_and_excluded_experts_are_skipped_for_the_next_best():
+    rng = random.Random(9)
+    grid_size = (3, 3)
+    alive = random_alive(rng, grid_size, 1.0)
+    scores = random_scores(rng, grid_size, batch=2)
+    first = brute_force_top_k("ffn", grid_size, scores, 9, alive)
+    banned_uid = first[0][0]
+    excluded = {first[1][1]}
+    search = GridSearch(
+        "ffn", grid_size, scores, 3, banned=lambda uid, loc: uid == banned_uid, exclude=[set(), excluded]
+    )
+    run_sync(search, grid_children("ffn", alive))
+    got = [[c.uid for c in sample] for sample in search.results()]
+    assert got[0] == [u for u in first[0] if u != banned_uid][:3]
+    assert got[1] == [u for u in first[1] if u != banned_uid and u not in excluded][:3]
+
+
+def test_per_sample_k_and_fewer_alive_than_k():
+    alive = {"ffn.0": ExpertLocation("h", 1, "00"), "ffn.5": ExpertLocation("h", 2, "00")}
+    scores = [[[float(i) for i in range(8)]] * 3]
+    search = GridSearch("ffn", (8,), scores, [0, 1, 4])
+    run_sync(search, grid_children("ffn", alive))
+    assert [[c.uid for c in s] for s in search.results()] == [[], ["ffn.5"], ["ffn.5", "ffn.0"]]
+
+
+def test_garbage_from_the_dht_is_ignored():
+    table = {
+        "ffn.": {0: ["ffn.0", "h", 1, "00"], 1: "junk", 7: ["ffn.7", "h", 1, "00"], 99: ["ffn.99", "h", 1, "00"],
+                 -1: ["ffn.-1", "h", 1, "00"], 2: ["ffn.2", "h", "port", "00"], 3: ["ffn.3", "h", 0, "00"]},
+    }
+    scores = [[[float(i) for i in range(8)]]]
+    search = GridSearch("ffn", (8,), scores, 8)
+    run_sync(search, table)
+    assert [c.uid for c in search.results()[0]] == ["ffn.7", "ffn.0"]
+
+
+def test_unfinished_search_refuses_to_give_results():
+    search = GridSearch("ffn", (2,), [[[0.0, 1.0]]], 1)
+    assert search.wanted() == ["ffn."]
+    with pytest.raises(RuntimeError):
+        search.results()
+
+
+def test_parse_location_accepts_both_entry_layouts():
+    assert parse_location(["ffn.1", "h", 5, "aa"]) == ExpertLocation("h", 5, "aa")
+    assert parse_location(["h", 5, "aa"]) == ExpertLocation("h", 5, "aa")
+    for bad in (None, ["h", 5], ["h", True, "aa"], ["h", 70000, "aa"], [1, 5, "aa"], ["h", 5, 7]):
+        assert parse_location(bad) is None
+
+
+async def test_find_best_experts_batches_oracle_calls():
+    rng = random.Random(3)
+    grid_size = (4, 6)
+    alive = random_alive(rng, grid_size, 0.7)
+    scores = random_scores(rng, grid_size, batch=32)
+    oracle = TableOracle(grid_children("ffn", alive))
+    results = await find_best_experts(oracle, "ffn", grid_size, scores, 4)
+    assert [[c.uid for c in s] for s in results] == brute_force_top_k("ffn", grid_size, scores, 4, alive)
+    # 32 samples share the oracle: the rounds grow with depth, not with the batch
+    assert oracle.rounds <= 3
+    assert oracle.keys_asked <= 1 + grid_size[0]
