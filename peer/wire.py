@@ -1,0 +1,492 @@
+"""The one wire codec of swarmd: msgpack plus zero-copy tensors, with hard limits and lossy compression codecs.
+
+Every message the RPC layer, the experts and the averagers exchange goes through :func:`encode` and :func:`decode`,
+so the defences against hostile peers (limits checked before allocating, typed errors, no pickle) live in one place.
+
+Message layout (all integers little-endian)::
+
+    [u32 body_len][msgpack body][pad][tensor buffer 0][pad][tensor buffer 1]...
+
+The body is ordinary msgpack (``use_bin_type=True``). A tensor inside it is the extension type
+:data:`TENSOR_EXT_CODE` whose payload is a small msgpack array::
+
+    [dtype_name, shape, compression_id, offset, nbytes, params]
+
+``offset`` counts from the start of the *data section*, which begins at the first multiple of :data:`ALIGNMENT`
+at or after ``4 + body_len``; every non-empty buffer starts at a multiple of :data:`ALIGNMENT` relative to the
+message start, buffers appear in body order and do not overlap, and the message ends exactly where the last buffer
+ends. (Offsets are relative to the data section so that the body can be packed in one pass: its length, which
+decides where the data section begins, is not known until packing is done.) ``params`` is ``[]`` except for
+``Compression.UINT8`` where it is ``[min, scale]``.
+
+Why this layout: large tensors are never copied into the msgpack body. :func:`encode` hands back a list of parts
+(small ``bytes`` plus ``memoryview`` objects over the tensors' own storage) that a socket can send with
+scatter/gather writes, and :func:`decode` builds tensors with ``torch.frombuffer`` straight over the received
+buffer when that buffer is writable, or with exactly one copy when it is read-only.
+
+Byte order on the wire is little-endian (the tensors' native order on every platform we run on; the module refuses
+to import on a big-endian host rather than silently corrupt data).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import struct
+import sys
+from enum import IntEnum
+from typing import Any
+
+import msgpack
+import torch
+
+if sys.byteorder != "little":  # tensors are sent in native byte order; the wire format is little-endian
+    raise ImportError("peer.wire supports little-endian hosts only")
+
+__all__ = [
+    "ALIGNMENT",
+    "Compression",
+    "Compressed",
+    "DEFAULT_LIMITS",
+    "HEADER_BYTES",
+    "LimitExceeded",
+    "Limits",
+    "TENSOR_EXT_CODE",
+    "WireError",
+    "check_message_size",
+    "compressed",
+    "decode",
+    "encode",
+    "encode_bytes",
+    "parts_nbytes",
+]
+
+TENSOR_EXT_CODE = 1
+"""msgpack extension type code of a tensor."""
+ALIGNMENT = 64
+"""Every tensor buffer starts at a multiple of this many bytes from the message start (cache-line / SIMD friendly)."""
+HEADER_BYTES = 4
+"""Size of the little-endian u32 body length that starts every message."""
+
+_MAX_NDIM = 64  # torch's own limit on tensor dimensions
+_MAX_EXT_LEN = 4096  # a tensor header is a few hundred bytes at most (64 dims * 9 bytes + small fields)
+_FLOAT16_MAX = 65504.0
+_U32 = struct.Struct("<I")
+_ZEROS = bytes(ALIGNMENT)
+
+
+class WireError(Exception):
+    """A message could not be encoded or decoded: unsupported object, malformed or hostile bytes."""
+
+
+class LimitExceeded(WireError):
+    """A message (or its length prefix) exceeds one of the :class:`Limits`; detected before allocating for it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Upper bounds a decoder enforces on what a peer sends, so one message cannot exhaust our memory.
+
+    max_message_bytes: whole message (length prefix + body + tensor buffers); also what the RPC framing layer checks
+        on a length prefix via :func:`check_message_size` before it reads the frame.
+    max_tensor_elements: elements of one tensor (checked from its header, before its data is touched).
+    max_depth: nesting of lists/dicts (the top-level container counts as depth 1).
+    max_str_len: bytes of one UTF-8 string.   max_bin_len: bytes of one ``bytes`` value.
+    max_container_len: items of one list or entries of one dict.
+    """
+
+    max_message_bytes: int = 1 << 30
+    max_tensor_elements: int = 1 << 28
+    max_depth: int = 32
+    max_str_len: int = 1 << 20
+    max_bin_len: int = 1 << 30
+    max_container_len: int = 1_000_000
+
+
+DEFAULT_LIMITS = Limits()
+
+
+class Compression(IntEnum):
+    """Lossy codecs for floating-point tensors (float32, float64, float16, bfloat16); other dtypes travel as-is.
+
+    NONE: exact.
+    FLOAT16: values are rounded to float16 (round to nearest even). Finite values beyond +-65504 are clamped to
+        +-65504; infinities and NaN are kept. For |x| <= 65504 the error is
+        ``|x - x'| <= max(|x| * 2**-11, 2**-25)`` for float32 input (2**-11 relative in float16's normal range,
+        2**-25 absolute among its subnormals). float64 input is converted through float32 by torch, which adds
+        at most ``|x| * 2**-24``. float16 and bfloat16 tensors are sent unchanged (no size gain; bfloat16 would
+        lose range).
+    UINT8: 8-bit uniform quantization over [min, max] of the tensor: q = round((x - min) / scale) with
+        scale = (max - min) / 255, decoded as min + q * scale. Error per element:
+        ``|x - x'| <= (max - min) / 510 + 4 * eps * max(|min|, |max|)`` where eps = torch.finfo(dtype).eps
+        (the second term is float rounding in the tensor's own dtype). A constant tensor is exact. A tensor holding
+        NaN or infinity, or whose range overflows float64, is sent uncompressed (8 bits cannot represent it).
+    """
+
+    NONE = 0
+    FLOAT16 = 1
+    UINT8 = 2
+
+
+_FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
+_ITEMSIZE: dict[torch.dtype, int] = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in _DTYPES.values()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Compressed:
+    """A tensor marked with the codec it must be sent with, overriding ``encode(..., compression=...)``."""
+
+    tensor: torch.Tensor
+    compression: Compression
+
+
+def compressed(tensor: torch.Tensor, compression: Compression) -> Compressed:
+    """Mark one tensor to be sent with ``compression`` (decoded back as a tensor of its original dtype)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise WireError(f"compressed() expects a torch.Tensor, got {type(tensor).__name__}")
+    try:
+        compression = Compression(compression)
+    except ValueError as exc:
+        raise WireError(f"unknown compression {compression!r}") from exc
+    return Compressed(tensor, compression)
+
+
+def check_message_size(n: int, limits: Limits = DEFAULT_LIMITS) -> None:
+    """Refuse a message length (e.g. from a frame's length prefix) before any buffer is allocated for it."""
+    if n < HEADER_BYTES:
+        raise WireError(f"message of {n} bytes is shorter than its {HEADER_BYTES}-byte header")
+    if n > limits.max_message_bytes:
+        raise LimitExceeded(f"message of {n} bytes exceeds max_message_bytes={limits.max_message_bytes}")
+
+
+def parts_nbytes(parts: list[bytes | memoryview]) -> int:
+    """Total length of a message given as the parts :func:`encode` returned."""
+    return sum(part.nbytes if isinstance(part, memoryview) else len(part) for part in parts)
+
+
+def _align(n: int) -> int:
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+# ----------------------------------------------------------------------------------------------------------- encode
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor as a flat memoryview over its storage (no copy)."""
+    flat = tensor.reshape(-1).view(torch.uint8)  # uint8 view: works for bfloat16/bool, which numpy lacks
+    return memoryview(flat.numpy())
+
+
+def _quantize_uint8(tensor: torch.Tensor) -> tuple[torch.Tensor, list[float]] | None:
+    """8-bit uniform quantization over [min, max]; None when the values cannot be represented (NaN, inf)."""
+    if tensor.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8), [0.0, 0.0]
+    lo_t, hi_t = torch.aminmax(tensor)
+    lo, hi = float(lo_t), float(hi_t)
+    if not (math.isfinite(lo) and math.isfinite(hi)):  # aminmax propagates NaN, so this also catches NaN
+        return None
+    span = hi - lo
+    if not math.isfinite(span):
+        return None
+    scale = span / 255.0
+    if scale == 0.0:
+        return torch.zeros(tensor.numel(), dtype=torch.uint8), [lo, 0.0]
+    # float32 arithmetic is enough (and half the memory traffic) unless the range or the step leaves its
+    # comfortable normal range; float64 tensors are always quantized in float64.
+    wide = tensor.dtype == torch.float64 or span > 1e37 or scale < 1e-30
+    work = tensor.to(torch.float64 if wide else torch.float32)
+    if work is tensor:
+        work = tensor - lo
+    else:
+        work.sub_(lo)
+    q = work.div_(scale).round_().clamp_(0, 255).to(torch.uint8)
+    return q.reshape(-1), [lo, scale]
+
+
+def _tensor_payload(
+    tensor: torch.Tensor, compression: Compression, cursor: int
+) -> tuple[bytes, memoryview | None, int]:
+    """Pack one tensor's ext header; return (ext payload, its bytes or None if empty, the next cursor)."""
+    name = _DTYPE_NAMES.get(tensor.dtype)
+    if name is None:
+        raise WireError(f"dtype {tensor.dtype} cannot be sent (allowed: {', '.join(_DTYPES)})")
+    if tensor.layout != torch.strided:
+        raise WireError(f"only dense (strided) tensors can be sent, got layout {tensor.layout}")
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    shape = list(tensor.shape)
+    params: list[float] = []
+    data = tensor
+    if tensor.dtype not in _FLOATING:
+        compression = Compression.NONE
+    if compression == Compression.FLOAT16:
+        if tensor.dtype in (torch.float16, torch.bfloat16):
+            compression = Compression.NONE
+        else:
+            data = tensor.clamp(-_FLOAT16_MAX, _FLOAT16_MAX)
+            if tensor.numel() and bool(torch.isinf(tensor).any()):
+                data = torch.where(torch.isinf(tensor), tensor, data)  # keep infinities infinite
+            data = data.to(torch.float16)
+    elif compression == Compression.UINT8:
+        quantized = _quantize_uint8(tensor)
+        if quantized is None:
+            compression = Compression.NONE
+        else:
+            data, params = quantized
+    if not data.is_contiguous():
+        data = data.contiguous()
+    nbytes = data.numel() * data.element_size()
+    if nbytes:
+        offset = _align(cursor)
+        view = _byte_view(data)
+        cursor = offset + nbytes
+    else:
+        offset, view = 0, None
+    payload = msgpack.packb([name, shape, int(compression), offset, nbytes, params], use_bin_type=True)
+    return payload, view, cursor
+
+
+def encode(obj: Any, *, compression: Compression = Compression.NONE) -> list[bytes | memoryview]:
+    """Encode ``obj`` as a list of parts whose concatenation is the message (see the module docstring).
+
+    Tensor data is not copied: the memoryviews alias the tensors' storage (a non-contiguous tensor is made
+    contiguous once; compressed tensors are new buffers), so do not modify the tensors until the parts are sent.
+    ``compression`` applies to every floating tensor not wrapped with :func:`compressed`.
+    Raises WireError for objects that cannot be sent (unsupported type or dtype, ints beyond 64 bits, too deep).
+    """
+    try:
+        default_compression = Compression(compression)
+    except ValueError as exc:
+        raise WireError(f"unknown compression {compression!r}") from exc
+    views: list[memoryview] = []
+    offsets: list[int] = []
+    cursor = 0
+
+    def default(value: Any) -> msgpack.ExtType:
+        nonlocal cursor
+        if isinstance(value, Compressed):
+            tensor, codec = value.tensor, value.compression
+        elif isinstance(value, torch.Tensor):
+            tensor, codec = value, default_compression
+        else:
+            raise WireError(f"cannot encode objects of type {type(value).__name__}")
+        before = cursor
+        payload, view, cursor = _tensor_payload(tensor, codec, cursor)
+        if view is not None:
+            views.append(view)
+            offsets.append(_align(before))
+        return msgpack.ExtType(TENSOR_EXT_CODE, payload)
+
+    try:
+        body = msgpack.packb(obj, default=default, use_bin_type=True)
+    except WireError:
+        raise
+    except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
+        raise WireError(f"cannot encode message: {exc}") from exc
+    head_len = HEADER_BYTES + len(body)
+    if not views:
+        return [_U32.pack(len(body)) + body]
+    data_start = _align(head_len)
+    parts: list[bytes | memoryview] = [_U32.pack(len(body)) + body + _ZEROS[: data_start - head_len]]
+    end = 0
+    for offset, view in zip(offsets, views):
+        if offset > end:
+            parts.append(_ZEROS[: offset - end])
+        parts.append(view)
+        end = offset + view.nbytes
+    return parts
+
+
+def encode_bytes(obj: Any, *, compression: Compression = Compression.NONE) -> bytes:
+    """:func:`encode` joined into one ``bytes`` (one copy of the tensor data)."""
+    return b"".join(encode(obj, compression=compression))
+
+
+# ----------------------------------------------------------------------------------------------------------- decode
+
+_PLAIN_TYPES = frozenset({type(None), bool, int, float, str, bytes, torch.Tensor})
+_CONTAINER_TYPES = frozenset({list, dict})
+_ALLOWED_TYPES = _PLAIN_TYPES | _CONTAINER_TYPES
+_ALLOWED_KEY_TYPES = frozenset({type(None), bool, int, float, str, bytes})
+
+
+def _check_tree(obj: Any, max_depth: int) -> None:
+    """Check nesting depth and value types level by level (no recursion; C-speed scans of each container)."""
+    level = [obj]
+    depth = 1 if type(obj) in _CONTAINER_TYPES else 0  # the top-level container is depth 1
+    if type(obj) not in _ALLOWED_TYPES:
+        raise WireError(f"unsupported value type in message: {type(obj).__name__}")
+    while level:
+        types: set[type] = set()
+        nested: list[Any] = []
+        for value in level:
+            if type(value) is dict:
+                key_kinds = set(map(type, value))
+                if not key_kinds <= _ALLOWED_KEY_TYPES:
+                    raise WireError(f"unsupported map key type(s): {sorted(k.__name__ for k in key_kinds)}")
+                items = value.values()
+            elif type(value) is list:
+                items = value
+            else:
+                continue
+            kinds = set(map(type, items))
+            types |= kinds
+            if kinds & _CONTAINER_TYPES:
+                nested.extend([item for item in items if type(item) is list or type(item) is dict])
+        if not types <= _ALLOWED_TYPES:
+            bad = sorted(t.__name__ for t in types - _ALLOWED_TYPES)
+            raise WireError(f"unsupported value type(s) in message: {bad}")
+        if nested:
+            depth += 1
+            if depth > max_depth:
+                raise LimitExceeded(f"nesting deeper than max_depth={max_depth}")
+        level = nested
+
+
+class _TensorReader:
+    """ext_hook for one message: validates each tensor header against the buffer and the limits, then builds it."""
+
+    def __init__(self, view: memoryview, data_start: int, limits: Limits) -> None:
+        self.view = view
+        self.data_start = data_start
+        self.available = max(0, view.nbytes - data_start)
+        self.limits = limits
+        self.end = 0  # end of the last non-empty buffer, relative to data_start
+
+    def __call__(self, code: int, payload: bytes) -> torch.Tensor:
+        if code != TENSOR_EXT_CODE:
+            raise WireError(f"unknown msgpack extension type {code}")
+        try:
+            header = msgpack.unpackb(
+                payload,
+                raw=False,
+                use_list=True,
+                max_str_len=64,
+                max_bin_len=0,
+                max_array_len=_MAX_NDIM,
+                max_map_len=0,
+                max_ext_len=0,
+            )
+        except Exception as exc:
+            raise WireError(f"malformed tensor header: {exc}") from exc
+        if type(header) is not list or len(header) != 6:
+            raise WireError("malformed tensor header")
+        name, shape, codec_id, offset, nbytes, params = header
+        dtype = _DTYPES.get(name) if type(name) is str else None
+        if dtype is None:
+            raise WireError(f"unknown tensor dtype {name!r}")
+        if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+            raise WireError(f"malformed tensor shape {shape!r}")
+        numel = math.prod(shape)
+        if numel > self.limits.max_tensor_elements:
+            raise LimitExceeded(
+                f"tensor of {numel} elements exceeds max_tensor_elements={self.limits.max_tensor_elements}"
+            )
+        if type(codec_id) is not int or codec_id not in Compression._value2member_map_:
+            raise WireError(f"unknown compression id {codec_id!r}")
+        codec = Compression(codec_id)
+        if codec != Compression.NONE and dtype not in _FLOATING:
+            raise WireError(f"compression {codec.name} on a {name} tensor")
+        stored = {Compression.NONE: dtype, Compression.FLOAT16: torch.float16, Compression.UINT8: torch.uint8}[codec]
+        if type(nbytes) is not int or nbytes != numel * _ITEMSIZE[stored]:
+            raise WireError(f"tensor byte length {nbytes!r} does not match shape {shape} of {stored}")
+        if type(params) is not list:
+            raise WireError("malformed tensor codec parameters")
+        if codec == Compression.UINT8:
+            if len(params) != 2 or not all(type(p) in (int, float) and math.isfinite(p) for p in params):
+                raise WireError(f"malformed 8-bit codec parameters {params!r}")
+            if params[1] < 0:
+                raise WireError("negative 8-bit codec scale")
+        elif params:
+            raise WireError(f"unexpected codec parameters {params!r}")
+        if type(offset) is not int or offset < 0:
+            raise WireError(f"malformed tensor offset {offset!r}")
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        if offset % ALIGNMENT or offset < self.end or offset + nbytes > self.available:
+            raise WireError(f"tensor buffer [{offset}, {offset + nbytes}) is misplaced or past the message end")
+        self.end = offset + nbytes
+        start = self.data_start + offset
+        raw: memoryview | bytearray = self.view[start : start + nbytes]
+        if raw.readonly:
+            raw = bytearray(raw)  # the one copy; a writable buffer is used in place
+        data = torch.frombuffer(raw, dtype=torch.uint8)
+        if stored == torch.bool and bool((data > 1).any()):
+            raise WireError("bool tensor holds bytes other than 0 and 1")
+        data = data.view(stored)
+        if codec == Compression.FLOAT16:
+            data = data.to(dtype)
+        elif codec == Compression.UINT8:
+            low, scale = float(params[0]), float(params[1])
+            work = torch.float64 if dtype == torch.float64 else torch.float32
+            data = data.to(work).mul_(scale).add_(low).to(dtype)
+        return data.view(shape)
+
+
+def decode(buffer: bytes | bytearray | memoryview, *, limits: Limits = DEFAULT_LIMITS) -> Any:
+    """Decode one whole message (exactly; trailing bytes are an error).
+
+    Uncompressed tensors alias ``buffer`` when it is writable (bytearray, writable memoryview): keep the buffer
+    alive and unmodified while they are in use (the tensors hold a reference to it). A read-only buffer (bytes) costs
+    one copy per tensor. Lists and tuples come back as lists, bytes subclasses as bytes.
+    Raises LimitExceeded when a limit is exceeded, WireError for any other malformed input (never another type).
+    """
+    try:
+        view = memoryview(buffer)
+    except TypeError as exc:
+        raise WireError(f"decode() needs a bytes-like object, got {type(buffer).__name__}") from exc
+    try:
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
+    except (TypeError, ValueError) as exc:
+        raise WireError(f"unusable buffer: {exc}") from exc
+    total = view.nbytes
+    check_message_size(total, limits)
+    body_len = _U32.unpack_from(view, 0)[0]
+    head_len = HEADER_BYTES + body_len
+    if head_len > total:
+        raise WireError(f"body length {body_len} runs past the end of a {total}-byte message")
+    data_start = _align(head_len)
+    reader = _TensorReader(view, data_start, limits)
+    try:
+        obj = msgpack.unpackb(
+            view[HEADER_BYTES:head_len],
+            raw=False,
+            use_list=True,
+            strict_map_key=False,
+            ext_hook=reader,
+            max_str_len=min(limits.max_str_len, body_len),
+            max_bin_len=min(limits.max_bin_len, body_len),
+            max_array_len=min(limits.max_container_len, body_len),
+            max_map_len=min(limits.max_container_len, body_len // 2),
+            max_ext_len=min(_MAX_EXT_LEN, body_len),
+        )
+    except WireError:
+        raise
+    except msgpack.exceptions.StackError as exc:
+        raise LimitExceeded(f"nesting deeper than the msgpack parser allows (max_depth={limits.max_depth})") from exc
+    except ValueError as exc:
+        if "exceeds max_" in str(exc):
+            raise LimitExceeded(f"message exceeds a limit: {exc}") from exc
+        raise WireError(f"malformed message body: {exc}") from exc
+    except Exception as exc:  # msgpack can raise TypeError (unhashable key), UnicodeDecodeError, ...
+        raise WireError(f"malformed message body: {type(exc).__name__}: {exc}") from exc
+    expected = data_start + reader.end if reader.end else head_len
+    if total != expected:
+        raise WireError(f"message is {total} bytes but its contents end at byte {expected}")
+    _check_tree(obj, limits.max_depth)
+    return obj
