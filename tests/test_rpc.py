@@ -1,0 +1,373 @@
+"""RPC between separate peers: real sockets on 127.0.0.1 and the in-memory network under MockClock alike."""
+
+from __future__ import annotations
+
+import os
+import random
+from contextlib import asynccontextmanager
+
+import msgpack
+import pytest
+import torch
+import trio
+import trio.testing
+
+from peer import framing, wire
+from peer.identity import Identity
+from peer.net import MemoryNetwork, RealNetwork
+from peer.rpc import (
+    BadRequest,
+    CallTimeout,
+    ConnectionFailed,
+    HandlerFailed,
+    HandshakeError,
+    RemoteError,
+    RPCNode,
+    UnknownMethod,
+    register_error_code,
+)
+
+
+class QuotaExceeded(RemoteError):
+    code = "test.quota_exceeded"
+
+
+register_error_code(QuotaExceeded.code, QuotaExceeded)
+
+
+@pytest.fixture(params=["real", "memory"])
+def transport(request):
+    return request.param
+
+
+@pytest.fixture
+def clock(transport):
+    """MockClock for the simulated network (virtual time, deterministic); the real clock for real sockets."""
+    return trio.testing.MockClock(autojump_threshold=0) if transport == "memory" else "real-clock"
+
+
+class Swarmlet:
+    """A few RPC peers on one network, for tests."""
+
+    def __init__(self, transport: str, **node_options):
+        self.transport = transport
+        self.memory = MemoryNetwork(latency=0.002, seed=5) if transport == "memory" else None
+        self.node_options = node_options
+
+    def network(self, name: str):
+        return self.memory.host(name) if self.memory else RealNetwork()
+
+    def host(self, name: str) -> str:
+        return name if self.memory else "127.0.0.1"
+
+    @asynccontextmanager
+    async def peer(self, name: str, listen: bool = True, **options):
+        async with RPCNode(Identity.generate(), self.network(name), **{**self.node_options, **options}) as node:
+            register_test_handlers(node)
+            if listen:
+                await node.listen(self.host(name), 0)
+            yield node
+
+
+def register_test_handlers(node: RPCNode) -> None:
+    async def echo(ctx, args):
+        return args
+
+    async def whoami(ctx, args):
+        return bytes(ctx.peer_id)
+
+    async def fail(ctx, args):
+        if args == "typed":
+            raise QuotaExceeded("only 3 calls per minute")
+        raise ValueError("boom")
+
+    async def sleep(ctx, args):
+        try:
+            await trio.sleep(args["seconds"])
+        except trio.Cancelled:
+            args_event = node_cancelled_events.get(id(node))
+            if args_event is not None:
+                args_event.set()
+            raise
+        return "slept"
+
+    async def double(ctx, tensor):
+        return tensor * 2
+
+    node.register("echo", echo)
+    node.register("whoami", whoami)
+    node.register("fail", fail)
+    node.register("sleep", sleep)
+    node.register("double", double)
+
+
+node_cancelled_events: dict[int, trio.Event] = {}
+
+
+async def test_call_roundtrip_with_tensors_and_authenticated_caller(transport, clock):
+    swarm = Swarmlet(transport)
+    async with swarm.peer("a") as a, swarm.peer("b") as b:
+        payload = {"x": torch.arange(12, dtype=torch.float32).view(3, 4), "tag": "hello", "n": [1, 2.5, None]}
+        result = await a.call(b.address, "echo", payload, timeout=5)
+        assert torch.equal(result["x"], payload["x"]) and result["tag"] == "hello" and result["n"] == [1, 2.5, None]
+        assert await a.call(b.address, "whoami", timeout=5) == bytes(a.peer_id)
+        assert await b.call(a.address, "whoami", timeout=5) == bytes(b.peer_id)
+
+
+async def test_hundred_concurrent_calls_each_way(transport, clock):
+    swarm = Swarmlet(transport)
+    async with swarm.peer("a") as a, swarm.peer("b") as b:
+        results = {}
+
+        async def one(caller, callee, index):
+            results[(caller.peer_id, index)] = await caller.call(callee.address, "echo", index, timeout=10)
+
+        async with trio.open_nursery() as nursery:
+            for index in range(100):
+                nursery.start_soon(one, a, b, index)
+                nursery.start_soon(one, b, a, index)
+        assert len(results) == 200 and all(k[1] == v for k, v in results.items())
+        assert a.connection_count() <= 2 and b.connection_count() <= 2  # pooled: one per direction at most
+
+
+async def test_typed_errors_unknown_method_and_handler_failure(transport, clock):
+    swarm = Swarmlet(transport)
+    async with swarm.peer("a") as a, swarm.peer("b") as b:
+        with trio.fail_after(1):  # answered at once, never a silent timeout
+            with pytest.raises(UnknownMethod, match="no_such_method"):
+                await a.call(b.address, "no_such_method", timeout=30)
+        with pytest.raises(QuotaExceeded, match="3 calls") as caught:
+            await a.call(b.address, "fail", "typed", timeout=5)
+        assert caught.value.peer == b.peer_id and caught.value.method == "fail"
+        with pytest.raises(HandlerFailed, match="ValueError: boom"):
+            await a.call(b.address, "fail", "untyped", timeout=5)
+        assert await a.call(b.address, "echo", 7, timeout=5) == 7  # still serving
+
+
+async def test_deadline_raises_call_timeout_and_stops_remote_handler(transport, clock):
+    swarm = Swarmlet(transport)
+    async with swarm.peer("a") as a, swarm.peer("b") as b:
+        cancelled = node_cancelled_events[id(b)] = trio.Event()
+        start = trio.current_time()
+        with pytest.raises(CallTimeout):
+            await a.call(b.address, "sleep", {"seconds": 1000}, timeout=0.3)
+        assert trio.current_time() - start < 1.0
+        with trio.fail_after(2):
+            await cancelled.wait()
+
+
+async def test_cancelling_the_caller_cancels_the_handler(transport, clock):
+    swarm = Swarmlet(transport)
+    async with swarm.peer("a") as a, swarm.peer("b") as b:
+        cancelled = node_cancelled_events[id(b)] = trio.Event()
+        with trio.move_on_after(0.2):
+            await a.call(b.address, "sleep", {"seconds": 1000}, timeout=60)
+        with trio.fail_after(2):
+            await cancelled.wait()
+        assert await a.call(b.address, "echo", "after", timeout=5) == "after"
+
+
+async def _kill_callee_during_call(swarm: Swarmlet, method: str, args, kill_when) -> tuple[object, float]:
+    """Start peer b, call it from a, kill b (cancel its nursery; on the memory network also crash its host)
+    once `kill_when(b)` is satisfied, and return what the call raised and how long it took."""
+    async with swarm.peer("a") as a:
+        outcome = []
+        b_scope = trio.CancelScope()
+        ready = trio.Event()
+        holder = {}
+
+        async def run_b():
+            with b_scope:
+                async with swarm.peer("b") as b:
+                    holder["b"] = b
+                    ready.set()
+                    await trio.sleep_forever()
+
+        async def caller():
+            try:
+                await a.call(holder["b"].address, method, args, timeout=20)
+                outcome.append("finished")
+            except (ConnectionFailed, CallTimeout) as error:
+                outcome.append(error)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_b)
+            await ready.wait()
+            start = trio.current_time()
+            nursery.start_soon(caller)
+            await kill_when(holder["b"])
+            if swarm.memory:
+                swarm.memory.crash("b")
+            b_scope.cancel()
+        return outcome[0], trio.current_time() - start
+
+
+async def test_peer_killed_mid_call_fails_with_connection_failed(transport, clock):
+    swarm = Swarmlet(transport)
+
+    async def handler_running(b):
+        while not b.stats["calls_received"]:
+            await trio.sleep(0.001)
+
+    error, elapsed = await _kill_callee_during_call(swarm, "sleep", {"seconds": 1000}, handler_running)
+    assert isinstance(error, ConnectionFailed) and "connection lost" in str(error)
+    assert elapsed < 20
+
+
+async def test_peer_killed_mid_stream_fails_with_connection_failed(autojump_clock):
+    swarm = Swarmlet("memory")
+    swarm.memory.set_link("a", "b", bandwidth=50_000_000)  # 32 MB take 0.64 s to cross: kill at 0.05 s
+
+    async def part_way(b):
+        await trio.sleep(0.05)
+
+    error, elapsed = await _kill_callee_during_call(swarm, "double", torch.zeros(8_000_000), part_way)
+    assert isinstance(error, ConnectionFailed) and error.peer is not None
+    assert elapsed < 1
+
+
+async def test_reconnects_after_the_connection_drops(transport, clock):
+    swarm = Swarmlet(transport)
+    async with swarm.peer("a") as a, swarm.peer("b") as b:
+        assert await a.call(b.address, "echo", 1, timeout=5) == 1
+        for connection in list(b._all_connections):
+            await connection.stream.aclose()
+        with trio.fail_after(5):
+            while a.connection_count():
+                await trio.sleep(0.01)
+        assert await a.call(b.address, "echo", 2, timeout=5) == 2
+
+
+async def test_expected_peer_id_mismatch_is_rejected(transport, clock):
+    swarm = Swarmlet(transport)
+    async with swarm.peer("a") as a, swarm.peer("b") as b:
+        with pytest.raises(HandshakeError, match="not"):
+            await a.call(b.address, "echo", 1, timeout=5, peer_id=Identity.generate().peer_id)
+        assert await a.call(b.address, "echo", 1, timeout=5, peer_id=b.peer_id) == 1
+
+
+async def test_client_mode_peer_calls_without_listening(transport, clock):
+    swarm = Swarmlet(transport)
+    async with swarm.peer("a", listen=False) as client, swarm.peer("b") as server:
+        assert client.address is None
+        assert await client.call(server.address, "whoami", timeout=5) == bytes(client.peer_id)
+
+
+async def test_large_transfer_does_not_block_small_calls(transport, clock):
+    swarm = Swarmlet(transport)
+    async with swarm.peer("a") as a, swarm.peer("b") as b:
+        if swarm.memory:
+            swarm.memory.set_link("a", "b", bandwidth=100_000_000)  # 100 MB/s: the big call takes ~2 s
+        big = torch.ones(25_000_000)  # 100 MB
+        done = {}
+
+        async def big_call():
+            result = await a.call(b.address, "double", big, timeout=60)
+            done["big"] = trio.current_time()
+            assert float(result[12345]) == 2.0
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(big_call)
+            await trio.sleep(0.01)
+            start = trio.current_time()
+            assert await a.call(b.address, "echo", "small", timeout=30) == "small"
+            done["small"] = trio.current_time()
+        if swarm.memory:  # deterministic virtual time: a few 512 KiB chunk times at 100 MB/s
+            assert done["small"] - start < 0.1
+        assert done["small"] < done["big"]
+
+
+# ---------------------------------------------------------------------------------------------- hostile input
+
+
+async def raw_connect(swarm: Swarmlet, address):
+    return await swarm.network("mallory").connect_tcp(address)
+
+
+async def raw_handshake(stream, identity: Identity, *, forge_proof: bool = False):
+    """A hand-rolled client, so tests can break the protocol on purpose."""
+    parser = framing.FrameParser(1 << 20)
+    nonce = os.urandom(32)
+    hello = msgpack.packb({"v": 1, "pk": identity.public_key, "nonce": nonce, "listen": None}, use_bin_type=True)
+    await stream.send_all(framing.control_frame(framing.HELLO, hello))
+    events = []
+    while not events:
+        events = parser.receive(await stream.receive_some(65536))
+    their = msgpack.unpackb(events[0].payload)
+    signer = Identity.generate() if forge_proof else identity
+    proof = signer.sign(b"swarmd-rpc-handshake-v1|" + their["nonce"] + nonce)
+    await stream.send_all(framing.control_frame(framing.PROOF, proof))
+    return parser
+
+
+async def expect_closed(stream, within: float = 10):
+    with trio.fail_after(within):
+        try:
+            while await stream.receive_some(65536):
+                pass
+        except trio.BrokenResourceError:
+            pass
+
+
+async def test_hostile_connections_are_closed_and_the_server_keeps_serving(transport, clock):
+    swarm = Swarmlet(transport, handshake_timeout=1.0)
+    async with swarm.peer("a") as a, swarm.peer("b") as b:
+        # random bytes instead of a handshake
+        stream = await raw_connect(swarm, b.address)
+        await stream.send_all(bytes(random.Random(1).getrandbits(8) for _ in range(4096)))
+        await expect_closed(stream)
+        # connects and never speaks: closed after the handshake timeout
+        silent = await raw_connect(swarm, b.address)
+        await expect_closed(silent, within=5)
+        # a proof signed by another key than the one announced
+        forged = await raw_connect(swarm, b.address)
+        await raw_handshake(forged, Identity.generate(), forge_proof=True)
+        await expect_closed(forged)
+        assert b.stats["handshake_failures"] >= 2
+        # a frame over the framing limit after a good handshake
+        rude = await raw_connect(swarm, b.address)
+        await raw_handshake(rude, Identity.generate())
+        await rude.send_all(framing.HEADER.pack(10**9, 0, 1))
+        await expect_closed(rude)
+        assert await a.call(b.address, "echo", "still here", timeout=5) == "still here"
+
+
+async def send_raw_request(stream, parser, stream_id: int, body_parts):
+    outbox = framing.Outbox()
+    outbox.add(stream_id, body_parts)
+    for frame in outbox.next_frames(budget=1 << 30):
+        await stream.send_all(bytes(frame))
+    with trio.fail_after(5):
+        while True:
+            for event in parser.receive(await stream.receive_some(65536)):
+                if isinstance(event, framing.MessageReceived) and event.stream_id == stream_id:
+                    return wire.decode(event.data)
+
+
+async def test_bad_messages_get_error_replies_and_the_connection_keeps_working(transport, clock):
+    limits = wire.Limits(max_message_bytes=1 << 20)
+    swarm = Swarmlet(transport, limits=limits)
+    async with swarm.peer("b") as b:
+        stream = await raw_connect(swarm, b.address)
+        parser = await raw_handshake(stream, Identity.generate())
+        # truncated / undecodable request body
+        reply = await send_raw_request(stream, parser, 1, [b"\x00\x00\x00\x10garbage"])
+        assert reply[0] == 1 and reply[1] == BadRequest.code
+        # a message over the size limit: rejected without being stored
+        reply = await send_raw_request(stream, parser, 3, [b"\x00" * (2 << 20)])
+        assert reply[0] == 1 and reply[1] == BadRequest.code and "exceeds" in reply[2]
+        # deep nesting
+        nested: list = []
+        for _ in range(1000):
+            nested = [nested]
+        body = msgpack.packb(["echo", 5.0, nested])
+        reply = await send_raw_request(stream, parser, 5, [len(body).to_bytes(4, "little"), body])
+        assert reply[0] == 1 and reply[1] == BadRequest.code
+        # a tensor header claiming 10**12 elements
+        header = msgpack.packb(["float32", [10**12], 0, 64, 4 * 10**12], use_bin_type=True)
+        body = msgpack.packb(["echo", 5.0, msgpack.ExtType(1, header)], use_bin_type=True)
+        reply = await send_raw_request(stream, parser, 7, [len(body).to_bytes(4, "little"), body])
+        assert reply[0] == 1 and reply[1] == BadRequest.code
+        # the same connection still works for a well-formed call
+        reply = await send_raw_request(stream, parser, 9, wire.encode(["echo", 5.0, "fine"]))
+        assert reply == [0, "fine"]
