@@ -1,0 +1,325 @@
+"""Experts: torch modules with their own optimizer and LR schedule, built from named kinds.
+
+A server operator names a kind (`ffn`, `transformer`, or a custom one as an import path "package.module:factory")
+and a hidden size; `make_expert` builds the module, its schema, optimizer and schedule. `Expert.forward` and
+`Expert.backward` are the two synchronous operations the runtime runs on whole batches in worker threads:
+forward without autograd state (nothing is kept between calls, so a server holds no activations for callers
+that may never come back), and backward by recomputing the forward with autograd, then applying one optimizer
+step: the expert learns from every backward batch it serves.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from moe.schema import SchemaError, TensorSpec, dtype_name, specs_to_wire
+
+ModuleFactory = Callable[..., nn.Module]  # (hidden_dim, **options) -> nn.Module
+SpecsFactory = Callable[..., list[TensorSpec]]  # (hidden_dim, **options) -> specs
+
+
+class UnknownExpertKind(LookupError):
+    """The kind name is neither registered nor an importable "package.module:factory" path."""
+
+
+@dataclass(frozen=True)
+class ExpertKind:
+    """How to build one kind of expert.
+
+    `inputs` gives the input schema; `outputs` may be None, in which case it is inferred by running the built
+    module once on a zero batch (convenient for custom kinds, whose outputs follow from their inputs).
+    """
+
+    name: str
+    build: ModuleFactory
+    inputs: SpecsFactory
+    outputs: SpecsFactory | None = None
+
+
+# ------------------------------------------------------------------------------------------------ built-in kinds
+
+
+class FeedForward(nn.Module):
+    """Linear(h, 4h) -> GELU -> Linear(4h, h): the position-wise block of a transformer."""
+
+    def __init__(self, hidden_dim: int, expansion: int = 4):
+        super().__init__()
+        self.up = nn.Linear(hidden_dim, expansion * hidden_dim)
+        self.down = nn.Linear(expansion * hidden_dim, hidden_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(nn.functional.gelu(self.up(x)))
+
+
+class DeepFeedForward(nn.Sequential):
+    """Linear(h,4h)-LN-ReLU-Linear(4h,4h)-LN-ReLU-Linear(4h,h): the same layer stack as hivemind's `ffn` expert,
+    so benchmarks against hivemind compare equal amounts of compute."""
+
+    def __init__(self, hidden_dim: int):
+        wide = 4 * hidden_dim
+        super().__init__(
+            nn.Linear(hidden_dim, wide), nn.LayerNorm(wide), nn.ReLU(),
+            nn.Linear(wide, wide), nn.LayerNorm(wide), nn.ReLU(),
+            nn.Linear(wide, hidden_dim),
+        )
+
+
+def _default_heads(hidden_dim: int) -> int:
+    for heads in (max(1, hidden_dim // 64), 8, 4, 2):
+        if hidden_dim % heads == 0:
+            return heads
+    return 1
+
+
+def _build_transformer(hidden_dim: int, *, seq_len: int = 16, heads: int | None = None, **_: Any) -> nn.Module:
+    # dropout 0: the server recomputes the forward for backward, and random masks would make that recomputation
+    # differ from the forward the caller saw
+    return nn.TransformerEncoderLayer(
+        d_model=hidden_dim,
+        nhead=heads or _default_heads(hidden_dim),
+        dim_feedforward=4 * hidden_dim,
+        dropout=0.0,
+        activation="gelu",
+        batch_first=True,
+        norm_first=True,
+    )
+
+
+def _vector_specs(hidden_dim: int, **_: Any) -> list[TensorSpec]:
+    return [TensorSpec((hidden_dim,), torch.float32)]
+
+
+def _sequence_specs(hidden_dim: int, *, seq_len: int = 16, **_: Any) -> list[TensorSpec]:
+    return [TensorSpec((seq_len, hidden_dim), torch.float32)]
+
+
+_REGISTRY: dict[str, ExpertKind] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def register_expert_kind(kind: ExpertKind, *, replace: bool = False) -> None:
+    with _REGISTRY_LOCK:
+        if kind.name in _REGISTRY and not replace:
+            raise ValueError(f"expert kind {kind.name!r} is already registered")
+        _REGISTRY[kind.name] = kind
+
+
+def registered_kinds() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+register_expert_kind(ExpertKind("ffn", lambda h, **o: FeedForward(h), _vector_specs, _vector_specs))
+register_expert_kind(ExpertKind("deep_ffn", lambda h, **o: DeepFeedForward(h), _vector_specs, _vector_specs))
+register_expert_kind(ExpertKind("transformer", _build_transformer, _sequence_specs, _sequence_specs))
+
+
+def get_expert_kind(name: str) -> ExpertKind:
+    """A registered kind, or a custom one given as "package.module:attribute".
+
+    The attribute is either an `ExpertKind` or a plain factory `(hidden_dim, **options) -> nn.Module`, which then
+    takes one float32 input of shape (batch, hidden_dim) and has its outputs inferred.
+    """
+    kind = _REGISTRY.get(name)
+    if kind is not None:
+        return kind
+    module_name, sep, attribute = name.partition(":")
+    if not sep or not module_name or not attribute:
+        raise UnknownExpertKind(f"unknown expert kind {name!r} (registered: {', '.join(registered_kinds())})")
+    try:
+        target: Any = importlib.import_module(module_name)
+        for part in attribute.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError) as error:
+        raise UnknownExpertKind(f"cannot import expert kind {name!r}: {error}") from error
+    if isinstance(target, ExpertKind):
+        kind = ExpertKind(name, target.build, target.inputs, target.outputs)
+    elif callable(target):
+        kind = ExpertKind(name, target, _vector_specs, None)
+    else:
+        raise UnknownExpertKind(f"{name!r} is neither an ExpertKind nor a callable")
+    with _REGISTRY_LOCK:
+        return _REGISTRY.setdefault(name, kind)
+
+
+# ------------------------------------------------------------------------------------------------ optimization
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """The optimizer and LR schedule each expert gets: linear warmup over `warmup_steps`, then constant, or a
+    linear decay to zero at `total_steps` when it is set."""
+
+    name: str = "adam"  # sgd | adam | adamw
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    momentum: float = 0.0  # sgd only
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    clip_grad_norm: float | None = None
+
+    def build(self, parameters: Sequence[nn.Parameter]) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+        params = list(parameters)
+        name = self.name.lower()
+        if name == "sgd":
+            optimizer: torch.optim.Optimizer = torch.optim.SGD(
+                params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay
+            )
+        elif name == "adam":
+            optimizer = torch.optim.Adam(params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
+        elif name == "adamw":
+            optimizer = torch.optim.AdamW(params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
+        else:
+            raise ValueError(f"unknown optimizer {self.name!r} (sgd, adam, adamw)")
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_factor)
+
+    def lr_factor(self, step: int) -> float:
+        if self.warmup_steps and step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.total_steps is not None:
+            span = max(1, self.total_steps - self.warmup_steps)
+            return max(0.0, 1.0 - (step - self.warmup_steps) / span)
+        return 1.0
+
+
+# ------------------------------------------------------------------------------------------------ experts
+
+
+@dataclass
+class Expert:
+    """One served expert. Not thread-safe: the runtime runs at most one batch of an expert at a time."""
+
+    uid: str
+    kind: str
+    hidden_dim: int
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    options: dict[str, Any] = field(default_factory=dict)
+    clip_grad_norm: float | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    steps: int = 0  # optimizer steps applied (one per backward batch)
+
+    def info(self, max_batch_size: int) -> dict[str, Any]:
+        """The `moe.info` reply: what a caller needs to build inputs and expect outputs."""
+        return {
+            "uid": self.uid,
+            "kind": self.kind,
+            "hidden_dim": self.hidden_dim,
+            "max_batch_size": max_batch_size,
+            "inputs": specs_to_wire(self.inputs),
+            "outputs": specs_to_wire(self.outputs),
+        }
+
+    def forward(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        with torch.inference_mode():
+            outputs = self.module(*(x.to(self.device, non_blocking=True) for x in inputs))
+            return [y.to("cpu").contiguous() for y in _as_list(outputs)]
+
+    def backward(self, inputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Gradients w.r.t. the inputs of the forward recomputed here; then one optimizer step on the expert."""
+        with torch.enable_grad():
+            leaves = [
+                x.to(self.device).detach().requires_grad_(x.is_floating_point()) for x in inputs
+            ]
+            outputs = _as_list(self.module(*leaves))
+            grads = [g.to(self.device) for g in grad_outputs]
+            torch.autograd.backward(outputs, grads)
+        grad_inputs = [
+            (leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)).detach().to("cpu").contiguous()
+            for leaf in leaves
+        ]
+        if self.clip_grad_norm is not None:
+            nn.utils.clip_grad_norm_(self.module.parameters(), self.clip_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        return grad_inputs
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a restarted server needs to continue where this one stopped (weights_only-loadable).
+
+        A deep copy: the caller may write it to disk while the expert keeps training."""
+        return copy.deepcopy({
+            "uid": self.uid,
+            "kind": self.kind,
+            "hidden_dim": self.hidden_dim,
+            "steps": self.steps,
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+        })
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("kind") != self.kind or state.get("hidden_dim") != self.hidden_dim:
+            raise ValueError(
+                f"checkpoint of {state.get('uid')!r} is a {state.get('kind')!r} expert with hidden_dim "
+                f"{state.get('hidden_dim')}, not {self.kind!r} with {self.hidden_dim}"
+            )
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.steps = int(state.get("steps", 0))
+
+
+def _as_list(outputs: Any) -> list[torch.Tensor]:
+    if isinstance(outputs, torch.Tensor):
+        return [outputs]
+    if isinstance(outputs, (list, tuple)) and all(isinstance(y, torch.Tensor) for y in outputs):
+        return list(outputs)
+    raise TypeError(f"an expert must return a tensor or a tuple of tensors, got {type(outputs).__name__}")
+
+
+def make_expert(
+    uid: str,
+    kind: str,
+    hidden_dim: int,
+    *,
+    optimizer: OptimizerConfig = OptimizerConfig(),
+    options: Mapping[str, Any] | None = None,
+    seed: int | None = None,
+    device: str | torch.device = "cpu",
+) -> Expert:
+    """Build an expert; `seed` makes its initial weights reproducible without touching the global RNG."""
+    if hidden_dim < 1:
+        raise ValueError(f"hidden_dim must be positive, got {hidden_dim}")
+    spec = get_expert_kind(kind)
+    opts = dict(options or {})
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[]):
+        if seed is not None:
+            torch.manual_seed(seed)
+        module = spec.build(hidden_dim, **opts)
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"expert kind {kind!r} built a {type(module).__name__}, not an nn.Module")
+    module.to(device)
+    inputs = list(spec.inputs(hidden_dim, **opts))
+    if spec.outputs is not None:
+        outputs = list(spec.outputs(hidden_dim, **opts))
+    else:
+        with torch.inference_mode():
+            sample = _as_list(module(*(s.empty(2, device) for s in inputs)))
+        outputs = [TensorSpec(tuple(y.shape[1:]), y.dtype) for y in sample]
+    for tensor_spec in (*inputs, *outputs):
+        dtype_name(tensor_spec.dtype)  # raises SchemaError for dtypes the wire cannot describe
+    opt, scheduler = optimizer.build(module.parameters())
+    return Expert(
+        uid=uid, kind=kind, hidden_dim=hidden_dim, module=module, optimizer=opt, scheduler=scheduler,
+        inputs=inputs, outputs=outputs, options=opts, clip_grad_norm=optimizer.clip_grad_norm, device=device,
+    )
+
+
+__all__ = [
+    "DeepFeedForward", "Expert", "ExpertKind", "FeedForward", "OptimizerConfig", "SchemaError",
+    "UnknownExpertKind", "get_expert_kind", "make_expert", "register_expert_kind", "registered_kinds",
+]
