@@ -22,7 +22,7 @@ Buffer = Union[bytes, bytearray, memoryview]
 
 HEADER = struct.Struct("<IBI")
 TOTAL = struct.Struct("<Q")
-CHUNK_BYTES = 512 * 1024
+CHUNK_BYTES = 1024 * 1024
 MAX_CONTROL_BYTES = 64 * 1024
 
 FIRST = 0x01  # the payload starts with the message's total size
@@ -107,6 +107,28 @@ class FrameParser:
                 if not self._in_frame:
                     continue
             view = self._consume(view, events)
+        return events
+
+    def receive_target(self) -> memoryview | None:
+        """Where the next payload bytes belong while a message chunk is arriving, so a driver can read from the
+        socket straight into the message (`recv_into`) and then call `advance`: no intermediate copy."""
+        if not self._in_frame or self._control is not None or self._remaining == 0:
+            return None
+        if self._kind & FIRST and len(self._prefix) < TOTAL.size:
+            return None
+        partial = self._partials.get(self._stream_id)
+        if partial is None or partial.data is None:
+            return None
+        return memoryview(partial.data)[partial.filled:partial.filled + self._remaining]
+
+    def advance(self, n: int) -> list[Event]:
+        """`n` bytes were written into the view `receive_target` returned."""
+        events: list[Event] = []
+        partial = self._partials[self._stream_id]
+        partial.filled += n
+        self._remaining -= n
+        if not self._remaining:
+            self._finish_frame(events)
         return events
 
     def _start_frame(self, events: list[Event]) -> None:

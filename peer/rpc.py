@@ -33,6 +33,7 @@ _HANDSHAKE_DOMAIN = b"swarmd-rpc-handshake-v1|"
 _NONCE_BYTES = 32
 _RECEIVE_BYTES = 1 << 20
 _COALESCE_BYTES = 64 * 1024
+_SCRATCH_BYTES = 64 * 1024
 
 
 # ------------------------------------------------------------------------------------------------------- errors
@@ -230,6 +231,10 @@ class Connection:
     async def _reader(self, first_events: list[framing.Event]) -> None:
         try:
             self._handle_events(first_events)
+            sock = getattr(self.stream, "socket", None)
+            if sock is not None and hasattr(sock, "recv_into"):
+                await self._read_socket_into_messages(sock)
+                return
             while True:
                 data = await self.stream.receive_some(_RECEIVE_BYTES)
                 if not data:
@@ -243,6 +248,28 @@ class Connection:
             self.close_reason = f"protocol error: {error}"
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
             self.close_reason = f"reset ({error.__class__.__name__})"
+
+    async def _read_socket_into_messages(self, sock: Any) -> None:
+        """Real sockets: read message payloads straight into their final buffers (one copy, by the kernel)."""
+        scratch = bytearray(_SCRATCH_BYTES)
+        scratch_view = memoryview(scratch)
+        while True:
+            target = self.parser.receive_target()
+            if target is not None:
+                received = await sock.recv_into(target)
+                if not received:
+                    self.close_reason = "closed by peer"
+                    return
+                events = self.parser.advance(received)
+            else:
+                received = await sock.recv_into(scratch)
+                if not received:
+                    self.close_reason = "closed by peer"
+                    return
+                events = self.parser.receive(scratch_view[:received])
+            self.last_activity = trio.current_time()
+            if events:
+                self._handle_events(events)
 
     async def _writer(self) -> None:
         try:

@@ -1,0 +1,175 @@
+"""RPC benchmark: raw loopback TCP vs a 64 MiB tensor through the RPC, and small-call rate and latency.
+
+The server runs in a separate process (a separate peer, as in production), the client in this one.
+(a) raw: plain blocking sockets; the client sends N bytes, the server receives them all and sends them back.
+(b) rpc: the same bytes as one float32 tensor through `RPCNode.call("echo")`, result checked; the same
+    store-and-forward pattern, so the ratio isolates what our codec, framing and RPC cost.
+(c) echo calls with 1, 16 and 256 concurrent callers on one connection: calls/s, p50 and p99 latency.
+The last line of output is one JSON object with the figures.
+
+Usage: python benchmarks/bench_rpc.py [--mib 64] [--seconds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+import trio
+
+from peer.identity import Identity
+from peer.net import RealNetwork
+from peer.rpc import RPCNode
+
+
+# -------------------------------------------------------------------------------------------- server process
+
+
+def serve_raw(listener: socket.socket) -> None:
+    while True:
+        connection, _ = listener.accept()
+        with connection:
+            header = connection.recv(8, socket.MSG_WAITALL)
+            if len(header) < 8:
+                continue
+            size = int.from_bytes(header, "little")
+            buffer = bytearray(size)
+            view = memoryview(buffer)
+            received = 0
+            while received < size:
+                received += connection.recv_into(view[received:], size - received)
+            connection.sendall(buffer)
+
+
+async def serve_rpc(raw_port: int) -> None:
+    async with RPCNode(Identity.generate(), RealNetwork()) as node:
+        async def echo(ctx, args):
+            return args
+
+        node.register("echo", echo)
+        address = await node.listen("127.0.0.1", 0)
+        print(json.dumps({"rpc_port": address[1], "raw_port": raw_port}), flush=True)
+        await trio.sleep_forever()
+
+
+def server_main() -> None:
+    torch.set_num_threads(1)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    threading.Thread(target=serve_raw, args=(listener,), daemon=True).start()
+    trio.run(serve_rpc, listener.getsockname()[1])
+
+
+# -------------------------------------------------------------------------------------------- client
+
+
+def raw_roundtrip(port: int, payload: bytes) -> float:
+    sink = bytearray(len(payload))
+    view = memoryview(sink)
+    with socket.create_connection(("127.0.0.1", port)) as connection:
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        start = time.perf_counter()
+        connection.sendall(len(payload).to_bytes(8, "little"))
+        connection.sendall(payload)
+        received = 0
+        while received < len(payload):
+            received += connection.recv_into(view[received:], len(payload) - received)
+        elapsed = time.perf_counter() - start
+    assert sink == payload
+    return elapsed
+
+
+async def rpc_roundtrip(node: RPCNode, address, tensor: torch.Tensor) -> float:
+    start = time.perf_counter()
+    result = await node.call(address, "echo", tensor, timeout=120)
+    elapsed = time.perf_counter() - start
+    assert torch.equal(result, tensor)
+    return elapsed
+
+
+async def echo_load(node: RPCNode, address, concurrency: int, seconds: float) -> dict:
+    latencies: list[float] = []
+    stop_at = time.perf_counter() + seconds
+
+    async def caller() -> None:
+        while time.perf_counter() < stop_at:
+            start = time.perf_counter()
+            await node.call(address, "echo", b"ping", timeout=10)
+            latencies.append(time.perf_counter() - start)
+
+    start = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for _ in range(concurrency):
+            nursery.start_soon(caller)
+    elapsed = time.perf_counter() - start
+    latencies.sort()
+    return {
+        "calls_per_s": len(latencies) / elapsed,
+        "p50_ms": statistics.median(latencies) * 1e3,
+        "p99_ms": latencies[int(0.99 * (len(latencies) - 1))] * 1e3,
+    }
+
+
+async def client_main(args: argparse.Namespace, rpc_port: int, raw_port: int) -> dict:
+    size = args.mib * 1024 * 1024
+    tensor = torch.rand(size // 4)
+    payload = tensor.numpy().tobytes()
+    raw_times = [await trio.to_thread.run_sync(raw_roundtrip, raw_port, payload) for _ in range(args.repeats)]
+    figures: dict = {}
+    async with RPCNode(Identity.generate(), RealNetwork()) as node:
+        address = ("127.0.0.1", rpc_port)
+        await node.call(address, "echo", None, timeout=10)  # connect + handshake outside the timings
+        rpc_times = [await rpc_roundtrip(node, address, tensor) for _ in range(args.repeats)]
+        raw_gbps = 2 * size / min(raw_times) / 1e9
+        rpc_gbps = 2 * size / min(rpc_times) / 1e9
+        figures.update(
+            raw_gbytes_per_s=round(raw_gbps, 3),
+            tensor_gbytes_per_s=round(rpc_gbps, 3),
+            tensor_ratio_to_raw=round(rpc_gbps / raw_gbps, 3),
+            tensor_mib=args.mib,
+        )
+        print(f"(a) raw loopback socket, {args.mib} MiB each way: {raw_gbps:.2f} GB/s "
+              f"(best of {args.repeats}: {min(raw_times) * 1e3:.1f} ms)")
+        print(f"(b) {args.mib} MiB float32 tensor through RPC echo: {rpc_gbps:.2f} GB/s "
+              f"(best of {args.repeats}: {min(rpc_times) * 1e3:.1f} ms) = {rpc_gbps / raw_gbps:.0%} of raw")
+        for concurrency in (1, 16, 256):
+            stats = await echo_load(node, address, concurrency, args.seconds)
+            print(f"(c) echo, {concurrency:3d} concurrent callers: {stats['calls_per_s']:8.0f} calls/s, "
+                  f"p50 {stats['p50_ms']:.2f} ms, p99 {stats['p99_ms']:.2f} ms")
+            figures[f"echo_calls_per_s_{concurrency}"] = round(stats["calls_per_s"])
+            figures[f"echo_p50_ms_{concurrency}"] = round(stats["p50_ms"], 3)
+            figures[f"echo_p99_ms_{concurrency}"] = round(stats["p99_ms"], 3)
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        server_main()
+        return
+    torch.set_num_threads(1)
+    server = subprocess.Popen([sys.executable, __file__, "--serve"], stdout=subprocess.PIPE, text=True)
+    try:
+        ports = json.loads(server.stdout.readline())
+        figures = trio.run(client_main, args, ports["rpc_port"], ports["raw_port"])
+    finally:
+        server.kill()
+        server.wait()
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
