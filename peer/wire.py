@@ -265,7 +265,8 @@ def encode(obj: Any, *, compression: Compression = Compression.NONE) -> list[byt
 
     Tensor data is not copied: the memoryviews alias the tensors' storage (a non-contiguous tensor is made
     contiguous once; compressed tensors are new buffers), so do not modify the tensors until the parts are sent.
-    ``compression`` applies to every floating tensor not wrapped with :func:`compressed`.
+    ``compression`` applies to every floating tensor not wrapped with :func:`compressed`. Tensors on another
+    device are copied to the CPU (they always decode as CPU tensors); autograd history is not sent.
     Raises WireError for objects that cannot be sent (unsupported type or dtype, ints beyond 64 bits, too deep).
     """
     try:
@@ -389,7 +390,7 @@ class _TensorReader:
         dtype = _DTYPES.get(name) if type(name) is str else None
         if dtype is None:
             raise WireError(f"unknown tensor dtype {name!r}")
-        if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+        if type(shape) is not list or not all(type(d) is int and 0 <= d < 1 << 63 for d in shape):
             raise WireError(f"malformed tensor shape {shape!r}")
         numel = math.prod(shape)
         if numel > self.limits.max_tensor_elements:
@@ -469,6 +470,8 @@ def decode(buffer: bytes | bytearray | memoryview, *, limits: Limits = DEFAULT_L
             use_list=True,
             strict_map_key=False,
             ext_hook=reader,
+            # msgpack preallocates a list or dict from its header, so the caps also never exceed what the body
+            # could hold (every item takes at least one byte, every map entry two).
             max_str_len=min(limits.max_str_len, body_len),
             max_bin_len=min(limits.max_bin_len, body_len),
             max_array_len=min(limits.max_container_len, body_len),
