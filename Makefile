@@ -1,0 +1,34 @@
+# One-command set-up: every target creates the virtual environment and installs what it needs when missing.
+VENV ?= .venv
+PYTHON ?= python3
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: run test test-fast bench clean-venv
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# the CPU build of torch; a looser pin would pull a multi-GB CUDA build
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+# The main job: a local swarm training a real model.
+run: $(STAMP)
+	$(BIN)/python benchmarks/bench_rpc.py
+
+# Everything CI runs: the default (fast) suite, then the scenarios marked slow.
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m slow || test $$? -eq 5
+
+# The default suite only (a few minutes): for the edit-test loop.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	for bench in benchmarks/bench_*.py; do $(BIN)/python $$bench || exit 1; done
+
+clean-venv:
+	rm -rf $(VENV)
