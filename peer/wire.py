@@ -73,6 +73,7 @@ _MAX_EXT_LEN = 4096  # a tensor header is a few hundred bytes at most (64 dims *
 _FLOAT16_MAX = 65504.0
 _U32 = struct.Struct("<I")
 _ZEROS = bytes(ALIGNMENT)
+_JOIN_BELOW = 1 << 16  # bodies up to this size are joined with their header into one part
 
 
 class WireError(Exception):
@@ -93,6 +94,9 @@ class Limits:
     max_depth: nesting of lists/dicts (the top-level container counts as depth 1).
     max_str_len: bytes of one UTF-8 string.   max_bin_len: bytes of one ``bytes`` value.
     max_container_len: items of one list or entries of one dict.
+
+    Decoded tensors can take more memory than the message: up to 4x for the float16 codec and 8x for the 8-bit
+    codec (both decoding to float64); uncompressed tensors decoded from a writable buffer take none.
     """
 
     max_message_bytes: int = 1 << 30
@@ -298,11 +302,15 @@ def encode(obj: Any, *, compression: Compression = Compression.NONE) -> list[byt
         raise
     except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
         raise WireError(f"cannot encode message: {exc}") from exc
+    if len(body) > 0xFFFFFFFF:
+        raise WireError(f"message body of {len(body)} bytes does not fit the 32-bit length prefix")
     head_len = HEADER_BYTES + len(body)
-    if not views:
-        return [_U32.pack(len(body)) + body]
-    data_start = _align(head_len)
-    parts: list[bytes | memoryview] = [_U32.pack(len(body)) + body + _ZEROS[: data_start - head_len]]
+    data_start = _align(head_len) if views else head_len
+    padding = _ZEROS[: data_start - head_len]
+    if len(body) <= _JOIN_BELOW:  # one small part is cheaper to send than three
+        parts: list[bytes | memoryview] = [_U32.pack(len(body)) + body + padding]
+    else:  # a big body (large str/bytes values) is not copied again
+        parts = [_U32.pack(len(body)), body] + ([padding] if padding else [])
     end = 0
     for offset, view in zip(offsets, views):
         if offset > end:

@@ -132,6 +132,15 @@ def test_nested_structures_with_tensors():
     assert out["empty"] == {} and out["text"] == obj["text"]
 
 
+def test_large_body_values_are_not_copied_again():
+    blob = b"b" * 200_000
+    parts = encode({"blob": blob, "t": torch.arange(3)})
+    assert len(parts) > 2 and any(len(part) > 200_000 for part in parts)
+    out = decode(b"".join(parts))
+    assert out["blob"] == blob and out["t"].tolist() == [0, 1, 2]
+    assert decode(encode_bytes("s" * 100_000)) == "s" * 100_000
+
+
 def test_plain_objects_without_tensors_are_one_part():
     for obj in [None, 0, "x", b"", [], {"a": [1, {"b": 2}]}]:
         parts = encode(obj)
