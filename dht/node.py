@@ -1,0 +1,751 @@
+"""DHTNode: the trio driver around the datagram protocol, routing table, lookups and record storage.
+
+One node owns one UDP endpoint (from any `peer.net.Network`, so the same code runs on real sockets and on the
+in-memory simulator) and one nursery holding its receive loop and maintenance tasks; leaving
+`DHTNode.open(...)` cancels them all and closes the socket.
+
+Wire compatibility: requests and replies are those of kademlia 2.2.3 (see dht/protocol.py), so stock nodes can
+join, store and read plain values. Extension RPCs (`swarmd_hello`, `swarmd_find_many`, `swarmd_store_many`) go
+only to peers that answered a `swarmd_hello`; a stock peer is probed once and never asked again.
+
+Client mode: the node sends requests but answers only `swarmd_hello` (saying it is a client), so swarmd nodes
+never add it to their routing tables. Stock nodes add any sender they hear from; they will try to contact the
+client later and get no answer, which costs them a timeout (documented limitation).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+from collections import Counter
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Iterable, Sequence
+
+import trio
+from kademlia.node import Node
+from kademlia.utils import digest
+
+from dht import protocol as proto
+from dht import records
+from dht.errors import BootstrapFailed, InvalidValue, RequestTimeout
+from dht.lookup import Candidate, State, Target
+from dht.peers import PeerBook
+from dht.records import Record, Subkey
+from dht.routing import RoutingTable
+from dht.storage import Storage
+from peer.identity import Identity
+from peer.net import Address, Network, RealNetwork, UDPEndpoint
+
+MAX_REPLY_BYTES = 60000
+
+
+@dataclass
+class DHTConfig:
+    """Tunables; the defaults suit both loopback tests and a WAN swarm."""
+
+    k: int = 20
+    alpha: int = 3
+    min_timeout: float = 0.05  # floor of the adaptive per-peer timeout (soft: a new query starts after it)
+    max_timeout: float = 2.0  # ceiling of it, and the hard timeout after which a request counts as failed
+    initial_timeout: float = 1.0  # for a peer when nothing has been measured yet
+    failures_to_evict: int = 3  # consecutive unanswered requests before a contact leaves the routing table
+    lookup_timeout: float = 10.0  # a whole lookup never takes longer
+    get_quorum: int = 3  # get(latest=False) stops after this many replicas answered with a value
+    bootstrap_attempts: int = 3
+    refresh_interval: float = 600.0  # look up a random id in buckets untouched this long
+    republish_interval: float = 1800.0  # replicas re-store held records nobody refreshed this long
+    maintenance_interval: float = 30.0
+    max_records: int = 100_000
+    requests_per_second: float = 500.0  # per source address
+    request_burst: float = 1000.0
+    max_concurrent_probes: int = 32
+
+
+@dataclass
+class _Waiter:
+    event: trio.Event
+    result: Any = None
+    answered: bool = False
+
+
+def key_id_of(key: str | bytes) -> bytes:
+    """The 160-bit DHT id of a key, as the stock package computes it (sha1 of bytes, or of str(key))."""
+    return digest(key)
+
+
+class DHTNode:
+    def __init__(self, identity: Identity, endpoint: UDPEndpoint, nursery: trio.Nursery, *, client_mode: bool,
+                 clock: Callable[[], float], config: DHTConfig, rng: random.Random,
+                 random_bytes: Callable[[int], bytes] = os.urandom):
+        self.identity = identity
+        self.peer_id = identity.peer_id
+        self.client_mode = client_mode
+        self.config = config
+        self._clock = clock
+        self._endpoint = endpoint
+        self._nursery = nursery
+        self._rng = rng
+        self._protocol = proto.DatagramProtocol(random_bytes=random_bytes)
+        self._waiters: dict[bytes, _Waiter] = {}
+        self._table = RoutingTable(self.peer_id, config.k, trio.current_time())
+        self._peers = PeerBook(min_timeout=config.min_timeout, max_timeout=config.max_timeout,
+                               initial_timeout=config.initial_timeout, rate=config.requests_per_second,
+                               burst=config.request_burst)
+        self._storage = Storage(config.max_records)
+        self._dropped: Counter[str] = Counter()
+        self._served: Counter[str] = Counter()
+        self._probing: set[Address] = set()
+        self._probe_limiter = trio.Semaphore(config.max_concurrent_probes)
+
+    # ------------------------------------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, host: str, port: int, initial_peers: Sequence[Address] = (), *,
+                   identity: Identity | None = None, network: Network | None = None, client_mode: bool = False,
+                   clock: Callable[[], float] = time.time, config: DHTConfig | None = None,
+                   seed: int | None = None) -> AsyncIterator["DHTNode"]:
+        """Bind UDP host:port, join through `initial_peers` (none: start a new DHT), serve until the block ends.
+
+        Raises BootstrapFailed when initial peers were given and none of them answered."""
+        network = network or RealNetwork()
+        identity = identity or Identity.generate()
+        config = config or DHTConfig()
+        # A seed makes simulations reproducible (msg ids included); real nodes draw msg ids from os.urandom so
+        # that nobody can predict them.
+        rng = random.Random(seed if seed is not None else bytes(identity.peer_id))
+        random_bytes = os.urandom if seed is None else (lambda n: rng.getrandbits(8 * n).to_bytes(n, "big"))
+        endpoint = await network.open_udp(host, port)
+        failure: BaseException | None = None
+        async with endpoint:
+            async with trio.open_nursery() as nursery:
+                node = cls(identity, endpoint, nursery, client_mode=client_mode, clock=clock, config=config, rng=rng,
+                           random_bytes=random_bytes)
+                nursery.start_soon(node._receive_loop)
+                try:
+                    await node._bootstrap([(h, p) for h, p in initial_peers])
+                    nursery.start_soon(node._maintenance_loop)
+                    yield node
+                except BaseException as error:  # re-raised below, outside the nursery: no ExceptionGroup wrap
+                    failure = error
+                finally:
+                    nursery.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+
+    @property
+    def address(self) -> Address:
+        return self._endpoint.address
+
+    def now(self) -> float:
+        """The DHT clock: expiration times are absolute values of it."""
+        return self._clock()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for `peer status`: table size, records held, dropped datagrams by reason, requests served."""
+        return {
+            "peer_id": str(self.peer_id),
+            "address": list(self.address),
+            "client_mode": self.client_mode,
+            "routing_table_size": len(self._table),
+            "buckets": len(self._table.buckets),
+            "records_held": len(self._storage),
+            "peers_known": len(self._peers),
+            "peers_speaking_swarmd": self._peers.count_swarmd(),
+            "outstanding_requests": self._protocol.outstanding,
+            "dropped": dict(self._dropped),
+            "requests_served": dict(self._served),
+        }
+
+    def routing_table_ids(self) -> list[bytes]:
+        return [node.id for node in self._table.nodes()]
+
+    # ---------------------------------------------------------------------------------------------- public API
+
+    async def store(self, key: str | bytes, value: Any, expiration_time: float, subkey: Subkey | None = None,
+                    signed: bool = False) -> bool:
+        """Store `value` under `key` (or under `subkey` of `key`) until `expiration_time` (DHT clock).
+
+        True only if at least one replica acknowledged (this node counts when it is one of the k closest).
+        `signed=True` makes this node's identity the entry's owner: replicas then refuse values for the same
+        (key, subkey) not signed by it. An infinite expiration with no subkey and no signature writes a plain
+        stock value (readable by stock kademlia nodes as is)."""
+        return (await self.store_many([(key, value, expiration_time, subkey)], signed=signed))[0]
+
+    async def store_many(self, items: Iterable[tuple], *, signed: bool = False) -> list[bool]:
+        """Store several (key, value, expiration_time[, subkey]) items with one lookup traversal; returns one
+        bool per item. Entries for the same key are merged into one record before sending."""
+        items = list(items)
+        now = self.now()
+        by_key: dict[bytes, Record] = {}
+        item_keys: list[tuple[bytes, bool]] = []
+        for item in items:
+            key, value, expiration_time = item[0], item[1], item[2]
+            subkey = item[3] if len(item) > 3 else None
+            records.check_key(key, "store")
+            records.check_subkey(subkey, "store")
+            if not isinstance(expiration_time, (int, float)) or isinstance(expiration_time, bool):
+                raise InvalidValue("expiration_time must be a number (DHT clock seconds)", operation="store")
+            key_id = key_id_of(key)
+            if expiration_time <= now or math.isnan(expiration_time):
+                item_keys.append((key_id, False))
+                continue
+            record = records.record_for_store(key_id, value, expiration_time, subkey,
+                                              self.identity if signed else None)
+            merged = records.merge(by_key.get(key_id), record, now)
+            by_key[key_id] = records.fit(merged) if merged is not None else record
+            item_keys.append((key_id, True))
+        if not by_key:
+            return [False for _ in items]
+        acknowledged = await self._store_records(by_key)
+        return [valid and acknowledged.get(key_id, False) for key_id, valid in item_keys]
+
+    async def get(self, key: str | bytes, latest: bool = False) -> Record | None:
+        """The merged record of `key` from several replicas, or None. With `latest=True` the lookup continues
+        until every one of the k closest live replicas answered, so the newest stored value is found."""
+        return (await self.get_many([key], latest=latest))[key]
+
+    async def get_many(self, keys: Iterable[str | bytes], latest: bool = False) -> dict[Any, Record | None]:
+        """Records for many keys in one traversal (peers that speak swarmd get one request for all keys they
+        are asked about)."""
+        keys = list(dict.fromkeys(keys))
+        for key in keys:
+            records.check_key(key, "get")
+        ids = {key: key_id_of(key) for key in keys}
+        quorum = None if latest else self.config.get_quorum
+        targets = await self._lookup(set(ids.values()), want_value=True, quorum=quorum)
+        now = self.now()
+        results: dict[Any, Record | None] = {}
+        for key, key_id in ids.items():
+            found = sorted(targets[key_id].values, key=lambda pair: pair[0], reverse=True)  # farthest first
+            merged: Record | None = None
+            for _, record in found:
+                merged = records.merge(merged, record, now)
+            local = self._storage.get(key_id, now)
+            if local is not None:
+                merged = records.merge(merged, local.record, now)
+            results[key] = merged
+        return results
+
+    # ------------------------------------------------------------------------------------------------ requests
+
+    async def _request(self, address: Address, name: str, args: list, node_id: bytes | None = None,
+                       timeout: float | None = None) -> Any:
+        """Send one request and wait for its reply (matched by msg id and address); RequestTimeout after
+        `timeout` (default: the hard timeout). A reply refreshes the peer's RTT and its routing-table entry."""
+        msg_id, datagram = self._protocol.request(address, name, args)
+        waiter = _Waiter(trio.Event())
+        self._waiters[msg_id] = waiter
+        sent_at = trio.current_time()
+        try:
+            await self._endpoint.sendto(datagram, address)
+            with trio.move_on_after(self.config.max_timeout if timeout is None else timeout):
+                await waiter.event.wait()
+        finally:
+            self._waiters.pop(msg_id, None)
+            self._protocol.forget(msg_id)
+        info = self._peers.get(address)
+        if not waiter.answered:
+            info.failures += 1
+            if node_id is not None and info.failures >= self.config.failures_to_evict:
+                self._table.remove(node_id)
+            raise RequestTimeout(f"{name} to {address[0]}:{address[1]} got no answer", operation=name,
+                                 peer=address)
+        self._peers.observe_rtt(address, trio.current_time() - sent_at)
+        info.failures = 0
+        if name == "ping" and proto.NODE_ID_BYTES == len(waiter.result or b"") and isinstance(waiter.result, bytes):
+            node_id = waiter.result
+        if node_id is not None and name != "swarmd_hello":
+            self._saw_server(node_id, address)
+        return waiter.result
+
+    def _saw_server(self, node_id: bytes, address: Address) -> None:
+        """A peer answered a request: it serves, so it belongs in the routing table (welcomed if new)."""
+        info = self._peers.get(address)
+        if info.client or node_id == self.peer_id:
+            return
+        info.node_id = node_id
+        existing = self._table.get(node_id)
+        if existing is not None and (existing.ip, existing.port) == address:
+            self._table.add(existing, trio.current_time())
+            return
+        node = Node(node_id, address[0], address[1])
+        is_new = existing is None
+        head = self._table.add(node, trio.current_time())
+        if head is not None:
+            self._nursery.start_soon(self._check_head, head)
+        if is_new and node_id in self._table and not self.client_mode:
+            self._nursery.start_soon(self._welcome, node)
+
+    async def _check_head(self, head: Node) -> None:
+        """A full bucket met a newcomer: ping its least recently seen contact; after repeated failures it is
+        evicted (in `_request`) and the freshest replacement takes its place."""
+        for _ in range(self.config.failures_to_evict):
+            try:
+                await self._request((head.ip, head.port), "ping", [self.peer_id], node_id=head.id)
+                return
+            except RequestTimeout:
+                continue
+
+    async def _probe(self, address: Address) -> bool:
+        """Does the peer speak the swarmd extensions? Asked once per address with a short timeout."""
+        info = self._peers.get(address)
+        if info.swarmd is not None:
+            return info.swarmd
+        timeout = min(self.config.max_timeout, 2 * self._peers.timeout(address))
+        try:
+            reply = await self._request(address, "swarmd_hello", [self.peer_id, {"client": self.client_mode}],
+                                        timeout=timeout)
+        except RequestTimeout:
+            info.failures = max(0, info.failures - 1)  # silence here is the stock answer, not a failure
+            info.swarmd = False
+            return False
+        self._learn_hello(address, reply)
+        return bool(info.swarmd)
+
+    def _learn_hello(self, address: Address, hello: Any) -> None:
+        info = self._peers.get(address)
+        if isinstance(hello, dict):
+            info.swarmd = True
+            info.client = bool(hello.get("client", False))
+            if info.client and isinstance(hello.get("id"), bytes):
+                self._table.remove(hello["id"])
+        else:
+            info.swarmd = False
+
+    async def _verify_sender(self, node_id: bytes, address: Address) -> None:
+        """An unknown peer sent us a request. Add it only once it proved it serves: swarmd peers answer the
+        hello (and say whether they are clients), stock peers answer a ping."""
+        if address in self._probing:
+            return
+        self._probing.add(address)
+        try:
+            async with self._probe_limiter:
+                info = self._peers.get(address)
+                if info.swarmd is None:
+                    await self._probe(address)
+                if info.client:
+                    return
+                reply = await self._request(address, "ping", [self.peer_id])
+                if reply != node_id:
+                    self._dropped["id_mismatch"] += 1
+        except RequestTimeout:
+            pass
+        finally:
+            self._probing.discard(address)
+
+    # ------------------------------------------------------------------------------------------------ receiving
+
+    async def _receive_loop(self) -> None:
+        while True:
+            try:
+                data, address = await self._endpoint.recvfrom()
+            except (trio.ClosedResourceError, OSError):
+                return
+            try:
+                await self._handle_datagram(data, address)
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                return
+            except Exception:
+                # Whatever a datagram triggers, the node keeps serving; the bug shows up as a counter.
+                self._dropped["handler_error"] += 1
+
+    async def _handle_datagram(self, data: bytes, address: Address) -> None:
+        event = self._protocol.receive(data, address)
+        if isinstance(event, proto.Dropped):
+            self._dropped[event.reason] += 1
+            return
+        if isinstance(event, proto.Reply):
+            waiter = self._waiters.get(event.msg_id)
+            if waiter is not None:
+                waiter.result, waiter.answered = event.result, True
+                waiter.event.set()
+            return
+        if not self._peers.allow_request(address, trio.current_time()):
+            self._dropped["rate_limited"] += 1
+            return
+        result = self._serve(event)
+        if result is _NO_REPLY:
+            return
+        await self._endpoint.sendto(self._protocol.reply(event, result), address)
+
+    def _serve(self, request: proto.Request) -> Any:
+        name, args, address = request.name, request.args, request.address
+        if name == "stun":
+            self._served[name] += 1
+            return [address[0], address[1]]
+        sender = args[0]
+        if name == "swarmd_hello":
+            self._served[name] += 1
+            self._learn_hello(address, args[1])
+            return {"id": bytes(self.peer_id), "client": self.client_mode, "version": 1}
+        if self.client_mode:
+            self._dropped["client_mode"] += 1
+            return _NO_REPLY
+        self._served[name] += 1
+        self._note_sender(sender, address)
+        now = self.now()
+        if name == "ping":
+            return bytes(self.peer_id)
+        if name == "find_node":
+            return self._contacts_for(args[1], sender)
+        if name == "find_value":
+            return self._find_value(args[1], sender, now)
+        if name == "store":
+            return self._store_local(args[1], args[2], now)
+        if name == "swarmd_find_many":
+            return self._find_many(args[1], sender, now)
+        if name == "swarmd_store_many":
+            return [self._store_local(key_id, value, now) for key_id, value in args[1]]
+        return _NO_REPLY
+
+    def _note_sender(self, node_id: bytes, address: Address) -> None:
+        info = self._peers.get(address)
+        info.failures = 0
+        if node_id == self.peer_id or info.client:
+            return
+        known = self._table.get(node_id)
+        if known is not None and (known.ip, known.port) == address:
+            self._table.add(known, trio.current_time())
+            return
+        if address not in self._probing and len(self._probing) < 4 * self.config.max_concurrent_probes:
+            self._nursery.start_soon(self._verify_sender, node_id, address)
+
+    def _contacts_for(self, key_id: bytes, exclude: bytes) -> list[list]:
+        return [[n.id, n.ip, n.port] for n in self._table.neighbors(key_id, self.config.k, exclude=exclude)]
+
+    def _find_value(self, key_id: bytes, sender: bytes, now: float) -> Any:
+        item = self._storage.get(key_id, now)
+        if item is None:
+            return self._contacts_for(key_id, sender)
+        return {"value": item.wire}
+
+    def _store_local(self, key_id: bytes, value: Any, now: float) -> bool:
+        record = records.decode(key_id, value, now)
+        if record is None:
+            self._dropped["invalid_record"] += 1
+            return False
+        outcome = self._storage.store(key_id, record, now)
+        if outcome == "full":
+            self._dropped["storage_full"] += 1
+        return outcome == "accepted"
+
+    def _find_many(self, key_ids: list[bytes], sender: bytes, now: float) -> list:
+        """One answer per key ({"value": v} or contacts); answers that would push the reply past one datagram
+        are sent as nil, and the asker falls back to find_value for those keys."""
+        answers, size = [], 0
+        for key_id in key_ids:
+            answer = self._find_value(key_id, sender, now)
+            answer_size = len(proto.pack(answer))
+            if size + answer_size > MAX_REPLY_BYTES:
+                answers.append(None)
+                continue
+            size += answer_size
+            answers.append(answer)
+        return answers
+
+    # ------------------------------------------------------------------------------------------------- lookups
+
+    async def _lookup(self, key_ids: set[bytes], *, want_value: bool, quorum: int | None = None) -> dict[bytes, Target]:
+        """Iterative lookups for all `key_ids` at once (see dht/lookup.py for the stopping rule)."""
+        config = self.config
+        now = trio.current_time()
+        targets: dict[bytes, Target] = {}
+        for key_id in key_ids:
+            target = Target(key_id, config.k, config.alpha, want_value=want_value, quorum=quorum)
+            for node in self._table.neighbors(key_id, config.k):
+                if self._usable(node.id, (node.ip, node.port)):
+                    target.add(node.id, (node.ip, node.port))
+            if want_value:
+                local = self._storage.get(key_id, self.now())
+                if local is not None:
+                    target.values.append((int.from_bytes(self.peer_id, "big") ^ target.long_id, local.record))
+            targets[key_id] = target
+            self._table.touch(key_id, now)
+        send_channel, receive_channel = trio.open_memory_channel[tuple](math.inf)
+        soft_deadlines: dict[int, tuple[float, bytes, list[bytes]]] = {}
+        query_ids = iter(range(1 << 62))
+        with trio.move_on_after(config.lookup_timeout):
+            async with trio.open_nursery() as nursery:
+                while True:
+                    for node_id, address, keys in self._plan(targets):
+                        query_id = next(query_ids)
+                        soft = trio.current_time() + self._peers.timeout(address)
+                        soft_deadlines[query_id] = (soft, node_id, keys)
+                        nursery.start_soon(self._query, query_id, node_id, address, keys, want_value, send_channel)
+                    if all(t.finished() for t in targets.values()):
+                        break
+                    if not any(t.pending() for t in targets.values()):
+                        break
+                    wake_at = min((d for d, _, _ in soft_deadlines.values()), default=math.inf)
+                    with trio.move_on_at(wake_at):
+                        message = await receive_channel.receive()
+                        self._absorb(targets, soft_deadlines, message)
+                        continue
+                    now = trio.current_time()
+                    for query_id, (deadline, node_id, keys) in list(soft_deadlines.items()):
+                        if deadline <= now:
+                            del soft_deadlines[query_id]
+                            for key_id in keys:
+                                targets[key_id].on_slow(node_id)
+                nursery.cancel_scope.cancel()
+        return targets
+
+    def _usable(self, node_id: bytes, address: Address) -> bool:
+        if node_id == self.peer_id or address == self.address:
+            return False
+        info = self._peers.known(address)
+        return info is None or (not info.client and info.failures < self.config.failures_to_evict)
+
+    def _plan(self, targets: dict[bytes, Target]) -> list[tuple[bytes, Address, list[bytes]]]:
+        """Pick the next peers to ask; a swarmd peer asked about one key is also asked about every other key
+        whose window holds it, in the same datagram."""
+        planned: dict[bytes, tuple[Address, list[bytes]]] = {}
+        for target in targets.values():
+            for candidate in target.next_candidates():
+                candidate.state = State.ACTIVE
+                planned.setdefault(candidate.node_id, (candidate.address, []))[1].append(target.key_id)
+        if len(targets) > 1:
+            for node_id, (address, keys) in planned.items():
+                info = self._peers.known(address)
+                if not (info and info.swarmd):
+                    continue
+                for target in targets.values():
+                    if target.key_id in keys or target.finished() or len(keys) >= proto.MAX_BATCH_KEYS:
+                        continue
+                    candidate = target.candidates.get(node_id)
+                    if candidate is not None and candidate.state is State.NEW and candidate in target.window():
+                        candidate.state = State.ACTIVE
+                        keys.append(target.key_id)
+        return [(node_id, address, keys) for node_id, (address, keys) in planned.items()]
+
+    def _absorb(self, targets: dict[bytes, Target], soft_deadlines: dict, message: tuple) -> None:
+        query_id, node_id, answers = message
+        soft_deadlines.pop(query_id, None)
+        now = self.now()
+        for key_id, answer in answers.items():
+            target = targets[key_id]
+            if answer is None:
+                target.on_failure(node_id)
+                continue
+            kind, payload = answer
+            if kind == "value":
+                record = records.decode(key_id, payload, now)
+                if record is None:
+                    self._dropped["invalid_record"] += 1
+                target.on_answer(node_id, [], record, True, self.peer_id)
+            else:
+                contacts = [c for c in payload if self._usable(c[0], (c[1], c[2]))]
+                target.on_answer(node_id, contacts, None, False, self.peer_id)
+
+    async def _query(self, query_id: int, node_id: bytes, address: Address, keys: list[bytes], want_value: bool,
+                     results: trio.MemorySendChannel) -> None:
+        answers: dict[bytes, Any] = {}
+        info = self._peers.known(address)
+        if len(keys) > 1 and info is not None and info.swarmd:
+            try:
+                reply = await self._request(address, "swarmd_find_many", [self.peer_id, keys], node_id=node_id)
+            except RequestTimeout:
+                reply = None
+            if isinstance(reply, list) and len(reply) == len(keys):
+                for key_id, raw in zip(keys, reply):
+                    if raw is not None:
+                        answers[key_id] = self._parse_find(raw, want_value)
+                keys = [key_id for key_id in keys if key_id not in answers]
+            elif reply is None:
+                results.send_nowait((query_id, node_id, {key_id: None for key_id in keys}))
+                return
+            else:
+                self._dropped["bad_reply"] += 1
+
+        async def one(key_id: bytes) -> None:
+            method = "find_value" if want_value else "find_node"
+            try:
+                raw = await self._request(address, method, [self.peer_id, key_id], node_id=node_id)
+            except RequestTimeout:
+                answers[key_id] = None
+                return
+            answers[key_id] = self._parse_find(raw, want_value)
+
+        if keys:
+            async with trio.open_nursery() as nursery:
+                for key_id in keys:
+                    nursery.start_soon(one, key_id)
+        results.send_nowait((query_id, node_id, answers))
+
+    def _parse_find(self, raw: Any, want_value: bool) -> tuple[str, Any]:
+        if want_value and isinstance(raw, dict):
+            value = raw.get("value")
+            if len(raw) == 1 and "value" in raw and proto.is_stock_value(value):
+                return ("value", value)
+            self._dropped["bad_value"] += 1
+            return ("nodes", [])
+        contacts = proto.parse_contacts(raw, self.config.k)
+        if contacts is None:
+            self._dropped["bad_reply"] += 1
+            return ("nodes", [])
+        return ("nodes", contacts)
+
+    # ------------------------------------------------------------------------------------------------- storing
+
+    async def _store_records(self, by_key: dict[bytes, Record]) -> dict[bytes, bool]:
+        targets = await self._lookup(set(by_key), want_value=False)
+        now = self.now()
+        acknowledged = {key_id: False for key_id in by_key}
+        plan: dict[tuple[bytes, Address], list[bytes]] = {}
+        my_long = int.from_bytes(self.peer_id, "big")
+        for key_id, target in targets.items():
+            closest = target.answered(self.config.k)
+            if not self.client_mode:
+                mine = my_long ^ target.long_id
+                if len(closest) < self.config.k or mine < closest[-1].distance:
+                    if self._storage.store(key_id, by_key[key_id], now) == "accepted":
+                        acknowledged[key_id] = True
+            for candidate in closest:
+                plan.setdefault((candidate.node_id, candidate.address), []).append(key_id)
+        wire = {key_id: records.encode(record) for key_id, record in by_key.items()}
+
+        async def send(node_id: bytes, address: Address, key_ids: list[bytes]) -> None:
+            for key_id, ok in (await self._send_stores(node_id, address, [(k, wire[k]) for k in key_ids])).items():
+                if ok:
+                    acknowledged[key_id] = True
+
+        async with trio.open_nursery() as nursery:
+            for (node_id, address), key_ids in plan.items():
+                nursery.start_soon(send, node_id, address, key_ids)
+        return acknowledged
+
+    async def _send_stores(self, node_id: bytes, address: Address, items: list[tuple[bytes, Any]]) -> dict[bytes, bool]:
+        """Store items on one peer: batched for swarmd peers, one stock `store` per key otherwise."""
+        results: dict[bytes, bool] = {}
+        if len(items) > 1 and await self._probe(address):
+            batch: list[list] = []
+            batches = [batch]
+            size = 0
+            for key_id, value in items:
+                item_size = len(proto.pack([key_id, value]))
+                if batch and (size + item_size > proto.MAX_REQUEST_PAYLOAD - 100 or len(batch) >= proto.MAX_BATCH_KEYS):
+                    batch, size = [], 0
+                    batches.append(batch)
+                batch.append([key_id, value])
+                size += item_size
+            for batch in batches:
+                try:
+                    reply = await self._request(address, "swarmd_store_many", [self.peer_id, batch], node_id=node_id)
+                except RequestTimeout:
+                    return results
+                if isinstance(reply, list) and len(reply) == len(batch):
+                    for (key_id, _), ok in zip(batch, reply):
+                        results[key_id] = ok is True
+            return results
+
+        async def one(key_id: bytes, value: Any) -> None:
+            try:
+                reply = await self._request(address, "store", [self.peer_id, key_id, value], node_id=node_id)
+            except RequestTimeout:
+                return
+            results[key_id] = reply is True
+
+        async with trio.open_nursery() as nursery:
+            for key_id, value in items:
+                nursery.start_soon(one, key_id, value)
+        return results
+
+    # ------------------------------------------------------------------------------------------------ joining
+
+    async def _bootstrap(self, initial_peers: list[Address]) -> None:
+        """Ping the initial peers (with retries); look ourselves up; refresh every bucket. Doing both lookups
+        is what makes peers that joined through the same initial peers find each other (one DHT, not two)."""
+        if not initial_peers:
+            return
+        answered: list[Address] = []
+
+        async def ping(address: Address, timeout: float) -> None:
+            try:
+                await self._request(address, "ping", [self.peer_id], timeout=timeout)
+                answered.append(address)
+            except RequestTimeout:
+                pass
+
+        timeout = self.config.initial_timeout
+        for _ in range(self.config.bootstrap_attempts):
+            async with trio.open_nursery() as nursery:
+                for address in initial_peers:
+                    if address not in answered:
+                        nursery.start_soon(ping, address, timeout)
+            if answered:
+                break
+            timeout = min(self.config.max_timeout, timeout * 2)
+        if not answered:
+            raise BootstrapFailed(initial_peers, self.config.bootstrap_attempts)
+        await self._lookup({bytes(self.peer_id)}, want_value=False)
+        await self.refresh(all_buckets=True)
+
+    async def refresh(self, all_buckets: bool = False) -> None:
+        """Look up a random id in every bucket (or only in those untouched for `refresh_interval`)."""
+        now = trio.current_time()
+        if all_buckets:
+            ids = self._table.random_ids_per_bucket(self._rng)
+        else:
+            ids = self._table.stale_bucket_ids(now, self.config.refresh_interval, self._rng)
+        if ids:
+            await self._lookup(set(ids), want_value=False)
+
+    # ---------------------------------------------------------------------------------------------- maintenance
+
+    async def _maintenance_loop(self) -> None:
+        while True:
+            await trio.sleep(self.config.maintenance_interval * (0.5 + self._rng.random()))
+            self._storage.expire(self.now())
+            await self.refresh()
+            if not self.client_mode:
+                await self.republish()
+
+    async def republish(self, force: bool = False) -> int:
+        """Re-store held records that no other replica refreshed within `republish_interval` (so about one
+        replica per interval does the work). Stale copies cannot resurrect overwritten values: receivers merge
+        by expiration. Returns how many records were sent."""
+        now = self.now()
+        due = {
+            key_id: item.record
+            for key_id, item in self._storage.items()
+            if force or now - item.refreshed_at >= self.config.republish_interval
+        }
+        if not due:
+            return 0
+        for key_id in due:
+            item = self._storage.get(key_id, now)
+            if item is not None:
+                item.refreshed_at = now
+        await self._store_records(due)
+        return len(due)
+
+    async def _welcome(self, node: Node) -> None:
+        """A new server appeared: hand it the records it should hold (the stock rule, section 2.5 of the
+        paper: it is closer to the key than our k-th closest contact and we are the closest holder we know)."""
+        now = self.now()
+        my_long = int.from_bytes(self.peer_id, "big")
+        items = []
+        for key_id, item in self._storage.items():
+            key_long = int.from_bytes(key_id, "big")  # key ids are digests already: never hash them again
+            neighbors = self._table.neighbors(key_id, self.config.k, exclude=node.id)
+            if neighbors:
+                new_is_close = len(neighbors) < self.config.k or (node.long_id ^ key_long) < (neighbors[-1].long_id ^ key_long)
+                we_are_closest = (my_long ^ key_long) < (neighbors[0].long_id ^ key_long)
+                if not (new_is_close and we_are_closest):
+                    continue
+            record = item.record.pruned(now)
+            if not record.empty():
+                items.append((key_id, records.encode(record)))
+        if items:
+            await self._send_stores(node.id, (node.ip, node.port), items)
+
+
+class _NoReply:
+    pass
+
+
+_NO_REPLY = _NoReply()

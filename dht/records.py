@@ -1,0 +1,270 @@
+"""swarmd records: expiring, mergeable, optionally signed values that ride inside plain DHT `bytes` values.
+
+A stock kademlia node stores one opaque value per key and the last writer wins. swarmd needs more: every value
+expires at an absolute time of the DHT clock, a key can hold a dictionary of subkeys that many peers write
+independently (experts declaring under one grid prefix, peers joining an averaging group), and an entry can
+belong to an owner whose Ed25519 signature nobody else can produce.
+
+So a swarmd value is `MAGIC + msgpack([key_entry | nil, {subkey: entry}])` with
+`entry = [value, expiration_time, owner_public_key | nil, signature | nil]`. Stock nodes just keep those bytes;
+swarmd nodes merge what they receive into what they hold, and readers merge the replicas they hear from.
+
+Merge rule for one (key, subkey), existing entry E versus incoming entry I (`choose`):
+  1. an expired entry never wins (and expired entries vanish from every record);
+  2. an entry with an owner only yields to an entry signed by the same owner;
+  3. an owned entry replaces an unowned one (ownership is claimed by signing, first come);
+  4. otherwise the later expiration wins; on a tie the incoming entry wins (so a stock-style overwrite works).
+The signature covers (key id, subkey, value, expiration), so an entry cannot be replayed under another key or
+subkey, or kept alive longer than its owner asked.
+
+Plain values written by stock nodes (int, float, bool, str, bytes) read as a `Record` whose key entry has that
+value and `expiration_time == math.inf` (stock values never expire). Conversely a swarmd store with an infinite
+expiration, no subkey and no signature is written as a plain stock value, so stock nodes read it unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from dht.errors import InvalidKey, InvalidValue, ValueTooLarge
+from dht.protocol import is_stock_value, pack, unpack
+from peer.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, verify_signature
+
+MAGIC = b"\xc1swarmd\x01"  # 0xc1 is never a msgpack type byte: no msgpack-ish plain value starts like this
+# The largest value a store request can carry: 8192 (rpcudp request cap) minus the framing of
+# ["store", [node_id(20), key(20), value]] with a bin16 header on the value.
+MAX_RECORD_BYTES = 8192 - 55
+Subkey = Union[str, bytes, int]
+_SIGNATURE_DOMAIN = "swarmd-dht-record-v1"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One value with its absolute expiration time; `owner` (raw Ed25519 public key) and `signature` together
+    or not at all."""
+
+    value: Any
+    expiration_time: float
+    owner: bytes | None = None
+    signature: bytes | None = None
+
+    def expired(self, now: float) -> bool:
+        return self.expiration_time <= now
+
+
+@dataclass
+class Record:
+    """What `DHTNode.get` returns: the key's own entry (if any) and its subkey entries, all unexpired."""
+
+    entry: Entry | None = None
+    subkeys: dict[Subkey, Entry] = field(default_factory=dict)
+
+    @property
+    def value(self) -> Any:
+        """The key's own value; None when the key holds only subkeys."""
+        return self.entry.value if self.entry is not None else None
+
+    @property
+    def expiration_time(self) -> float:
+        """The key entry's expiration, or the latest subkey expiration for a key holding only subkeys."""
+        if self.entry is not None:
+            return self.entry.expiration_time
+        return max((e.expiration_time for e in self.subkeys.values()), default=-math.inf)
+
+    @property
+    def owner(self) -> bytes | None:
+        return self.entry.owner if self.entry is not None else None
+
+    def empty(self) -> bool:
+        return self.entry is None and not self.subkeys
+
+    def is_plain(self) -> bool:
+        """Stored as a bare stock value: an unsigned, never-expiring stock-typed value and nothing else."""
+        entry = self.entry
+        return (
+            entry is not None
+            and not self.subkeys
+            and entry.owner is None
+            and entry.expiration_time == math.inf
+            and is_stock_value(entry.value)
+            and not (isinstance(entry.value, bytes) and entry.value.startswith(MAGIC))
+        )
+
+    def pruned(self, now: float) -> "Record":
+        entry = self.entry if self.entry is not None and not self.entry.expired(now) else None
+        return Record(entry, {k: e for k, e in self.subkeys.items() if not e.expired(now)})
+
+    def __repr__(self) -> str:
+        return f"Record(value={self.value!r}, expiration_time={self.expiration_time}, subkeys={self.subkeys!r})"
+
+
+# ----------------------------------------------------------------------------------------------- keys, signing
+
+
+def check_key(key: Any, operation: str) -> None:
+    if not isinstance(key, (str, bytes)):
+        raise InvalidKey(f"DHT keys are str or bytes, not {type(key).__name__}", operation=operation)
+
+
+def check_subkey(subkey: Any, operation: str) -> None:
+    if subkey is not None and (not isinstance(subkey, (str, bytes, int)) or isinstance(subkey, bool)):
+        raise InvalidKey(f"subkeys are str, bytes or int, not {type(subkey).__name__}", operation=operation)
+
+
+def signing_payload(key_id: bytes, subkey: Subkey | None, value: Any, expiration_time: float) -> bytes:
+    return pack([_SIGNATURE_DOMAIN, key_id, subkey, value, float(expiration_time)])
+
+
+def make_entry(
+    key_id: bytes, subkey: Subkey | None, value: Any, expiration_time: float, identity: Identity | None = None
+) -> Entry:
+    """A new entry, signed by `identity` when given (which makes `identity` its owner)."""
+    try:
+        pack(value)
+    except Exception as error:
+        raise InvalidValue(f"value cannot be encoded with msgpack: {error}", operation="store") from error
+    expiration_time = float(expiration_time)
+    if identity is None:
+        return Entry(value, expiration_time)
+    signature = identity.sign(signing_payload(key_id, subkey, value, expiration_time))
+    return Entry(value, expiration_time, identity.public_key, signature)
+
+
+def entry_authentic(key_id: bytes, subkey: Subkey | None, entry: Entry) -> bool:
+    if entry.owner is None:
+        return entry.signature is None
+    if entry.signature is None:
+        return False
+    return verify_signature(
+        entry.owner, entry.signature, signing_payload(key_id, subkey, entry.value, entry.expiration_time)
+    )
+
+
+# ----------------------------------------------------------------------------------------------------- merging
+
+
+def choose(existing: Entry | None, incoming: Entry | None, now: float) -> Entry | None:
+    """The entry that (key, subkey) holds after `incoming` arrives at a holder of `existing` (see module doc)."""
+    if incoming is None or incoming.expired(now):
+        return existing if existing is not None and not existing.expired(now) else None
+    if existing is None or existing.expired(now):
+        return incoming
+    if existing.owner is not None and incoming.owner != existing.owner:
+        return existing
+    if existing.owner is None and incoming.owner is not None:
+        return incoming
+    return incoming if incoming.expiration_time >= existing.expiration_time else existing
+
+
+def merge(existing: Record | None, incoming: Record | None, now: float) -> Record | None:
+    """Merge `incoming` into `existing` entry by entry; None when nothing unexpired is left."""
+    existing = existing or Record()
+    incoming = incoming or Record()
+    entry = choose(existing.entry, incoming.entry, now)
+    subkeys: dict[Subkey, Entry] = {}
+    for subkey in existing.subkeys.keys() | incoming.subkeys.keys():
+        chosen = choose(existing.subkeys.get(subkey), incoming.subkeys.get(subkey), now)
+        if chosen is not None:
+            subkeys[subkey] = chosen
+    merged = Record(entry, subkeys)
+    return None if merged.empty() else merged
+
+
+# ---------------------------------------------------------------------------------------------- wire encoding
+
+
+def _entry_to_wire(entry: Entry) -> list:
+    return [entry.value, entry.expiration_time, entry.owner, entry.signature]
+
+
+def encode(record: Record) -> Any:
+    """The DHT value for `record`: a bare stock value when `record.is_plain()`, else MAGIC + msgpack envelope."""
+    if record.is_plain():
+        return record.entry.value
+    body = [
+        _entry_to_wire(record.entry) if record.entry is not None else None,
+        {subkey: _entry_to_wire(entry) for subkey, entry in record.subkeys.items()},
+    ]
+    return MAGIC + pack(body)
+
+
+def encoded_size(value: Any) -> int:
+    """Bytes the stored value takes inside a store request."""
+    return len(pack(value))
+
+
+def fit(record: Record, limit: int = MAX_RECORD_BYTES) -> Record:
+    """Drop the soonest-expiring subkeys until the record fits in one store request: a key that many peers
+    write keeps its freshest entries instead of growing past what the protocol can carry."""
+    if encoded_size(encode(record)) <= limit:
+        return record
+    subkeys = sorted(record.subkeys.items(), key=lambda item: item[1].expiration_time, reverse=True)
+    while subkeys:
+        subkeys.pop()
+        candidate = Record(record.entry, dict(subkeys))
+        if encoded_size(encode(candidate)) <= limit:
+            return candidate
+    return Record(record.entry, {})
+
+
+def _entry_from_wire(key_id: bytes, subkey: Subkey | None, raw: Any) -> Entry | None:
+    if not (isinstance(raw, list) and len(raw) == 4):
+        return None
+    value, expiration_time, owner, signature = raw
+    if isinstance(expiration_time, bool) or not isinstance(expiration_time, (int, float)):
+        return None
+    if math.isnan(expiration_time):
+        return None
+    if owner is not None and not (isinstance(owner, bytes) and len(owner) == PUBLIC_KEY_BYTES):
+        return None
+    if signature is not None and not (isinstance(signature, bytes) and len(signature) == SIGNATURE_BYTES):
+        return None
+    entry = Entry(value, float(expiration_time), owner, signature)
+    return entry if entry_authentic(key_id, subkey, entry) else None
+
+
+def decode(key_id: bytes, stored: Any, now: float) -> Record | None:
+    """The record a DHT value carries, with expired and forged entries removed; None when nothing valid is
+    left or the value is not something a DHT can hold (lists, maps, nil: refused, never an exception)."""
+    if isinstance(stored, bytes) and stored.startswith(MAGIC):
+        try:
+            body = unpack(stored[len(MAGIC):])
+        except Exception:
+            return None
+        if not (isinstance(body, list) and len(body) == 2 and isinstance(body[1], dict)):
+            return None
+        raw_entry, raw_subkeys = body
+        entry = _entry_from_wire(key_id, None, raw_entry) if raw_entry is not None else None
+        if raw_entry is not None and entry is None:
+            return None
+        subkeys: dict[Subkey, Entry] = {}
+        for subkey, raw in raw_subkeys.items():
+            if not isinstance(subkey, (str, bytes, int)) or isinstance(subkey, bool):
+                return None
+            sub_entry = _entry_from_wire(key_id, subkey, raw)
+            if sub_entry is None:
+                return None
+            subkeys[subkey] = sub_entry
+        record = Record(entry, subkeys).pruned(now)
+        return None if record.empty() else record
+    if is_stock_value(stored):
+        return Record(Entry(stored, math.inf))
+    return None
+
+
+def record_for_store(
+    key_id: bytes,
+    value: Any,
+    expiration_time: float,
+    subkey: Subkey | None = None,
+    identity: Identity | None = None,
+) -> Record:
+    """The one-entry record a `store` call sends; raises ValueTooLarge if it does not fit in a datagram."""
+    entry = make_entry(key_id, subkey, value, expiration_time, identity)
+    record = Record(entry, {}) if subkey is None else Record(None, {subkey: entry})
+    size = encoded_size(encode(record))
+    if size > MAX_RECORD_BYTES:
+        raise ValueTooLarge(size, MAX_RECORD_BYTES)
+    return record
