@@ -206,9 +206,10 @@ def test_decode_accepts_memoryview_slices_and_read_only_buffers():
 
 def test_float16_error_bound():
     gen = torch.Generator().manual_seed(3)
+    exponents = torch.randint(-9, 5, (20000,), generator=gen)
     magnitudes = torch.cat(
         [
-            torch.randn(20000, generator=gen, dtype=torch.float64) * 10.0 ** torch.randint(-9, 5, (20000,), generator=gen),
+            torch.randn(20000, generator=gen, dtype=torch.float64) * 10.0**exponents,
             torch.tensor([65504.0, -65504.0, 65000.0, 6e-8, -6e-8, 1e-30, 0.0, 2.0**-14, 1.0 + 2.0**-11]),
         ]
     )
