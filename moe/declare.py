@@ -1,0 +1,156 @@
+"""The DHT record layout of experts, shared by servers (who write it) and clients (who read it).
+
+For an expert `ffn.3.17` served at host:port by peer P, a server stores
+  - key `ffn.3.17`                -> `[host, port, P_hex]`             (find one expert by uid)
+  - key `ffn.`,   subkey `3`      -> `["ffn.3.17", host, port, P_hex]`  (the grid has experts below `ffn.3.`)
+  - key `ffn.3.`, subkey `17`     -> `["ffn.3.17", host, port, P_hex]`  (the expert itself, for the last level)
+all with the same absolute expiration in the DHT's clock. Beam search walks the grid with one `get_many` per
+level over prefix keys; many servers write under one prefix without conflict because each coordinate is its
+own subkey. Everything read back is validated: DHT values come from arbitrary peers.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any, Iterable, Mapping, Protocol, Sequence
+
+from moe.beam_search import ExpertLocation, parse_location
+from moe.grid import GridPattern, InvalidUID, choose_free_uids, is_valid_uid, prefix_entries
+
+logger = logging.getLogger(__name__)
+Address = tuple[str, int]
+StoreItem = tuple[str, Any, float, Any]  # (key, value, expiration_time, subkey or None)
+
+
+class ExpertDHT(Protocol):
+    """The part of `dht.DHTNode` this module uses."""
+
+    def now(self) -> float: ...
+
+    async def store_many(self, items: Sequence[StoreItem]) -> Any: ...
+
+    async def get_many(self, keys: Sequence[str]) -> Mapping[str, Any]: ...
+
+
+def _location_value(address: Address, peer_id: Any) -> list[Any]:
+    peer_hex = peer_id if isinstance(peer_id, str) else bytes(peer_id).hex()
+    return [str(address[0]), int(address[1]), peer_hex]
+
+
+def declaration_items(uids: Iterable[str], address: Address, peer_id: Any, expiration: float) -> list[StoreItem]:
+    """The store items declaring `uids` at `address`: one per uid, plus one per distinct (prefix, coordinate)."""
+    location = _location_value(address, peer_id)
+    items: list[StoreItem] = []
+    seen_prefixes: set[tuple[str, int]] = set()
+    for uid in uids:
+        if not is_valid_uid(uid):
+            raise InvalidUID(f"cannot declare {uid!r}: not a grid uid")
+        items.append((uid, location, expiration, None))
+        for prefix, coord in prefix_entries(uid):
+            if (prefix, coord) not in seen_prefixes:
+                seen_prefixes.add((prefix, coord))
+                items.append((prefix, [uid, *location], expiration, coord))
+    return items
+
+
+async def declare_experts(
+    dht: ExpertDHT, uids: Sequence[str], address: Address, peer_id: Any, expiration: float
+) -> Any:
+    """Store the records of `uids` (expiring at `expiration`, absolute in `dht.now()` time) in one batch;
+    returns what the DHT's `store_many` returns."""
+    return await dht.store_many(declaration_items(uids, address, peer_id, expiration))
+
+
+def _valid_location(value: Any, *, with_uid: bool) -> tuple[str | None, ExpertLocation] | None:
+    if not isinstance(value, (list, tuple)) or len(value) != (4 if with_uid else 3):
+        return None
+    uid = value[0] if with_uid else None
+    if with_uid and not is_valid_uid(uid):
+        return None
+    location = parse_location(list(value))
+    if location is None or len(location.peer_id_hex) != 40:
+        return None
+    try:
+        bytes.fromhex(location.peer_id_hex)
+    except ValueError:
+        return None
+    return uid, location
+
+
+async def get_experts(dht: ExpertDHT, uids: Sequence[str]) -> dict[str, ExpertLocation | None]:
+    """Where each uid is served now (None: not declared, expired, or a malformed record)."""
+    if not uids:
+        return {}
+    records = await dht.get_many(list(uids))
+    now = dht.now()
+    found: dict[str, ExpertLocation | None] = {}
+    for uid in uids:
+        record = records.get(uid)
+        entry = getattr(record, "entry", None)
+        parsed = None
+        if entry is not None and entry.expiration_time > now:
+            parsed = _valid_location(entry.value, with_uid=False)
+        found[uid] = parsed[1] if parsed else None
+    return found
+
+
+async def get_prefixes(
+    dht: ExpertDHT, prefixes: Sequence[str]
+) -> dict[str, dict[int, tuple[str, ExpertLocation]]]:
+    """For each prefix (`ffn.` or `ffn.3.`): next coordinate -> (one full uid below it, its location)."""
+    if not prefixes:
+        return {}
+    records = await dht.get_many(list(prefixes))
+    now = dht.now()
+    result: dict[str, dict[int, tuple[str, ExpertLocation]]] = {}
+    for prefix in prefixes:
+        children: dict[int, tuple[str, ExpertLocation]] = {}
+        record = records.get(prefix)
+        for subkey, entry in (getattr(record, "subkeys", None) or {}).items():
+            if not isinstance(subkey, int) or isinstance(subkey, bool) or subkey < 0:
+                continue
+            if entry.expiration_time <= now:
+                continue
+            parsed = _valid_location(entry.value, with_uid=True)
+            if parsed is not None and parsed[0].startswith(prefix):  # type: ignore[union-attr]
+                children[subkey] = (parsed[0], parsed[1])  # type: ignore[assignment]
+        result[prefix] = children
+    return result
+
+
+async def get_prefix_entries(dht: ExpertDHT, prefix: str) -> dict[int, tuple[str, ExpertLocation]]:
+    return (await get_prefixes(dht, [prefix]))[prefix]
+
+
+async def find_free_uids(
+    dht: ExpertDHT,
+    pattern: str | GridPattern,
+    count: int,
+    *,
+    taken: Iterable[str] = (),
+    rng: random.Random | None = None,
+    rounds: int = 8,
+) -> list[str]:
+    """`count` uids of `pattern` that no live expert in the DHT uses (nor any in `taken`), checked in batches.
+
+    Two servers starting at the same moment can still pick the same uid (the DHT is not a lock); the later
+    declaration then simply wins the uid key, and both keep serving under their own address."""
+    grid = pattern if isinstance(pattern, GridPattern) else GridPattern.parse(pattern)
+    rng = rng or random.Random()
+    known_taken = set(taken)
+    chosen: list[str] = []
+    for _ in range(rounds):
+        need = count - len(chosen)
+        if need <= 0:
+            break
+        candidates = choose_free_uids(grid, need, known_taken | set(chosen), rng)
+        locations = await get_experts(dht, candidates)
+        for uid in candidates:
+            if locations.get(uid) is None:
+                chosen.append(uid)
+            else:
+                known_taken.add(uid)
+    if len(chosen) < count:
+        raise InvalidUID(f"found only {len(chosen)} of {count} free uids in {grid.name} after {rounds} rounds")
+    return chosen

@@ -1,0 +1,371 @@
+"""`ExpertServer`: hosts experts on a peer's RPC node, declares them in the DHT, keeps their checkpoints.
+
+How a peer composes it (the daemon does this):
+
+    async with RPCNode(identity, network) as rpc:
+        await rpc.listen(host, port)
+        experts = [make_expert(uid, "ffn", 1024, seed=i) for i, uid in enumerate(uids)]
+        server = ExpertServer(experts, checkpoint_dir=path)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.run, rpc, dht)     # dht may be None (no declarations)
+            ...                                           # cancelling the nursery stops the server
+
+`run` loads checkpoints, starts the runtime, registers `moe.info` / `moe.forward` / `moe.backward`, declares the
+experts every `declare_interval` seconds with expiration `dht.now() + declare_ttl`, saves checkpoints every
+`checkpoint_interval` seconds, and on cancellation unregisters the handlers, waits for running batches and saves
+a final checkpoint. Use `choose_uids` first to pick uids: checkpointed ones come back, new ones avoid the DHT's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import re
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+import trio
+
+from moe.declare import ExpertDHT, declare_experts, find_free_uids
+from moe.errors import BadExpertInput, CheckpointError, ExpertFailed, ExpertNotFound, ServerShuttingDown
+from moe.experts import Expert
+from moe.grid import GridPattern, InvalidUID, choose_free_uids, is_valid_uid
+from moe.runtime import ExpertComputeError, ExpertRuntime, RuntimeNotRunning
+from moe.schema import SchemaError, validate_batch
+from peer import wire
+from peer.rpc import CallContext, RPCNode
+
+logger = logging.getLogger(__name__)
+Address = tuple[str, int]
+CHECKPOINT_SUFFIX = ".pt"
+_CHECKPOINT_NAME = re.compile(r"^(.+)\.pt$")
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+
+
+def checkpoint_path(directory: str | Path, uid: str) -> Path:
+    return Path(directory) / f"{uid}{CHECKPOINT_SUFFIX}"
+
+
+def save_checkpoint(path: str | Path, state: Mapping[str, Any]) -> None:
+    """Write atomically: a crash mid-write leaves the previous checkpoint intact, never a truncated file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "wb") as file:
+            torch.save(dict(state), file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    finally:
+        if temporary.exists():
+            temporary.unlink()
+    try:
+        directory_fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(directory_fd)  # make the rename itself durable
+    except OSError:
+        pass
+    finally:
+        os.close(directory_fd)
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # unpickling errors come in many types; all mean "not a usable checkpoint"
+        raise CheckpointError(str(path), f"unreadable checkpoint: {type(error).__name__}: {error}") from error
+    if not isinstance(state, dict) or "model" not in state:
+        raise CheckpointError(str(path), "not an expert checkpoint")
+    return state
+
+
+def checkpointed_uids(directory: str | Path) -> list[str]:
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    uids = []
+    for entry in sorted(directory.iterdir()):
+        match = _CHECKPOINT_NAME.match(entry.name)
+        if match and is_valid_uid(match.group(1)):
+            uids.append(match.group(1))
+    return uids
+
+
+async def choose_uids(
+    pattern: str,
+    count: int,
+    *,
+    dht: ExpertDHT | None = None,
+    checkpoint_dir: str | Path | None = None,
+    rng: random.Random | None = None,
+) -> list[str]:
+    """The uids a starting server should serve: its checkpointed uids of this pattern first (a restarted server
+    keeps its experts), then fresh uids not declared by anyone in the DHT (any free ones without a DHT)."""
+    grid = GridPattern.parse(pattern)
+    kept = [uid for uid in checkpointed_uids(checkpoint_dir) if uid in grid][:count] if checkpoint_dir else []
+    need = count - len(kept)
+    if need <= 0:
+        return kept
+    if dht is not None:
+        fresh = await find_free_uids(dht, grid, need, taken=kept, rng=rng)
+    else:
+        fresh = choose_free_uids(grid, need, kept, rng)
+    return kept + fresh
+
+
+# ------------------------------------------------------------------------------------------------ server
+
+
+class ExpertServer:
+    def __init__(
+        self,
+        experts: Sequence[Expert] | Mapping[str, Expert],
+        *,
+        max_batch_size: int = 4096,
+        min_batch_size: int = 1,
+        batch_timeout: float = 0.005,
+        threads_per_device: int = 1,
+        inline_threshold: float = 1e-4,
+        checkpoint_dir: str | Path | None = None,
+        checkpoint_interval: float = 300.0,
+        declare_ttl: float = 60.0,
+        declare_interval: float | None = None,
+    ):
+        if isinstance(experts, Mapping):
+            experts = list(experts.values())
+        self.experts: dict[str, Expert] = {}
+        for expert in experts:
+            if not is_valid_uid(expert.uid):
+                raise InvalidUID(f"expert uid {expert.uid!r} is not a grid uid (name.i.j...)")
+            if expert.uid in self.experts:
+                raise ValueError(f"two experts share the uid {expert.uid!r}")
+            self.experts[expert.uid] = expert
+        self.max_batch_size = max_batch_size
+        self.runtime = ExpertRuntime(
+            self.experts, max_batch_size=max_batch_size, min_batch_size=min_batch_size,
+            batch_timeout=batch_timeout, threads_per_device=threads_per_device, inline_threshold=inline_threshold,
+        )
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.checkpoint_interval = checkpoint_interval
+        self.declare_ttl = declare_ttl
+        self.declare_interval = declare_interval if declare_interval is not None else declare_ttl / 3
+        self._served = {"info": 0, "forward": 0, "backward": 0}
+        self._errors = {"not_found": 0, "bad_input": 0, "expert_failed": 0, "shutting_down": 0}
+        self._declarations = {"rounds": 0, "failures": 0, "last_expiration": None}
+        self._checkpoints = {"saved": 0, "loaded": 0, "failures": 0}
+        self._saved_steps: dict[str, int] = {}
+        self._running = False
+
+    # ---------------------------------------------------------------------------------------- lifetime
+
+    async def run(
+        self,
+        rpc: RPCNode,
+        dht: ExpertDHT | None = None,
+        *,
+        announce: Address | None = None,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve until cancelled (see the module docstring). `announce` is the address declared in the DHT
+        (default: the RPC node's announced address)."""
+        if self._running:
+            raise RuntimeError("this ExpertServer is already running")
+        self.load_checkpoints()
+        self._running = True
+        registered: list[str] = []
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.runtime.run)
+                for name, handler in (("moe.info", self._handle_info), ("moe.forward", self._handle_forward),
+                                      ("moe.backward", self._handle_backward)):
+                    rpc.register(name, handler)
+                    registered.append(name)
+                if dht is not None:
+                    address = announce or rpc.announced_address
+                    if address is None:
+                        raise RuntimeError("the RPC node does not listen: nothing to declare in the DHT")
+                    await self.declare(dht, address, rpc.peer_id)  # declared before `started`: findable at once
+                    nursery.start_soon(self._declare_loop, dht, address, rpc.peer_id)
+                if self.checkpoint_dir is not None and math.isfinite(self.checkpoint_interval):
+                    nursery.start_soon(self._checkpoint_loop)
+                task_status.started()
+        finally:
+            for name in registered:
+                rpc.unregister(name)
+            self._running = False
+            if self.checkpoint_dir is not None:
+                self.save_checkpoints()  # the runtime has stopped: no batch runs, weights are final
+
+    async def declare(self, dht: ExpertDHT, address: Address, peer_id: Any) -> None:
+        """Declare every expert once, expiring `declare_ttl` seconds from now in the DHT's clock."""
+        expiration = dht.now() + self.declare_ttl
+        await declare_experts(dht, list(self.experts), address, peer_id, expiration)
+        self._declarations["rounds"] += 1
+        self._declarations["last_expiration"] = expiration
+
+    async def _declare_loop(self, dht: ExpertDHT, address: Address, peer_id: Any) -> None:
+        while True:
+            await trio.sleep(self.declare_interval)
+            try:
+                await self.declare(dht, address, peer_id)
+            except Exception as error:  # a DHT hiccup must not stop serving; the next round retries
+                self._declarations["failures"] += 1
+                logger.warning("declaring %d experts failed: %s", len(self.experts), error)
+
+    # ---------------------------------------------------------------------------------------- checkpoints
+
+    def load_checkpoints(self) -> int:
+        """Load every expert that has a checkpoint; returns how many. Raises CheckpointError on a mismatch."""
+        if self.checkpoint_dir is None:
+            return 0
+        loaded = 0
+        for uid, expert in self.experts.items():
+            path = checkpoint_path(self.checkpoint_dir, uid)
+            if not path.exists():
+                continue
+            state = load_checkpoint(path)
+            try:
+                expert.load_state_dict(state)
+            except (ValueError, KeyError, RuntimeError) as error:
+                raise CheckpointError(str(path), str(error)) from error
+            self._saved_steps[uid] = expert.steps
+            loaded += 1
+        self._checkpoints["loaded"] += loaded
+        return loaded
+
+    def save_checkpoints(self, *, only_changed: bool = False) -> int:
+        """Save experts synchronously (call only while no batch runs: before `run` or after it returned)."""
+        if self.checkpoint_dir is None:
+            return 0
+        saved = 0
+        for uid, expert in self.experts.items():
+            if only_changed and self._saved_steps.get(uid) == expert.steps:
+                continue
+            try:
+                save_checkpoint(checkpoint_path(self.checkpoint_dir, uid), expert.state_dict())
+            except OSError as error:
+                self._checkpoints["failures"] += 1
+                logger.error("checkpoint of %s failed: %s", uid, error)
+                continue
+            self._saved_steps[uid] = expert.steps
+            saved += 1
+        self._checkpoints["saved"] += saved
+        return saved
+
+    async def checkpoint(self) -> int:
+        """Save experts that trained since their last checkpoint, while serving: each expert's state is copied
+        between its batches, then written in a worker thread."""
+        assert self.checkpoint_dir is not None
+        saved = 0
+        for uid in self.experts:
+            state = await self.runtime.exclusive(uid, lambda expert: expert.state_dict())
+            if self._saved_steps.get(uid) == state["steps"]:
+                continue
+            try:
+                await trio.to_thread.run_sync(save_checkpoint, checkpoint_path(self.checkpoint_dir, uid), state)
+            except OSError as error:
+                self._checkpoints["failures"] += 1
+                logger.error("checkpoint of %s failed: %s", uid, error)
+                continue
+            self._saved_steps[uid] = state["steps"]
+            saved += 1
+        self._checkpoints["saved"] += saved
+        return saved
+
+    async def _checkpoint_loop(self) -> None:
+        while True:
+            await trio.sleep(self.checkpoint_interval)
+            await self.checkpoint()
+
+    # ---------------------------------------------------------------------------------------- handlers
+
+    def _expert_for(self, args: Any) -> Expert:
+        if not isinstance(args, dict) or not isinstance(args.get("uid"), str):
+            self._errors["bad_input"] += 1
+            raise BadExpertInput("expected arguments {'uid': str, ...}")
+        expert = self.experts.get(args["uid"])
+        if expert is None:
+            self._errors["not_found"] += 1
+            raise ExpertNotFound(f"no expert {args['uid'][:100]!r} on this server")
+        return expert
+
+    def _validate(self, expert: Expert, args: dict, *, backward: bool) -> tuple[list, list]:
+        try:
+            rows = validate_batch(expert.inputs, args.get("inputs"), max_batch_size=self.max_batch_size)
+            grads: list = []
+            if backward:
+                validate_batch(expert.outputs, args.get("grad_outputs"), max_batch_size=self.max_batch_size,
+                               batch_size=rows, what="grad_outputs")
+                grads = list(args["grad_outputs"])
+            compression = args.get("compression", 0)
+            if compression not in wire.Compression._value2member_map_ or isinstance(compression, bool):
+                raise SchemaError(f"unknown compression {compression!r}")
+        except SchemaError as error:
+            self._errors["bad_input"] += 1
+            raise BadExpertInput(f"{expert.uid}: {error}") from None
+        return list(args["inputs"]), grads
+
+    @staticmethod
+    def _reply_tensors(tensors: list[torch.Tensor], args: dict) -> list[Any]:
+        """Replies use the codec the caller asked for (`"compression": 1` = float16, `2` = 8-bit)."""
+        codec = wire.Compression(args.get("compression", 0))
+        if codec == wire.Compression.NONE:
+            return tensors
+        return [wire.compressed(tensor, codec) for tensor in tensors]
+
+    async def _compute(self, expert: Expert, mode: str, *tensors: list) -> list[torch.Tensor]:
+        try:
+            if mode == "forward":
+                return await self.runtime.forward(expert.uid, tensors[0])
+            return await self.runtime.backward(expert.uid, tensors[0], tensors[1])
+        except ExpertComputeError as error:
+            self._errors["expert_failed"] += 1
+            raise ExpertFailed(str(error)) from None
+        except RuntimeNotRunning:
+            self._errors["shutting_down"] += 1
+            raise ServerShuttingDown(f"{expert.uid}: the server is shutting down") from None
+
+    async def _handle_info(self, context: CallContext, args: Any) -> dict[str, Any]:
+        expert = self._expert_for(args)
+        self._served["info"] += 1
+        return expert.info(self.max_batch_size)
+
+    async def _handle_forward(self, context: CallContext, args: Any) -> dict[str, Any]:
+        expert = self._expert_for(args)
+        inputs, _ = self._validate(expert, args, backward=False)
+        outputs = await self._compute(expert, "forward", inputs)
+        self._served["forward"] += 1
+        return {"outputs": self._reply_tensors(outputs, args)}
+
+    async def _handle_backward(self, context: CallContext, args: Any) -> dict[str, Any]:
+        expert = self._expert_for(args)
+        inputs, grad_outputs = self._validate(expert, args, backward=True)
+        grad_inputs = await self._compute(expert, "backward", inputs, grad_outputs)
+        self._served["backward"] += 1
+        return {"grad_inputs": self._reply_tensors(grad_inputs, args)}
+
+    # ---------------------------------------------------------------------------------------- stats
+
+    def stats(self) -> dict[str, Any]:
+        runtime = self.runtime.stats()
+        return {
+            "experts": sorted(self.experts),
+            "running": self._running,
+            "requests": dict(self._served),
+            "requests_total": sum(self._served.values()),
+            "batches": runtime["batches"],
+            "samples": runtime["samples"],
+            "errors": dict(self._errors),
+            "errors_total": sum(self._errors.values()),
+            "declarations": dict(self._declarations),
+            "checkpoints": dict(self._checkpoints),
+            "per_expert": runtime["per_expert"],
+        }
