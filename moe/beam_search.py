@@ -26,6 +26,8 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import trio
 
+from moe.grid import prefix_entries
+
 Address = tuple[str, int]
 
 
@@ -64,8 +66,13 @@ def normalize_prefix(uid_prefix: str) -> str:
 
 
 def parse_location(value: Any) -> ExpertLocation | None:
-    """Read `[uid, host, port, peer_id_hex]` (prefix entries) or `[host, port, peer_id_hex]` (uid entries);
-    None for anything malformed, since DHT values come from arbitrary peers."""
+    """Read `[uid, host, port, peer_id_hex]` (prefix entries) or `[host, port, peer_id_hex]` (uid entries), or
+    the `(uid, ExpertLocation)` pairs `moe.declare.get_prefixes` returns; None for anything malformed, since DHT
+    values come from arbitrary peers."""
+    if isinstance(value, ExpertLocation):
+        return value
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], ExpertLocation):
+        return value[1]
     if not isinstance(value, (list, tuple)):
         return None
     if len(value) == 4:
@@ -240,17 +247,18 @@ async def find_best_experts(
     return search.results()
 
 
-def _coordinate(subkey: Any) -> int | None:
-    """Subkeys are ints on our DHT; accept decimal strings too (written by other clients)."""
-    if isinstance(subkey, bool):
-        return None
-    if isinstance(subkey, int):
-        return subkey
-    if isinstance(subkey, (str, bytes)):
-        text = subkey.decode() if isinstance(subkey, bytes) else subkey
-        if text.isdigit():
-            return int(text)
-    return None
+class StaticGridOracle:
+    """Children of grid prefixes from a fixed uid -> location table: a mixture over a known set of experts, with
+    no DHT (benchmarks, private deployments, tests)."""
+
+    def __init__(self, experts: Mapping[str, ExpertLocation]):
+        self.table: dict[str, dict[int, tuple[str, ExpertLocation]]] = {}
+        for uid, location in experts.items():
+            for prefix, coord in prefix_entries(uid):
+                self.table.setdefault(prefix, {})[coord] = (uid, location)
+
+    async def children(self, prefixes: Sequence[str]) -> dict[str, dict[int, Any]]:
+        return {key: self.table.get(key, {}) for key in prefixes}
 
 
 class DHTGridOracle:
@@ -258,7 +266,8 @@ class DHTGridOracle:
 
     Caching is what keeps a training step cheap: a 2-level grid costs two `get_many` calls per `ttl`, not per
     step. Experts that died since are not a problem for correctness: calls to them fail fast and the mixture
-    bans them (see `moe/mixture.py`); new experts appear after at most `ttl` seconds."""
+    bans them (see `moe/mixture.py`); new experts appear after at most `ttl` seconds. The record layout and its
+    validation live in `moe.declare` (shared with the servers that write it)."""
 
     def __init__(self, dht: Any, *, ttl: float = 5.0, clock: Callable[[], float] = trio.current_time):
         self.dht = dht
@@ -271,6 +280,8 @@ class DHTGridOracle:
         self._cache.clear()
 
     async def children(self, prefixes: Sequence[str]) -> dict[str, dict[int, Any]]:
+        from moe.declare import get_prefixes  # moe.declare imports this module's ExpertLocation
+
         now = self._clock()
         found: dict[str, dict[int, Any]] = {}
         missing = []
@@ -282,15 +293,9 @@ class DHTGridOracle:
                 missing.append(key)
         if missing:
             self.lookups += 1
-            records = await self.dht.get_many(missing)
+            fetched = await get_prefixes(self.dht, missing)
             for key in missing:
-                record = records.get(key)
-                children: dict[int, Any] = {}
-                if record is not None and record.subkeys:
-                    for subkey, entry in record.subkeys.items():
-                        coord = _coordinate(subkey)
-                        if coord is not None:
-                            children[coord] = entry.value
+                children = dict(fetched.get(key) or {})
                 self._cache[key] = (now, children)
                 found[key] = children
         return found
@@ -303,6 +308,7 @@ __all__ = [
     "ExpertChoice",
     "ExpertLocation",
     "GridSearch",
+    "StaticGridOracle",
     "find_best_experts",
     "normalize_prefix",
     "parse_location",

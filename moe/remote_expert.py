@@ -1,0 +1,111 @@
+"""`RemoteExpert`: one expert on another peer, used like a local `nn.Module` (autograd included).
+
+The forward sends the inputs to the server (`moe.forward`) and returns its outputs; the backward sends the inputs
+again with the output gradients (`moe.backward`): the server recomputes its forward, returns the input gradients
+and applies its optimizer step. Nothing is kept on the server between the two calls, so a client that never
+calls backward costs the server nothing.
+
+Calls cross from the caller's thread (a training loop, or autograd's backward) into the trio thread that owns
+the RPC node through the bridge (`swarm.bridge.run`), one hop per call. There is no fault tolerance here: a
+failure raises (`peer.rpc.RPCError` subclasses, e.g. `moe.errors.ExpertNotFound`); `RemoteMixtureOfExperts` is
+the layer that survives dead experts.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+from moe.beam_search import ExpertLocation
+from moe.errors import BadExpertOutput
+from peer import wire
+from peer.identity import PeerID
+
+Address = tuple[str, int]
+
+
+class RemoteExpert(nn.Module):
+    """An expert served elsewhere. `swarm` is anything with `.bridge` (peer.bridge.Bridge) and `.rpc` (an
+    RPCNode running in that bridge's trio thread), e.g. the trainer's `Swarm`."""
+
+    def __init__(
+        self,
+        uid: str,
+        address: Address | ExpertLocation,
+        swarm: Any,
+        *,
+        peer_id: PeerID | str | None = None,
+        timeout: float = 30.0,
+        compression: wire.Compression = wire.Compression.NONE,
+    ):
+        super().__init__()
+        if isinstance(address, ExpertLocation):
+            peer_id = peer_id if peer_id is not None else address.peer_id_hex
+            address = address.address
+        self.uid = uid
+        self.address: Address = (str(address[0]), int(address[1]))
+        self.peer_id = PeerID.from_hex(peer_id) if isinstance(peer_id, str) else peer_id
+        self.swarm = swarm
+        self.timeout = timeout
+        self.compression = compression
+        self._info: dict[str, Any] | None = None
+        # autograd only calls backward when some input requires grad; this one always does, so the server
+        # learns even when the caller's inputs are plain data
+        self._dummy = torch.empty(0, requires_grad=True)
+
+    def extra_repr(self) -> str:
+        return f"uid={self.uid!r}, address={self.address[0]}:{self.address[1]}"
+
+    def call(self, method: str, args: Any) -> Any:
+        """One RPC to the expert's server, from a synchronous thread through the bridge."""
+        async_call = functools.partial(
+            self.swarm.rpc.call, self.address, method, args, timeout=self.timeout, peer_id=self.peer_id,
+            compression=self.compression,
+        )
+        return self.swarm.bridge.run(async_call)
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """The expert's `moe.info` reply (kind, hidden_dim, max_batch_size, input and output schemas), cached."""
+        if self._info is None:
+            self._info = self.call("moe.info", {"uid": self.uid})
+        return self._info
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        outputs = _RemoteExpertFunction.apply(self._dummy, self, *inputs)
+        return outputs[0] if len(outputs) == 1 else outputs
+
+
+def _tensors(reply: Any, key: str, uid: str) -> list[torch.Tensor]:
+    values = reply.get(key) if isinstance(reply, dict) else None
+    if not isinstance(values, list) or not all(isinstance(t, torch.Tensor) for t in values):
+        raise BadExpertOutput(uid, f"expected {{{key!r}: [tensor, ...]}}")
+    return values
+
+
+class _RemoteExpertFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, dummy: torch.Tensor, expert: RemoteExpert, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        sent = [x.detach().contiguous() for x in inputs]
+        outputs = _tensors(expert.call("moe.forward", {"uid": expert.uid, "inputs": sent}), "outputs", expert.uid)
+        ctx.expert = expert
+        ctx.save_for_backward(*sent)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        expert: RemoteExpert = ctx.expert
+        inputs = ctx.saved_tensors
+        grads = [g.contiguous() for g in grad_outputs]
+        reply = expert.call("moe.backward", {"uid": expert.uid, "inputs": list(inputs), "grad_outputs": grads})
+        grad_inputs = _tensors(reply, "grad_inputs", expert.uid)
+        if len(grad_inputs) != len(inputs) or any(g.shape != x.shape for g, x in zip(grad_inputs, inputs)):
+            raise BadExpertOutput(expert.uid, "grad_inputs do not match the inputs' shapes")
+        wanted = ctx.needs_input_grad[2:]
+        return (None, None, *(g if need else None for g, need in zip(grad_inputs, wanted)))
+
+
+__all__ = ["RemoteExpert"]
