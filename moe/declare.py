@@ -56,10 +56,12 @@ def declaration_items(uids: Iterable[str], address: Address, peer_id: Any, expir
 
 async def declare_experts(
     dht: ExpertDHT, uids: Sequence[str], address: Address, peer_id: Any, expiration: float
-) -> Any:
+) -> dict[str, bool]:
     """Store the records of `uids` (expiring at `expiration`, absolute in `dht.now()` time) in one batch;
-    returns what the DHT's `store_many` returns."""
-    return await dht.store_many(declaration_items(uids, address, peer_id, expiration))
+    returns, per uid, whether its own record was acknowledged by at least one replica."""
+    items = declaration_items(uids, address, peer_id, expiration)
+    acknowledged = list(await dht.store_many(items))
+    return {item[0]: bool(ok) for item, ok in zip(items, acknowledged) if item[3] is None}
 
 
 def _valid_location(value: Any, *, with_uid: bool) -> tuple[str | None, ExpertLocation] | None:

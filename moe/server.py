@@ -159,7 +159,7 @@ class ExpertServer:
         self.declare_interval = declare_interval if declare_interval is not None else declare_ttl / 3
         self._served = {"info": 0, "forward": 0, "backward": 0}
         self._errors = {"not_found": 0, "bad_input": 0, "expert_failed": 0, "shutting_down": 0}
-        self._declarations = {"rounds": 0, "failures": 0, "last_expiration": None}
+        self._declarations = {"rounds": 0, "failures": 0, "unacknowledged": 0, "last_expiration": None}
         self._checkpoints = {"saved": 0, "loaded": 0, "failures": 0}
         self._saved_steps: dict[str, int] = {}
         self._running = False
@@ -192,7 +192,7 @@ class ExpertServer:
                     address = announce or rpc.announced_address
                     if address is None:
                         raise RuntimeError("the RPC node does not listen: nothing to declare in the DHT")
-                    await self.declare(dht, address, rpc.peer_id)  # declared before `started`: findable at once
+                    await self._declare_once(dht, address, rpc.peer_id)  # before `started`: findable at once
                     nursery.start_soon(self._declare_loop, dht, address, rpc.peer_id)
                 if self.checkpoint_dir is not None and math.isfinite(self.checkpoint_interval):
                     nursery.start_soon(self._checkpoint_loop)
@@ -207,18 +207,22 @@ class ExpertServer:
     async def declare(self, dht: ExpertDHT, address: Address, peer_id: Any) -> None:
         """Declare every expert once, expiring `declare_ttl` seconds from now in the DHT's clock."""
         expiration = dht.now() + self.declare_ttl
-        await declare_experts(dht, list(self.experts), address, peer_id, expiration)
+        stored = await declare_experts(dht, list(self.experts), address, peer_id, expiration)
         self._declarations["rounds"] += 1
+        self._declarations["unacknowledged"] += sum(not ok for ok in stored.values())
         self._declarations["last_expiration"] = expiration
+
+    async def _declare_once(self, dht: ExpertDHT, address: Address, peer_id: Any) -> None:
+        try:
+            await self.declare(dht, address, peer_id)
+        except Exception as error:  # a DHT hiccup must not stop serving; the next round retries
+            self._declarations["failures"] += 1
+            logger.warning("declaring %d experts failed: %s", len(self.experts), error)
 
     async def _declare_loop(self, dht: ExpertDHT, address: Address, peer_id: Any) -> None:
         while True:
             await trio.sleep(self.declare_interval)
-            try:
-                await self.declare(dht, address, peer_id)
-            except Exception as error:  # a DHT hiccup must not stop serving; the next round retries
-                self._declarations["failures"] += 1
-                logger.warning("declaring %d experts failed: %s", len(self.experts), error)
+            await self._declare_once(dht, address, peer_id)
 
     # ---------------------------------------------------------------------------------------- checkpoints
 
