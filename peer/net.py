@@ -458,3 +458,23 @@ class MemoryHost(Network):
         endpoint = _MemoryUDPEndpoint(self.network, (host, port))
         self.network._udp[(host, port)] = endpoint
         return endpoint
+
+
+def parse_address(text: str, *, default_port: int | None = None) -> Address:
+    """'HOST:PORT' (or '[v6]:PORT') -> (host, port), with a message that says what was wrong."""
+    text = text.strip()
+    host, separator, port_text = text.rpartition(":")
+    if not separator:
+        if default_port is None:
+            raise ValueError(f"{text!r} is not HOST:PORT")
+        host, port_text = text, str(default_port)
+    host = host.strip("[]")
+    if not host:
+        raise ValueError(f"{text!r} has no host (expected HOST:PORT)")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ValueError(f"{text!r} has a port that is not a number") from None
+    if not 0 < port < 65536:
+        raise ValueError(f"{text!r} has a port outside 1..65535")
+    return host, port

@@ -460,13 +460,18 @@ class RPCNode:
 
     @asynccontextmanager
     async def _lifetime(self) -> AsyncIterator["RPCNode"]:
+        failure: BaseException | None = None
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             try:
                 yield self
+            except BaseException as error:  # re-raised below, outside the nursery: no ExceptionGroup wrapping
+                failure = error
             finally:
                 nursery.cancel_scope.cancel()
                 self._nursery = None
+        if failure is not None:
+            raise failure
 
     async def __aenter__(self) -> "RPCNode":
         self._lifetime_cm = self._lifetime()

@@ -1,0 +1,87 @@
+"""The trainer's handle on the swarm: a client-mode peer on a background trio thread.
+
+Why client mode: trainers are often behind NAT or on laptops; they call others (experts, averaging partners, the
+DHT) and serve nothing, so nobody routes requests to them. Synchronous PyTorch code uses the swarm through the
+bridge: `swarm.run(async_fn, ...)` blocks until the coroutine finishes in the swarm's trio thread.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
+
+import trio
+
+from dht.node import DHTNode
+from peer.bridge import Bridge
+from peer.identity import Identity, PeerID
+from peer.net import Address, Network, RealNetwork, parse_address
+from peer.rpc import RPCNode
+
+T = TypeVar("T")
+
+
+def normalize_peers(initial_peers: Sequence[str | Address]) -> list[Address]:
+    return [parse_address(p) if isinstance(p, str) else (str(p[0]), int(p[1])) for p in initial_peers]
+
+
+class Swarm:
+    """`with Swarm(initial_peers=["127.0.0.1:31337"]) as swarm:` — then hand `swarm` to MoE layers and optimizers.
+
+    Attributes used by the feature modules: `bridge` (run coroutines from synchronous code), `rpc` (an RPCNode in
+    client mode) and `dht` (a client-mode DHTNode), all living in the bridge's trio thread.
+    """
+
+    def __init__(
+        self,
+        initial_peers: Sequence[str | Address],
+        *,
+        identity: Identity | None = None,
+        host: str = "127.0.0.1",
+        network: Network | None = None,
+        start: bool = True,
+    ):
+        self.initial_peers = normalize_peers(initial_peers)
+        if not self.initial_peers:
+            raise ValueError("a Swarm needs at least one initial peer (HOST:PORT of any running `peer join`)")
+        self.identity = identity or Identity.generate()
+        self.peer_id: PeerID = self.identity.peer_id
+        self.host = host
+        self.network = network or RealNetwork()
+        self.bridge: Bridge | None = None
+        self.rpc: RPCNode | None = None
+        self.dht: DHTNode | None = None
+        if start:
+            self.start()
+
+    def start(self) -> "Swarm":
+        self.bridge = Bridge.start()
+        try:
+            self.rpc, self.dht = self.bridge.start_and_wait(self._serve)
+        except BaseException:
+            self.bridge.close()
+            raise
+        return self
+
+    async def _serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with RPCNode(self.identity, self.network) as rpc:
+            async with DHTNode.open(self.host, 0, self.initial_peers, identity=self.identity,
+                                    network=self.network, client_mode=True) as dht:
+                task_status.started((rpc, dht))
+                await trio.sleep_forever()
+
+    def run(self, async_fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run a coroutine function in the swarm's trio thread and wait for its result."""
+        if self.bridge is None:
+            raise RuntimeError("the swarm is not started")
+        return self.bridge.run(async_fn, *args)
+
+    def close(self) -> None:
+        if self.bridge is not None:
+            self.bridge.close()
+            self.bridge = None
+
+    def __enter__(self) -> "Swarm":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
