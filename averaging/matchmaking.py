@@ -1,0 +1,689 @@
+"""Matchmaking through the DHT: who averages with whom this round, with no master and no leader chosen in advance.
+
+Protocol (one round, seen from one peer; every peer runs the same code):
+
+1. **Declare.** Store a declaration under the round's group key (`group_keys.py`), subkey = my peer id, with a
+   short expiration: address (None in client mode), bandwidth, client mode, schema hash, round, my deadline and
+   the time I declared. When I leave matchmaking I overwrite it with a withdrawal so latecomers don't count me.
+2. **Gather.** Poll the key. All peers derive the same plan from the same visible set (`plan_groups`): the
+   compatible declarations (same schema) ordered by a hash of peer id salted with key and round, cut
+   into balanced chunks of about `target_group_size`. In each chunk the **collector** is the member with the
+   lowest peer id that accepts connections. Nobody is appointed: it's a pure function of what everyone sees.
+3. **Join.** A non-collector waits until its view has been quiet for a short period `q` (adapted to measured DHT
+   latency and to how spread out the declarations of the last round were) and then sends one `avg.mm.join` call
+   to its collector. The call is a long poll: its answer is the final member list, a redirect, or a rejection.
+4. **Collect and seal.** The collector accepts joins (same key and schema, group not full, not sealed) and seals
+   as soon as the group is full, or once every member of its chunk that is still alive has joined, or at the
+   deadline (with >= `min_group_size`). Members of the chunk that haven't joined once the view is quiet are
+   probed with `avg.mm.ping`: a dead peer (connection refused, or no answer within a few RTTs) or a peer that
+   follows another collector is dropped from the wait at once. Sealing answers every pending join with the same
+   `GroupInfo` (same id, members sorted by peer id), which is how every member ends with the same list.
+5. **Failover.** Views can differ (late declarations, lost stores). A peer that receives a join while it is
+   itself following another collector answers with a redirect to that collector (always a lower peer id, so
+   redirects cannot loop). A joiner whose collector is dead, sealed without it or not matching excludes it (and
+   any members the rejection names) and recomputes its plan from the rest: the next-lowest peer of the chunk
+   becomes collector, possibly itself. A collector with no joiners yet that sees a lower peer appear in its
+   chunk steps down and joins instead. Everything is bounded by the peer's own deadline, which it also declares so
+   that collectors seal before any joined member gives up.
+
+A vanished peer therefore costs its group one connection attempt (refused at once on a dead host) or a few
+RTTs (frozen host), never the whole matchmaking window. The window (`matchmaking_time`) is only an upper bound;
+typical rounds finish after one quiet period `q` plus one RPC. Client-mode peers never collect (nobody can call
+them): they join, and `plan_groups` puts at least one reachable peer in every chunk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Protocol, Sequence
+
+import trio
+
+from averaging.group import GroupInfo, Member
+from peer.identity import PeerID
+from peer.net import Address
+from peer.rpc import CallContext, ConnectionFailed, RemoteError, RPCError, RPCNode
+
+logger = logging.getLogger(__name__)
+
+JOIN_METHOD = "avg.mm.join"
+PING_METHOD = "avg.mm.ping"
+_DECLARATION_VERSION = 1
+
+
+# --------------------------------------------------------------------------------------------- declarations
+
+
+@dataclass(frozen=True)
+class Declaration:
+    """One peer's readiness to average under a key, as read back from the DHT (or from a join request)."""
+
+    peer_id: PeerID
+    address: Address | None
+    bandwidth: float
+    client_mode: bool
+    schema: bytes
+    round: int
+    deadline: float
+    declared_at: float
+
+    @property
+    def can_collect(self) -> bool:
+        """Only a peer others can call can collect a group."""
+        return self.address is not None and not self.client_mode
+
+    def member(self) -> Member:
+        return Member(self.peer_id, self.address, self.bandwidth, self.client_mode)
+
+    def to_wire(self) -> list:
+        host, port = self.address if self.address is not None else (None, None)
+        return [_DECLARATION_VERSION, host, port, float(self.bandwidth), bool(self.client_mode), bytes(self.schema),
+                int(self.round), float(self.deadline), float(self.declared_at)]
+
+    @classmethod
+    def from_wire(cls, peer_id: bytes, value: Any) -> "Declaration | None":
+        """Parse a DHT entry; None for a withdrawal or anything malformed (a hostile or newer peer's entry must
+        not break everyone's matchmaking)."""
+        try:
+            if not isinstance(value, (list, tuple)) or len(value) != 9 or value[0] != _DECLARATION_VERSION:
+                return None
+            _, host, port, bandwidth, client_mode, schema, round_, deadline, declared_at = value
+            address = None if host is None else (str(host), int(port))
+            bandwidth = float(bandwidth)
+            if not math.isfinite(bandwidth) or bandwidth < 0:
+                return None
+            return cls(PeerID(bytes(peer_id)), address, bandwidth, bool(client_mode) or address is None,
+                       bytes(schema), int(round_), float(deadline), float(declared_at))
+        except (TypeError, ValueError):
+            return None
+
+
+WITHDRAWN: list = []  # the value that overwrites a declaration when its peer leaves matchmaking
+
+
+def _order_key(declaration: Declaration, salt: bytes | None) -> bytes:
+    if salt is None:
+        return bytes(declaration.peer_id)
+    return hashlib.sha256(salt + bytes(declaration.peer_id)).digest()
+
+
+def _balanced(items: list, count: int) -> list[list]:
+    """Cut `items` into `count` contiguous runs whose lengths differ by at most one (longer ones first)."""
+    base, extra = divmod(len(items), count)
+    runs, start = [], 0
+    for index in range(count):
+        stop = start + base + (1 if index < extra else 0)
+        runs.append(items[start:stop])
+        start = stop
+    return runs
+
+
+def plan_groups(declarations: Iterable[Declaration], target_group_size: int, *,
+                salt: bytes | None = None) -> list[list[Declaration]]:
+    """The deterministic grouping every peer computes from the same visible set.
+
+    Peers are ordered by peer id (or by sha256(salt + peer id) when `salt` is given) and cut into
+    ceil(n / target) balanced chunks, so 8 peers with target 4 give 4 + 4 and 9 give 3 + 3 + 3 rather than
+    4 + 4 + 1. Client-mode peers are spread separately from reachable peers and there are never more chunks than
+    reachable peers, so every chunk has a collector. Without client-mode peers this is exactly "sort, then cut".
+    """
+    unique = {d.peer_id: d for d in declarations}
+    ordered = sorted(unique.values(), key=lambda d: _order_key(d, salt))
+    servers = [d for d in ordered if d.can_collect]
+    clients = [d for d in ordered if not d.can_collect]
+    count = min(len(servers), math.ceil(len(ordered) / max(1, target_group_size)))
+    if count == 0:
+        return []
+    if not clients:
+        return _balanced(servers, count)
+    chunks = [s + c for s, c in zip(_balanced(servers, count), _balanced(clients, count))]
+    return [sorted(chunk, key=lambda d: _order_key(d, salt)) for chunk in chunks]
+
+
+def collector_of(chunk: Sequence[Declaration]) -> Declaration | None:
+    """The lowest peer id among the chunk's reachable members: the only rule everyone needs to agree on."""
+    candidates = [d for d in chunk if d.can_collect]
+    return min(candidates, key=lambda d: d.peer_id) if candidates else None
+
+
+def chunk_of(plan: list[list[Declaration]], peer_id: bytes) -> list[Declaration]:
+    for chunk in plan:
+        if any(d.peer_id == peer_id for d in chunk):
+            return chunk
+    return []
+
+
+def round_salt(key: str, declarations: Iterable[Declaration]) -> bytes:
+    """Salt of the grouping order: the key and the highest round in view. Peers in phase share the round, so
+    they derive the same order; the order changes every round, so a key holding several groups regroups its
+    peers differently each time (see group_keys.py for why that matters)."""
+    top = max((d.round for d in declarations), default=0)
+    return f"{key}|{top}".encode()
+
+
+# --------------------------------------------------------------------------------------------- collector
+
+
+@dataclass
+class Decision:
+    """The collector's answer to a join, sent back as the reply of the long-poll call."""
+
+    kind: str  # "group" | "redirect" | "reject"
+    group: GroupInfo | None = None
+    round: int = 0  # with "group": the group's round (max of the members' rounds), the same for every member
+    redirect: Declaration | None = None
+    reason: str = ""
+    busy: tuple[PeerID, ...] = ()  # with "reject": peers known to be taken (a sealed group), to skip at once
+
+    def to_wire(self) -> dict:
+        return {
+            "kind": self.kind,
+            "group": self.group.to_wire() if self.group is not None else None,
+            "round": self.round,
+            "redirect": [bytes(self.redirect.peer_id), self.redirect.to_wire()] if self.redirect else None,
+            "reason": self.reason,
+            "busy": [bytes(p) for p in self.busy],
+        }
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> "Decision":
+        if not isinstance(obj, dict) or obj.get("kind") not in ("group", "redirect", "reject"):
+            raise ValueError("malformed matchmaking answer")
+        redirect = None
+        if obj.get("redirect") is not None:
+            peer_id, value = obj["redirect"]
+            redirect = Declaration.from_wire(peer_id, value)
+        group = GroupInfo.from_wire(obj["group"]) if obj.get("group") is not None else None
+        if obj["kind"] == "group" and group is None:
+            raise ValueError("a group answer without a group")
+        return cls(obj["kind"], group, int(obj.get("round", 0)), redirect, str(obj.get("reason", "")),
+                   tuple(PeerID(bytes(p)) for p in obj.get("busy", ())))
+
+
+class Assembly:
+    """The collector's side of one group, without I/O: who joined, whom we still wait for, when to seal.
+
+    The driver feeds it joins, view updates, probe results and the time (DHT clock); it answers what to tell each
+    joiner and whether to seal. Sealing is final: later joins are rejected with the sealed member list, so the
+    joiner can skip all of them at once.
+    """
+
+    def __init__(self, me: Declaration, *, key: str, target_group_size: int, min_group_size: int):
+        self.me = me
+        self.key = key
+        self.target = target_group_size
+        self.min_size = min_group_size
+        self.joined: dict[PeerID, Declaration] = {me.peer_id: me}
+        self.expected: set[PeerID] = set()
+        self.dropped: set[PeerID] = set()
+        self.group: GroupInfo | None = None
+        self.closed = False  # sealed, with or without a group
+
+    @property
+    def full(self) -> bool:
+        return len(self.joined) >= self.target
+
+    @property
+    def round(self) -> int:
+        return max(d.round for d in self.joined.values())
+
+    def offer(self, joiner: Declaration, key: str) -> Decision | None:
+        """A join request: None = accepted (the answer comes at sealing), else an immediate Decision."""
+        if self.closed:
+            if self.group is not None and joiner.peer_id in self.group:
+                return Decision("group", group=self.group, round=self.round)
+            busy = tuple(self.group.peer_ids) if self.group is not None else ()
+            return Decision("reject", reason="sealed", busy=busy)
+        if key != self.key:
+            return Decision("reject", reason="different key")
+        if joiner.schema != self.me.schema:
+            return Decision("reject", reason="different schema")
+        if joiner.peer_id not in self.joined and self.full:
+            return Decision("reject", reason="full", busy=tuple(self.joined))
+        self.joined[joiner.peer_id] = joiner
+        self.dropped.discard(joiner.peer_id)
+        return None
+
+    def set_expected(self, chunk: Iterable[Declaration]) -> None:
+        """The members of my chunk in the newest view: the peers worth waiting for."""
+        self.expected = {d.peer_id for d in chunk} - {self.me.peer_id}
+
+    def drop(self, peer_id: PeerID) -> None:
+        """An expected peer is dead or follows someone else: stop waiting for it."""
+        if peer_id not in self.joined:
+            self.dropped.add(peer_id)
+
+    @property
+    def waiting_for(self) -> set[PeerID]:
+        return self.expected - set(self.joined) - self.dropped
+
+    @property
+    def seal_deadline(self) -> float:
+        """The earliest deadline among me and the joined members: sealing then, nobody has given up yet."""
+        return min(d.deadline for d in self.joined.values())
+
+    def should_seal(self, now: float, quiet: bool) -> bool:
+        """Full; or everyone still alive in my chunk joined and the view is quiet; or the seal deadline."""
+        if self.full:
+            return True
+        if quiet and not self.waiting_for and len(self.joined) >= self.min_size:
+            return True
+        return now >= self.seal_deadline
+
+    def seal(self, group_id: bytes) -> GroupInfo | None:
+        """Fix the member list (None when too few joined: no group this round)."""
+        self.closed = True
+        if len(self.joined) >= self.min_size:
+            self.group = GroupInfo.create(group_id, [d.member() for d in self.joined.values()])
+        return self.group
+
+
+# --------------------------------------------------------------------------------------------- the driver
+
+
+class MatchmakingDHT(Protocol):
+    """What matchmaking needs from the DHT node (`dht.node.DHTNode` provides it)."""
+
+    def now(self) -> float: ...
+
+    async def store(self, key: Any, value: Any, expiration_time: float, subkey: Any = None) -> bool: ...
+
+    async def get(self, key: Any, latest: bool = False) -> Any: ...
+
+
+@dataclass
+class MatchResult:
+    """Outcome of one matchmaking: the group (None when none assembled), who turned out dead, and why."""
+
+    group: GroupInfo | None
+    round: int = 0  # the group's round, identical for every member (max of the members' declared rounds)
+    failed_peers: list[PeerID] = field(default_factory=list)
+    reason: str = ""
+    collector: PeerID | None = None
+    seconds: float = 0.0
+
+
+class _EWMA:
+    def __init__(self, initial: float, alpha: float = 0.3):
+        self.value = initial
+        self.alpha = alpha
+
+    def update(self, sample: float) -> None:
+        self.value = (1 - self.alpha) * self.value + self.alpha * max(0.0, sample)
+
+
+class _Round:
+    """Everything one `find_group` call knows; handlers read it to answer joins and probes."""
+
+    def __init__(self, key: str, me: Declaration, offset: float):
+        self.key = key
+        self.me = me
+        self.offset = offset  # DHT clock minus trio clock
+        self.view: dict[PeerID, Declaration] = {}
+        self.excluded: set[PeerID] = set()
+        self.failed: list[PeerID] = []
+        self.assembly: Assembly | None = None
+        self.following: Declaration | None = None
+        self.changed = trio.Event()
+        self.sealed = trio.Event()
+        self.join_arrived = False
+
+    def poke(self) -> None:
+        self.changed.set()
+
+    async def wait_changed(self, until_trio_time: float) -> None:
+        self.changed = trio.Event()
+        with trio.move_on_at(until_trio_time):
+            await self.changed.wait()
+
+
+class Matchmaker:
+    """Runs the protocol above for one peer; one `find_group` at a time (the averager serialises steps).
+
+    `register()` adds the `avg.mm.join` and `avg.mm.ping` handlers to the RPC node. A join that arrives while this
+    peer is not matchmaking under the caller's key is rejected at once ("not matching"), never left hanging.
+    `nursery` (optional) runs background withdrawals; without one, the withdrawal is awaited (bounded).
+    """
+
+    def __init__(
+        self,
+        rpc: RPCNode,
+        dht: MatchmakingDHT,
+        *,
+        schema: bytes,
+        target_group_size: int,
+        min_group_size: int = 2,
+        matchmaking_time: float = 5.0,
+        bandwidth: float = 1.0,
+        client_mode: bool = False,
+        min_quiet: float = 0.01,
+        nursery: trio.Nursery | None = None,
+    ):
+        if not 1 <= min_group_size <= target_group_size:
+            raise ValueError("need 1 <= min_group_size <= target_group_size")
+        self.rpc = rpc
+        self.dht = dht
+        self.peer_id: PeerID = rpc.peer_id
+        self.schema = bytes(schema)
+        self.target = target_group_size
+        self.min_size = min_group_size
+        self.matchmaking_time = matchmaking_time
+        self.bandwidth = bandwidth
+        self.client_mode = client_mode
+        self.min_quiet = min_quiet
+        self.nursery = nursery
+        self.dht_latency = _EWMA(0.01)
+        self.rtt = _EWMA(0.02)
+        self.spread = 0.0  # how far apart in time the last group's members declared
+        self._round: _Round | None = None
+        self.stats = {"attempts": 0, "groups": 0, "no_group": 0, "collected": 0, "joins_served": 0,
+                      "redirects": 0, "rejects": 0, "dead_peers": 0}
+
+    def register(self) -> None:
+        self.rpc.register(JOIN_METHOD, self._handle_join)
+        self.rpc.register(PING_METHOD, self._handle_ping)
+
+    @property
+    def address(self) -> Address | None:
+        return None if self.client_mode else self.rpc.announced_address
+
+    # ------------------------------------------------------------------------------------------- adaptivity
+
+    @property
+    def quiet_period(self) -> float:
+        """How long a view must stay unchanged before acting on it: a few DHT reads, or more when the last
+        round's members declared far apart in time (peers leaving their previous round at different times).
+        Both are measured, so the wait tracks the swarm instead of a fixed guess."""
+        upper = max(self.min_quiet, self.matchmaking_time / 4)
+        return min(upper, max(self.min_quiet, 3 * self.dht_latency.value, 1.5 * self.spread))
+
+    @property
+    def probe_timeout(self) -> float:
+        """A live peer answers a probe in one RTT; a few RTTs without answer means frozen or gone."""
+        return min(1.0, max(0.05, 5 * self.rtt.value))
+
+    def _grace(self) -> float:
+        return self.quiet_period + 4 * self.rtt.value + 0.05
+
+    # ------------------------------------------------------------------------------------------- planning
+
+    def _plan(self, state: _Round) -> list[list[Declaration]]:
+        visible = [d for p, d in state.view.items() if p not in state.excluded] + [state.me]
+        return plan_groups(visible, self.target, salt=round_salt(state.key, visible))
+
+    def _my_collector(self, state: _Round) -> Declaration | None:
+        return collector_of(chunk_of(self._plan(state), self.peer_id))
+
+    async def _refresh_view(self, state: _Round) -> bool:
+        """Read the key once; True when the set of compatible peers changed."""
+        t0 = trio.current_time()
+        try:
+            record = await self.dht.get(state.key, latest=True)
+        except Exception as error:  # a DHT hiccup is one stale view, not a failed round
+            logger.debug("matchmaking: reading %s failed: %s", state.key, error)
+            return False
+        self.dht_latency.update(trio.current_time() - t0)
+        now = self.dht.now()
+        view: dict[PeerID, Declaration] = {}
+        for subkey, entry in (getattr(record, "subkeys", None) or {}).items():
+            if not isinstance(subkey, (bytes, bytearray)) or len(subkey) != 20:
+                continue
+            declaration = Declaration.from_wire(subkey, entry.value)
+            if declaration is None or declaration.schema != self.schema or entry.expiration_time < now:
+                continue
+            if declaration.deadline < state.me.declared_at:
+                continue  # left over from an earlier round of that peer
+            view[declaration.peer_id] = declaration
+        view.pop(self.peer_id, None)
+        if state.assembly is not None:  # peers that joined me count even if their declaration isn't visible
+            for peer_id, declaration in state.assembly.joined.items():
+                view.setdefault(peer_id, declaration)
+        changed = set(view) != set(state.view)
+        state.view = view
+        return changed
+
+    # ------------------------------------------------------------------------------------------- a round
+
+    async def find_group(self, key: str, round: int, *, timeout: float | None = None) -> MatchResult:
+        """Declare under `key`, assemble a group, return it (or `group=None` with a reason). Peers that fail are
+        reported in `failed_peers`, never raised."""
+        if self._round is not None:
+            raise RuntimeError("find_group is already running on this matchmaker")
+        started = trio.current_time()
+        window = self.matchmaking_time if timeout is None else max(0.0, min(timeout, self.matchmaking_time))
+        now = self.dht.now()
+        me = Declaration(self.peer_id, self.address, self.bandwidth, self.client_mode, self.schema, round,
+                         now + window, now)
+        state = self._round = _Round(key, me, now - started)
+        self.stats["attempts"] += 1
+        expiration = now + window + 1.0
+        try:
+            with trio.move_on_at(started + window + self._grace()):
+                try:
+                    await self.dht.store(key, me.to_wire(), expiration, subkey=bytes(self.peer_id))
+                except Exception as error:
+                    logger.debug("matchmaking: declaring under %s failed: %s", key, error)
+                result = await self._assemble(state, started + window)
+                result.seconds = trio.current_time() - started
+                return result
+            return MatchResult(None, reason="matchmaking window passed", failed_peers=state.failed,
+                               seconds=trio.current_time() - started)
+        finally:
+            self._round = None
+            if state.assembly is not None:
+                state.assembly.closed = True
+            state.sealed.set()
+            await self._withdraw(key, expiration)
+
+    async def _withdraw(self, key: str, expiration: float) -> None:
+        """Overwrite my declaration so latecomers don't plan with me. 1 ms later expiration wins the merge
+        against this declaration but loses against my next one."""
+
+        async def withdraw() -> None:
+            with trio.move_on_after(2.0):
+                try:
+                    await self.dht.store(key, WITHDRAWN, expiration + 1e-3, subkey=bytes(self.peer_id))
+                except Exception as error:  # costs latecomers one rejected join at most
+                    logger.debug("matchmaking: withdrawing from %s failed: %s", key, error)
+
+        if self.nursery is not None:
+            self.nursery.start_soon(withdraw)
+        else:
+            with trio.CancelScope(shield=True):
+                await withdraw()
+
+    def _result(self, state: _Round, decision_or_assembly: Decision | Assembly, collector: PeerID) -> MatchResult:
+        if isinstance(decision_or_assembly, Assembly):
+            group, group_round = decision_or_assembly.group, decision_or_assembly.round
+            times = [d.declared_at for d in decision_or_assembly.joined.values()]
+            self.spread = max(times) - min(times)
+        else:
+            group, group_round = decision_or_assembly.group, decision_or_assembly.round
+            times = [state.view[p].declared_at for p in group.peer_ids if p in state.view] + [state.me.declared_at]
+            self.spread = max(times) - min(times)
+        self.stats["groups"] += 1
+        return MatchResult(group, round=group_round, failed_peers=list(state.failed), collector=collector)
+
+    async def _assemble(self, state: _Round, deadline: float) -> MatchResult:
+        last_change = trio.current_time()
+        redirects = 0
+        while True:
+            if state.assembly is None and await self._refresh_view(state):
+                last_change = trio.current_time()
+            now = trio.current_time()
+            collector = self._my_collector(state)
+            if state.assembly is not None or (collector is not None and collector.peer_id == self.peer_id):
+                result = await self._collect(state, last_change)
+                if result is not None:
+                    return result
+                last_change = trio.current_time()
+                continue  # stepped down: a lower peer appeared in my chunk
+            if now >= deadline:
+                self.stats["no_group"] += 1
+                return MatchResult(None, reason="no group before the deadline", failed_peers=state.failed)
+            if collector is None:  # alone, or only client-mode peers around: wait for a reachable one
+                await state.wait_changed(min(deadline, now + self.quiet_period))
+                continue
+            quiet_for = now - last_change
+            full = len(chunk_of(self._plan(state), self.peer_id)) >= self.target
+            settled = (full and quiet_for >= self.quiet_period) or quiet_for >= 3 * self.quiet_period \
+                or state.join_arrived
+            if not settled:
+                await state.wait_changed(min(deadline, now + self.quiet_period / 2))
+                continue
+            decision = await self._join(state, collector, deadline)
+            if decision is None:
+                last_change = trio.current_time()
+                continue  # collector unreachable: excluded, plan again
+            if decision.kind == "group" and decision.group is not None and self.peer_id in decision.group:
+                return self._result(state, decision, collector.peer_id)
+            if decision.kind == "redirect" and decision.redirect is not None and redirects < 4 \
+                    and decision.redirect.peer_id < collector.peer_id:
+                redirects += 1
+                self.stats["redirects"] += 1
+                state.view[decision.redirect.peer_id] = decision.redirect
+                state.excluded.discard(decision.redirect.peer_id)
+                state.excluded.add(collector.peer_id)  # it follows someone else this round
+                continue
+            self.stats["rejects"] += 1
+            state.excluded.add(collector.peer_id)
+            state.excluded.update(p for p in decision.busy if p != self.peer_id)
+            last_change = trio.current_time()
+
+    async def _join(self, state: _Round, collector: Declaration, deadline: float) -> Decision | None:
+        """One long-poll join; None when the collector is unreachable (it is then excluded and reported)."""
+        state.following = collector
+        args = {"key": state.key, "declaration": state.me.to_wire()}
+        timeout = max(0.0, deadline - trio.current_time()) + self._grace()
+        t0 = trio.current_time()
+        try:
+            answer = await self.rpc.call(collector.address, JOIN_METHOD, args, timeout=timeout,
+                                         peer_id=collector.peer_id)
+            decision = Decision.from_wire(answer)
+            if decision.kind != "group":
+                self.rtt.update(trio.current_time() - t0)
+            return decision
+        except RemoteError as error:  # it runs no averaging, or refused us: not dead, just not a collector
+            logger.debug("matchmaking: %s refused the join: %s", collector.peer_id.short(), error)
+        except RPCError as error:  # dead, frozen or unreachable
+            logger.debug("matchmaking: collector %s failed: %s", collector.peer_id.short(), error)
+            state.failed.append(collector.peer_id)
+            self.stats["dead_peers"] += 1
+        except (ValueError, KeyError, TypeError) as error:
+            logger.debug("matchmaking: bad answer from %s: %s", collector.peer_id.short(), error)
+        finally:
+            state.following = None
+        state.excluded.add(collector.peer_id)
+        return None
+
+    async def _collect(self, state: _Round, last_change: float) -> MatchResult | None:
+        """Collector role: accept joins until `Assembly.should_seal`. Returns None if I step down (nobody joined
+        yet and a lower peer appeared in my chunk)."""
+        if state.assembly is None:
+            state.assembly = Assembly(state.me, key=state.key, target_group_size=self.target,
+                                      min_group_size=self.min_size)
+        assembly = state.assembly
+        probed: dict[PeerID, float] = {}
+        async with trio.open_nursery() as nursery:
+            while True:
+                assembly.set_expected(chunk_of(self._plan(state), self.peer_id))
+                now = trio.current_time()
+                quiet_for = now - last_change
+                if assembly.should_seal(now + state.offset, quiet_for >= self.quiet_period):
+                    break
+                if quiet_for >= self.quiet_period:
+                    for peer_id in assembly.waiting_for:
+                        declaration = state.view.get(peer_id)
+                        if declaration is None:
+                            assembly.drop(peer_id)
+                        elif declaration.can_collect:
+                            if now - probed.get(peer_id, -math.inf) >= self.quiet_period:
+                                probed[peer_id] = now
+                                nursery.start_soon(self._probe, state, declaration, assembly)
+                        elif quiet_for >= 3 * self.quiet_period:
+                            assembly.drop(peer_id)  # a client-mode peer cannot be probed: don't wait forever
+                wake = min(assembly.seal_deadline - state.offset, now + self.quiet_period / 2)
+                await state.wait_changed(wake)
+                if await self._refresh_view(state):
+                    last_change = trio.current_time()
+                if len(assembly.joined) == 1 and not assembly.closed:
+                    collector = self._my_collector(state)
+                    if collector is not None and collector.peer_id != self.peer_id:
+                        state.assembly = None  # step down; joins arriving from now on get redirected
+                        nursery.cancel_scope.cancel()
+                        return None
+            nursery.cancel_scope.cancel()
+        group = assembly.seal(os.urandom(16))
+        state.sealed.set()
+        if group is None:
+            self.stats["no_group"] += 1
+            return MatchResult(None, reason=f"only {len(assembly.joined)} peer(s) joined", failed_peers=state.failed,
+                               collector=self.peer_id)
+        self.stats["collected"] += 1
+        return self._result(state, assembly, self.peer_id)
+
+    async def _probe(self, state: _Round, declaration: Declaration, assembly: Assembly) -> None:
+        t0 = trio.current_time()
+        try:
+            answer = await self.rpc.call(declaration.address, PING_METHOD, {"key": state.key},
+                                         timeout=self.probe_timeout, peer_id=declaration.peer_id)
+            self.rtt.update(trio.current_time() - t0)
+            if not isinstance(answer, dict) or not answer.get("matching") or answer.get("collecting"):
+                assembly.drop(declaration.peer_id)
+            elif answer.get("following") is not None and bytes(answer["following"]) != bytes(self.peer_id):
+                assembly.drop(declaration.peer_id)
+        except RemoteError:
+            assembly.drop(declaration.peer_id)
+        except RPCError as error:
+            logger.debug("matchmaking: %s failed a probe: %s", declaration.peer_id.short(), error)
+            if declaration.peer_id not in state.failed:
+                state.failed.append(declaration.peer_id)
+                self.stats["dead_peers"] += 1
+            assembly.drop(declaration.peer_id)
+        state.poke()
+
+    # ------------------------------------------------------------------------------------------- handlers
+
+    async def _handle_ping(self, ctx: CallContext, args: Any) -> dict:
+        state = self._round
+        key = args.get("key") if isinstance(args, dict) else None
+        matching = state is not None and key == state.key
+        following = state.following.peer_id if matching and state.following is not None else None
+        return {"matching": matching, "following": bytes(following) if following is not None else None,
+                "collecting": matching and state.assembly is not None and not state.assembly.closed}
+
+    async def _handle_join(self, ctx: CallContext, args: Any) -> dict:
+        state = self._round
+        claimed = Declaration.from_wire(ctx.peer_id, args.get("declaration")) if isinstance(args, dict) else None
+        if claimed is None:
+            return Decision("reject", reason="malformed join").to_wire()
+        key = args.get("key")
+        if state is None or key != state.key:
+            return Decision("reject", reason="not matching").to_wire()
+        # who is calling and where it listens come from the authenticated connection, not from the claim
+        client_mode = claimed.client_mode or ctx.address is None
+        joiner = Declaration(ctx.peer_id, None if client_mode else ctx.address, claimed.bandwidth, client_mode,
+                             claimed.schema, claimed.round, claimed.deadline, claimed.declared_at)
+        self.stats["joins_served"] += 1
+        if state.assembly is None:
+            following = state.following or self._my_collector(state)
+            if following is not None and following.peer_id < self.peer_id:
+                return Decision("redirect", redirect=following).to_wire()
+            # nobody lower in my view: the joiner saw me as its collector, so collect (my loop notices)
+            state.assembly = Assembly(state.me, key=state.key, target_group_size=self.target,
+                                      min_group_size=self.min_size)
+        assembly = state.assembly
+        decision = assembly.offer(joiner, key)
+        if decision is not None:
+            return decision.to_wire()
+        state.view.setdefault(joiner.peer_id, joiner)
+        state.join_arrived = True
+        state.poke()
+        await state.sealed.wait()
+        if assembly.group is not None and joiner.peer_id in assembly.group:
+            return Decision("group", group=assembly.group, round=assembly.round).to_wire()
+        return Decision("reject", reason="no group assembled").to_wire()
