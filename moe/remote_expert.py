@@ -61,6 +61,8 @@ class RemoteExpert(nn.Module):
 
     def call(self, method: str, args: Any) -> Any:
         """One RPC to the expert's server, from a synchronous thread through the bridge."""
+        if self.compression != wire.Compression.NONE and method != "moe.info":
+            args = {**args, "compression": int(self.compression)}  # the server answers with the same codec
         async_call = functools.partial(
             self.swarm.rpc.call, self.address, method, args, timeout=self.timeout, peer_id=self.peer_id,
             compression=self.compression,

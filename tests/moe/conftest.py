@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import math
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import pytest
 import trio
 
+from dht import DHTNode
 from moe.beam_search import ExpertLocation
 from moe.experts import Expert
 from moe.server import ExpertServer
@@ -59,44 +61,62 @@ class ServerHandle:
 
 
 async def _serve_experts(
-    experts: Sequence[Expert], network: Network, host: str, dht: Any, options: dict, *, task_status
+    experts: Sequence[Expert], network: Network, host: str, dht_peers: list | None, options: dict, *, task_status
 ) -> None:
+    """One peer: RPC on host:port, and (when `dht_peers` is a list) a DHT node on the same port joining those
+    peers, in which the server declares its experts."""
     with trio.CancelScope() as scope:
         async with RPCNode(Identity.generate(), network) as node:
             address = await node.listen(host, 0)
             server = ExpertServer(experts, **options)
-            async with trio.open_nursery() as nursery:
-                await nursery.start(server.run, node, dht)
-                task_status.started((scope, address, node.peer_id, server))
+            async with AsyncExitStack() as stack:
+                dht = None
+                if dht_peers is not None:
+                    dht = await stack.enter_async_context(DHTNode.open(
+                        host, address[1], list(dht_peers), identity=node.identity, network=network,
+                        clock=trio.current_time,
+                    ))
+                    dht_peers.append(dht.address)
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(server.run, node, dht)
+                    task_status.started((scope, address, node.peer_id, server))
 
 
-async def _client_node(network: Network, box: list, *, task_status) -> None:
-    async with RPCNode(Identity.generate(), network) as node:
+async def _client_node(network: Network, dht_peers: list | None, box: list, *, task_status) -> None:
+    async with RPCNode(Identity.generate(), network) as node, AsyncExitStack() as stack:
         box.append(node)
+        if dht_peers is not None:
+            box.append(await stack.enter_async_context(DHTNode.open(
+                "127.0.0.1" if isinstance(network, RealNetwork) else "client", 0, list(dht_peers),
+                network=network, client_mode=True, clock=trio.current_time,
+            )))
         task_status.started()
         await trio.sleep_forever()
 
 
 class Harness:
-    """Builds client swarms and expert servers inside one bridge (one trio thread)."""
+    """Builds client swarms and expert servers inside one bridge (one trio thread). With `dht=True` every server
+    also runs a DHT node (the first one starts the DHT) and declares its experts there; clients join it in
+    client mode."""
 
-    def __init__(self, bridge: Bridge, network: MemoryNetwork | None = None):
+    def __init__(self, bridge: Bridge, network: MemoryNetwork | None = None, dht: bool = False):
         self.bridge = bridge
         self.network = network
+        self.dht_peers: list | None = [] if dht else None
 
     def _network(self, host: str) -> Network:
         return self.network.host(host) if self.network is not None else RealNetwork()
 
-    def client(self, host: str = "client", dht: Any = None) -> ClientSwarm:
+    def client(self, host: str = "client") -> ClientSwarm:
         box: list = []
-        self.bridge.start_and_wait(_client_node, self._network(host), box)
-        return ClientSwarm(self.bridge, box[0], dht)
+        self.bridge.start_and_wait(_client_node, self._network(host), self.dht_peers, box)
+        return ClientSwarm(self.bridge, box[0], box[1] if len(box) > 1 else None)
 
-    def server(self, experts: Sequence[Expert], host: str | None = None, dht: Any = None, **options: Any) -> ServerHandle:
+    def server(self, experts: Sequence[Expert], host: str | None = None, **options: Any) -> ServerHandle:
         options.setdefault("inline_threshold", math.inf if self.network is not None else 1e-4)
         bind = host if self.network is not None else "127.0.0.1"
         scope, address, peer_id, server = self.bridge.start_and_wait(
-            _serve_experts, experts, self._network(host or "server"), bind, dht, options
+            _serve_experts, experts, self._network(host or "server"), bind, self.dht_peers, options
         )
         return ServerHandle(self.bridge, address, peer_id, server, scope, self.network, host,
                             {e.uid: e for e in experts})
@@ -112,6 +132,12 @@ def bridge():
 def harness(bridge) -> Harness:
     """Servers and clients over real sockets on 127.0.0.1."""
     return Harness(bridge)
+
+
+@pytest.fixture
+def dht_harness(bridge) -> Harness:
+    """Servers declaring their experts in a DHT over real sockets on 127.0.0.1; clients find them there."""
+    return Harness(bridge, dht=True)
 
 
 @pytest.fixture

@@ -1,0 +1,614 @@
+"""Fault-tolerant mixture-of-experts layers whose experts live on other peers.
+
+`RemoteMixtureOfExperts` scores every grid coordinate with a linear gate, finds each sample's k best alive experts
+(`moe.beam_search`), calls them in parallel (one batched call per expert: all samples routed to it travel
+together) and mixes their outputs with a softmax over the gate scores of the experts that answered.
+
+Fault tolerance is the point, and it lives in `MixtureClient`, the trio side of the layer:
+- the forward proceeds once every sample has `k_min` answers, then waits at most `timeout_after_k_min` for the
+  rest; slow or failed experts are masked and the gate renormalised over the survivors (so a dead peer never
+  produces a NaN: the softmax only ever sees experts that answered);
+- a sample whose experts failed so early that it cannot reach `k_min` is given the next best experts right away
+  (a new search that skips what was tried), so a peer that died since the last step costs one failed connect,
+  not a lost step;
+- the backward asks the experts that answered the forward for input gradients and tolerates failures likewise:
+  a missing expert contributes a zero gradient, and `backward_k_min` answers per sample are required;
+- experts that failed are banned for `ban_time` seconds (the whole peer when it could not be reached), so the
+  following steps do not pay for the same dead peer again;
+- when even that is not enough, `NotEnoughExperts` says how many answered and which experts failed, and why.
+
+The torch side (`RemoteMixtureOfExperts.forward`) runs in the user's thread and reaches the trio thread through
+the bridge once per forward and once per backward: the search, the calls and the assembly of the outputs all
+happen in one hop.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import trio
+from torch import nn
+
+from moe.beam_search import DHTGridOracle, ExpertChoice, ExpertLocation, find_best_experts, normalize_prefix
+from moe.errors import BadExpertOutput, NotEnoughExperts
+from peer import wire
+from peer.identity import PeerID
+from peer.rpc import ConnectionFailed, RPCError
+
+logger = logging.getLogger(__name__)
+
+Address = tuple[str, int]
+
+
+# ------------------------------------------------------------------------------------------------- blacklist
+
+
+class ExpertBlacklist:
+    """Experts (by uid) and peers (by address) to avoid for a while after they failed.
+
+    A peer that cannot be reached is banned as a whole: all its experts would fail the same way. An expert that
+    answered with an error or too late is banned alone. Bans expire, so a peer that comes back is used again.
+    Lives in the trio thread and reads trio's clock (MockClock in simulated tests)."""
+
+    def __init__(self, ban_time: float = 30.0):
+        self.ban_time = ban_time
+        self._experts: dict[str, float] = {}
+        self._addresses: dict[Address, float] = {}
+
+    def ban_expert(self, uid: str) -> None:
+        self._experts[uid] = trio.current_time() + self.ban_time
+
+    def ban_address(self, address: Address) -> None:
+        self._addresses[(address[0], int(address[1]))] = trio.current_time() + self.ban_time
+
+    def is_banned(self, uid: str, location: ExpertLocation) -> bool:
+        now = trio.current_time()
+        until = self._experts.get(uid)
+        if until is not None:
+            if until > now:
+                return True
+            del self._experts[uid]
+        until = self._addresses.get(location.address)
+        if until is not None:
+            if until > now:
+                return True
+            del self._addresses[location.address]
+        return False
+
+    def banned_count(self) -> int:
+        now = trio.current_time()
+        return sum(1 for t in self._experts.values() if t > now) + sum(1 for t in self._addresses.values() if t > now)
+
+
+# -------------------------------------------------------------------------------------------- calls, results
+
+
+@dataclass(eq=False)
+class ExpertCall:
+    """One batched call to one expert: the samples routed to it and the output slot each occupies."""
+
+    choice: ExpertChoice
+    samples: list[int]
+    slots: list[int]
+    outputs: torch.Tensor | None = None
+    error: BaseException | None = None
+
+    @property
+    def uid(self) -> str:
+        return self.choice.uid
+
+
+@dataclass(eq=False)
+class ForwardResult:
+    """Outputs of every (sample, slot) pair, which pairs answered, and the calls that produced them (the
+    backward sends gradients to exactly those calls)."""
+
+    inputs: torch.Tensor  # [B, in] detached
+    outputs: torch.Tensor  # [B, k, *out_shape], zeros where no expert answered
+    mask: torch.Tensor  # [B, k] bool, True where an expert answered
+    coords: torch.Tensor  # [B, k, ndim] long, grid coordinates of each slot's expert (0 where empty)
+    calls: list[ExpertCall]  # successful calls only
+    failures: dict[str, str] = field(default_factory=dict)  # uid -> why it failed
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+class _Progress:
+    """Per-sample bookkeeping of a forward: which slots are used, who answered, who is still in flight."""
+
+    def __init__(self, batch_size: int, k_best: int):
+        self.answered = [0] * batch_size
+        self.in_flight = [0] * batch_size
+        self.tried: list[set[str]] = [set() for _ in range(batch_size)]
+        self.free_slots: list[list[int]] = [list(range(k_best - 1, -1, -1)) for _ in range(batch_size)]
+        self.calls: list[ExpertCall] = []
+        self.exhausted: set[int] = set()  # samples for which the search found nobody more to ask
+        self.changed = trio.Event()
+
+    def assign(self, choices: list[list[ExpertChoice]]) -> list[ExpertCall]:
+        """Group the chosen (sample, expert) pairs into one call per expert."""
+        by_uid: dict[str, ExpertCall] = {}
+        for sample, chosen in enumerate(choices):
+            for choice in chosen:
+                call = by_uid.get(choice.uid)
+                if call is None:
+                    call = by_uid[choice.uid] = ExpertCall(choice, [], [])
+                call.samples.append(sample)
+                call.slots.append(self.free_slots[sample].pop())
+                self.tried[sample].add(choice.uid)
+                self.in_flight[sample] += 1
+        new_calls = list(by_uid.values())
+        self.calls.extend(new_calls)
+        return new_calls
+
+    def finish(self, call: ExpertCall) -> None:
+        for sample, slot in zip(call.samples, call.slots):
+            self.in_flight[sample] -= 1
+            if call.error is None:
+                self.answered[sample] += 1
+            else:
+                self.free_slots[sample].append(slot)
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def short_of(self, k_min: int) -> list[int]:
+        """How many more experts each sample must be given to still reach k_min (0 for most)."""
+        return [max(0, k_min - a - f) for a, f in zip(self.answered, self.in_flight)]
+
+    def in_flight_total(self) -> int:
+        return sum(self.in_flight)
+
+
+# ----------------------------------------------------------------------------------------------- trio side
+
+
+class MixtureClient:
+    """The trio side of a remote mixture: search, parallel calls, quorum and grace logic, bans.
+
+    Everything here runs in the trio thread that owns `rpc` and `dht`; the torch module calls `forward` and
+    `backward` through the bridge. Tests drive it directly under trio (MemoryNetwork, MockClock)."""
+
+    def __init__(
+        self,
+        rpc: Any,
+        oracle: Any,
+        uid_prefix: str,
+        grid_size: Sequence[int],
+        *,
+        blacklist: ExpertBlacklist | None = None,
+        out_shape: Sequence[int] | None = None,
+        compression: wire.Compression = wire.Compression.NONE,
+    ):
+        self.rpc = rpc
+        self.oracle = oracle
+        self.uid_prefix = normalize_prefix(uid_prefix)
+        self.grid_size = tuple(int(g) for g in grid_size)
+        self.blacklist = blacklist if blacklist is not None else ExpertBlacklist()
+        self.out_shape = tuple(out_shape) if out_shape is not None else None
+        self.compression = compression
+        self.stats: dict[str, float] = {
+            "forward_calls": 0, "forward_failures": 0, "backward_calls": 0, "backward_failures": 0,
+            "replacement_searches": 0, "search_seconds": 0.0, "forward_seconds": 0.0, "backward_seconds": 0.0,
+        }
+
+    # ------------------------------------------------------------------------------------------- forward
+
+    async def forward(
+        self,
+        inputs: torch.Tensor,
+        scores: Sequence[Sequence[Sequence[float]]],
+        *,
+        k_best: int,
+        k_min: int,
+        forward_timeout: float,
+        timeout_after_k_min: float,
+    ) -> ForwardResult:
+        """Route each sample to its k_best best alive experts and collect their outputs (see module doc)."""
+        if not 1 <= k_min <= k_best:
+            raise ValueError(f"need 1 <= k_min <= k_best, got k_min={k_min}, k_best={k_best}")
+        batch_size = inputs.shape[0]
+        started = trio.current_time()
+        deadline = started + forward_timeout
+        progress = _Progress(batch_size, k_best)
+        failures: dict[str, str] = {}
+
+        async def run_call(call: ExpertCall) -> None:
+            index = torch.tensor(call.samples, dtype=torch.long)
+            args = {"uid": call.uid, "inputs": [inputs.index_select(0, index)]}
+            try:
+                reply = await self._call(call.choice.location, "moe.forward", args, deadline)
+                call.outputs = self._check_outputs(call, reply, len(call.samples))
+                self.stats["forward_calls"] += 1
+            except (RPCError, wire.WireError, BadExpertOutput, ValueError) as error:
+                self._failed(call, error, failures, "forward")
+            finally:
+                progress.finish(call)
+
+        async def launch(need: list[int], nursery: trio.Nursery) -> None:
+            if not any(need):
+                return
+            t0 = trio.current_time()
+            choices = await find_best_experts(
+                self.oracle, self.uid_prefix, self.grid_size, scores, need,
+                banned=self.blacklist.is_banned, exclude=progress.tried,
+            )
+            self.stats["search_seconds"] += trio.current_time() - t0
+            for sample, (wanted, chosen) in enumerate(zip(need, choices)):
+                if len(chosen) < wanted:
+                    progress.exhausted.add(sample)
+            for call in progress.assign(choices):
+                nursery.start_soon(run_call, call)
+
+        grace_deadline = math.inf
+        with trio.move_on_at(deadline):
+            async with trio.open_nursery() as nursery:
+                await launch([k_best] * batch_size, nursery)
+                while True:
+                    short = progress.short_of(k_min)
+                    retry = [0 if s in progress.exhausted else n for s, n in enumerate(short)]
+                    if any(retry):
+                        # samples that can no longer reach k_min with what is in flight get the next best experts
+                        self.stats["replacement_searches"] += 1
+                        await launch(retry, nursery)
+                        continue
+                    if any(short):
+                        break  # some sample cannot reach k_min even if everything in flight answers
+                    if grace_deadline == math.inf and all(a >= k_min for a in progress.answered):
+                        grace_deadline = trio.current_time() + timeout_after_k_min
+                    if progress.in_flight_total() == 0:
+                        break
+                    with trio.move_on_at(grace_deadline):
+                        await progress.changed.wait()
+                    if trio.current_time() >= grace_deadline:
+                        break
+                nursery.cancel_scope.cancel()
+        self.stats["forward_seconds"] += trio.current_time() - started
+
+        for call in progress.calls:
+            if call.outputs is None and call.error is None:
+                # cut by the grace period or the deadline: too slow to be useful now; avoid it for a while
+                call.error = trio.TooSlowError("no answer before the forward deadline or grace period")
+                self._failed(call, call.error, failures, "forward")
+        if any(a < k_min for a in progress.answered):
+            raise self._not_enough("forward", progress.answered, k_min, failures)
+        return self._assemble(inputs, progress, k_best, failures)
+
+    def _assemble(self, inputs: torch.Tensor, progress: _Progress, k_best: int, failures: dict[str, str]) -> ForwardResult:
+        batch_size = inputs.shape[0]
+        succeeded = [c for c in progress.calls if c.outputs is not None]
+        out_shape = self.out_shape if self.out_shape is not None else tuple(succeeded[0].outputs.shape[1:])
+        outputs = inputs.new_zeros((batch_size, k_best, *out_shape))
+        mask = torch.zeros(batch_size, k_best, dtype=torch.bool)
+        coords = torch.zeros(batch_size, k_best, len(self.grid_size), dtype=torch.long)
+        for call in succeeded:
+            samples = torch.tensor(call.samples, dtype=torch.long)
+            slots = torch.tensor(call.slots, dtype=torch.long)
+            outputs[samples, slots] = call.outputs.to(outputs.dtype)
+            mask[samples, slots] = True
+            coords[samples, slots] = torch.tensor(call.choice.coords, dtype=torch.long)
+        return ForwardResult(inputs, outputs, mask, coords, succeeded, failures)
+
+    # ------------------------------------------------------------------------------------------ backward
+
+    async def backward(
+        self,
+        result: ForwardResult,
+        grad_outputs: torch.Tensor,
+        *,
+        backward_k_min: int,
+        backward_timeout: float,
+        timeout_after_k_min: float,
+    ) -> torch.Tensor:
+        """Send each answering expert the gradients of its outputs; returns the gradient w.r.t. the inputs, with
+        zeros from experts that failed now. Each expert applies its optimizer step on the way."""
+        inputs = result.inputs
+        batch_size = inputs.shape[0]
+        started = trio.current_time()
+        deadline = started + backward_timeout
+        alive = [0] * batch_size
+        for call in result.calls:
+            for sample in call.samples:
+                alive[sample] += 1
+        need = [min(backward_k_min, a) for a in alive]
+        answered = [0] * batch_size
+        grad_inputs = torch.zeros_like(inputs)
+        failures: dict[str, str] = {}
+        finished: set[int] = set()  # id() of calls that answered or failed
+        changed = [trio.Event()]
+        in_flight = [len(result.calls)]
+
+        async def run_call(call: ExpertCall) -> None:
+            samples = torch.tensor(call.samples, dtype=torch.long)
+            slots = torch.tensor(call.slots, dtype=torch.long)
+            args = {
+                "uid": call.uid,
+                "inputs": [inputs.index_select(0, samples)],
+                "grad_outputs": [grad_outputs[samples, slots].contiguous()],
+            }
+            try:
+                reply = await self._call(call.choice.location, "moe.backward", args, deadline)
+                grad = self._check_grad_inputs(call, reply, inputs, len(call.samples))
+                grad_inputs.index_add_(0, samples, grad)
+                for sample in call.samples:
+                    answered[sample] += 1
+                self.stats["backward_calls"] += 1
+            except (RPCError, wire.WireError, BadExpertOutput, ValueError) as error:
+                self._failed(call, error, failures, "backward")
+            finally:
+                finished.add(id(call))
+                in_flight[0] -= 1
+                changed[0].set()
+                changed[0] = trio.Event()
+
+        grace_deadline = math.inf
+        with trio.move_on_at(deadline):
+            async with trio.open_nursery() as nursery:
+                for call in result.calls:
+                    nursery.start_soon(run_call, call)
+                while in_flight[0]:
+                    if grace_deadline == math.inf and all(a >= n for a, n in zip(answered, need)):
+                        grace_deadline = trio.current_time() + timeout_after_k_min
+                    with trio.move_on_at(grace_deadline):
+                        await changed[0].wait()
+                    if trio.current_time() >= grace_deadline:
+                        break
+                nursery.cancel_scope.cancel()
+        self.stats["backward_seconds"] += trio.current_time() - started
+        for call in result.calls:
+            if id(call) not in finished:
+                self._failed(call, trio.TooSlowError("no answer before the backward deadline or grace period"),
+                             failures, "backward")
+        if any(a < n for a, n in zip(answered, need)):
+            raise self._not_enough("backward", answered, backward_k_min, failures)
+        return grad_inputs
+
+    # ------------------------------------------------------------------------------------------- helpers
+
+    async def _call(self, location: ExpertLocation, method: str, args: dict, deadline: float) -> Any:
+        timeout = max(deadline - trio.current_time(), 1e-3)
+        if self.compression != wire.Compression.NONE:
+            args["compression"] = int(self.compression)  # the server answers with the same codec
+        return await self.rpc.call(
+            location.address, method, args, timeout=timeout,
+            peer_id=PeerID.from_hex(location.peer_id_hex), compression=self.compression,
+        )
+
+    def _check_outputs(self, call: ExpertCall, reply: Any, rows: int) -> torch.Tensor:
+        """An expert's answer is untrusted input: one finite floating tensor of the expected shape."""
+        outputs = reply.get("outputs") if isinstance(reply, dict) else None
+        if not isinstance(outputs, list) or len(outputs) != 1 or not isinstance(outputs[0], torch.Tensor):
+            raise BadExpertOutput(call.uid, "expected {'outputs': [tensor]}")
+        tensor = outputs[0]
+        expected = (rows, *self.out_shape) if self.out_shape is not None else None
+        if expected is not None and tuple(tensor.shape) != expected:
+            raise BadExpertOutput(call.uid, f"output shape {tuple(tensor.shape)}, expected {expected}")
+        if tensor.ndim < 1 or tensor.shape[0] != rows:
+            raise BadExpertOutput(call.uid, f"output shape {tuple(tensor.shape)} for {rows} samples")
+        if not tensor.is_floating_point() or not bool(torch.isfinite(tensor).all()):
+            raise BadExpertOutput(call.uid, "outputs must be finite floating point values")
+        if self.out_shape is None:
+            self.out_shape = tuple(tensor.shape[1:])  # the first valid answer fixes the layer's output shape
+        return tensor
+
+    def _check_grad_inputs(self, call: ExpertCall, reply: Any, inputs: torch.Tensor, rows: int) -> torch.Tensor:
+        grads = reply.get("grad_inputs") if isinstance(reply, dict) else None
+        if not isinstance(grads, list) or len(grads) != 1 or not isinstance(grads[0], torch.Tensor):
+            raise BadExpertOutput(call.uid, "expected {'grad_inputs': [tensor]}")
+        grad = grads[0]
+        if tuple(grad.shape) != (rows, *inputs.shape[1:]):
+            raise BadExpertOutput(call.uid, f"grad_inputs shape {tuple(grad.shape)}, expected {(rows, *inputs.shape[1:])}")
+        if not grad.is_floating_point() or not bool(torch.isfinite(grad).all()):
+            raise BadExpertOutput(call.uid, "grad_inputs must be finite floating point values")
+        return grad.to(inputs.dtype)
+
+    def _failed(self, call: ExpertCall, error: BaseException, failures: dict[str, str], stage: str) -> None:
+        call.error = error
+        failures[call.uid] = _describe(error)
+        self.stats[f"{stage}_failures"] += 1
+        if isinstance(error, ConnectionFailed):
+            self.blacklist.ban_address(call.choice.location.address)
+        else:
+            self.blacklist.ban_expert(call.uid)
+        logger.debug("expert %s failed in %s: %s", call.uid, stage, _describe(error))
+
+    def _not_enough(self, stage: str, answered: list[int], needed: int, failures: dict[str, str]) -> NotEnoughExperts:
+        short = sum(1 for a in answered if a < needed)
+        return NotEnoughExperts(
+            stage=stage, needed=needed, answered=min(answered) if answered else 0, samples_short=short,
+            samples=len(answered), failures=dict(failures),
+        )
+
+
+# ---------------------------------------------------------------------------------------------- torch side
+
+
+class _DispatchFunction(torch.autograd.Function):
+    """Ties the experts' outputs into autograd: its backward runs `MixtureClient.backward` through the bridge."""
+
+    @staticmethod
+    def forward(ctx: Any, dummy: torch.Tensor, inputs: torch.Tensor, layer: "_GridMixture", result: ForwardResult) -> torch.Tensor:
+        ctx.layer, ctx.result = layer, result
+        return result.outputs
+
+    @staticmethod
+    def backward(ctx: Any, grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_inputs = ctx.layer._backward(ctx.result, grad_outputs)
+        return None, grad_inputs.to(grad_outputs.dtype) if ctx.needs_input_grad[1] else None, None, None
+
+
+class _GridMixture(nn.Module):
+    """What both mixtures share: the gate over grid coordinates, the client, and the bridge hops."""
+
+    def __init__(
+        self,
+        in_features: int,
+        grid_size: Sequence[int],
+        uid_prefix: str,
+        *,
+        swarm: Any,
+        k_best: int,
+        k_min: int,
+        timeout_after_k_min: float,
+        forward_timeout: float,
+        backward_k_min: int,
+        backward_timeout: float,
+        out_features: int | None,
+        ban_time: float,
+        search_cache_ttl: float,
+        blacklist: ExpertBlacklist | None,
+        compression: wire.Compression,
+        oracle: Any,
+    ):
+        super().__init__()
+        if swarm is None:
+            raise ValueError("a remote mixture needs a swarm handle (an object with .bridge, .rpc and .dht)")
+        if oracle is None:
+            oracle = DHTGridOracle(swarm.dht, ttl=search_cache_ttl)
+        if not 1 <= k_min <= k_best:
+            raise ValueError(f"need 1 <= k_min <= k_best, got k_min={k_min}, k_best={k_best}")
+        self.in_features = in_features
+        self.grid_size = tuple(int(g) for g in grid_size)
+        self.uid_prefix = normalize_prefix(uid_prefix)
+        self.k_best, self.k_min, self.backward_k_min = k_best, k_min, backward_k_min
+        self.timeout_after_k_min = timeout_after_k_min
+        self.forward_timeout, self.backward_timeout = forward_timeout, backward_timeout
+        self.out_features = out_features if out_features is not None else in_features
+        self.swarm = swarm
+        self.gate = nn.Linear(in_features, sum(self.grid_size))
+        self.client = MixtureClient(
+            swarm.rpc, oracle, self.uid_prefix, self.grid_size,
+            blacklist=blacklist if blacklist is not None else ExpertBlacklist(ban_time),
+            out_shape=(self.out_features,), compression=compression,
+        )
+        # autograd calls the dispatch backward only if some input requires grad: this one always does, so the
+        # experts are trained even when the layer's inputs are plain data
+        self._dummy = torch.empty(0, requires_grad=True)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, grid_size={self.grid_size}, uid_prefix={self.uid_prefix!r}, k_best={self.k_best}"
+
+    def _dispatch(self, x: torch.Tensor, k_best: int, k_min: int) -> tuple[list[torch.Tensor], ForwardResult, torch.Tensor]:
+        """Gate, search and call the experts; returns per-dimension gate logits, the raw result and the
+        experts' outputs wired into autograd ([B, k, out])."""
+        if x.ndim != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"expected inputs of shape [batch, {self.in_features}], got {tuple(x.shape)}")
+        logits = self.gate(x).split(self.grid_size, dim=-1)
+        scores = [s.detach().float().tolist() for s in logits]
+        sent = x.detach().to(torch.float32).contiguous()
+        result = self.swarm.bridge.run(functools.partial(
+            self.client.forward, sent, scores, k_best=k_best, k_min=k_min,
+            forward_timeout=self.forward_timeout, timeout_after_k_min=self.timeout_after_k_min,
+        ))
+        outputs = _DispatchFunction.apply(self._dummy, x, self, result).to(x.dtype)
+        return list(logits), result, outputs
+
+    def _backward(self, result: ForwardResult, grad_outputs: torch.Tensor) -> torch.Tensor:
+        return self.swarm.bridge.run(functools.partial(
+            self.client.backward, result, grad_outputs.detach().to(torch.float32).contiguous(),
+            backward_k_min=self.backward_k_min, backward_timeout=self.backward_timeout,
+            timeout_after_k_min=self.timeout_after_k_min,
+        ))
+
+    @staticmethod
+    def _chosen_logits(logits: list[torch.Tensor], coords: torch.Tensor) -> torch.Tensor:
+        """Gate score of each slot's expert: the sum of its coordinates' scores ([B, k])."""
+        return sum(dim_logits.gather(1, coords[:, :, d]) for d, dim_logits in enumerate(logits))
+
+
+class RemoteMixtureOfExperts(_GridMixture):
+    """A mixture-of-experts layer over a grid of remote experts, tolerant to experts failing (see module doc).
+
+    `forward(x)` with x of shape [batch, in_features] returns [batch, out_features] (default in_features):
+    the gate-weighted sum of the outputs of each sample's k_best best alive experts, weights = softmax of the
+    gate scores over the experts that answered.
+
+    `swarm` carries `.bridge`, `.rpc` and `.dht` (the trainer's `peer.client.Swarm`). Timeouts are in seconds.
+    `oracle` replaces the DHT as the source of experts (e.g. `StaticGridOracle` for a fixed set); `blacklist`
+    may be shared between layers so one layer's discovery of a dead peer spares the others; `compression`
+    applies to tensors both ways."""
+
+    def __init__(
+        self,
+        in_features: int,
+        grid_size: Sequence[int],
+        uid_prefix: str,
+        k_best: int,
+        k_min: int = 1,
+        timeout_after_k_min: float = 1.0,
+        forward_timeout: float = 10.0,
+        backward_k_min: int = 1,
+        backward_timeout: float = 10.0,
+        swarm: Any = None,
+        *,
+        out_features: int | None = None,
+        ban_time: float = 30.0,
+        search_cache_ttl: float = 5.0,
+        blacklist: ExpertBlacklist | None = None,
+        compression: wire.Compression = wire.Compression.NONE,
+        oracle: Any = None,
+    ):
+        super().__init__(
+            in_features, grid_size, uid_prefix, swarm=swarm, k_best=k_best, k_min=k_min,
+            timeout_after_k_min=timeout_after_k_min, forward_timeout=forward_timeout,
+            backward_k_min=backward_k_min, backward_timeout=backward_timeout, out_features=out_features,
+            ban_time=ban_time, search_cache_ttl=search_cache_ttl, blacklist=blacklist, compression=compression,
+            oracle=oracle,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits, result, outputs = self._dispatch(x, self.k_best, self.k_min)
+        chosen = self._chosen_logits(logits, result.coords).masked_fill(~result.mask, float("-inf"))
+        weights = torch.softmax(chosen, dim=1)  # renormalised over the experts that answered
+        return torch.einsum("bk,bko->bo", weights, outputs)
+
+
+class RemoteSwitchMixtureOfExperts(_GridMixture):
+    """Switch (top-1) routing over a grid of remote experts, with the Switch Transformer's load-balancing loss.
+
+    `forward(x)` returns `(output, balancing_loss)`. Each sample goes to its best alive expert (the next best when
+    that one fails); the output is scaled by the expert's gate probability so the gate learns. On a grid the
+    gate probability of an expert is the product of per-dimension softmaxes, and the loss balances each
+    dimension: `sum_d grid_d * sum_j f_dj * P_dj` (f: fraction of samples routed to coordinate j of dimension
+    d, P: mean gate probability of it); it equals the number of dimensions when routing is uniform."""
+
+    def __init__(
+        self,
+        in_features: int,
+        grid_size: Sequence[int],
+        uid_prefix: str,
+        forward_timeout: float = 10.0,
+        backward_timeout: float = 10.0,
+        swarm: Any = None,
+        *,
+        out_features: int | None = None,
+        ban_time: float = 30.0,
+        search_cache_ttl: float = 5.0,
+        blacklist: ExpertBlacklist | None = None,
+        compression: wire.Compression = wire.Compression.NONE,
+        oracle: Any = None,
+    ):
+        super().__init__(
+            in_features, grid_size, uid_prefix, swarm=swarm, k_best=1, k_min=1, timeout_after_k_min=0.0,
+            forward_timeout=forward_timeout, backward_k_min=1, backward_timeout=backward_timeout,
+            out_features=out_features, ban_time=ban_time, search_cache_ttl=search_cache_ttl, blacklist=blacklist,
+            compression=compression, oracle=oracle,
+        )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, result, outputs = self._dispatch(x, 1, 1)
+        probs = [torch.softmax(dim_logits, dim=-1) for dim_logits in logits]
+        coords = result.coords[:, 0, :]  # [B, ndim]
+        gate_prob = torch.ones(x.shape[0], dtype=probs[0].dtype, device=x.device)
+        balancing = x.new_zeros(())
+        for d, dim_probs in enumerate(probs):
+            gate_prob = gate_prob * dim_probs.gather(1, coords[:, d : d + 1]).squeeze(1)
+            routed = torch.nn.functional.one_hot(coords[:, d], self.grid_size[d]).to(dim_probs.dtype).mean(0)
+            balancing = balancing + self.grid_size[d] * (routed * dim_probs.mean(0)).sum()
+        return gate_prob.unsqueeze(1) * outputs[:, 0], balancing
