@@ -602,8 +602,10 @@ class DHTNode:
             if not self.client_mode:
                 mine = my_long ^ target.long_id
                 if len(closest) < self.config.k or mine < closest[-1].distance:
-                    if self._storage.store(key_id, by_key[key_id], now) == "accepted":
-                        acknowledged[key_id] = True
+                    outcome = self._storage.store(key_id, by_key[key_id], now)
+                    if outcome == "full":
+                        self._dropped["storage_full"] += 1
+                    acknowledged[key_id] = outcome == "accepted"
             for candidate in closest:
                 plan.setdefault((candidate.node_id, candidate.address), []).append(key_id)
         wire = {key_id: records.encode(record) for key_id, record in by_key.items()}

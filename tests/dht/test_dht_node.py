@@ -1,0 +1,274 @@
+"""DHTNode behaviour a user relies on: joining errors, signed records, client mode, limits, hostile peers."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import trio
+import umsgpack
+
+from dht import BootstrapFailed, DHTConfig, DHTNode, ValueTooLarge, key_id_of
+from dht import protocol as proto
+from peer.identity import Identity
+from peer.net import MemoryNetwork, RealNetwork
+
+from dht_swarm import start_node, start_swarm
+
+FAST = DHTConfig(initial_timeout=0.2, bootstrap_attempts=2)
+
+
+async def test_bootstrap_failure_names_the_addresses_tried():
+    network = MemoryNetwork(latency=0.001)
+    with pytest.raises(BootstrapFailed) as info:
+        async with DHTNode.open("lonely", 0, [("ghost1", 4000), ("ghost2", 4001)], network=network.host("lonely"),
+                                config=FAST):
+            pass
+    message = str(info.value)
+    assert "ghost1:4000" in message and "ghost2:4001" in message
+    assert info.value.addresses == [("ghost1", 4000), ("ghost2", 4001)]
+    assert info.value.operation == "bootstrap"
+
+
+async def test_bootstrap_failure_on_real_sockets_releases_the_port():
+    network = RealNetwork()
+    silent = await network.open_udp("127.0.0.1", 0)  # bound, never answers
+    async with silent:
+        with pytest.raises(BootstrapFailed, match=f"127.0.0.1:{silent.address[1]}"):
+            async with DHTNode.open("127.0.0.1", 0, [silent.address], config=FAST):
+                pass
+
+
+async def test_node_without_initial_peers_is_a_new_dht_of_one():
+    async with DHTNode.open("127.0.0.1", 0) as node:
+        assert await node.store("k", "v", node.now() + 60)
+        assert (await node.get("k")).value == "v"
+        assert await node.get("missing") is None
+
+
+async def test_user_exception_leaves_the_block_unwrapped():
+    with pytest.raises(KeyError):
+        async with DHTNode.open("127.0.0.1", 0):
+            raise KeyError("mine")
+
+
+async def _memory_swarm(nursery, count, seed=1, **kwargs):
+    network = MemoryNetwork(latency=0.002, seed=seed)
+    hosts = [f"n{i}" for i in range(count)]
+    swarm = await start_swarm(nursery, hosts, network.host, random.Random(seed), **kwargs)
+    return network, swarm
+
+
+async def test_signed_record_survives_its_owner_leaving(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        network, swarm = await _memory_swarm(nursery, 12)
+        owner = swarm[3]
+        assert await owner.node.store("my-key", "owner's value", owner.node.now() + 300, signed=True)
+        assert await owner.node.store("group", "owner's entry", owner.node.now() + 300, subkey="slot", signed=True)
+        network.crash("n3")
+        owner.kill()
+        intruder = swarm[7].node
+        assert not await intruder.store("my-key", "hijacked", intruder.now() + 3000)
+        assert not await intruder.store("my-key", "hijacked", intruder.now() + 3000, signed=True)
+        assert not await intruder.store("group", "hijacked", intruder.now() + 3000, subkey="slot")
+        assert await intruder.store("group", "intruder's own", intruder.now() + 3000, subkey="other")
+        reader = swarm[9].node
+        record = await reader.get("my-key", latest=True)
+        assert record.value == "owner's value"
+        assert record.owner == owner.node.identity.public_key
+        group = await reader.get("group", latest=True)
+        assert group.subkeys["slot"].value == "owner's entry"
+        assert group.subkeys["other"].value == "intruder's own"
+        nursery.cancel_scope.cancel()
+
+
+async def test_newer_value_wins_and_expired_value_disappears(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        _, swarm = await _memory_swarm(nursery, 10)
+        a, b, c = swarm[1].node, swarm[4].node, swarm[8].node
+        now = a.now()
+        assert await a.store("k", "first", now + 100)
+        assert await b.store("k", "second", now + 200)
+        assert not await a.store("k", "stale", now + 150)  # every replica holds a newer value
+        assert (await c.get("k", latest=True)).value == "second"
+        assert not await a.store("gone", "x", now - 1)
+        nursery.cancel_scope.cancel()
+
+
+async def test_expiration_uses_the_dht_clock():
+    fake_now = [1_000.0]
+    network = MemoryNetwork()
+    async with DHTNode.open("a", 0, network=network.host("a"), clock=lambda: fake_now[0]) as a:
+        async with DHTNode.open("b", 0, [a.address], network=network.host("b"), clock=lambda: fake_now[0]) as b:
+            assert await a.store("k", "v", 1_010.0)
+            assert (await b.get("k")).expiration_time == 1_010.0
+            fake_now[0] = 1_011.0
+            assert await b.get("k") is None
+
+
+async def test_plain_values_round_trip_as_stock_values(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        _, swarm = await _memory_swarm(nursery, 6)
+        writer, reader = swarm[0].node, swarm[5].node
+        assert await writer.store("plain", 42, math.inf)
+        record = await reader.get("plain")
+        assert record.value == 42 and record.expiration_time == math.inf
+        nursery.cancel_scope.cancel()
+
+
+async def test_value_too_large_is_refused_before_sending():
+    async with DHTNode.open("127.0.0.1", 0) as node:
+        with pytest.raises(ValueTooLarge):
+            await node.store("k", b"x" * 9000, node.now() + 10)
+
+
+async def test_get_many_and_store_many_use_one_request_per_swarmd_peer(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        _, swarm = await _memory_swarm(nursery, 8)
+        writer, reader = swarm[2].node, swarm[6].node
+        keys = [f"batch-{i}" for i in range(30)]
+        assert all(await writer.store_many([(key, i, writer.now() + 60) for i, key in enumerate(keys)]))
+        found = await reader.get_many(keys + ["absent"])
+        assert {key: r.value for key, r in found.items() if r is not None} == {k: i for i, k in enumerate(keys)}
+        assert found["absent"] is None
+        served = [r.node.stats()["requests_served"] for r in swarm]
+        assert sum(s.get("swarmd_store_many", 0) for s in served) > 0
+        assert sum(s.get("swarmd_find_many", 0) for s in served) > 0
+        # with 8 nodes and k=20 every node is a replica of every key: batching means far fewer than
+        # 31 keys x 7 peers single requests
+        assert sum(s.get("find_value", 0) for s in served) < 31
+        nursery.cancel_scope.cancel()
+
+
+async def test_client_mode_node_reads_and_writes_but_is_never_routed_to(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        network, swarm = await _memory_swarm(nursery, 8)
+        client = await start_node(nursery, "client", [swarm[0].node.address], network=network.host("client"),
+                                  client_mode=True)
+        assert await client.node.store("from-client", "hello", client.node.now() + 60)
+        assert (await swarm[5].node.get("from-client")).value == "hello"
+        assert await swarm[5].node.store("to-client", "hi", client.node.now() + 60)
+        assert (await client.node.get("to-client")).value == "hi"
+        await trio.sleep(5)  # virtual: let every verification of the client finish
+        for running in swarm:
+            assert client.node.peer_id not in running.node.routing_table_ids()
+        assert client.node.stats()["records_held"] == 0
+        nursery.cancel_scope.cancel()
+
+
+class _StockLikePeer:
+    """A minimal stock node: answers the stock RPCs, stays silent on swarmd_* (as rpcudp does)."""
+
+    def __init__(self, endpoint):
+        self.endpoint = endpoint
+        self.node_id = key_id_of("stock-like")
+        self.storage = {}
+        self.requests = []
+
+    async def serve(self):
+        protocol = proto.DatagramProtocol()
+        while True:
+            data, address = await self.endpoint.recvfrom()
+            event = protocol.receive(data, address)
+            if not isinstance(event, proto.Request):
+                continue
+            self.requests.append(event.name)
+            if event.name == "ping":
+                reply = self.node_id
+            elif event.name == "store":
+                self.storage[event.args[1]] = event.args[2]
+                reply = True
+            elif event.name in ("find_node", "find_value"):
+                key = event.args[1]
+                reply = {"value": self.storage[key]} if event.name == "find_value" and key in self.storage else []
+            else:
+                continue
+            await self.endpoint.sendto(b"\x01" + event.msg_id + umsgpack.packb(reply), address)
+
+
+async def test_stock_peer_is_probed_once_and_then_served_with_stock_rpcs(autojump_clock):
+    network = MemoryNetwork(latency=0.002)
+    endpoint = await network.host("stock").open_udp("stock", 0)
+    stock = _StockLikePeer(endpoint)
+    async with endpoint, trio.open_nursery() as nursery:
+        nursery.start_soon(stock.serve)
+        async with DHTNode.open("ours", 0, [endpoint.address], network=network.host("ours")) as node:
+            for round_ in range(3):
+                items = [(f"k{round_}-{i}", i, node.now() + 60) for i in range(5)]
+                assert all(await node.store_many(items))
+            assert stock.requests.count("swarmd_hello") == 1
+            assert stock.requests.count("store") == 15
+            found = await node.get_many([f"k2-{i}" for i in range(5)])
+            assert [r.value for r in found.values()] == list(range(5))
+        nursery.cancel_scope.cancel()
+
+
+async def test_hostile_datagrams_are_counted_and_the_node_keeps_serving():
+    network = RealNetwork()
+    async with DHTNode.open("127.0.0.1", 0) as node, await network.open_udp("127.0.0.1", 0) as attacker:
+        fake_id = b"\xee" * 20
+        key = key_id_of("k")
+        hostile = [
+            b"",
+            b"\x00" * 10,
+            b"\x05" + b"\x00" * 40,
+            b"\x00" + b"\x01" * 20 + b"\xc1\xc1",
+            b"\x00" + b"\x01" * 20 + umsgpack.packb(["store", [fake_id, key, [1, 2, 3]]]),  # unhashable value
+            b"\x00" + b"\x01" * 20 + umsgpack.packb(["store", [fake_id, key, b"\xc1swarmd\x01garbage"]]),
+            b"\x00" + b"\x01" * 20 + umsgpack.packb(["rpc_shutdown", []]),
+            b"\x01" + b"\x02" * 20 + umsgpack.packb(fake_id),  # reply nobody asked for
+        ]
+        for datagram in hostile:
+            await attacker.sendto(datagram, node.address)
+        msg_id = b"\x09" * 20
+        await attacker.sendto(b"\x00" + msg_id + umsgpack.packb(["ping", [fake_id]]), node.address)
+        with trio.fail_after(5):
+            data = b""
+            while not data.startswith(b"\x01" + msg_id):  # the refused stores are answered False first
+                data, _ = await attacker.recvfrom()
+        assert data == b"\x01" + msg_id + umsgpack.packb(bytes(node.peer_id))
+        dropped = node.stats()["dropped"]
+        for reason in ("too_short", "unknown_type", "bad_msgpack", "bad_arguments", "invalid_record",
+                       "unknown_method", "unsolicited_reply"):
+            assert dropped.get(reason, 0) >= 1, reason
+        assert await node.get("k") is None
+
+
+async def test_request_flood_from_one_address_is_rate_limited():
+    network = MemoryNetwork()
+    config = DHTConfig(requests_per_second=10, request_burst=20)
+    async with DHTNode.open("victim", 0, network=network.host("victim"), config=config) as node:
+        flooder = await network.host("flooder").open_udp("flooder", 0)
+        async with flooder:
+            for i in range(100):
+                await flooder.sendto(b"\x00" + i.to_bytes(20, "big") + umsgpack.packb(["ping", [b"\xaa" * 20]]),
+                                     node.address)
+            answers = 0
+            with trio.move_on_after(1):
+                while True:
+                    await flooder.recvfrom()
+                    answers += 1
+        assert 20 <= answers <= 40
+        assert node.stats()["dropped"]["rate_limited"] >= 60
+
+
+async def test_records_per_node_cap():
+    config = DHTConfig(max_records=5)
+    async with DHTNode.open("127.0.0.1", 0, config=config) as node:
+        results = [await node.store(f"k{i}", i, node.now() + 60) for i in range(8)]
+        assert results == [True] * 5 + [False] * 3
+        assert node.stats()["records_held"] == 5
+        assert node.stats()["dropped"]["storage_full"] == 3
+
+
+async def test_four_nodes_with_the_same_initial_peer_form_one_dht(autojump_clock):
+    network = MemoryNetwork(latency=0.003)
+    async with trio.open_nursery() as nursery:
+        seed = await start_node(nursery, "seed", network=network.host("seed"))
+        others = [await start_node(nursery, f"p{i}", [seed.node.address], network=network.host(f"p{i}"))
+                  for i in range(4)]
+        ids = {bytes(r.node.peer_id) for r in [seed, *others]}
+        for running in others:
+            assert set(running.node.routing_table_ids()) == ids - {bytes(running.node.peer_id)}
+        nursery.cancel_scope.cancel()
