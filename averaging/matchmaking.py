@@ -491,7 +491,10 @@ class Matchmaker:
                     logger.debug("matchmaking: withdrawing from %s failed: %s", key, error)
 
         if self.nursery is not None:
-            self.nursery.start_soon(withdraw)
+            try:
+                self.nursery.start_soon(withdraw)
+            except RuntimeError:  # the owner is shutting down: nobody will plan with a dead peer for long
+                pass
         else:
             with trio.CancelScope(shield=True):
                 await withdraw()

@@ -1,0 +1,165 @@
+"""Matchmaking over the real DHT and RPC code on the in-memory network, under MockClock (deterministic)."""
+
+from collections import Counter
+
+import pytest
+import trio
+
+from averaging.matchmaking import Matchmaker
+from peer.net import MemoryNetwork
+from sim_swarm import start_peers
+
+SCHEMA = b"schema01"
+
+
+async def _matchmakers(nursery, count, *, target=4, min_size=2, window=5.0, seed=0, client_mode=frozenset(),
+                       schemas=None, latency=0.005):
+    memory = MemoryNetwork(latency=latency, seed=seed)
+    peers = await start_peers(nursery, count, memory=memory, seed=seed, client_mode=set(client_mode))
+    makers = []
+    for index, peer in enumerate(peers):
+        schema = schemas[index] if schemas else SCHEMA
+        maker = Matchmaker(peer.rpc, peer.dht, schema=schema, target_group_size=target, min_group_size=min_size,
+                           matchmaking_time=window, client_mode=index in client_mode, nursery=peer.nursery)
+        maker.register()
+        makers.append(maker)
+    return memory, peers, makers
+
+
+async def _find_all(makers, key="run.averaging", round=0, skip=()):
+    results = {}
+
+    async def one(index):
+        results[index] = await makers[index].find_group(key, round)
+
+    async with trio.open_nursery() as nursery:
+        for index in range(len(makers)):
+            if index not in skip:
+                nursery.start_soon(one, index)
+    return results
+
+
+def _check_consistent(results, makers):
+    """Every member of a group got exactly the same GroupInfo, and no peer is in two groups."""
+    by_id = {}
+    for index, result in results.items():
+        if result.group is None:
+            continue
+        assert makers[index].peer_id in result.group
+        for peer_id in result.group.peer_ids:
+            by_id.setdefault(peer_id, set()).add(result.group.group_id)
+    for peer_id, ids in by_id.items():
+        assert len(ids) == 1, "a peer ended in two different groups"
+    for index, result in results.items():
+        if result.group is not None:
+            for peer_id in result.group.peer_ids:
+                other = next(r for i, r in results.items() if makers[i].peer_id == peer_id)
+                assert other.group == result.group
+
+
+async def test_eight_peers_form_two_full_groups_quickly(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        memory, peers, makers = await _matchmakers(nursery, 8)
+        started = trio.current_time()
+        results = await _find_all(makers)
+        elapsed = trio.current_time() - started
+        _check_consistent(results, makers)
+        assert sorted(r.group.size for r in results.values()) == [4] * 8
+        assert elapsed < 1.0  # far below the 5 s window: no fixed wait
+        nursery.cancel_scope.cancel()
+
+
+async def test_groups_repeat_across_rounds_on_one_key(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        memory, peers, makers = await _matchmakers(nursery, 8)
+        memberships = []
+        for round in range(3):
+            results = await _find_all(makers, round=round)
+            _check_consistent(results, makers)
+            assert all(r.group is not None and r.group.size == 4 for r in results.values())
+            assert {r.round for r in results.values()} == {round}
+            memberships.append({frozenset(r.group.peer_ids) for r in results.values()})
+        assert len({frozenset(m) for m in memberships}) > 1, "the round salt regroups peers"
+        nursery.cancel_scope.cancel()
+
+
+async def test_killed_peer_during_matchmaking_does_not_block_the_others(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        memory, peers, makers = await _matchmakers(nursery, 8, window=5.0)
+        results = {}
+        victim = 0  # killed right after declaring: others see its declaration for the whole window
+
+        async def one(index):
+            results[index] = await makers[index].find_group("run.averaging", 0)
+
+        async def victim_task():
+            with trio.move_on_after(0.002):
+                await makers[victim].find_group("run.averaging", 0)
+
+        started = trio.current_time()
+        async with trio.open_nursery() as inner:
+            inner.start_soon(victim_task)
+            await trio.sleep(0.002)
+            peers[victim].kill()
+            for index in range(1, 8):
+                inner.start_soon(one, index)
+        elapsed = trio.current_time() - started
+        _check_consistent(results, makers)
+        assert all(r.group is not None for r in results.values())
+        assert all(makers[victim].peer_id not in r.group for r in results.values())
+        assert sorted(r.group.size for r in results.values()) == [3, 3, 3, 4, 4, 4, 4]
+        assert elapsed < 2.0
+        nursery.cancel_scope.cancel()
+
+
+async def test_peers_only_group_with_the_same_schema(autojump_clock):
+    schemas = [b"schemaAA"] * 4 + [b"schemaBB"] * 4
+    async with trio.open_nursery() as nursery:
+        memory, peers, makers = await _matchmakers(nursery, 8, target=8, schemas=schemas)
+        results = await _find_all(makers)
+        _check_consistent(results, makers)
+        for index, result in results.items():
+            assert result.group is not None and result.group.size == 4
+            assert {schemas[[m.peer_id for m in makers].index(p)] for p in result.group.peer_ids} == {schemas[index]}
+        nursery.cancel_scope.cancel()
+
+
+async def test_client_mode_peers_join_but_never_collect(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        memory, peers, makers = await _matchmakers(nursery, 6, target=3, client_mode={1, 3, 5})
+        results = await _find_all(makers)
+        _check_consistent(results, makers)
+        assert all(r.group is not None for r in results.values())
+        for index, result in results.items():
+            assert result.collector not in {makers[i].peer_id for i in (1, 3, 5)}
+            clients = [m for m in result.group.members if m.client_mode]
+            assert len(clients) < result.group.size
+            if index in (1, 3, 5):
+                assert result.group.member(makers[index].peer_id).address is None
+        nursery.cancel_scope.cancel()
+
+
+async def test_lone_peer_gives_up_at_the_window_with_no_group(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        memory, peers, makers = await _matchmakers(nursery, 3, target=2)
+        result = await makers[0].find_group("run.averaging.lonely", 0)
+        assert result.group is None and result.reason
+        nursery.cancel_scope.cancel()
+
+
+async def test_late_arrivals_still_form_groups(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        memory, peers, makers = await _matchmakers(nursery, 8)
+        results = {}
+
+        async def one(index, delay):
+            await trio.sleep(delay)
+            results[index] = await makers[index].find_group("run.averaging", 0)
+
+        async with trio.open_nursery() as inner:
+            for index in range(8):
+                inner.start_soon(one, index, 0.03 * index)
+        _check_consistent(results, makers)
+        assert all(r.group is not None for r in results.values())
+        assert Counter(r.group.size for r in results.values()).most_common(1)[0][0] >= 3
+        nursery.cancel_scope.cancel()
