@@ -6,6 +6,7 @@ Shared by the all-reduce, state download and matchmaking modules (matchmaking ap
 from __future__ import annotations
 
 from peer.identity import PeerID
+from peer.rpc import BadRequest, RemoteError, register_error_code
 
 
 class AveragingError(Exception):
@@ -37,3 +38,30 @@ class AllReduceFailed(AveragingError):
 
 class StateDownloadFailed(AveragingError):
     """No peer could provide its state (all asked peers failed, refused, or sent inconsistent data)."""
+
+
+# ------------------------------------------------------------------------------------------ errors on the wire
+# What an all-reduce handler answers to one caller; registered so the caller gets these exact classes.
+
+
+class SenderExcluded(RemoteError):
+    """The reducer already counts the caller as failed for this round (it was too slow or reported lost); the
+    caller keeps its local values for that part and does not blame the reducer."""
+
+    code = "averaging.excluded"
+
+
+class RoundNotFound(RemoteError):
+    """The callee is not (or no longer) running the round named in the call."""
+
+    code = "averaging.no_round"
+
+
+class BadChunk(BadRequest):
+    """A message that does not fit the round: not a member, another partition, wrong chunk, size or dtype."""
+
+    code = "averaging.bad_chunk"
+
+
+for _cls in (SenderExcluded, RoundNotFound, BadChunk):
+    register_error_code(_cls.code, _cls)
