@@ -428,7 +428,7 @@ class DHTNode:
         if record is None:
             self._dropped["invalid_record"] += 1
             return False
-        outcome = self._storage.store(key_id, record, now)
+        outcome = self._storage.store(key_id, record, now, trio.current_time())
         if outcome == "full":
             self._dropped["storage_full"] += 1
         return outcome == "accepted"
@@ -465,33 +465,34 @@ class DHTNode:
                     target.values.append((int.from_bytes(self.peer_id, "big") ^ target.long_id, local.record))
             targets[key_id] = target
             self._table.touch(key_id, now)
+        # Query tasks live in the node's nursery, not the lookup's: when the lookup is done, a query still
+        # waiting runs to its hard timeout, so a dead peer's failure is counted (eviction) and a late answer
+        # still refreshes that peer's RTT estimate. The answer itself then goes nowhere.
         send_channel, receive_channel = trio.open_memory_channel[tuple](math.inf)
         soft_deadlines: dict[int, tuple[float, bytes, list[bytes]]] = {}
         query_ids = iter(range(1 << 62))
-        with trio.move_on_after(config.lookup_timeout):
-            async with trio.open_nursery() as nursery:
-                while True:
-                    for node_id, address, keys in self._plan(targets):
-                        query_id = next(query_ids)
-                        soft = trio.current_time() + self._peers.timeout(address)
-                        soft_deadlines[query_id] = (soft, node_id, keys)
-                        nursery.start_soon(self._query, query_id, node_id, address, keys, want_value, send_channel)
-                    if all(t.finished() for t in targets.values()):
-                        break
-                    if not any(t.pending() for t in targets.values()):
-                        break
-                    wake_at = min((d for d, _, _ in soft_deadlines.values()), default=math.inf)
-                    with trio.move_on_at(wake_at):
-                        message = await receive_channel.receive()
-                        self._absorb(targets, soft_deadlines, message)
-                        continue
-                    now = trio.current_time()
-                    for query_id, (deadline, node_id, keys) in list(soft_deadlines.items()):
-                        if deadline <= now:
-                            del soft_deadlines[query_id]
-                            for key_id in keys:
-                                targets[key_id].on_slow(node_id)
-                nursery.cancel_scope.cancel()
+        with receive_channel, trio.move_on_after(config.lookup_timeout):
+            while True:
+                for node_id, address, keys in self._plan(targets):
+                    query_id = next(query_ids)
+                    soft = trio.current_time() + self._peers.timeout(address)
+                    soft_deadlines[query_id] = (soft, node_id, keys)
+                    self._nursery.start_soon(self._query, query_id, node_id, address, keys, want_value, send_channel)
+                if all(t.finished() for t in targets.values()):
+                    break
+                if not any(t.pending() for t in targets.values()):
+                    break
+                wake_at = min((d for d, _, _ in soft_deadlines.values()), default=math.inf)
+                with trio.move_on_at(wake_at):
+                    message = await receive_channel.receive()
+                    self._absorb(targets, soft_deadlines, message)
+                    continue
+                now = trio.current_time()
+                for query_id, (deadline, node_id, keys) in list(soft_deadlines.items()):
+                    if deadline <= now:
+                        del soft_deadlines[query_id]
+                        for key_id in keys:
+                            targets[key_id].on_slow(node_id)
         return targets
 
     def _usable(self, node_id: bytes, address: Address) -> bool:
@@ -556,7 +557,7 @@ class DHTNode:
                         answers[key_id] = self._parse_find(raw, want_value)
                 keys = [key_id for key_id in keys if key_id not in answers]
             elif reply is None:
-                results.send_nowait((query_id, node_id, {key_id: None for key_id in keys}))
+                _deliver(results, (query_id, node_id, {key_id: None for key_id in keys}))
                 return
             else:
                 self._dropped["bad_reply"] += 1
@@ -574,7 +575,7 @@ class DHTNode:
             async with trio.open_nursery() as nursery:
                 for key_id in keys:
                     nursery.start_soon(one, key_id)
-        results.send_nowait((query_id, node_id, answers))
+        _deliver(results, (query_id, node_id, answers))
 
     def _parse_find(self, raw: Any, want_value: bool) -> tuple[str, Any]:
         if want_value and isinstance(raw, dict):
@@ -602,7 +603,7 @@ class DHTNode:
             if not self.client_mode:
                 mine = my_long ^ target.long_id
                 if len(closest) < self.config.k or mine < closest[-1].distance:
-                    outcome = self._storage.store(key_id, by_key[key_id], now)
+                    outcome = self._storage.store(key_id, by_key[key_id], now, trio.current_time())
                     if outcome == "full":
                         self._dropped["storage_full"] += 1
                     acknowledged[key_id] = outcome == "accepted"
@@ -710,18 +711,18 @@ class DHTNode:
         """Re-store held records that no other replica refreshed within `republish_interval` (so about one
         replica per interval does the work). Stale copies cannot resurrect overwritten values: receivers merge
         by expiration. Returns how many records were sent."""
-        now = self.now()
+        now, local_now = self.now(), trio.current_time()
         due = {
             key_id: item.record
             for key_id, item in self._storage.items()
-            if force or now - item.refreshed_at >= self.config.republish_interval
+            if force or local_now - item.refreshed_at >= self.config.republish_interval
         }
         if not due:
             return 0
         for key_id in due:
             item = self._storage.get(key_id, now)
             if item is not None:
-                item.refreshed_at = now
+                item.refreshed_at = local_now
         await self._store_records(due)
         return len(due)
 
@@ -744,6 +745,13 @@ class DHTNode:
                 items.append((key_id, records.encode(record)))
         if items:
             await self._send_stores(node.id, (node.ip, node.port), items)
+
+
+def _deliver(channel: trio.MemorySendChannel, message: tuple) -> None:
+    try:
+        channel.send_nowait(message)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass  # the lookup finished before this answer came
 
 
 class _NoReply:

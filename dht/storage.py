@@ -1,6 +1,6 @@
 """Records this node holds as a replica, merged on every store, bounded in count.
 
-Stored items keep the time the last store for them arrived (`refreshed_at`, DHT clock): republishing skips keys
+Stored items keep the time the last store for them arrived (`refreshed_at`, trio's clock: it schedules work): republishing skips keys
 another replica refreshed recently, so one replica per interval does the work instead of all k.
 """
 
@@ -25,7 +25,7 @@ class Storage:
         self.max_records = max_records
         self._items: dict[bytes, StoredItem] = {}
 
-    def store(self, key_id: bytes, incoming: Record, now: float) -> str:
+    def store(self, key_id: bytes, incoming: Record, now: float, local_time: float) -> str:
         """Merge `incoming`; returns "accepted", "rejected" (an entry of it lost the merge: older, or owned by
         someone else) or "full" (a new key while at the record cap)."""
         item = self._items.get(key_id)
@@ -41,7 +41,7 @@ class Storage:
             self._items.pop(key_id, None)
             return "rejected"
         merged = records.fit(merged)
-        self._items[key_id] = StoredItem(merged, records.encode(merged), now)
+        self._items[key_id] = StoredItem(merged, records.encode(merged), local_time)
         return "accepted" if _contains(merged, incoming.pruned(now)) else "rejected"
 
     def get(self, key_id: bytes, now: float) -> StoredItem | None:
