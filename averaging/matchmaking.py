@@ -387,6 +387,10 @@ class Matchmaker:
         self.rpc.register(JOIN_METHOD, self._handle_join)
         self.rpc.register(PING_METHOD, self._handle_ping)
 
+    def unregister(self) -> None:
+        self.rpc.unregister(JOIN_METHOD)
+        self.rpc.unregister(PING_METHOD)
+
     @property
     def address(self) -> Address | None:
         return None if self.client_mode else self.rpc.announced_address
