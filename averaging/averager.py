@@ -1,0 +1,238 @@
+"""The averager a peer owns: registered tensors, and `step()` = matchmaking + butterfly all-reduce.
+
+    async with Averager(rpc, dht, tensors, prefix="mymodel", target_group_size=4) as averager:
+        result = await averager.step(weight=1.0, timeout=30)      # StepResult
+        with averager.lock: ...                                   # training code takes the same lock
+
+Why it is shaped like this:
+- The averager owns a nursery (the `async with` block): it installs the all-reduce and matchmaking handlers on
+  the peer's RPC node and runs background work (declaration withdrawals, the state server) there; leaving the
+  block cancels all of it.
+- One step at a time: steps are serialised, because the group key, the round counter and the registered tensors
+  belong to the whole averager. Training code that wants to keep computing during a step runs the step through
+  the bridge (`bridge.run(averager.step)`) from its own thread.
+- Tensors are averaged in place. The all-reduce reads them without the lock and writes each averaged part back
+  under `lock`, so training is never blocked for a whole round (hivemind issue #445).
+- Time: a step has one budget (`timeout`); matchmaking takes at most `matchmaking_time` of it (usually a small
+  fraction: see matchmaking.py), the all-reduce gets the rest and adapts its own deadlines to measured rates.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import trio
+
+from averaging.allreduce import AllReduceConfig, AllReduceResult, AllReduceServer, install_allreduce
+from averaging.errors import AveragingError
+from averaging.group import GroupInfo
+from averaging.group_keys import GroupKeyManager
+from averaging.locking import TensorLock, check_lock
+from averaging.matchmaking import Matchmaker, MatchmakingDHT
+from averaging.schema import schema_hash
+from peer import wire
+from peer.identity import PeerID
+from peer.rpc import RPCNode
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    """What one `step()` did.
+
+    group: the members (None when no group assembled). finished: the all-reduce completed and every part of the
+    vector now holds the group mean (False: no group, or some parts kept local values because their reducer
+    failed; see `allreduce.averaged`). failed_peers: peers seen failing during matchmaking or the all-reduce.
+    """
+
+    group: GroupInfo | None
+    finished: bool
+    failed_peers: list[PeerID] = field(default_factory=list)
+    round: int = 0
+    key: str = ""
+    reason: str = ""
+    matchmaking_seconds: float = 0.0
+    allreduce_seconds: float = 0.0
+    allreduce: AllReduceResult | None = None
+
+    @property
+    def group_size(self) -> int:
+        return self.group.size if self.group is not None else 0
+
+    @property
+    def seconds(self) -> float:
+        return self.matchmaking_seconds + self.allreduce_seconds
+
+
+class Averager:
+    """Decentralized averaging of a list of tensors with the other peers of the same `prefix` and model schema."""
+
+    def __init__(
+        self,
+        rpc: RPCNode,
+        dht: MatchmakingDHT,
+        tensors: Sequence[torch.Tensor],
+        *,
+        prefix: str,
+        target_group_size: int = 4,
+        min_group_size: int = 2,
+        nbits: int = 0,
+        matchmaking_time: float = 5.0,
+        allreduce_timeout: float = 60.0,
+        compression: wire.Compression = wire.Compression.NONE,
+        bandwidth: float = 1.0,
+        client_mode: bool | None = None,
+        lock: TensorLock | None = None,
+        names: Sequence[str] | None = None,
+        allreduce_config: AllReduceConfig | None = None,
+    ):
+        self.rpc = rpc
+        self.dht = dht
+        self.tensors = list(tensors)
+        if not self.tensors:
+            raise ValueError("register at least one tensor")
+        self.prefix = prefix
+        self.schema = schema_hash(self.tensors, names)
+        self.lock: TensorLock = threading.Lock() if lock is None else lock
+        check_lock(self.lock)
+        self.allreduce_timeout = allreduce_timeout
+        self.compression = wire.Compression(compression)
+        self.client_mode = client_mode
+        self.bandwidth = bandwidth
+        self.target_group_size = target_group_size
+        self.min_group_size = min_group_size
+        self.matchmaking_time = matchmaking_time
+        self.allreduce_config = allreduce_config
+        self.keys = GroupKeyManager(prefix, target_group_size=target_group_size, nbits=nbits)
+        self.matchmaker: Matchmaker | None = None
+        self.allreduce_server: AllReduceServer | None = None
+        self._nursery: trio.Nursery | None = None
+        self._step_lock = trio.Lock()
+        self._lifetime: Any = None
+        self.last_result: StepResult | None = None
+        self.counters = {"steps": 0, "succeeded": 0, "partial": 0, "no_group": 0, "errors": 0}
+
+    # ------------------------------------------------------------------------------------------- lifetime
+
+    async def __aenter__(self) -> "Averager":
+        self._lifetime = trio.open_nursery()
+        nursery = await self._lifetime.__aenter__()
+        try:
+            self._start(nursery)
+        except BaseException:
+            nursery.cancel_scope.cancel()
+            await self._lifetime.__aexit__(None, None, None)
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        assert self._nursery is not None
+        self._nursery.cancel_scope.cancel()
+        try:
+            return await self._lifetime.__aexit__(*exc_info)
+        finally:
+            self._stop()
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Alternative to `async with`: `await nursery.start(averager.serve)`; runs until cancelled."""
+        async with self:
+            task_status.started(self)
+            await trio.sleep_forever()
+
+    def _start(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+        client_mode = self.rpc.announced_address is None if self.client_mode is None else self.client_mode
+        self.client_mode = client_mode
+        self.allreduce_server = install_allreduce(self.rpc, config=self.allreduce_config)
+        self.matchmaker = Matchmaker(
+            self.rpc, self.dht, schema=self.schema, target_group_size=self.target_group_size,
+            min_group_size=self.min_group_size, matchmaking_time=self.matchmaking_time,
+            bandwidth=self.bandwidth, client_mode=client_mode, nursery=nursery,
+        )
+        self.matchmaker.register()
+
+    def _stop(self) -> None:
+        if self.matchmaker is not None:
+            self.matchmaker.unregister()
+        if self.allreduce_server is not None:
+            self.allreduce_server.uninstall()
+        self._nursery = None
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self.rpc.peer_id
+
+    # ------------------------------------------------------------------------------------------- step
+
+    async def step(self, weight: float = 1.0, timeout: float | None = None) -> StepResult:
+        """Find a group and average the registered tensors with it (in place). Never raises for other peers'
+        failures: they are in the result. `timeout` bounds the whole step (matchmaking + all-reduce)."""
+        if self.matchmaker is None:
+            raise RuntimeError("use the averager inside `async with averager:` (or nursery.start(averager.serve))")
+        async with self._step_lock:
+            started = trio.current_time()
+            budget = self.matchmaking_time + self.allreduce_timeout if timeout is None else timeout
+            key, round_ = self.keys.key, self.keys.round
+            self.counters["steps"] += 1
+            match = await self.matchmaker.find_group(key, round_, timeout=min(self.matchmaking_time, budget))
+            matchmaking_seconds = trio.current_time() - started
+            if match.group is None or match.group.size < 2:
+                self.keys.on_failure()
+                self.counters["no_group"] += 1
+                result = StepResult(match.group, False, list(match.failed_peers), round_, key,
+                                    match.reason or "no group", matchmaking_seconds)
+                return self._remember(result)
+            group = match.group
+            self.keys.on_group(group.peer_ids, self.peer_id, match.round)
+            remaining = max(0.0, started + budget - trio.current_time())
+            allreduce_started = trio.current_time()
+            try:
+                outcome = await self.allreduce_server.run(
+                    group, self.tensors, weight=weight, compression=self.compression,
+                    timeout=min(self.allreduce_timeout, max(remaining, 0.001)), lock=self.lock,
+                )
+            except AveragingError as error:
+                self.counters["errors"] += 1
+                logger.warning("averaging round %s failed: %s", group.group_id.hex()[:8], error)
+                result = StepResult(group, False, list(match.failed_peers), match.round, key, str(error),
+                                    matchmaking_seconds, trio.current_time() - allreduce_started)
+                return self._remember(result)
+            failed = list(dict.fromkeys([*match.failed_peers, *sorted(outcome.failed_peers)]))
+            finished = outcome.fully_averaged
+            self.counters["succeeded" if finished else "partial"] += 1
+            reason = "" if finished else ("deadline" if not outcome.finished else "some parts kept local values")
+            result = StepResult(group, finished, failed, match.round, key, reason, matchmaking_seconds,
+                                trio.current_time() - allreduce_started, outcome)
+            return self._remember(result)
+
+    def _remember(self, result: StepResult) -> StepResult:
+        self.last_result = result
+        return result
+
+    # ------------------------------------------------------------------------------------------- status
+
+    def stats(self) -> dict[str, Any]:
+        """For `peer status`: counters, the last group and timings, and the matchmaking's adaptive figures."""
+        last = self.last_result
+        stats: dict[str, Any] = {
+            "prefix": self.prefix,
+            "schema": self.schema.hex(),
+            "round": self.keys.round,
+            "key": self.keys.key,
+            "client_mode": bool(self.client_mode),
+            **self.counters,
+            "last_group": [str(p) for p in last.group.peer_ids] if last and last.group else [],
+            "last_finished": bool(last.finished) if last else None,
+            "last_failed_peers": [str(p) for p in last.failed_peers] if last else [],
+            "last_matchmaking_s": round(last.matchmaking_seconds, 4) if last else None,
+            "last_allreduce_s": round(last.allreduce_seconds, 4) if last else None,
+        }
+        if self.matchmaker is not None:
+            stats["matchmaking"] = {**self.matchmaker.stats, "quiet_period_s": round(self.matchmaker.quiet_period, 4),
+                                    "rtt_s": round(self.matchmaker.rtt.value, 4)}
+        return stats

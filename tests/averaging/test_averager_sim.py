@@ -1,0 +1,86 @@
+"""The Averager end to end (matchmaking + all-reduce + group keys) on the in-memory network under MockClock."""
+
+import torch
+import trio
+
+from averaging.averager import Averager
+from peer.net import MemoryNetwork
+from sim_swarm import start_peers
+
+
+def _tensors(seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(5, 3, generator=generator), torch.randn(7, generator=generator)]
+
+
+async def _averagers(nursery, count, *, seed=0, client_mode=frozenset(), **options):
+    memory = MemoryNetwork(latency=0.005, seed=seed)
+    peers = await start_peers(nursery, count, memory=memory, seed=seed, client_mode=set(client_mode))
+    averagers = []
+    for index, peer in enumerate(peers):
+        averager = Averager(peer.rpc, peer.dht, _tensors(seed * 100 + index), **options)
+        await peer.nursery.start(averager.serve)
+        averagers.append(averager)
+    return memory, peers, averagers
+
+
+async def _step_all(averagers, **kwargs):
+    results = {}
+
+    async def one(index):
+        results[index] = await averagers[index].step(**kwargs)
+
+    async with trio.open_nursery() as nursery:
+        for index in range(len(averagers)):
+            nursery.start_soon(one, index)
+    return [results[i] for i in range(len(averagers))]
+
+
+async def test_eight_peers_groups_of_two_three_bits_hold_global_mean_after_three_rounds(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        memory, peers, averagers = await _averagers(nursery, 8, prefix="m", target_group_size=2, nbits=3)
+        expected = [torch.stack([a.tensors[i] for a in averagers]).mean(0) for i in range(2)]
+        for round_index in range(3):
+            # the grid unfolds: 1 key (4 groups), then 2 keys (2 groups each), then 4 keys (1 group each)
+            assert len({a.keys.key for a in averagers}) == 2 ** round_index
+            results = await _step_all(averagers, timeout=30)
+            assert all(r.finished and r.group_size == 2 for r in results), [r.reason for r in results]
+        for averager in averagers:
+            for tensor, mean in zip(averager.tensors, expected):
+                torch.testing.assert_close(tensor, mean, atol=1e-5, rtol=0)
+        nursery.cancel_scope.cancel()
+
+
+async def test_one_round_four_peers_with_a_client_gives_exact_mean(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        memory, peers, averagers = await _averagers(nursery, 4, prefix="m", target_group_size=4, client_mode={2})
+        expected = [torch.stack([a.tensors[i] for a in averagers]).mean(0) for i in range(2)]
+        results = await _step_all(averagers, timeout=30)
+        assert all(r.finished and r.group_size == 4 for r in results)
+        assert len({r.group.group_id for r in results}) == 1
+        for averager in averagers:
+            for tensor, mean in zip(averager.tensors, expected):
+                torch.testing.assert_close(tensor, mean, atol=1e-6, rtol=0)
+        stats = averagers[0].stats()
+        assert stats["succeeded"] == 1 and len(stats["last_group"]) == 4
+        nursery.cancel_scope.cancel()
+
+
+async def test_weights_give_a_weighted_mean(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        memory, peers, averagers = await _averagers(nursery, 3, prefix="w", target_group_size=3)
+        weights = [1.0, 2.0, 0.5]
+        expected = [sum(w * a.tensors[i] for w, a in zip(weights, averagers)) / sum(weights) for i in range(2)]
+        results = {}
+
+        async def one(index):
+            results[index] = await averagers[index].step(weight=weights[index], timeout=30)
+
+        async with trio.open_nursery() as inner:
+            for index in range(3):
+                inner.start_soon(one, index)
+        assert all(r.finished for r in results.values())
+        for averager in averagers:
+            for tensor, mean in zip(averager.tensors, expected):
+                torch.testing.assert_close(tensor, mean, atol=1e-6, rtol=0)
+        nursery.cancel_scope.cancel()
