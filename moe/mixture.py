@@ -11,6 +11,9 @@ Fault tolerance is the point, and it lives in `MixtureClient`, the trio side of 
 - a sample whose experts failed so early that it cannot reach `k_min` is given the next best experts right away
   (a new search that skips what was tried), so a peer that died since the last step costs one failed connect,
   not a lost step;
+- a sample whose experts hang (a partitioned peer never answers, and no error arrives) is given its next best
+  experts once the others answered a grace period ago (hedging), so one silent peer costs two grace periods,
+  not `forward_timeout`;
 - the backward asks the experts that answered the forward for input gradients and tolerates failures likewise:
   a missing expert contributes a zero gradient, and `backward_k_min` answers per sample are required;
 - experts that failed are banned for `ban_time` seconds (the whole peer when it could not be reached), so the
@@ -128,9 +131,18 @@ class _Progress:
         self.in_flight = [0] * batch_size
         self.tried: list[set[str]] = [set() for _ in range(batch_size)]
         self.free_slots: list[list[int]] = [list(range(k_best - 1, -1, -1)) for _ in range(batch_size)]
+        self.next_slot = [k_best] * batch_size  # hedged calls may need more than k_best slots
         self.calls: list[ExpertCall] = []
         self.exhausted: set[int] = set()  # samples for which the search found nobody more to ask
+        self.hedged: set[int] = set()  # samples already given extra experts because theirs were slow
+        self.first_answer_at: float | None = None
         self.changed = trio.Event()
+
+    def _slot(self, sample: int) -> int:
+        if self.free_slots[sample]:
+            return self.free_slots[sample].pop()
+        self.next_slot[sample] += 1
+        return self.next_slot[sample] - 1
 
     def assign(self, choices: list[list[ExpertChoice]]) -> list[ExpertCall]:
         """Group the chosen (sample, expert) pairs into one call per expert."""
@@ -141,7 +153,7 @@ class _Progress:
                 if call is None:
                     call = by_uid[choice.uid] = ExpertCall(choice, [], [])
                 call.samples.append(sample)
-                call.slots.append(self.free_slots[sample].pop())
+                call.slots.append(self._slot(sample))
                 self.tried[sample].add(choice.uid)
                 self.in_flight[sample] += 1
         new_calls = list(by_uid.values())
@@ -149,6 +161,8 @@ class _Progress:
         return new_calls
 
     def finish(self, call: ExpertCall) -> None:
+        if call.error is None and self.first_answer_at is None:
+            self.first_answer_at = trio.current_time()
         for sample, slot in zip(call.samples, call.slots):
             self.in_flight[sample] -= 1
             if call.error is None:
@@ -195,7 +209,7 @@ class MixtureClient:
         self.compression = compression
         self.stats: dict[str, float] = {
             "forward_calls": 0, "forward_failures": 0, "backward_calls": 0, "backward_failures": 0,
-            "replacement_searches": 0, "search_seconds": 0.0, "forward_seconds": 0.0, "backward_seconds": 0.0,
+            "replacement_searches": 0, "hedged_samples": 0, "search_seconds": 0.0, "forward_seconds": 0.0, "backward_seconds": 0.0,
         }
 
     # ------------------------------------------------------------------------------------------- forward
@@ -264,7 +278,23 @@ class MixtureClient:
                         grace_deadline = trio.current_time() + timeout_after_k_min
                     if progress.in_flight_total() == 0:
                         break
-                    with trio.move_on_at(grace_deadline):
+                    wake_at = grace_deadline
+                    if grace_deadline == math.inf and progress.first_answer_at is not None:
+                        # hedging: others answered a grace period ago, yet some samples still wait (their
+                        # experts hang, e.g. a partitioned peer): ask the next best experts too, once
+                        hedge_at = progress.first_answer_at + timeout_after_k_min
+                        waiting = [b for b, a in enumerate(progress.answered) if a < k_min
+                                   and b not in progress.hedged and b not in progress.exhausted]
+                        if waiting and trio.current_time() >= hedge_at:
+                            progress.hedged.update(waiting)
+                            self.stats["hedged_samples"] += len(waiting)
+                            wanted = set(waiting)
+                            await launch([k_min - a if b in wanted else 0 for b, a in enumerate(progress.answered)],
+                                         nursery)
+                            continue
+                        if waiting:
+                            wake_at = hedge_at
+                    with trio.move_on_at(wake_at):
                         await progress.changed.wait()
                     if trio.current_time() >= grace_deadline:
                         break
@@ -284,9 +314,10 @@ class MixtureClient:
         batch_size = inputs.shape[0]
         succeeded = [c for c in progress.calls if c.outputs is not None]
         out_shape = self.out_shape if self.out_shape is not None else tuple(succeeded[0].outputs.shape[1:])
-        outputs = inputs.new_zeros((batch_size, k_best, *out_shape))
-        mask = torch.zeros(batch_size, k_best, dtype=torch.bool)
-        coords = torch.zeros(batch_size, k_best, len(self.grid_size), dtype=torch.long)
+        width = max([k_best, *(slot + 1 for call in succeeded for slot in call.slots)])
+        outputs = inputs.new_zeros((batch_size, width, *out_shape))
+        mask = torch.zeros(batch_size, width, dtype=torch.bool)
+        coords = torch.zeros(batch_size, width, len(self.grid_size), dtype=torch.long)
         for call in succeeded:
             samples = torch.tensor(call.samples, dtype=torch.long)
             slots = torch.tensor(call.slots, dtype=torch.long)
@@ -604,11 +635,13 @@ class RemoteSwitchMixtureOfExperts(_GridMixture):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits, result, outputs = self._dispatch(x, 1, 1)
         probs = [torch.softmax(dim_logits, dim=-1) for dim_logits in logits]
-        coords = result.coords[:, 0, :]  # [B, ndim]
+        slot = result.mask.to(torch.int8).argmax(dim=1)  # the first slot that answered (a hedge may add one)
+        rows = torch.arange(x.shape[0])
+        coords = result.coords[rows, slot]  # [B, ndim]
         gate_prob = torch.ones(x.shape[0], dtype=probs[0].dtype, device=x.device)
         balancing = x.new_zeros(())
         for d, dim_probs in enumerate(probs):
             gate_prob = gate_prob * dim_probs.gather(1, coords[:, d : d + 1]).squeeze(1)
             routed = torch.nn.functional.one_hot(coords[:, d], self.grid_size[d]).to(dim_probs.dtype).mean(0)
             balancing = balancing + self.grid_size[d] * (routed * dim_probs.mean(0)).sum()
-        return gate_prob.unsqueeze(1) * outputs[:, 0], balancing
+        return gate_prob.unsqueeze(1) * outputs[rows, slot], balancing

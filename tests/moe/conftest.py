@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -94,6 +94,20 @@ async def _client_node(network: Network, dht_peers: list | None, box: list, *, t
         await trio.sleep_forever()
 
 
+@asynccontextmanager
+async def _expert_peer(network: Network, host: str, experts: Sequence[Expert], **options: Any):
+    """An expert server inside the current trio run (for MockClock tests): yields its location table. Compute
+    runs inline on the event loop, so virtual time never passes while torch works."""
+    options.setdefault("inline_threshold", math.inf)
+    async with RPCNode(Identity.generate(), network) as node:
+        address = await node.listen(host, 0)
+        server = ExpertServer(experts, **options)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.run, node)
+            yield {e.uid: ExpertLocation(address[0], address[1], node.peer_id.hex()) for e in experts}
+            nursery.cancel_scope.cancel()
+
+
 class Harness:
     """Builds client swarms and expert servers inside one bridge (one trio thread). With `dht=True` every server
     also runs a DHT node (the first one starts the DHT) and declares its experts there; clients join it in
@@ -120,6 +134,13 @@ class Harness:
         )
         return ServerHandle(self.bridge, address, peer_id, server, scope, self.network, host,
                             {e.uid: e for e in experts})
+
+
+@pytest.fixture
+def expert_peer():
+    """`async with expert_peer(network, host, experts) as locations:` an expert server in the test's own trio run
+    (MockClock tests); compute runs inline, so virtual time never passes while torch works."""
+    return _expert_peer
 
 
 @pytest.fixture

@@ -1,0 +1,252 @@
+"""Fault tolerance of the mixture's trio side (`MixtureClient`), deterministic: in-memory network, virtual clock,
+expert servers computing inline. Peers crash (connections reset), hang (no answer, no error), or answer garbage;
+the forward proceeds with k_min answers plus the grace period, the backward gives zero gradient for the missing
+experts, and failed experts are avoided for a while."""
+
+from __future__ import annotations
+
+import copy
+from contextlib import AsyncExitStack, asynccontextmanager
+from types import SimpleNamespace
+
+import pytest
+import torch
+import trio
+from torch import nn
+
+from moe.beam_search import StaticGridOracle
+from moe.errors import NotEnoughExperts
+from moe.experts import ExpertKind, OptimizerConfig, make_expert, register_expert_kind
+from moe.mixture import ExpertBlacklist, MixtureClient
+from moe.schema import TensorSpec
+from peer.identity import Identity
+from peer.net import MemoryNetwork
+from peer.rpc import RPCNode
+
+HIDDEN = 8
+GRID = (3, 4)
+BAN = 60.0
+CRASH_HOOKS: dict[str, object] = {}
+
+
+class CrashesDuringBackward(nn.Module):
+    """An ffn whose host dies while it computes a backward (the server recomputes forward with grad enabled)."""
+
+    def __init__(self, hidden_dim):
+        super().__init__()
+        self.linear = nn.Linear(hidden_dim, hidden_dim)
+
+    def forward(self, x):
+        if torch.is_grad_enabled() and "crash" in CRASH_HOOKS:
+            CRASH_HOOKS.pop("crash")()
+        return self.linear(x)
+
+
+class AnswersNaN(nn.Module):
+    def __init__(self, hidden_dim):
+        super().__init__()
+        self.linear = nn.Linear(hidden_dim, hidden_dim)
+
+    def forward(self, x):
+        return self.linear(x) * float("nan")
+
+
+register_expert_kind(ExpertKind("test_crashing", lambda h, **o: CrashesDuringBackward(h),
+                                lambda h, **o: [TensorSpec((h,))]), replace=True)
+register_expert_kind(ExpertKind("test_nan", lambda h, **o: AnswersNaN(h), lambda h, **o: [TensorSpec((h,))]),
+                     replace=True)
+
+
+@pytest.fixture
+def three_servers(expert_peer):
+    return lambda kinds=("ffn", "ffn", "ffn"): _three_servers(expert_peer, kinds)
+
+
+@asynccontextmanager
+async def _three_servers(expert_peer, kinds):
+    """Servers s0, s1, s2 on a memory network; server i hosts ffn.i.0 .. ffn.i.3 (of kinds[i])."""
+    network = MemoryNetwork(seed=3)
+    experts = {
+        i: [make_expert(f"ffn.{i}.{j}", kinds[i], HIDDEN, seed=10 * i + j, optimizer=OptimizerConfig("sgd", lr=0.1))
+            for j in range(GRID[1])]
+        for i in range(GRID[0])
+    }
+    local = {e.uid: copy.deepcopy(e.module) for es in experts.values() for e in es}
+    async with AsyncExitStack() as stack:
+        table = {}
+        for i in range(GRID[0]):
+            table.update(await stack.enter_async_context(expert_peer(network.host(f"s{i}"), f"s{i}", experts[i])))
+        rpc = await stack.enter_async_context(RPCNode(Identity.generate(), network.host("client")))
+        blacklist = ExpertBlacklist(ban_time=BAN)
+        client = MixtureClient(rpc, StaticGridOracle(table), "ffn", GRID, blacklist=blacklist)
+        yield SimpleNamespace(network=network, client=client, table=table, experts=experts, local=local,
+                              blacklist=blacklist)
+
+
+def scores(*rows):
+    """Per-dimension gate scores from (dim0 scores, dim1 scores) per sample."""
+    return [[list(r[0]) for r in rows], [list(r[1]) for r in rows]]
+
+
+# sample 0 prefers experts on s0 and s1 (top-4: 1.0, 0.0, 1.1, 0.1); sample 1 has its top-4 all on s1
+MIXED = ([1.0, 1.05, -5.0], [3.0, 2.0, 1.0, 0.0])
+ALL_ON_S1 = ([-5.0, 10.0, -20.0], [3.0, 2.0, 1.0, 0.0])
+
+
+def answered(result, sample):
+    return sorted(
+        f"ffn.{int(result.coords[sample, slot, 0])}.{int(result.coords[sample, slot, 1])}"
+        for slot in range(result.mask.shape[1]) if result.mask[sample, slot]
+    )
+
+
+def check_outputs_equal_local(result, local):
+    for sample in range(result.mask.shape[0]):
+        for slot in range(result.mask.shape[1]):
+            if result.mask[sample, slot]:
+                uid = "ffn." + ".".join(str(int(c)) for c in result.coords[sample, slot])
+                with torch.no_grad():
+                    expected = local[uid](result.inputs[sample : sample + 1])[0]
+                torch.testing.assert_close(result.outputs[sample, slot], expected, rtol=1e-5, atol=1e-6)
+            else:
+                assert not result.outputs[sample, slot].any()
+
+
+async def test_hung_peer_costs_k_min_plus_grace_and_its_samples_are_hedged(autojump_clock, three_servers):
+    async with three_servers() as s:
+        s.network.freeze("s1")
+        x = torch.randn(2, HIDDEN)
+        start = trio.current_time()
+        result = await s.client.forward(x, scores(MIXED, ALL_ON_S1), k_best=4, k_min=1, forward_timeout=30.0,
+                                        timeout_after_k_min=2.0)
+        # s0 answers at once; sample 1 (all on s1) gets the next best expert after one grace period; then one
+        # more grace period for the stragglers, which never come
+        assert trio.current_time() - start == pytest.approx(4.0)
+        assert answered(result, 0) == ["ffn.0.0", "ffn.0.1"]
+        assert answered(result, 1) == ["ffn.0.0"]
+        assert s.client.stats["hedged_samples"] == 1
+        check_outputs_equal_local(result, s.local)
+        assert all(s.blacklist.is_banned(uid, s.table[uid]) for uid in ("ffn.1.0", "ffn.1.1", "ffn.1.2", "ffn.1.3"))
+
+        # the next step avoids the banned experts and does not wait at all
+        start = trio.current_time()
+        result = await s.client.forward(x, scores(MIXED, ALL_ON_S1), k_best=4, k_min=1, forward_timeout=30.0,
+                                        timeout_after_k_min=2.0)
+        assert trio.current_time() == start
+        assert answered(result, 0) == ["ffn.0.0", "ffn.0.1", "ffn.0.2", "ffn.0.3"]
+        assert answered(result, 1) == ["ffn.0.0", "ffn.0.1", "ffn.0.2", "ffn.0.3"]
+
+
+async def test_crashed_peer_fails_fast_and_short_samples_get_the_next_best_experts(autojump_clock, three_servers):
+    async with three_servers() as s:
+        s.network.crash("s1")
+        x = torch.randn(2, HIDDEN)
+        start = trio.current_time()
+        result = await s.client.forward(x, scores(MIXED, ALL_ON_S1), k_best=4, k_min=2, forward_timeout=30.0,
+                                        timeout_after_k_min=2.0)
+        assert trio.current_time() == start  # nothing to wait for: failures arrive at once
+        assert answered(result, 0) == ["ffn.0.0", "ffn.0.1"]
+        assert answered(result, 1) == ["ffn.0.0", "ffn.0.1"]  # the two best experts not on s1
+        check_outputs_equal_local(result, s.local)
+        failures = s.client.stats["forward_failures"]
+        assert failures == 4  # one batched call per s1 expert, each failed once
+        assert sorted(result.failures) == ["ffn.1.0", "ffn.1.1", "ffn.1.2", "ffn.1.3"]
+
+        # the whole peer is banned: the next forward does not even try it
+        await s.client.forward(x, scores(MIXED, ALL_ON_S1), k_best=4, k_min=2, forward_timeout=30.0,
+                               timeout_after_k_min=2.0)
+        assert s.client.stats["forward_failures"] == failures
+
+
+async def test_peer_dying_mid_backward_gives_zero_gradient_and_survivors_match_local(autojump_clock, three_servers):
+    async with three_servers(kinds=("ffn", "test_crashing", "ffn")) as s:
+        torch.manual_seed(4)
+        x = torch.randn(6, HIDDEN)
+        gate_scores = [torch.randn(6, g).tolist() for g in GRID]
+        # k_best=5 over servers of 4 experts: every sample has experts on at least two servers
+        result = await s.client.forward(x, gate_scores, k_best=5, k_min=1, forward_timeout=30.0,
+                                        timeout_after_k_min=2.0)
+        assert bool(result.mask.all())
+        grad_outputs = torch.randn_like(result.outputs)
+        CRASH_HOOKS["crash"] = lambda: s.network.crash("s1")  # s1 dies inside its first backward batch
+        grad = await s.client.backward(result, grad_outputs, backward_k_min=1, backward_timeout=30.0,
+                                       timeout_after_k_min=2.0)
+        assert "crash" not in CRASH_HOOKS  # the crash did happen during the backward
+
+        expected = torch.zeros_like(x)
+        for call in result.calls:
+            if call.uid.startswith("ffn.1."):
+                continue  # died mid-backward: contributes nothing
+            module = s.local[call.uid]
+            inputs = x[call.samples].clone().requires_grad_()
+            module(inputs).backward(grad_outputs[call.samples, call.slots])
+            expected.index_add_(0, torch.tensor(call.samples), inputs.grad)
+        torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6)
+        # the surviving experts applied exactly the local SGD step
+        for i in (0, 2):
+            for expert in s.experts[i]:
+                reference = s.local[expert.uid]
+                for p_server, p_local in zip(expert.module.parameters(), reference.parameters()):
+                    want = p_local - 0.1 * p_local.grad if p_local.grad is not None else p_local
+                    torch.testing.assert_close(p_server, want.detach(), rtol=1e-4, atol=1e-6)
+        assert any(call.uid.startswith("ffn.1.") for call in result.calls)  # s1 had work to lose
+
+
+async def test_not_enough_experts_says_who_failed(autojump_clock, three_servers):
+    async with three_servers() as s:
+        for host in ("s0", "s1", "s2"):
+            s.network.crash(host)
+        with pytest.raises(NotEnoughExperts) as caught:
+            await s.client.forward(torch.randn(2, HIDDEN), scores(MIXED, ALL_ON_S1), k_best=2, k_min=1,
+                                   forward_timeout=30.0, timeout_after_k_min=2.0)
+        error = caught.value
+        assert error.stage == "forward" and error.needed == 1 and error.answered == 0 and error.samples_short == 2
+        assert error.failures and all("ConnectionFailed" in why for why in error.failures.values())
+        assert "ffn." in str(error)
+
+
+async def test_k_min_above_alive_experts_fails_at_once(autojump_clock, three_servers):
+    async with three_servers() as s:
+        s.network.crash("s1")
+        s.network.crash("s2")
+        start = trio.current_time()
+        with pytest.raises(NotEnoughExperts):
+            await s.client.forward(torch.randn(1, HIDDEN), scores(MIXED), k_best=6, k_min=5, forward_timeout=30.0,
+                                   timeout_after_k_min=2.0)
+        assert trio.current_time() == start
+
+
+async def test_backward_needs_backward_k_min_answers_per_sample(autojump_clock, three_servers):
+    async with three_servers() as s:
+        x = torch.randn(2, HIDDEN)
+        result = await s.client.forward(x, scores(MIXED, ALL_ON_S1), k_best=4, k_min=1, forward_timeout=30.0,
+                                        timeout_after_k_min=2.0)
+        s.network.crash("s1")
+        with pytest.raises(NotEnoughExperts) as caught:
+            await s.client.backward(result, torch.ones_like(result.outputs), backward_k_min=1,
+                                    backward_timeout=30.0, timeout_after_k_min=2.0)
+        assert caught.value.stage == "backward" and caught.value.samples_short == 1
+
+
+async def test_garbage_answers_are_masked_and_banned(autojump_clock, three_servers):
+    async with three_servers(kinds=("ffn", "test_nan", "ffn")) as s:
+        result = await s.client.forward(torch.randn(2, HIDDEN), scores(MIXED, ALL_ON_S1), k_best=4, k_min=1,
+                                        forward_timeout=30.0, timeout_after_k_min=2.0)
+        assert answered(result, 0) == ["ffn.0.0", "ffn.0.1"]
+        assert answered(result, 1) == ["ffn.0.0"]
+        assert bool(torch.isfinite(result.outputs).all())
+        assert all("BadExpertOutput" in why for why in result.failures.values())
+        assert s.blacklist.is_banned("ffn.1.0", s.table["ffn.1.0"])
+
+
+async def test_bans_expire(autojump_clock, three_servers):
+    async with three_servers() as s:
+        s.network.freeze("s1")
+        request = dict(k_best=4, k_min=1, forward_timeout=30.0, timeout_after_k_min=1.0)
+        await s.client.forward(torch.randn(1, HIDDEN), scores(ALL_ON_S1), **request)
+        s.network.heal()
+        result = await s.client.forward(torch.randn(1, HIDDEN), scores(ALL_ON_S1), **request)
+        assert not any(uid.startswith("ffn.1.") for uid in answered(result, 0))
+        await trio.sleep(BAN)
+        result = await s.client.forward(torch.randn(1, HIDDEN), scores(ALL_ON_S1), **request)
+        assert answered(result, 0) == ["ffn.1.0", "ffn.1.1", "ffn.1.2", "ffn.1.3"]
