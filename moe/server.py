@@ -133,7 +133,7 @@ class ExpertServer:
         min_batch_size: int = 1,
         batch_timeout: float = 0.005,
         threads_per_device: int = 1,
-        inline_threshold: float = 1e-4,
+        inline_threshold: float = 3e-4,
         checkpoint_dir: str | Path | None = None,
         checkpoint_interval: float = 300.0,
         declare_ttl: float = 60.0,
