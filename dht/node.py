@@ -61,7 +61,7 @@ class DHTConfig:
     max_records: int = 100_000
     requests_per_second: float = 500.0  # per source address
     request_burst: float = 1000.0
-    max_concurrent_probes: int = 32
+    max_concurrent_probes: int = 256
 
 
 @dataclass
@@ -97,8 +97,7 @@ class DHTNode:
         self._storage = Storage(config.max_records)
         self._dropped: Counter[str] = Counter()
         self._served: Counter[str] = Counter()
-        self._probing: set[Address] = set()
-        self._probe_limiter = trio.Semaphore(config.max_concurrent_probes)
+        self._probes: dict[Address, trio.Event] = {}  # swarmd_hello in flight, per address
 
     # ------------------------------------------------------------------------------------------------ lifecycle
 
@@ -235,7 +234,12 @@ class DHTNode:
     async def _request(self, address: Address, name: str, args: list, node_id: bytes | None = None,
                        timeout: float | None = None) -> Any:
         """Send one request and wait for its reply (matched by msg id and address); RequestTimeout after
-        `timeout` (default: the hard timeout). A reply refreshes the peer's RTT and its routing-table entry."""
+        `timeout` (default: the hard timeout). A reply refreshes the peer's RTT and its routing-table entry.
+        The first request to an address is preceded by a `swarmd_hello`, so the peer learns what we are
+        (server or client) before it handles the request, and we learn whether it speaks the extensions."""
+        info = self._peers.get(address)
+        if info.swarmd is None and address not in self._probes:
+            await self._start_probe(address)
         msg_id, datagram = self._protocol.request(address, name, args)
         waiter = _Waiter(trio.Event())
         self._waiters[msg_id] = waiter
@@ -247,7 +251,6 @@ class DHTNode:
         finally:
             self._waiters.pop(msg_id, None)
             self._protocol.forget(msg_id)
-        info = self._peers.get(address)
         if not waiter.answered:
             info.failures += 1
             if node_id is not None and info.failures >= self.config.failures_to_evict:
@@ -256,9 +259,9 @@ class DHTNode:
                                  peer=address)
         self._peers.observe_rtt(address, trio.current_time() - sent_at)
         info.failures = 0
-        if name == "ping" and proto.NODE_ID_BYTES == len(waiter.result or b"") and isinstance(waiter.result, bytes):
+        if name == "ping" and isinstance(waiter.result, bytes) and len(waiter.result) == proto.NODE_ID_BYTES:
             node_id = waiter.result
-        if node_id is not None and name != "swarmd_hello":
+        if node_id is not None:
             self._saw_server(node_id, address)
         return waiter.result
 
@@ -290,52 +293,74 @@ class DHTNode:
             except RequestTimeout:
                 continue
 
-    async def _probe(self, address: Address) -> bool:
-        """Does the peer speak the swarmd extensions? Asked once per address with a short timeout."""
-        info = self._peers.get(address)
-        if info.swarmd is not None:
-            return info.swarmd
-        timeout = min(self.config.max_timeout, 2 * self._peers.timeout(address))
+    async def _start_probe(self, address: Address) -> trio.Event:
+        """Send a `swarmd_hello` now and collect its answer in the background; the event fires when the
+        peer's capability is known (an answer) or assumed stock (silence for a short, RTT-derived time)."""
+        done = trio.Event()
+        self._probes[address] = done
+        msg_id, datagram = self._protocol.request(address, "swarmd_hello",
+                                                  [self.peer_id, {"client": self.client_mode}])
+        waiter = _Waiter(trio.Event())
+        self._waiters[msg_id] = waiter
         try:
-            reply = await self._request(address, "swarmd_hello", [self.peer_id, {"client": self.client_mode}],
-                                        timeout=timeout)
-        except RequestTimeout:
-            info.failures = max(0, info.failures - 1)  # silence here is the stock answer, not a failure
-            info.swarmd = False
-            return False
-        self._learn_hello(address, reply)
+            await self._endpoint.sendto(datagram, address)
+        except BaseException:
+            self._waiters.pop(msg_id, None)
+            self._protocol.forget(msg_id)
+            self._probes.pop(address, None)
+            done.set()
+            raise
+        self._nursery.start_soon(self._finish_probe, address, msg_id, waiter, trio.current_time(), done)
+        return done
+
+    async def _finish_probe(self, address: Address, msg_id: bytes, waiter: _Waiter, sent_at: float,
+                            done: trio.Event) -> None:
+        try:
+            with trio.move_on_after(min(self.config.max_timeout, 2 * self._peers.timeout(address))):
+                await waiter.event.wait()
+        finally:
+            self._waiters.pop(msg_id, None)
+            self._protocol.forget(msg_id)
+            if self._probes.get(address) is done:
+                del self._probes[address]
+            done.set()
+        info = self._peers.get(address)
+        if waiter.answered:
+            self._peers.observe_rtt(address, trio.current_time() - sent_at)
+            self._learn_hello(address, waiter.result)
+        elif info.swarmd is None:
+            info.swarmd = False  # silence is the stock answer (rpcudp ignores unknown methods); never re-asked
+
+    async def _probe(self, address: Address) -> bool:
+        """Does the peer speak the swarmd extensions? Learned once per address."""
+        info = self._peers.get(address)
+        if info.swarmd is None:
+            done = self._probes.get(address)
+            if done is None:
+                done = await self._start_probe(address)
+            await done.wait()
         return bool(info.swarmd)
 
     def _learn_hello(self, address: Address, hello: Any) -> None:
         info = self._peers.get(address)
         if isinstance(hello, dict):
             info.swarmd = True
-            info.client = bool(hello.get("client", False))
-            if info.client and isinstance(hello.get("id"), bytes):
-                self._table.remove(hello["id"])
+            info.client = hello.get("client") is True
+            if isinstance(hello.get("id"), bytes) and len(hello["id"]) == proto.NODE_ID_BYTES:
+                info.node_id = hello["id"]
+                if info.client:
+                    self._table.remove(hello["id"])
         else:
             info.swarmd = False
 
     async def _verify_sender(self, node_id: bytes, address: Address) -> None:
-        """An unknown peer sent us a request. Add it only once it proved it serves: swarmd peers answer the
-        hello (and say whether they are clients), stock peers answer a ping."""
-        if address in self._probing:
+        """An unknown peer sent us a request: add it once its hello says it is a server (or, for a stock peer,
+        once the hello went unanswered: stock nodes are always servers)."""
+        await self._probe(address)
+        info = self._peers.get(address)
+        if info.client or (info.node_id is not None and info.swarmd and info.node_id != node_id):
             return
-        self._probing.add(address)
-        try:
-            async with self._probe_limiter:
-                info = self._peers.get(address)
-                if info.swarmd is None:
-                    await self._probe(address)
-                if info.client:
-                    return
-                reply = await self._request(address, "ping", [self.peer_id])
-                if reply != node_id:
-                    self._dropped["id_mismatch"] += 1
-        except RequestTimeout:
-            pass
-        finally:
-            self._probing.discard(address)
+        self._saw_server(node_id, address)
 
     # ------------------------------------------------------------------------------------------------ receiving
 
@@ -381,6 +406,8 @@ class DHTNode:
         if name == "swarmd_hello":
             self._served[name] += 1
             self._learn_hello(address, args[1])
+            if not self.client_mode:
+                self._note_sender(sender, address)
             return {"id": bytes(self.peer_id), "client": self.client_mode, "version": 1}
         if self.client_mode:
             self._dropped["client_mode"] += 1
@@ -411,7 +438,9 @@ class DHTNode:
         if known is not None and (known.ip, known.port) == address:
             self._table.add(known, trio.current_time())
             return
-        if address not in self._probing and len(self._probing) < 4 * self.config.max_concurrent_probes:
+        if info.swarmd is not None:
+            self._saw_server(node_id, address)
+        elif address not in self._probes and len(self._probes) < self.config.max_concurrent_probes:
             self._nursery.start_soon(self._verify_sender, node_id, address)
 
     def _contacts_for(self, key_id: bytes, exclude: bytes) -> list[list]:
