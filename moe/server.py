@@ -18,6 +18,7 @@ a final checkpoint. Use `choose_uids` first to pick uids: checkpointed ones come
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -31,7 +32,7 @@ import trio
 
 from moe.declare import ExpertDHT, declare_experts, find_free_uids
 from moe.errors import BadExpertInput, CheckpointError, ExpertFailed, ExpertNotFound, ServerShuttingDown
-from moe.experts import Expert
+from moe.experts import Expert, OptimizerConfig, make_expert
 from moe.grid import GridPattern, InvalidUID, choose_free_uids, is_valid_uid
 from moe.runtime import ExpertComputeError, ExpertRuntime, RuntimeNotRunning
 from moe.schema import SchemaError, validate_batch
@@ -121,6 +122,10 @@ async def choose_uids(
     return kept + fresh
 
 
+def _uid_seed(seed: int, uid: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{uid}".encode()).digest()[:8], "little")
+
+
 # ------------------------------------------------------------------------------------------------ server
 
 
@@ -163,6 +168,33 @@ class ExpertServer:
         self._checkpoints = {"saved": 0, "loaded": 0, "failures": 0}
         self._saved_steps: dict[str, int] = {}
         self._running = False
+
+    @classmethod
+    async def from_pattern(
+        cls,
+        pattern: str,
+        count: int,
+        *,
+        kind: str,
+        hidden_dim: int,
+        dht: ExpertDHT | None = None,
+        checkpoint_dir: str | Path | None = None,
+        optimizer: OptimizerConfig = OptimizerConfig(),
+        options: Mapping[str, Any] | None = None,
+        device: str = "cpu",
+        seed: int | None = None,
+        rng: random.Random | None = None,
+        **server_options: Any,
+    ) -> "ExpertServer":
+        """`count` experts of one kind on uids from `pattern` (see `choose_uids`): what `peer join --experts`
+        needs. With `seed`, each expert's initial weights depend only on (seed, uid)."""
+        uids = await choose_uids(pattern, count, dht=dht, checkpoint_dir=checkpoint_dir, rng=rng)
+        experts = [
+            make_expert(uid, kind, hidden_dim, optimizer=optimizer, options=options, device=device,
+                        seed=None if seed is None else _uid_seed(seed, uid))
+            for uid in uids
+        ]
+        return cls(experts, checkpoint_dir=checkpoint_dir, **server_options)
 
     # ---------------------------------------------------------------------------------------- lifetime
 

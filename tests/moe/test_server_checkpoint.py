@@ -115,3 +115,18 @@ async def test_choose_uids_prefers_checkpointed_experts(tmp_path):
         save_checkpoint(checkpoint_path(tmp_path, uid), make_expert(uid, "ffn", 4).state_dict())
     uids = await choose_uids("ffn.[0:4].[0:4]", 3, checkpoint_dir=tmp_path)
     assert uids[0] == "ffn.3.1" and len(set(uids)) == 3  # ffn.9.9 is outside the pattern
+
+
+async def test_from_pattern_builds_experts_and_a_restart_keeps_them(tmp_path):
+    server = await ExpertServer.from_pattern("ffn.[0:4]", 2, kind="ffn", hidden_dim=8, checkpoint_dir=tmp_path,
+                                             seed=3, rng=__import__("random").Random(0))
+    uids = sorted(server.experts)
+    assert len(uids) == 2 and all(uid.startswith("ffn.") for uid in uids)
+    server.save_checkpoints()
+    again = await ExpertServer.from_pattern("ffn.[0:4]", 3, kind="ffn", hidden_dim=8, checkpoint_dir=tmp_path,
+                                            seed=3)
+    assert set(uids) < set(again.experts) and len(again.experts) == 3
+    again.load_checkpoints()
+    for uid in uids:  # same seed and uid: same initial weights, and the checkpoint agrees
+        for pa, pb in zip(server.experts[uid].module.parameters(), again.experts[uid].module.parameters()):
+            assert torch.equal(pa, pb)
