@@ -1,30 +1,310 @@
-"""The `peer` command line: one entry point whose subcommands compose the swarm's pieces."""
+"""The `peer` command line: `join` runs a volunteer daemon, `status` shows the swarm.
+
+Every failure a user can cause (bad option, port in use, unreachable bootstrap peer, bad key file) ends with one
+line on stderr and a non-zero exit code, never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import signal
 import sys
+import tomllib
+from pathlib import Path
+from typing import Any, Sequence
+
+import trio
 
 from peer import __version__
+from peer.net import parse_address
+
+EXIT_USAGE = 2
+EXIT_FAILURE = 1
+
+
+class UsageError(Exception):
+    """Bad command-line or config-file input; the message is shown as is."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line instead of argparse's usage dump
+        raise UsageError(f"{self.prog}: {message} (see `{self.prog} --help`)")
+
+
+def _address(text: str) -> tuple[str, int]:
+    try:
+        return parse_address(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value < 65536:
+        raise argparse.ArgumentTypeError(f"port {value} is outside 0..65535")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
+
+
+# ------------------------------------------------------------------------------------------------------- join
+
+JOIN_DEFAULTS: dict[str, Any] = {
+    "host": "127.0.0.1", "port": 0, "announce": None, "initial_peers": [], "identity": None, "experts": None,
+    "num_experts": None, "expert_kind": "ffn", "hidden_dim": 256, "max_batch_size": 4096, "optimizer": "adam",
+    "lr": 1e-3, "checkpoint_dir": None, "checkpoint_interval": 300.0, "device": "cpu", "log_level": "info",
+}
+
+
+def add_join_arguments(parser: argparse.ArgumentParser) -> None:
+    # Defaults are None here so that values from --config fill what the command line left out (flags win).
+    parser.add_argument("--config", type=Path, help="TOML file with any of these options (flags win)")
+    parser.add_argument("--host", help="address to listen on, TCP and UDP (default 127.0.0.1)")
+    parser.add_argument("--port", type=_port, help="port to listen on, TCP and UDP (default: any free port)")
+    parser.add_argument("--announce", type=_address, metavar="HOST:PORT",
+                        help="address other peers should use to reach this one (default: the listen address)")
+    parser.add_argument("--initial-peers", type=_address, nargs="+", metavar="HOST:PORT",
+                        help="any running peers to join through; none starts a new swarm")
+    parser.add_argument("--identity", type=Path, metavar="PATH",
+                        help="key file (created on first run) so a restarted peer keeps its PeerID")
+    parser.add_argument("--experts", metavar="PATTERN", help="experts to serve, e.g. 'ffn.[0:4].[0:4]'")
+    parser.add_argument("--num-experts", type=_positive_int,
+                        help="serve this many free uids of the pattern (default: all of it)")
+    parser.add_argument("--expert-kind", help="ffn, transformer, or package.module:factory (default ffn)")
+    parser.add_argument("--hidden-dim", type=_positive_int, help="experts' hidden size (default 256)")
+    parser.add_argument("--max-batch-size", type=_positive_int, help="largest batch per expert (default 4096)")
+    parser.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], help="experts' optimizer (default adam)")
+    parser.add_argument("--lr", type=_positive_float, help="experts' learning rate (default 0.001)")
+    parser.add_argument("--checkpoint-dir", type=Path, metavar="DIR",
+                        help="save experts here periodically and on shutdown; reload them on start")
+    parser.add_argument("--checkpoint-interval", type=_positive_float, help="seconds between checkpoints")
+    parser.add_argument("--device", help="torch device for the experts (default cpu)")
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
+
+def load_config_file(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as file:
+            raw = tomllib.load(file)
+    except OSError as error:
+        raise UsageError(f"cannot read config file {path}: {error.strerror}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise UsageError(f"config file {path} is not valid TOML: {error}") from None
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in JOIN_DEFAULTS:
+            raise UsageError(f"config file {path}: unknown option {key!r}")
+        values[name] = value
+    try:
+        if isinstance(values.get("announce"), str):
+            values["announce"] = parse_address(values["announce"])
+        if "initial_peers" in values:
+            peers = values["initial_peers"]
+            values["initial_peers"] = [parse_address(p) for p in ([peers] if isinstance(peers, str) else peers)]
+    except (ValueError, TypeError) as error:
+        raise UsageError(f"config file {path}: {error}") from None
+    for name in ("identity", "checkpoint_dir"):
+        if values.get(name) is not None:
+            values[name] = Path(values[name])
+    return values
+
+
+def join_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Defaults, overridden by the config file, overridden by flags."""
+    options = dict(JOIN_DEFAULTS)
+    if args.config is not None:
+        options.update(load_config_file(args.config))
+    for name in JOIN_DEFAULTS:
+        value = getattr(args, name, None)
+        if value is not None:
+            options[name] = value
+    if options["experts"]:
+        from moe.grid import GridPattern
+
+        try:
+            GridPattern.parse(options["experts"])
+        except ValueError as error:
+            raise UsageError(f"--experts {options['experts']!r}: {error}") from None
+        from moe.experts import UnknownExpertKind, get_expert_kind
+
+        try:
+            get_expert_kind(options["expert_kind"])
+        except (UnknownExpertKind, ValueError, ImportError) as error:
+            raise UsageError(f"--expert-kind {options['expert_kind']!r}: {error}") from None
+    return options
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s", datefmt="%H:%M:%S")
+
+
+async def _run_join(options: dict[str, Any]) -> int:
+    from peer.daemon import Daemon, DaemonConfig
+
+    fields = {name: value for name, value in options.items() if name != "log_level"}
+    daemon = Daemon(DaemonConfig(**fields))
+    async with trio.open_nursery() as nursery:
+        stop = trio.Event()
+
+        async def watch_signals(task_status=trio.TASK_STATUS_IGNORED) -> None:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                task_status.started()
+                async for signum in signals:
+                    if stop.is_set():
+                        print("peer: second signal, exiting now", file=sys.stderr, flush=True)
+                        os._exit(EXIT_FAILURE)
+                    print(f"peer: {signal.Signals(signum).name} received, shutting down "
+                          f"(checkpointing; send it again to exit at once)", file=sys.stderr, flush=True)
+                    stop.set()
+                    daemon_scope.cancel()
+
+        await nursery.start(watch_signals)
+        with trio.CancelScope() as daemon_scope:
+            info = await nursery.start(daemon.run)
+            print(f"peer {info.peer_id} listening on {info.address[0]}:{info.address[1]}", flush=True)
+            if info.experts:
+                print(f"serving {len(info.experts)} experts: {', '.join(info.experts)}", flush=True)
+            print(f"others join with: {info.join_command}", flush=True)
+            await stop.wait()
+        nursery.cancel_scope.cancel()
+    print("peer: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    options = join_options(args)
+    configure_logging(options["log_level"])
+    return trio.run(_run_join, options)
+
+
+# ------------------------------------------------------------------------------------------------------- status
+
+
+def add_status_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--initial-peers", type=_address, nargs="+", required=True, metavar="HOST:PORT",
+                        help="any running peer of the swarm")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--timeout", type=_positive_float, default=3.0, help="seconds to wait for each peer")
+
+
+async def _run_status(args: argparse.Namespace) -> int:
+    from dht.node import DHTNode
+    from peer.identity import Identity
+    from peer.net import RealNetwork
+    from peer.rpc import RPCNode
+    from peer.status import format_status, gather_status, to_json
+
+    identity = Identity.generate()
+    network = RealNetwork()
+    # A loopback swarm is reached from loopback; anything else from all interfaces (nothing is served).
+    client_host = "127.0.0.1" if all(host.startswith("127.") for host, _ in args.initial_peers) else "0.0.0.0"
+    async with RPCNode(identity, network) as rpc:
+        async with DHTNode.open(client_host, 0, args.initial_peers, identity=identity, network=network,
+                                client_mode=True) as dht:
+            status = await gather_status(rpc, dht, timeout=args.timeout, runs_reader=_runs_reader())
+    print(to_json(status) if args.json else format_status(status), flush=True)
+    return 0 if status["peers_reachable"] else EXIT_FAILURE
+
+
+def _runs_reader() -> Any:
+    try:
+        from averaging.progress import list_runs
+    except ImportError:
+        return None
+    return list_runs
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    configure_logging("warning")
+    return trio.run(_run_status, args)
+
+
+# ------------------------------------------------------------------------------------------------------- main
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="peer",
         description="swarmd: decentralized peer-to-peer training (DHT, remote mixture-of-experts, averaging)",
     )
     parser.add_argument("--version", action="version", version=f"swarmd {__version__}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    join = commands.add_parser("join", help="run a volunteer daemon: DHT node + expert server",
+                               description="Run a volunteer daemon. With no --initial-peers it starts a new swarm "
+                                           "and prints the command others use to join it.")
+    add_join_arguments(join)
+    join.set_defaults(handler=cmd_join)
+    status = commands.add_parser("status", help="show the swarm: peers, experts, training runs",
+                                 description="Attach in client mode and show every live peer of the swarm.")
+    add_status_arguments(status)
+    status.set_defaults(handler=cmd_status)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def _leaves(error: BaseException) -> list[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for inner in error.exceptions for leaf in _leaves(inner)]
+    return [error]
+
+
+def _describe(error: BaseException) -> str:
+    """One line for an error that stopped a command, whatever nursery it came through."""
+    if isinstance(error, BaseExceptionGroup):
+        return "; ".join(_describe(inner) for inner in error.exceptions)
+    if isinstance(error, OSError) and error.strerror:
+        target = f" ({error.filename})" if error.filename else ""
+        return f"{error.strerror}{target}"
+    return str(error) or error.__class__.__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 0
-    return 0
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 0
+        return args.handler(args)
+    except UsageError as error:
+        print(f"peer: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    except (Exception, BaseExceptionGroup) as error:  # the CLI's last line of defence: one line, no traceback
+        from dht.errors import BootstrapFailed
+        from peer.daemon import StartupError
+        from peer.identity import IdentityError
+
+        expected = (OSError, BootstrapFailed, IdentityError, ValueError, StartupError)
+        if not all(isinstance(leaf, expected) for leaf in _leaves(error)):
+            logging.getLogger("peer").exception("unexpected error")
+        print(f"peer: error: {_describe(error)}", file=sys.stderr)
+        return EXIT_FAILURE
 
 
 if __name__ == "__main__":

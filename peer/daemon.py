@@ -1,0 +1,170 @@
+"""`peer join`: one trio program that owns a volunteer's DHT node, expert server and status service.
+
+Why one nursery: cancelling it stops everything — the expert server saves its checkpoints on the way out, the
+DHT node stops answering, connections close — so SIGTERM means "cancel", and nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from dht.node import DHTNode
+from moe.experts import OptimizerConfig, make_expert
+from moe.grid import GridPattern
+from moe.server import ExpertServer, choose_uids
+from peer import __version__
+from peer.directory import PeerDirectory
+from peer.identity import Identity
+from peer.net import Address, Network, RealNetwork
+from peer.rpc import CallContext, RPCNode
+from peer.status import STATUS_METHOD
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DaemonConfig:
+    host: str = "127.0.0.1"
+    port: int = 0
+    announce: Address | None = None
+    initial_peers: list[Address] = field(default_factory=list)
+    identity: Path | None = None
+    experts: str | None = None
+    num_experts: int | None = None
+    expert_kind: str = "ffn"
+    hidden_dim: int = 256
+    max_batch_size: int = 4096
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    checkpoint_dir: Path | None = None
+    checkpoint_interval: float = 300.0
+    device: str = "cpu"
+    declare_ttl: float = 30.0
+    seed: int | None = None
+
+
+@dataclass
+class DaemonInfo:
+    """What a started daemon tells whoever started it (the CLI prints it)."""
+
+    peer_id: str
+    address: Address
+    experts: list[str]
+
+    @property
+    def join_command(self) -> str:
+        return f"peer join --initial-peers {self.address[0]}:{self.address[1]}"
+
+
+class StartupError(Exception):
+    """The daemon could not start (port in use, bad expert configuration); the message says what to change."""
+
+
+def pick_free_port(host: str) -> int:
+    """A port free for both TCP and UDP on `host`: the DHT and the RPC share the number."""
+    import socket
+
+    for _ in range(20):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp:
+            tcp.bind((host, 0))
+            port = tcp.getsockname()[1]
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+                try:
+                    udp.bind((host, port))
+                except OSError:
+                    continue
+                return port
+    raise StartupError(f"no port free for both TCP and UDP on {host}")
+
+
+class Daemon:
+    def __init__(self, config: DaemonConfig, *, network: Network | None = None, identity: Identity | None = None):
+        self.config = config
+        self.network = network or RealNetwork()
+        if identity is None:
+            identity = Identity.load_or_create(config.identity) if config.identity else Identity.generate()
+        self.identity = identity
+        self.started_at = time.time()
+        self.rpc: RPCNode | None = None
+        self.dht: DHTNode | None = None
+        self.expert_server: ExpertServer | None = None
+        self.directory: PeerDirectory | None = None
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled. Reports a DaemonInfo through `task_status` once the peer is reachable."""
+        config = self.config
+        async with RPCNode(self.identity, self.network, announce=config.announce) as rpc:
+            self.rpc = rpc
+            port = config.port
+            if port == 0 and isinstance(self.network, RealNetwork):
+                port = pick_free_port(config.host)
+            try:
+                address = await rpc.listen(config.host, port)
+            except OSError as error:
+                raise StartupError(f"cannot listen on {config.host}:{port}: {error.strerror or error}") from None
+            announced = rpc.announced_address or address
+            async with contextlib.AsyncExitStack() as stack:
+                try:
+                    dht = await stack.enter_async_context(DHTNode.open(
+                        config.host, address[1], config.initial_peers, identity=self.identity, network=self.network))
+                except OSError as error:
+                    raise StartupError(f"cannot open UDP {config.host}:{address[1]} for the DHT: "
+                                       f"{error.strerror or error}") from None
+                self.dht = dht
+                rpc.register(STATUS_METHOD, self._handle_status)
+                async with trio.open_nursery() as nursery:
+                    uids: list[str] = []
+                    if config.experts:
+                        self.expert_server = await self._make_expert_server(dht)
+                        uids = sorted(self.expert_server.experts)
+                        await nursery.start(self.expert_server.run, rpc, dht)
+                    self.directory = PeerDirectory(dht)
+                    await nursery.start(self.directory.run, announced, self.identity.peer_id, self._summary)
+                    task_status.started(DaemonInfo(str(self.identity.peer_id), announced, uids))
+                    await trio.sleep_forever()
+
+    async def _make_expert_server(self, dht: DHTNode) -> ExpertServer:
+        config = self.config
+        grid = GridPattern.parse(config.experts)
+        count = config.num_experts if config.num_experts is not None else grid.size
+        uids = await choose_uids(config.experts, count, dht=dht, checkpoint_dir=config.checkpoint_dir)
+        optimizer = OptimizerConfig(name=config.optimizer, lr=config.lr)
+        base_seed = config.seed if config.seed is not None else int.from_bytes(self.identity.peer_id[:4], "big")
+        experts = [
+            make_expert(uid, config.expert_kind, config.hidden_dim, optimizer=optimizer, seed=base_seed + index,
+                        device=config.device)
+            for index, uid in enumerate(uids)
+        ]
+        return ExpertServer(
+            experts, max_batch_size=config.max_batch_size, checkpoint_dir=config.checkpoint_dir,
+            checkpoint_interval=config.checkpoint_interval if config.checkpoint_dir else math.inf,
+            declare_ttl=config.declare_ttl,
+        )
+
+    def _summary(self) -> dict[str, Any]:
+        """The short description published in the peer directory (read by `peer status` without a call)."""
+        return {"experts": len(self.expert_server.experts) if self.expert_server else 0, "version": __version__}
+
+    def status(self) -> dict[str, Any]:
+        assert self.rpc is not None and self.dht is not None
+        return {
+            "peer_id": str(self.identity.peer_id),
+            "version": __version__,
+            "address": list(self.rpc.announced_address or ()),
+            "uptime_s": round(time.time() - self.started_at, 1),
+            "dht": self.dht.stats(),
+            "rpc": dict(self.rpc.stats),
+            "experts": self.expert_server.stats() if self.expert_server else None,
+            "expert_uids": sorted(self.expert_server.experts) if self.expert_server else [],
+        }
+
+    async def _handle_status(self, context: CallContext, args: Any) -> dict[str, Any]:
+        return self.status()

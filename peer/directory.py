@@ -1,0 +1,83 @@
+"""Who is in the swarm: every serving peer keeps a signed, expiring entry in a few well-known DHT keys.
+
+Why: `peer status` and launchers need the list of live peers without crawling the DHT. Each peer writes a subkey
+(its PeerID) under one of `SHARDS` keys, signed so nobody else can overwrite it, and re-declares it before it
+expires; a peer that dies simply disappears after `ttl`. Sharding keeps each record far under the DHT's 8 KiB
+value limit (about 60 bytes per entry, so a few hundred peers per shard).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import trio
+
+from peer.identity import PeerID
+from peer.net import Address
+
+logger = logging.getLogger(__name__)
+
+SHARDS = 8
+KEY_PREFIX = "swarmd.peers."
+
+
+def shard_key(peer_id: bytes) -> str:
+    return f"{KEY_PREFIX}{peer_id[0] % SHARDS}"
+
+
+@dataclass(frozen=True)
+class PeerEntry:
+    peer_id: str
+    address: Address
+    summary: dict
+    expiration_time: float
+
+
+class PeerDirectory:
+    """Keeps this peer's entry alive in the DHT (the daemon runs it in its nursery)."""
+
+    def __init__(self, dht: Any, *, ttl: float = 30.0, interval: float | None = None):
+        self.dht = dht
+        self.ttl = ttl
+        self.interval = interval if interval is not None else ttl / 3
+        self.failures = 0
+
+    async def declare(self, address: Address, peer_id: PeerID, summary: dict) -> bool:
+        value = [address[0], address[1], summary]
+        return await self.dht.store(shard_key(peer_id), value, self.dht.now() + self.ttl, subkey=peer_id.hex(),
+                                    signed=True)
+
+    async def run(self, address: Address, peer_id: PeerID, summary: Callable[[], dict], *,
+                  task_status=trio.TASK_STATUS_IGNORED) -> None:
+        first = True
+        while True:
+            try:
+                if not await self.declare(address, peer_id, summary()):
+                    self.failures += 1
+            except Exception as error:  # the DHT may be briefly unreachable; the next round retries
+                self.failures += 1
+                logger.warning("could not declare this peer in the directory: %s", error)
+            if first:
+                task_status.started()
+                first = False
+            await trio.sleep(self.interval)
+
+
+async def list_peers(dht: Any) -> list[PeerEntry]:
+    """Every live peer in the directory, ordered by PeerID. Malformed entries (anyone can write) are skipped."""
+    records = await dht.get_many([f"{KEY_PREFIX}{shard}" for shard in range(SHARDS)])
+    now = dht.now()
+    peers: dict[str, PeerEntry] = {}
+    for record in records.values():
+        if record is None:
+            continue
+        for subkey, entry in record.subkeys.items():
+            value = entry.value
+            if (not isinstance(subkey, str) or len(subkey) != 40 or not isinstance(value, list) or len(value) != 3
+                    or not isinstance(value[0], str) or not isinstance(value[1], int)
+                    or not isinstance(value[2], dict) or entry.expiration_time < now):
+                continue
+            peers[subkey] = PeerEntry(subkey, (value[0], value[1]), value[2], entry.expiration_time)
+    return [peers[key] for key in sorted(peers)]

@@ -1,0 +1,98 @@
+"""`peer status`: attach in client mode, ask every live peer for its stats, and show the swarm.
+
+Peers come from the directory in the DHT (`peer.directory`); each is asked `peer.status` in parallel with a short
+deadline, so one dead or slow peer shows up as unreachable instead of stalling the report.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from typing import Any, Callable, Awaitable
+
+import trio
+
+from peer.directory import list_peers
+from peer.identity import PeerID
+from peer.rpc import RPCError, RPCNode
+
+STATUS_METHOD = "peer.status"
+RunsReader = Callable[[Any], Awaitable[list[dict]]]
+
+
+async def gather_status(rpc: RPCNode, dht: Any, *, timeout: float = 3.0,
+                        runs_reader: RunsReader | None = None) -> dict[str, Any]:
+    entries = await list_peers(dht)
+    replies: dict[str, dict[str, Any]] = {}
+
+    async def ask(entry) -> None:
+        try:
+            replies[entry.peer_id] = await rpc.call(entry.address, STATUS_METHOD, timeout=timeout,
+                                                    peer_id=PeerID.from_hex(entry.peer_id))
+        except RPCError as error:
+            replies[entry.peer_id] = {"error": str(error)}
+
+    async with trio.open_nursery() as nursery:
+        for entry in entries:
+            nursery.start_soon(ask, entry)
+
+    peers = []
+    experts_by_prefix: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for entry in entries:
+        reply = replies.get(entry.peer_id, {})
+        reachable = "error" not in reply
+        experts = reply.get("expert_uids", []) if reachable else []
+        served = (reply.get("experts") or {}).get("requests_total", 0) if reachable else 0
+        peers.append({
+            "peer_id": entry.peer_id,
+            "address": f"{entry.address[0]}:{entry.address[1]}",
+            "reachable": reachable,
+            "error": reply.get("error"),
+            "uptime_s": reply.get("uptime_s"),
+            "dht_table_size": (reply.get("dht") or {}).get("routing_table_size"),
+            "experts": experts,
+            "requests_served": served,
+            "failures_seen": (reply.get("rpc") or {}).get("calls_failed"),
+        })
+        for uid in experts:
+            prefix = uid.split(".")[0]
+            experts_by_prefix[prefix].append({"uid": uid, "peer_id": entry.peer_id,
+                                              "address": f"{entry.address[0]}:{entry.address[1]}"})
+    runs = await runs_reader(dht) if runs_reader is not None else []
+    return {
+        "peers": peers,
+        "peers_reachable": sum(p["reachable"] for p in peers),
+        "experts": {prefix: sorted(items, key=lambda item: item["uid"]) for prefix, items in
+                    sorted(experts_by_prefix.items())},
+        "runs": runs,
+    }
+
+
+def format_status(status: dict[str, Any]) -> str:
+    lines = [f"peers: {status['peers_reachable']} reachable of {len(status['peers'])} in the directory", ""]
+    header = f"{'PEER':<14}{'ADDRESS':<24}{'STATE':<13}{'UPTIME':>8}{'DHT':>6}{'EXPERTS':>9}{'SERVED':>9}"
+    lines.append(header)
+    for peer in status["peers"]:
+        state = "ok" if peer["reachable"] else "unreachable"
+        uptime = f"{peer['uptime_s']:.0f}s" if peer["uptime_s"] is not None else "-"
+        table = peer["dht_table_size"] if peer["dht_table_size"] is not None else "-"
+        lines.append(f"{peer['peer_id'][:12]:<14}{peer['address']:<24}{state:<13}{uptime:>8}{table!s:>6}"
+                     f"{len(peer['experts']):>9}{peer['requests_served']:>9}")
+    lines.append("")
+    if status["experts"]:
+        lines.append("experts by prefix:")
+        for prefix, items in status["experts"].items():
+            hosts = sorted({item["address"] for item in items})
+            lines.append(f"  {prefix}: {len(items)} experts on {len(hosts)} peers ({', '.join(hosts)})")
+    else:
+        lines.append("experts: none declared")
+    if status["runs"]:
+        lines.append("")
+        lines.append("training runs:")
+        for run in status["runs"]:
+            lines.append("  " + ", ".join(f"{key}={value}" for key, value in run.items()))
+    return "\n".join(lines)
+
+
+def to_json(status: dict[str, Any]) -> str:
+    return json.dumps(status, indent=2, sort_keys=True, default=str)

@@ -1,0 +1,107 @@
+"""`peer join` / `peer status` as users run them: separate processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+import torch
+
+from tests.peer_processes import run_peer, start_daemon
+
+
+@pytest.fixture
+def daemons():
+    started = []
+    yield started
+    for process in started:
+        process.kill()
+
+
+def test_help_and_version():
+    result = run_peer("--help")
+    assert result.returncode == 0 and "join" in result.stdout and "status" in result.stdout
+    assert run_peer("--version").stdout.startswith("swarmd ")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["join", "--port", "abc"], "not a port number"),
+    (["join", "--experts", "ffn.[0:x]"], "--experts"),
+    (["join", "--expert-kind", "nonexistent", "--experts", "ffn.[0:2]"], "--expert-kind"),
+    (["join", "--initial-peers", "nocolon"], "HOST:PORT"),
+    (["join", "--config", "/nonexistent/swarmd.toml"], "cannot read config file"),
+    (["join", "--initial-peers", "127.0.0.1:9"], "bootstrap failed"),
+    (["status", "--initial-peers", "127.0.0.1:9"], "bootstrap failed"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_bad_input_gives_one_line_error_and_nonzero_exit(args, message):
+    result = run_peer(*args)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("peer: error:") and message in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_port_in_use_is_one_line(daemons):
+    first, _, address = start_daemon("--port", "0")
+    daemons.append(first)
+    port = address.rsplit(":", 1)[1]
+    result = run_peer("join", "--port", port)
+    assert result.returncode == 1 and result.stderr.strip().count("\n") == 0
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+
+
+def test_config_file_values_apply_and_flags_win(tmp_path, daemons):
+    config = tmp_path / "peer.toml"
+    config.write_text('experts = "ffn.[0:3]"\nhidden-dim = 32\nport = 1\n')
+    process, _, address = start_daemon("--config", str(config), "--port", "0")
+    daemons.append(process)
+    assert not address.endswith(":1")  # the flag won
+    assert "serving 3 experts" in "\n".join(process.lines)
+
+
+def test_status_json_lists_peers_and_their_experts(daemons):
+    first, first_id, first_address = start_daemon("--experts", "ffn.[0:2]", "--hidden-dim", "32")
+    daemons.append(first)
+    second, second_id, _ = start_daemon("--initial-peers", first_address, "--experts", "ffn.[2:4]",
+                                        "--hidden-dim", "32")
+    daemons.append(second)
+    deadline = time.monotonic() + 30
+    while True:
+        result = run_peer("status", "--initial-peers", first_address, "--json")
+        assert result.returncode == 0, result.stderr
+        status = json.loads(result.stdout)
+        if status["peers_reachable"] == 2 or time.monotonic() > deadline:
+            break
+    assert {peer["peer_id"] for peer in status["peers"]} == {first_id, second_id}
+    assert [e["uid"] for e in status["experts"]["ffn"]] == ["ffn.0", "ffn.1", "ffn.2", "ffn.3"]
+    human = run_peer("status", "--initial-peers", first_address)
+    assert "2 reachable" in human.stdout and "ffn: 4 experts on 2 peers" in human.stdout
+
+
+def test_sigterm_checkpoints_exits_zero_and_restart_resumes_identity_and_weights(tmp_path):
+    args = ["--experts", "ffn.[0:2]", "--hidden-dim", "16", "--identity", str(tmp_path / "id.key"),
+            "--checkpoint-dir", str(tmp_path / "ckpt")]
+    process, peer_id, _ = start_daemon(*args)
+    try:
+        process.signal(signal.SIGTERM)
+        started = time.monotonic()
+        assert process.wait(timeout=10) == 0
+        assert time.monotonic() - started < 10
+    finally:
+        process.kill()
+    saved = torch.load(tmp_path / "ckpt" / "ffn.0.pt", weights_only=True)
+    restarted, restarted_id, _ = start_daemon(*args)
+    try:
+        assert restarted_id == peer_id
+        assert "serving 2 experts: ffn.0, ffn.1" in "\n".join(restarted.lines)
+        restarted.signal(signal.SIGTERM)
+        assert restarted.wait(timeout=10) == 0
+    finally:
+        restarted.kill()
+    reloaded = torch.load(tmp_path / "ckpt" / "ffn.0.pt", weights_only=True)
+    for name, tensor in saved["model"].items():
+        assert torch.equal(tensor, reloaded["model"][name]), name
