@@ -3,7 +3,12 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import select
+import subprocess
+import sys
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -108,6 +113,14 @@ async def _expert_peer(network: Network, host: str, experts: Sequence[Expert], *
             nursery.cancel_scope.cancel()
 
 
+async def _bootstrap_node(network: Network, box: list, *, task_status) -> None:
+    host = "127.0.0.1" if isinstance(network, RealNetwork) else "dht"
+    async with DHTNode.open(host, 0, [], network=network, clock=trio.current_time) as node:
+        box.append(node.address)
+        task_status.started()
+        await trio.sleep_forever()
+
+
 class Harness:
     """Builds client swarms and expert servers inside one bridge (one trio thread). With `dht=True` every server
     also runs a DHT node (the first one starts the DHT) and declares its experts there; clients join it in
@@ -120,6 +133,14 @@ class Harness:
 
     def _network(self, host: str) -> Network:
         return self.network.host(host) if self.network is not None else RealNetwork()
+
+    def dht_bootstrap(self) -> tuple[str, int]:
+        """A full (non-client) DHT node in the bridge for others to join, e.g. server processes started in
+        parallel; returns its address."""
+        box: list = []
+        self.bridge.start_and_wait(_bootstrap_node, self._network("dht"), box)
+        self.dht_peers.append(box[0])
+        return box[0]
 
     def client(self, host: str = "client") -> ClientSwarm:
         box: list = []
@@ -165,3 +186,53 @@ def dht_harness(bridge) -> Harness:
 def memory_harness(bridge) -> Harness:
     """Servers and clients on an in-memory network (hosts can be crashed), real clock."""
     return Harness(bridge, MemoryNetwork(seed=7))
+
+
+LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "expert_server_process.py")
+
+
+class ServerProcesses:
+    """Expert servers in child processes (tests/moe/expert_server_process.py); all killed at teardown."""
+
+    def __init__(self) -> None:
+        self.processes: list[subprocess.Popen] = []
+
+    def start(self, uids: Sequence[str], *args: str, timeout: float = 120.0) -> tuple[subprocess.Popen, dict]:
+        process = self.launch(uids, *args)
+        return process, self.wait_ready(process, timeout)
+
+    def launch(self, uids: Sequence[str], *args: str) -> subprocess.Popen:
+        """Start a server process without waiting (start several at once, then `wait_ready` each)."""
+        process = subprocess.Popen(
+            [sys.executable, LAUNCHER, "--uids", *uids, *args], stdout=subprocess.PIPE, text=True,
+        )
+        self.processes.append(process)
+        return process
+
+    @staticmethod
+    def wait_ready(process: subprocess.Popen, timeout: float) -> dict:
+        ready, _, _ = select.select([process.stdout], [], [], timeout)
+        line = process.stdout.readline() if ready else ""
+        if not line:
+            process.kill()
+            raise RuntimeError(f"expert server process did not start (exit code {process.poll()})")
+        info = json.loads(line)
+        info["address"] = tuple(info["address"])
+        return info
+
+    def close(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+            if process.stdout is not None:
+                process.stdout.close()
+
+
+@pytest.fixture
+def server_processes():
+    processes = ServerProcesses()
+    try:
+        yield processes
+    finally:
+        processes.close()
