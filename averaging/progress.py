@@ -1,0 +1,322 @@
+"""Collective training progress through the DHT: when has the swarm processed `target_batch_size` samples?
+
+Collaborative training has no coordinator to say "the epoch is over". Instead every trainer publishes a small
+progress record under one DHT key per run (subkey = its peer id): its epoch, the samples it accumulated in
+that epoch, its throughput and when it reported. Every trainer reads all the records of the run and decides
+on its own when the swarm's samples for the newest epoch reach the target; since they all read the same
+records and extrapolate with the same rule, they reach that conclusion at about the same moment and meet in
+the averager.
+
+Why signed records: a progress record decides when everybody stops to average, so a peer must not be able to
+speak for another. Records are stored `signed=True` (the DHT then refuses values for that subkey not signed by
+the same key) and a reader only accepts a record whose subkey is the PeerID of the key that signed it.
+
+Why short expirations: a trainer that dies simply stops refreshing its record; it vanishes from every estimate
+after `ttl` seconds, with no goodbye needed.
+
+Layout: `estimate()` is the pure part (records + clock in, a `SwarmProgress` out), unit-tested without any
+network; `ProgressTracker` is the thin trio driver that publishes the local record and fetches the others,
+refreshing more often as the estimated end of the epoch approaches.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Protocol
+
+import trio
+
+from peer.identity import PeerID
+
+logger = logging.getLogger(__name__)
+
+_RECORD_VERSION = 1
+
+
+def progress_key(run_id: str) -> str:
+    """The DHT key holding every trainer's progress record for `run_id`."""
+    if not run_id:
+        raise ValueError("run_id must be a non-empty string")
+    return f"{run_id}.progress"
+
+
+@dataclass(frozen=True)
+class PeerProgress:
+    """One trainer's progress as published: `samples` accumulated in `epoch` at DHT time `time`."""
+
+    peer_id: PeerID
+    epoch: int
+    samples: int
+    samples_per_second: float
+    time: float
+    client_mode: bool = True
+
+    def to_wire(self) -> list:
+        return [_RECORD_VERSION, int(self.epoch), int(self.samples), float(self.samples_per_second),
+                float(self.time), bool(self.client_mode)]
+
+    @classmethod
+    def from_wire(cls, peer_id: bytes, value: Any) -> "PeerProgress | None":
+        """Parse a record read from the DHT; None for anything malformed (hostile or from another version)."""
+        if not isinstance(value, (list, tuple)) or len(value) < 6 or value[0] != _RECORD_VERSION:
+            return None
+        _, epoch, samples, sps, time, client_mode = value[:6]
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (epoch, samples)):
+            return None
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (sps, time)):
+            return None
+        if epoch < 0 or samples < 0 or not math.isfinite(sps) or sps < 0 or not math.isfinite(time):
+            return None
+        return cls(PeerID(bytes(peer_id)), epoch, samples, float(sps), float(time), bool(client_mode))
+
+
+@dataclass(frozen=True)
+class SwarmProgress:
+    """What one trainer believes about the run at DHT time `time`.
+
+    `epoch` is the newest epoch any live trainer reports; `samples` is the estimated number of samples the
+    trainers in that epoch have accumulated by now (reported counts plus throughput times the age of each
+    report); `eta` is the DHT time at which `samples` is expected to reach `target` (`time` when it already
+    has, `inf` when nobody makes progress)."""
+
+    epoch: int
+    samples: int
+    target: int
+    samples_per_second: float
+    num_peers: int
+    eta: float
+    time: float
+    peers: tuple[PeerProgress, ...] = field(default=(), repr=False)
+
+    @property
+    def target_reached(self) -> bool:
+        return self.samples >= self.target
+
+
+def estimate(reports: Iterable[PeerProgress], *, target: int, now: float, max_extrapolation: float = math.inf
+             ) -> SwarmProgress:
+    """Combine the live reports into the swarm's progress toward `target` samples in its newest epoch.
+
+    Peers behind the newest epoch contribute nothing: their samples belong to an epoch the swarm already
+    closed (they will catch up). A report's extrapolation is capped at `max_extrapolation` seconds so a trainer
+    that stalled without dying cannot make the epoch end on imaginary samples."""
+    reports = list(reports)
+    if not reports:
+        return SwarmProgress(0, 0, target, 0.0, 0, math.inf, now, ())
+    epoch = max(r.epoch for r in reports)
+    current = [r for r in reports if r.epoch == epoch]
+    samples = 0.0
+    throughput = 0.0
+    for report in current:
+        age = min(max(0.0, now - report.time), max_extrapolation)
+        samples += report.samples + report.samples_per_second * age
+        throughput += report.samples_per_second
+    if samples >= target:
+        eta = now
+    elif throughput > 0:
+        eta = now + (target - samples) / throughput
+    else:
+        eta = math.inf
+    return SwarmProgress(epoch, int(samples), target, throughput, len(current), eta, now, tuple(reports))
+
+
+def parse_records(record: Any, now: float) -> dict[PeerID, PeerProgress]:
+    """The authentic, unexpired progress records inside a DHT record of the progress key.
+
+    A subkey counts only if it is the PeerID of the key that signed its entry: nobody can report for others."""
+    found: dict[PeerID, PeerProgress] = {}
+    for subkey, entry in (getattr(record, "subkeys", None) or {}).items():
+        if not isinstance(subkey, (bytes, bytearray)) or len(subkey) != 20:
+            continue
+        owner = getattr(entry, "owner", None)
+        if owner is None or PeerID.from_public_key(owner) != bytes(subkey):
+            continue
+        if entry.expiration_time <= now:
+            continue
+        progress = PeerProgress.from_wire(subkey, entry.value)
+        if progress is not None:
+            found[progress.peer_id] = progress
+    return found
+
+
+class ProgressDHT(Protocol):
+    """What the tracker needs from `dht.DHTNode`."""
+
+    peer_id: bytes
+
+    def now(self) -> float: ...
+
+    async def store(self, key: Any, value: Any, expiration_time: float, subkey: Any = None,
+                    signed: bool = False) -> bool: ...
+
+    async def get(self, key: Any, latest: bool = False) -> Any: ...
+
+
+class _Rate:
+    """Samples per second, smoothed over recent intervals (an EWMA weighted by interval length)."""
+
+    def __init__(self, horizon: float = 10.0):
+        self.horizon = horizon
+        self.value = 0.0
+        self._last: float | None = None
+
+    def update(self, samples: int, now: float) -> None:
+        if self._last is None:
+            self._last = now
+            return
+        interval = now - self._last
+        if interval <= 0:
+            return
+        self._last = now
+        instant = samples / interval
+        alpha = min(1.0, interval / self.horizon) if self.value else 1.0
+        self.value = (1 - alpha) * self.value + alpha * instant
+
+
+class ProgressTracker:
+    """Publishes this trainer's progress record and keeps an up-to-date view of the swarm's.
+
+    Lives in a trio thread: `run()` is a background task (start it in the owner's nursery); the training side
+    calls `report(samples)` after each local step and `new_epoch(epoch)` when it moves on, and reads
+    `progress()` (an estimate at the current time from the latest fetched records and the live local state).
+
+    Refresh policy: the local record is republished when it is `publish_interval` old (at once on a new epoch),
+    and well before it expires; the swarm's records are fetched every `max_refresh` seconds, more often as the
+    estimated end of the epoch approaches (half the remaining time, at least `min_refresh` apart), so every
+    trainer notices the end within about `min_refresh` of it.
+    """
+
+    def __init__(
+        self,
+        dht: ProgressDHT,
+        run_id: str,
+        target_batch_size: int,
+        *,
+        epoch: int = 0,
+        client_mode: bool = True,
+        ttl: float = 20.0,
+        publish_interval: float = 1.0,
+        min_refresh: float = 0.1,
+        max_refresh: float = 2.0,
+        rate_horizon: float = 5.0,
+    ):
+        if target_batch_size < 1:
+            raise ValueError("target_batch_size must be positive")
+        if not 0 < min_refresh <= max_refresh:
+            raise ValueError("need 0 < min_refresh <= max_refresh")
+        self.dht = dht
+        self.key = progress_key(run_id)
+        self.peer_id = PeerID(bytes(dht.peer_id))
+        self.target = int(target_batch_size)
+        self.client_mode = client_mode
+        self.ttl = ttl
+        self.publish_interval = publish_interval
+        self.min_refresh = min_refresh
+        self.max_refresh = max_refresh
+        self.epoch = epoch
+        self.samples = 0
+        self._rate = _Rate(rate_horizon)
+        self._others: dict[PeerID, PeerProgress] = {}
+        self._published: PeerProgress | None = None
+        self._published_at = -math.inf  # trio time
+        self._fetched_at = -math.inf  # trio time
+        self._wake = trio.Event()
+        self.stats = {"published": 0, "publish_failures": 0, "fetches": 0, "fetch_failures": 0}
+
+    # -------------------------------------------------------------------------------------- local state
+
+    def local(self) -> PeerProgress:
+        return PeerProgress(self.peer_id, self.epoch, self.samples, self._rate.value, self.dht.now(),
+                            self.client_mode)
+
+    def report(self, samples: int) -> None:
+        """Count `samples` more samples accumulated in the current epoch."""
+        self.samples += int(samples)
+        self._rate.update(int(samples), trio.current_time())
+        self._wake.set()  # the background loop re-plans its next publish and fetch
+
+    def new_epoch(self, epoch: int) -> None:
+        """Move to `epoch` with nothing accumulated; published right away so others stop counting us."""
+        self.epoch = int(epoch)
+        self.samples = 0
+        self._wake.set()
+
+    def progress(self) -> SwarmProgress:
+        """The swarm's estimated progress now: the last fetched records of others plus my live state."""
+        reports = dict(self._others)
+        reports[self.peer_id] = self.local()
+        return estimate(reports.values(), target=self.target, now=self.dht.now(), max_extrapolation=self.ttl / 2)
+
+    @property
+    def last_fetch_age(self) -> float:
+        return trio.current_time() - self._fetched_at
+
+    # -------------------------------------------------------------------------------------- DHT I/O
+
+    async def publish(self) -> bool:
+        record = self.local()
+        try:
+            stored = await self.dht.store(self.key, record.to_wire(), record.time + self.ttl,
+                                          subkey=bytes(self.peer_id), signed=True)
+        except Exception as error:  # one missed refresh; the record lives on until its expiration
+            logger.debug("progress: publishing under %s failed: %s", self.key, error)
+            stored = False
+        if stored:
+            self.stats["published"] += 1
+        else:
+            self.stats["publish_failures"] += 1
+        self._published = record
+        self._published_at = trio.current_time()
+        return stored
+
+    async def fetch(self) -> SwarmProgress:
+        """Read every trainer's record now (the newest replicas) and return the fresh estimate."""
+        try:
+            record = await self.dht.get(self.key, latest=True)
+        except Exception as error:
+            logger.debug("progress: reading %s failed: %s", self.key, error)
+            self.stats["fetch_failures"] += 1
+            self._fetched_at = trio.current_time()  # retry after the usual interval, not in a busy loop
+            return self.progress()
+        self.stats["fetches"] += 1
+        others = parse_records(record, self.dht.now())
+        others.pop(self.peer_id, None)
+        self._others = others
+        self._fetched_at = trio.current_time()
+        return self.progress()
+
+    def _publish_due(self, now: float) -> float:
+        """Trio time at which the local record should next be published."""
+        published = self._published
+        if published is None or published.epoch != self.epoch:
+            return now
+        if published.samples == self.samples:  # nothing new: only keep it alive
+            return self._published_at + self.ttl / 3
+        return self._published_at + min(self.publish_interval, self.ttl / 3)
+
+    def _fetch_due(self, now: float) -> float:
+        progress = self.progress()
+        remaining = progress.eta - progress.time  # DHT-clock seconds until the estimated end of the epoch
+        interval = min(self.max_refresh, max(self.min_refresh, remaining / 2))
+        return self._fetched_at + interval
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Publish and fetch until cancelled. Starts with one publish and one fetch, so the first `progress()`
+        after `started` already reflects the swarm."""
+        await self.publish()
+        await self.fetch()
+        task_status.started()
+        while True:
+            now = trio.current_time()
+            publish_at, fetch_at = self._publish_due(now), self._fetch_due(now)
+            if publish_at <= now:
+                await self.publish()
+                continue
+            if fetch_at <= now:
+                await self.fetch()
+                continue
+            self._wake = trio.Event()
+            with trio.move_on_at(min(publish_at, fetch_at)):
+                await self._wake.wait()

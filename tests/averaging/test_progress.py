@@ -1,0 +1,204 @@
+"""Progress tracking through the DHT: when the swarm's samples reach the target, every trainer sees it; dead
+trainers drop out; nobody can report for somebody else. Simulated: MemoryNetwork + MockClock (autojump)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import trio
+
+from averaging.progress import (
+    PeerProgress, ProgressTracker, SwarmProgress, estimate, parse_records, progress_key,
+)
+from dht import DHTNode
+from peer.identity import Identity, PeerID
+from peer.net import MemoryNetwork
+
+
+def _pid(n: int) -> PeerID:
+    return PeerID(bytes([n]) * 20)
+
+
+# ------------------------------------------------------------------------------------------- pure estimate
+
+
+def test_estimate_sums_the_newest_epoch_and_extrapolates_by_throughput():
+    reports = [
+        PeerProgress(_pid(1), epoch=3, samples=100, samples_per_second=50.0, time=10.0),
+        PeerProgress(_pid(2), epoch=3, samples=40, samples_per_second=10.0, time=12.0),
+        PeerProgress(_pid(3), epoch=2, samples=900, samples_per_second=500.0, time=12.0),  # behind: ignored
+    ]
+    progress = estimate(reports, target=400, now=12.0)
+    assert progress.epoch == 3
+    assert progress.num_peers == 2
+    assert progress.samples == 100 + 50 * 2 + 40
+    assert progress.samples_per_second == 60.0
+    assert progress.eta == pytest.approx(12.0 + (400 - 240) / 60.0)
+    assert not progress.target_reached
+    assert estimate(reports, target=200, now=12.0).eta == 12.0  # already there
+    assert estimate(reports, target=200, now=12.0).target_reached
+
+
+def test_estimate_caps_extrapolation_of_stale_reports_and_handles_no_progress():
+    stale = [PeerProgress(_pid(1), epoch=0, samples=10, samples_per_second=100.0, time=0.0)]
+    assert estimate(stale, target=10_000, now=100.0, max_extrapolation=5.0).samples == 10 + 500
+    idle = [PeerProgress(_pid(1), epoch=0, samples=10, samples_per_second=0.0, time=0.0)]
+    assert estimate(idle, target=100, now=1.0).eta == math.inf
+    empty = estimate([], target=100, now=5.0)
+    assert (empty.epoch, empty.samples, empty.num_peers, empty.eta) == (0, 0, 0, math.inf)
+
+
+def test_records_round_trip_and_malformed_values_are_dropped():
+    record = PeerProgress(_pid(7), epoch=2, samples=64, samples_per_second=12.5, time=99.0, client_mode=False)
+    assert PeerProgress.from_wire(bytes(_pid(7)), record.to_wire()) == record
+    for bad in (None, "x", [], [1, 2], [99, 2, 64, 1.0, 1.0, True], [1, -1, 64, 1.0, 1.0, True],
+                [1, 2, 64, float("nan"), 1.0, True], [1, 2.5, 64, 1.0, 1.0, True], [1, 2, 64, -3.0, 1.0, True]):
+        assert PeerProgress.from_wire(bytes(_pid(7)), bad) is None
+
+
+# ------------------------------------------------------------------------------------------- over a DHT
+
+
+async def _dht_node(host: str, network: MemoryNetwork, peers: list, client_mode: bool, identity=None, *,
+                    task_status=trio.TASK_STATUS_IGNORED):
+    with trio.CancelScope() as scope:
+        async with DHTNode.open(host, 0, peers, network=network.host(host), client_mode=client_mode,
+                                identity=identity, clock=trio.current_time, seed=len(host)) as node:
+            task_status.started((node, scope))
+            await trio.sleep_forever()
+
+
+async def _run_tracker(name, network, servers, run_id, target, options, *, task_status=trio.TASK_STATUS_IGNORED):
+    """A trainer's DHT node and its tracker under one cancel scope: cancelling it is the trainer dying."""
+    with trio.CancelScope() as scope:
+        async with DHTNode.open(name, 0, servers, network=network.host(name), client_mode=True,
+                                clock=trio.current_time, seed=len(name)) as node:
+            tracker = ProgressTracker(node, run_id, target, min_refresh=0.05, max_refresh=1.0, ttl=5.0, **options)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(tracker.run)
+                task_status.started((tracker, scope))
+
+
+async def _tracker(nursery, network, servers, name, run_id="run", target=600, **options):
+    return await nursery.start(_run_tracker, name, network, servers, run_id, target, options)
+
+
+async def _servers(nursery, network, count=3):
+    addresses: list = []
+    for i in range(count):
+        node, _ = await nursery.start(_dht_node, f"s{i}", network, list(addresses), False)
+        addresses.append(node.address)
+    return addresses
+
+
+async def test_every_trainer_sees_the_epoch_end_when_the_swarm_reaches_the_target(autojump_clock):
+    network = MemoryNetwork(latency=0.003, seed=5)
+    detected: dict[str, float] = {}
+    totals: dict[str, int] = {}
+    trackers: list[ProgressTracker] = []
+    async with trio.open_nursery() as nursery:
+        servers = await _servers(nursery, network)
+        for i in range(3):
+            trackers.append((await _tracker(nursery, network, servers, f"t{i}", target=600))[0])
+        start = trio.current_time()
+
+        async def train(name: str, tracker: ProgressTracker) -> None:
+            # 100 samples/s each: the swarm of 3 reaches 600 samples 2 s after the start
+            while True:
+                await trio.sleep(0.1)
+                tracker.report(10)
+                if tracker.progress().target_reached:
+                    detected[name] = trio.current_time() - start
+                    totals[name] = sum(t.samples for t in trackers)
+                    return
+
+        async with trio.open_nursery() as workers:
+            for i, tracker in enumerate(trackers):
+                workers.start_soon(train, f"t{i}", tracker)
+        nursery.cancel_scope.cancel()
+    assert set(detected) == {"t0", "t1", "t2"}
+    for name, when in detected.items():
+        assert 1.8 <= when <= 2.3, (name, when)
+        assert totals[name] >= 0.9 * 600, (name, totals[name])  # not fooled into ending early
+
+
+async def test_a_new_epoch_resets_the_count_and_laggards_no_longer_count(autojump_clock):
+    network = MemoryNetwork(latency=0.003, seed=6)
+    async with trio.open_nursery() as nursery:
+        servers = await _servers(nursery, network)
+        a, _ = await _tracker(nursery, network, servers, "a", target=1000)
+        b, _ = await _tracker(nursery, network, servers, "b", target=1000)
+        a.report(300)
+        b.report(200)
+        await a.publish()
+        await b.publish()
+        seen = await a.fetch()
+        assert (seen.epoch, seen.num_peers) == (0, 2)
+        assert seen.samples >= 500
+        b.new_epoch(1)
+        b.report(50)
+        await b.publish()
+        seen = await a.fetch()
+        assert seen.epoch == 1  # a learns the swarm moved on: only b counts now
+        assert seen.num_peers == 1
+        assert 50 <= seen.samples < 300
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_dead_trainer_drops_out_after_its_record_expires(autojump_clock):
+    network = MemoryNetwork(latency=0.003, seed=7)
+    async with trio.open_nursery() as nursery:
+        servers = await _servers(nursery, network)
+        alive, _ = await _tracker(nursery, network, servers, "alive")
+        dying, dying_scope = await _tracker(nursery, network, servers, "dying")
+        dying.report(10)
+        await dying.publish()
+        assert (await alive.fetch()).num_peers == 2
+        dying_scope.cancel()  # its DHT node and its tracker loop are gone, no goodbye
+        killed_at = trio.current_time()
+        while (await alive.fetch()).num_peers != 1:
+            await trio.sleep(0.5)
+        assert trio.current_time() - killed_at <= dying.ttl + 1.0
+        nursery.cancel_scope.cancel()
+
+
+async def test_records_not_signed_by_their_subkey_peer_are_ignored(autojump_clock):
+    network = MemoryNetwork(latency=0.003, seed=8)
+    async with trio.open_nursery() as nursery:
+        servers = await _servers(nursery, network)
+        honest, _ = await _tracker(nursery, network, servers, "honest", target=1000)
+        liar, _ = await nursery.start(_dht_node, "liar", network, servers, True)
+        victim = Identity.from_seed(b"victim" * 6)
+        fake = PeerProgress(victim.peer_id, epoch=9, samples=10_000, samples_per_second=1e6, time=liar.now())
+        key = progress_key("run")
+        # signed by the liar but claiming the victim's subkey, and an unsigned claim: both must be ignored
+        await liar.store(key, fake.to_wire(), liar.now() + 30, subkey=bytes(victim.peer_id), signed=True)
+        await liar.store(key, fake.to_wire(), liar.now() + 30, subkey=bytes(_pid(3)))
+        seen = await honest.fetch()
+        assert (seen.epoch, seen.num_peers) == (0, 1)
+        assert not seen.target_reached
+        # the parser itself: only entries whose owner hashes to the subkey survive
+        record = await liar.get(key, latest=True)
+        assert len(record.subkeys) == 3  # the DHT holds all three; only the honest one is believed
+        assert set(parse_records(record, liar.now())) == {honest.peer_id}
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_tracker_republishes_before_expiry_and_reports_a_rate(autojump_clock):
+    network = MemoryNetwork(latency=0.003, seed=9)
+    async with trio.open_nursery() as nursery:
+        servers = await _servers(nursery, network)
+        watcher, _ = await _tracker(nursery, network, servers, "watcher")
+        worker, _ = await _tracker(nursery, network, servers, "worker")
+        for _ in range(20):
+            await trio.sleep(0.1)
+            worker.report(5)  # 50 samples/s
+        await trio.sleep(3 * worker.ttl)  # idle for long: the record must stay alive through refreshes
+        seen = await watcher.fetch()
+        peers = {p.peer_id: p for p in seen.peers}
+        assert worker.peer_id in peers
+        assert peers[worker.peer_id].samples == 100
+        assert peers[worker.peer_id].samples_per_second == pytest.approx(50.0, rel=0.2)
+        assert isinstance(seen, SwarmProgress)
+        nursery.cancel_scope.cancel()
