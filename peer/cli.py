@@ -224,7 +224,8 @@ async def _run_status(args: argparse.Namespace) -> int:
     # A loopback swarm is reached from loopback; anything else from all interfaces (nothing is served).
     client_host = "127.0.0.1" if all(host.startswith("127.") for host, _ in args.initial_peers) else "0.0.0.0"
     async with RPCNode(identity, network) as rpc:
-        async with DHTNode.open(client_host, 0, args.initial_peers, identity=identity, network=network,
+        peers = [await network.resolve(peer) for peer in args.initial_peers]
+        async with DHTNode.open(client_host, 0, peers, identity=identity, network=network,
                                 client_mode=True) as dht:
             status = await gather_status(rpc, dht, timeout=args.timeout, runs_reader=_runs_reader())
     print(to_json(status) if args.json else format_status(status), flush=True)
@@ -242,6 +243,64 @@ def _runs_reader() -> Any:
 def cmd_status(args: argparse.Namespace) -> int:
     configure_logging("warning")
     return trio.run(_run_status, args)
+
+
+# ------------------------------------------------------------------------------------------------------- swarm
+
+
+def add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
+    from peer.topology import Topology
+
+    defaults = Topology()
+    actions = parser.add_subparsers(dest="swarm_command", metavar="ACTION", parser_class=_Parser, required=True)
+    up = actions.add_parser("up", help="start volunteers and trainers on this machine and train",
+                            description="Start a local swarm (separate processes on 127.0.0.1), show it live, "
+                                        "and print a summary when the trainers finish. Ctrl-C stops everything.")
+    compose = actions.add_parser("compose", help="print docker/compose.yaml for the same topology")
+    for sub in (up, compose):
+        sub.add_argument("--volunteers", type=_positive_int, default=defaults.volunteers)
+        sub.add_argument("--trainers", type=_positive_int, default=defaults.trainers)
+        sub.add_argument("--experts-per-volunteer", type=_positive_int, default=defaults.experts_per_volunteer)
+        sub.add_argument("--hidden-dim", type=_positive_int, default=defaults.hidden_dim)
+        sub.add_argument("--steps", type=_positive_int, default=defaults.steps)
+        sub.add_argument("--batch-size", type=_positive_int, default=defaults.batch_size)
+        sub.add_argument("--target-batch-size", type=_positive_int, default=defaults.target_batch_size)
+    up.add_argument("--kill-one-at", type=_positive_float, metavar="SECONDS",
+                    help="SIGKILL one volunteer this many seconds after start (fault-tolerance demo)")
+    up.add_argument("--log-dir", type=Path, help="where each process's output goes (default runs/swarm-TIME)")
+    up.set_defaults(swarm_handler=_swarm_up)
+    compose.set_defaults(swarm_handler=_swarm_compose)
+
+
+def _topology(args: argparse.Namespace) -> Any:
+    from peer.topology import Topology
+
+    return Topology(volunteers=args.volunteers, trainers=args.trainers,
+                    experts_per_volunteer=args.experts_per_volunteer, hidden_dim=args.hidden_dim, steps=args.steps,
+                    batch_size=args.batch_size, target_batch_size=args.target_batch_size)
+
+
+def _swarm_up(args: argparse.Namespace) -> int:
+    import time as time_module
+
+    from peer.swarm import SwarmLauncher
+
+    log_dir = args.log_dir or Path("runs") / time_module.strftime("swarm-%Y%m%d-%H%M%S")
+    launcher = SwarmLauncher(_topology(args), kill_one_at=args.kill_one_at, log_dir=log_dir)
+    summary = trio.run(launcher.run)
+    return 0 if summary["all_trainers_finished"] else EXIT_FAILURE
+
+
+def _swarm_compose(args: argparse.Namespace) -> int:
+    from peer.topology import render_compose
+
+    sys.stdout.write(render_compose(_topology(args)))
+    return 0
+
+
+def cmd_swarm(args: argparse.Namespace) -> int:
+    configure_logging("warning")
+    return args.swarm_handler(args)
 
 
 # ------------------------------------------------------------------------------------------------------- main
@@ -263,6 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
                                  description="Attach in client mode and show every live peer of the swarm.")
     add_status_arguments(status)
     status.set_defaults(handler=cmd_status)
+    swarm = commands.add_parser("swarm", help="run a whole local swarm (volunteers + trainers) on this machine",
+                                description="Local swarms for demos and tests.")
+    add_swarm_arguments(swarm)
+    swarm.set_defaults(handler=cmd_swarm)
     return parser
 
 

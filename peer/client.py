@@ -64,7 +64,8 @@ class Swarm:
 
     async def _serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with RPCNode(self.identity, self.network) as rpc:
-            async with DHTNode.open(self.host, 0, self.initial_peers, identity=self.identity,
+            peers = [await self.network.resolve(peer) for peer in self.initial_peers]
+            async with DHTNode.open(self.host, 0, peers, identity=self.identity,
                                     network=self.network, client_mode=True) as dht:
                 task_status.started((rpc, dht))
                 await trio.sleep_forever()

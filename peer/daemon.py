@@ -113,8 +113,9 @@ class Daemon:
             announced = rpc.announced_address or address
             async with contextlib.AsyncExitStack() as stack:
                 try:
+                    peers = [await self.network.resolve(peer) for peer in config.initial_peers]
                     dht = await stack.enter_async_context(DHTNode.open(
-                        config.host, address[1], config.initial_peers, identity=self.identity, network=self.network))
+                        config.host, address[1], peers, identity=self.identity, network=self.network))
                 except OSError as error:
                     raise StartupError(f"cannot open UDP {config.host}:{address[1]} for the DHT: "
                                        f"{error.strerror or error}") from None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import errno
 import heapq
+import ipaddress
 import itertools
 import random
 import socket as stdlib_socket
@@ -66,6 +67,11 @@ class Network(ABC):
     async def open_udp(self, host: str, port: int) -> UDPEndpoint:
         """Bind a datagram socket; raises OSError when the port is taken."""
 
+    async def resolve(self, address: Address) -> Address:
+        """The address with its host name resolved, so datagram replies (which come from an IP) match it."""
+        await trio.lowlevel.checkpoint()
+        return address
+
 
 async def _run_handler_and_close(handler: StreamHandler, stream: trio.abc.Stream) -> None:
     try:
@@ -104,6 +110,20 @@ class _RealUDPEndpoint(UDPEndpoint):
 
 class RealNetwork(Network):
     """trio sockets over the operating system's network."""
+
+    async def resolve(self, address: Address) -> Address:
+        host, port = address
+        try:
+            ipaddress.ip_address(host)
+            return address
+        except ValueError:
+            pass
+        try:
+            infos = await trio.socket.getaddrinfo(host, port, type=stdlib_socket.SOCK_DGRAM)
+        except stdlib_socket.gaierror as error:
+            raise OSError(error.errno, f"cannot resolve host {host!r}: {error.strerror}") from None
+        preferred = sorted(infos, key=lambda info: info[0] != stdlib_socket.AF_INET)
+        return (preferred[0][4][0], port)
 
     async def connect_tcp(self, address: Address) -> trio.abc.Stream:
         host, port = address
