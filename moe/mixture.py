@@ -280,9 +280,11 @@ class MixtureClient:
                         break
                     wake_at = grace_deadline
                     if grace_deadline == math.inf and progress.first_answer_at is not None:
-                        # hedging: others answered a grace period ago, yet some samples still wait (their
-                        # experts hang, e.g. a partitioned peer): ask the next best experts too, once
-                        hedge_at = progress.first_answer_at + timeout_after_k_min
+                        # hedging: others answered a grace period ago (and twice as long ago as the first answer
+                        # took, so a slow network does not trigger it), yet some samples still wait: their experts
+                        # hang (e.g. a partitioned peer). Ask the next best experts too, once.
+                        hedge_at = max(progress.first_answer_at + timeout_after_k_min,
+                                       started + 2 * (progress.first_answer_at - started))
                         waiting = [b for b, a in enumerate(progress.answered) if a < k_min
                                    and b not in progress.hedged and b not in progress.exhausted]
                         if waiting and trio.current_time() >= hedge_at:
@@ -358,11 +360,15 @@ class MixtureClient:
         async def run_call(call: ExpertCall) -> None:
             samples = torch.tensor(call.samples, dtype=torch.long)
             slots = torch.tensor(call.slots, dtype=torch.long)
-            args = {
-                "uid": call.uid,
-                "inputs": [inputs.index_select(0, samples)],
-                "grad_outputs": [grad_outputs[samples, slots].contiguous()],
-            }
+            grads = grad_outputs[samples, slots].contiguous()
+            if not bool(grads.any()):
+                # nothing to learn (e.g. a hedged expert whose output was not used): no call, no optimizer step
+                for sample in call.samples:
+                    answered[sample] += 1
+                finished.add(id(call))
+                in_flight[0] -= 1
+                return
+            args = {"uid": call.uid, "inputs": [inputs.index_select(0, samples)], "grad_outputs": [grads]}
             try:
                 reply = await self._call(call.choice.location, "moe.backward", args, deadline)
                 grad = self._check_grad_inputs(call, reply, inputs, len(call.samples))
@@ -607,7 +613,9 @@ class RemoteSwitchMixtureOfExperts(_GridMixture):
     that one fails); the output is scaled by the expert's gate probability so the gate learns. On a grid the
     gate probability of an expert is the product of per-dimension softmaxes, and the loss balances each
     dimension: `sum_d grid_d * sum_j f_dj * P_dj` (f: fraction of samples routed to coordinate j of dimension
-    d, P: mean gate probability of it); it equals the number of dimensions when routing is uniform."""
+    d, P: mean gate probability of it); it equals the number of dimensions when routing is uniform.
+    `hedge_after`: a sample whose expert has not answered this long after others did is also sent to its next
+    best expert (the grace period of the k-best mixture)."""
 
     def __init__(
         self,
@@ -624,9 +632,10 @@ class RemoteSwitchMixtureOfExperts(_GridMixture):
         blacklist: ExpertBlacklist | None = None,
         compression: wire.Compression = wire.Compression.NONE,
         oracle: Any = None,
+        hedge_after: float = 1.0,
     ):
         super().__init__(
-            in_features, grid_size, uid_prefix, swarm=swarm, k_best=1, k_min=1, timeout_after_k_min=0.0,
+            in_features, grid_size, uid_prefix, swarm=swarm, k_best=1, k_min=1, timeout_after_k_min=hedge_after,
             forward_timeout=forward_timeout, backward_k_min=1, backward_timeout=backward_timeout,
             out_features=out_features, ban_time=ban_time, search_cache_ttl=search_cache_ttl, blacklist=blacklist,
             compression=compression, oracle=oracle,
@@ -635,7 +644,8 @@ class RemoteSwitchMixtureOfExperts(_GridMixture):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits, result, outputs = self._dispatch(x, 1, 1)
         probs = [torch.softmax(dim_logits, dim=-1) for dim_logits in logits]
-        slot = result.mask.to(torch.int8).argmax(dim=1)  # the first slot that answered (a hedge may add one)
+        # the best expert that answered (a hedge may have added a second one; its output is not used)
+        slot = self._chosen_logits(logits, result.coords).masked_fill(~result.mask, float("-inf")).argmax(dim=1)
         rows = torch.arange(x.shape[0])
         coords = result.coords[rows, slot]  # [B, ndim]
         gate_prob = torch.ones(x.shape[0], dtype=probs[0].dtype, device=x.device)

@@ -122,3 +122,43 @@ def test_switch_mixture_equals_local_top1_and_balancing_loss(dht_harness):
     (out.sum() + balancing).backward()
     assert moe.gate.weight.grad is not None and x.grad is not None
     assert sum(e.steps for s in servers for e in s.experts.values()) == len(set(coords))
+
+
+def test_server_killed_mid_backward_step_completes_matches_local_and_training_goes_on(dht_harness):
+    servers, local = make_servers(dht_harness)
+    swarm = dht_harness.client()
+    torch.manual_seed(3)
+    # k_best=5 over servers of 4 experts: each sample keeps experts on at least one surviving server
+    moe = RemoteMixtureOfExperts(HIDDEN, GRID, "ffn", k_best=5, swarm=swarm)
+    gate = copy.deepcopy(moe.gate)
+    x, target = torch.randn(16, HIDDEN), torch.randn(16, HIDDEN)
+
+    x_remote = x.clone().requires_grad_()
+    loss = ((moe(x_remote) - target) ** 2).mean()
+    servers[1].kill()  # between this step's forward and its backward
+    loss.backward()  # completes: server 1's experts give zero gradient
+    assert moe.client.stats["backward_failures"] >= 1
+
+    killed = set(servers[1].experts)
+    x_local = x.clone().requires_grad_()
+    ((local_mixture(x_local, gate, local, k=5, detached=killed) - target) ** 2).mean().backward()
+    torch.testing.assert_close(x_remote.grad, x_local.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(moe.gate.weight.grad, gate.weight.grad, rtol=1e-4, atol=1e-6)
+    for server in (servers[0], servers[2]):  # survivors applied exactly the local SGD step
+        for uid, expert in server.experts.items():
+            for p_server, p_local in zip(expert.module.parameters(), local[uid].parameters()):
+                expected = p_local - 0.05 * p_local.grad if p_local.grad is not None else p_local
+                torch.testing.assert_close(p_server, expected.detach(), rtol=1e-4, atol=1e-6)
+
+    # training continues on the survivors, without touching the dead server again
+    failures = moe.client.stats["forward_failures"] + moe.client.stats["backward_failures"]
+    opt = torch.optim.Adam(moe.parameters(), lr=0.01)
+    losses = []
+    for step in range(15):
+        loss = ((moe(x) - target) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    assert moe.client.stats["forward_failures"] + moe.client.stats["backward_failures"] == failures
