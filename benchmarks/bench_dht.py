@@ -1,0 +1,327 @@
+"""DHT benchmark: our trio Kademlia against the stock `kademlia` package, same workload, one run (issue 3).
+
+Workload (issue 3 "Targets"), run once on each implementation:
+  64 nodes on 127.0.0.1; 200 stores, then 200 gets, from random nodes, one operation at a time;
+  then 16 nodes killed without warning (they stop answering) and 200 gets from random survivors;
+  then 16 more killed (half of the 64) and 200 more gets.
+
+Ours runs in this process under trio (a killed node's cancel scope is cancelled: its socket vanishes mid-flight,
+nothing is said to anyone). The stock package is asyncio, so it runs in child processes of 8 nodes each
+(`stock_kademlia_cluster.py`); killing = SIGKILL of whole processes. Both sides kill the same node indices and
+replay the same plan of (node, key) operations. Stock latencies are measured inside the stock process (the JSON-line
+round trip to it is not counted); ours around each `await`. Failed or timed-out operations count as failures and
+their elapsed time stays in the percentiles.
+
+Prints a table, and its last line is one JSON object (keys named in issue 3).
+Usage: python benchmarks/bench_dht.py [--quick] [--skip-stock] [--skip-ours] [--seed N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from peer.identity import Identity  # noqa: E402
+from peer.net import RealNetwork  # noqa: E402
+
+PHASES = ("store", "get", "get_after_kill", "get_after_half_killed")
+HOST = "127.0.0.1"
+
+
+# ------------------------------------------------------------------------------------------------ plan and results
+
+
+@dataclass
+class Plan:
+    """The workload both implementations replay: who stores/gets what, and which nodes die when."""
+
+    nodes: int
+    keys: list[str]
+    values: list[bytes]
+    stores: list[tuple[int, int]]  # (node, key index)
+    gets: dict[str, list[tuple[int, int]]]  # phase -> [(node, key index)]
+    kills: list[list[int]]  # nodes killed before "get_after_kill", then before "get_after_half_killed"
+
+
+def make_plan(nodes: int, ops: int, kill: int, per_process: int, seed: int) -> Plan:
+    rng = random.Random(seed)
+    keys = [f"bench:{seed}:{i}" for i in range(ops)]
+    values = [rng.randbytes(32) for _ in range(ops)]
+    # Kill whole stock processes (groups of `per_process` consecutive indices); ours kills the same indices.
+    groups = list(range(math.ceil(nodes / per_process)))
+    rng.shuffle(groups)
+    per_round = max(1, kill // per_process)
+    kills = []
+    for round_index in range(2):
+        chosen = groups[round_index * per_round:(round_index + 1) * per_round]
+        kills.append(sorted(n for g in chosen for n in range(g * per_process, min(nodes, (g + 1) * per_process))))
+    alive = set(range(nodes))
+    stores = [(rng.randrange(nodes), i) for i in range(ops)]
+    gets = {"get": [(rng.choice(sorted(alive)), rng.randrange(ops)) for _ in range(ops)]}
+    alive -= set(kills[0])
+    gets["get_after_kill"] = [(rng.choice(sorted(alive)), rng.randrange(ops)) for _ in range(ops)]
+    alive -= set(kills[1])
+    gets["get_after_half_killed"] = [(rng.choice(sorted(alive)), rng.randrange(ops)) for _ in range(ops)]
+    return Plan(nodes, keys, values, stores, gets, kills)
+
+
+@dataclass
+class PhaseResult:
+    latencies_ms: list[float] = field(default_factory=list)
+    successes: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+    def add(self, ok: bool, ms: float, error: str | None = None) -> None:
+        self.latencies_ms.append(ms)
+        self.successes += ok
+        if error:
+            self.errors[error] = self.errors.get(error, 0) + 1
+
+    def percentile(self, fraction: float) -> float:
+        """Nearest-rank percentile over every operation (failures included)."""
+        if not self.latencies_ms:
+            return math.nan
+        ordered = sorted(self.latencies_ms)
+        return ordered[min(len(ordered) - 1, max(0, math.ceil(fraction * len(ordered)) - 1))]
+
+    @property
+    def success(self) -> float:
+        return self.successes / len(self.latencies_ms) if self.latencies_ms else math.nan
+
+
+# ------------------------------------------------------------------------------------------------ ours
+
+
+async def run_ours(plan: Plan, op_timeout: float, seed: int, log: Any) -> dict[str, PhaseResult]:
+    from dht import DHTNode
+
+    network = RealNetwork()
+    results = {phase: PhaseResult() for phase in PHASES}
+    nodes: list[Any] = []
+    scopes: list[trio.CancelScope] = []
+    finished: list[trio.Event] = []
+
+    async def run_node(index: int, initial_peers: list, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        done = trio.Event()
+        try:
+            with trio.CancelScope() as scope:
+                identity = Identity.from_seed(f"bench-dht:{seed}:{index}".encode())
+                async with DHTNode.open(
+                    HOST, 0, initial_peers=initial_peers, identity=identity, network=network
+                ) as node:
+                    task_status.started((node, scope, done))
+                    await trio.sleep_forever()
+        finally:
+            done.set()
+
+    async with trio.open_nursery() as nursery:
+        started = time.perf_counter()
+        for index in range(plan.nodes):
+            initial = [nodes[0].address] if nodes else []
+            with trio.fail_after(30):
+                node, scope, done = await nursery.start(run_node, index, initial)
+            nodes.append(node)
+            scopes.append(scope)
+            finished.append(done)
+        log(f"ours: {plan.nodes} nodes up in {time.perf_counter() - started:.2f} s")
+
+        async def store(node_index: int, key_index: int) -> None:
+            node = nodes[node_index]
+            begin = time.perf_counter()
+            ok, error = False, None
+            try:
+                with trio.fail_after(op_timeout):
+                    ok = bool(await node.store(plan.keys[key_index], plan.values[key_index], node.now() + 3600))
+            except trio.TooSlowError:
+                error = "timeout"
+            except Exception as failure:  # a failed store is a data point, not the end of the benchmark
+                error = type(failure).__name__
+            results["store"].add(ok, (time.perf_counter() - begin) * 1000, error)
+
+        async def get(phase: str, node_index: int, key_index: int) -> None:
+            node = nodes[node_index]
+            begin = time.perf_counter()
+            ok, error = False, None
+            try:
+                with trio.fail_after(op_timeout):
+                    record = await node.get(plan.keys[key_index])
+                ok = record is not None and record.value == plan.values[key_index]
+                if not ok:
+                    error = "missing" if record is None else "wrong value"
+            except trio.TooSlowError:
+                error = "timeout"
+            except Exception as failure:
+                error = type(failure).__name__
+            results[phase].add(ok, (time.perf_counter() - begin) * 1000, error)
+
+        async def kill(victims: list[int]) -> None:
+            for victim in victims:
+                scopes[victim].cancel()
+            with trio.fail_after(10):
+                for victim in victims:
+                    await finished[victim].wait()
+
+        for node_index, key_index in plan.stores:
+            await store(node_index, key_index)
+        for node_index, key_index in plan.gets["get"]:
+            await get("get", node_index, key_index)
+        await kill(plan.kills[0])
+        for node_index, key_index in plan.gets["get_after_kill"]:
+            await get("get_after_kill", node_index, key_index)
+        await kill(plan.kills[1])
+        for node_index, key_index in plan.gets["get_after_half_killed"]:
+            await get("get_after_half_killed", node_index, key_index)
+        nursery.cancel_scope.cancel()
+    return results
+
+
+# ------------------------------------------------------------------------------------------------ stock
+
+
+async def run_stock(plan: Plan, per_process: int, op_timeout: float, seed: int, log: Any) -> dict[str, PhaseResult]:
+    from stock_kademlia_cluster import StockCluster, StockNodeError
+
+    results = {phase: PhaseResult() for phase in PHASES}
+    async with StockCluster.open(plan.nodes, per_process=per_process, seed=seed) as cluster:
+        started = time.perf_counter()
+        for index in range(1, plan.nodes):
+            await cluster.bootstrap(index, [cluster.address(0)], timeout=30)
+        log(f"stock: {plan.nodes} nodes up in {time.perf_counter() - started:.2f} s")
+
+        async def run(phase: str, node_index: int, key_index: int) -> None:
+            begin = time.perf_counter()
+            ok, error, ms = False, None, None
+            try:
+                if phase == "store":
+                    ok, ms = await cluster.set(
+                        node_index, plan.keys[key_index], plan.values[key_index], timeout=op_timeout
+                    )
+                else:
+                    value, ms = await cluster.get(node_index, plan.keys[key_index], timeout=op_timeout)
+                    ok = value == plan.values[key_index]
+                    if not ok:
+                        error = "missing" if value is None else "wrong value"
+            except StockNodeError as failure:
+                error = "timeout" if "no reply" in str(failure) else "error"
+            if ms is None:
+                ms = (time.perf_counter() - begin) * 1000
+            results[phase].add(ok, ms, error)
+
+        for node_index, key_index in plan.stores:
+            await run("store", node_index, key_index)
+        for node_index, key_index in plan.gets["get"]:
+            await run("get", node_index, key_index)
+        for group in sorted({victim // per_process for victim in plan.kills[0]}):
+            cluster.kill_process_of(group * per_process)
+        for node_index, key_index in plan.gets["get_after_kill"]:
+            await run("get_after_kill", node_index, key_index)
+        for group in sorted({victim // per_process for victim in plan.kills[1]}):
+            cluster.kill_process_of(group * per_process)
+        for node_index, key_index in plan.gets["get_after_half_killed"]:
+            await run("get_after_half_killed", node_index, key_index)
+    return results
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def summary(prefix: str, results: dict[str, PhaseResult]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for phase in PHASES:
+        result = results[phase]
+        name = {"store": "store", "get": "get", "get_after_kill": "get", "get_after_half_killed": "get"}[phase]
+        suffix = {"get_after_kill": "_after_kill", "get_after_half_killed": "_after_half_killed"}.get(phase, "")
+        for label, fraction in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99)):
+            out[f"{prefix}_{name}_{label}{suffix}_ms"] = round(result.percentile(fraction), 3)
+        out[f"{prefix}_{name}_success{suffix}"] = round(result.success, 4)
+    return out
+
+
+def print_table(sides: dict[str, dict[str, PhaseResult]], log: Any) -> None:
+    log("")
+    log(f"{'phase':<24}{'impl':<7}{'ops':>5}{'success':>9}{'p50 ms':>10}{'p95 ms':>10}{'p99 ms':>10}{'max ms':>10}  errors")
+    for phase in PHASES:
+        for side, results in sides.items():
+            r = results[phase]
+            worst = max(r.latencies_ms) if r.latencies_ms else math.nan
+            log(
+                f"{phase:<24}{side:<7}{len(r.latencies_ms):>5}{r.success:>9.1%}{r.percentile(0.5):>10.2f}"
+                f"{r.percentile(0.95):>10.2f}{r.percentile(0.99):>10.2f}{worst:>10.2f}  {r.errors or ''}"
+            )
+
+
+def check_targets(figures: dict[str, float], log: Any) -> None:
+    targets = [
+        ("ours_store_p50_ms", "<=", 12.0),
+        ("ours_get_success_after_kill", ">=", 1.0),
+        ("ours_get_p95_after_kill_ms", "<=", 25.0),
+        ("ours_get_p99_after_kill_ms", "<=", 250.0),
+        ("ours_get_success_after_half_killed", ">=", 0.99),
+    ]
+    log("")
+    for key, relation, bound in targets:
+        if key not in figures:
+            continue
+        value = figures[key]
+        ok = value <= bound if relation == "<=" else value >= bound
+        log(f"target {key} {relation} {bound}: {value} {'ok' if ok else 'MISSED'}")
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    def log(line: str) -> None:
+        print(line, flush=True)
+
+    plan = make_plan(args.nodes, args.ops, args.kill, args.per_process, args.seed)
+    log(
+        f"DHT benchmark: {args.nodes} nodes, {args.ops} ops per phase, kill {len(plan.kills[0])} then "
+        f"{len(plan.kills[1])} more; seed {args.seed}"
+    )
+    sides: dict[str, dict[str, PhaseResult]] = {}
+    figures: dict[str, Any] = {"nodes": args.nodes, "ops_per_phase": args.ops, "killed_per_round": len(plan.kills[0])}
+    if not args.skip_ours:
+        started = time.perf_counter()
+        sides["ours"] = await run_ours(plan, args.op_timeout, args.seed, log)
+        log(f"ours: workload done in {time.perf_counter() - started:.1f} s")
+        figures.update(summary("ours", sides["ours"]))
+    if not args.skip_stock:
+        started = time.perf_counter()
+        sides["stock"] = await run_stock(plan, args.per_process, args.stock_op_timeout, args.seed, log)
+        log(f"stock: workload done in {time.perf_counter() - started:.1f} s")
+        figures.update(summary("stock", sides["stock"]))
+    print_table(sides, log)
+    check_targets(figures, log)
+    print(json.dumps(figures), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smoke run: 16 nodes, 40 ops per phase, kill 4+4")
+    parser.add_argument("--nodes", type=int, default=64)
+    parser.add_argument("--ops", type=int, default=200)
+    parser.add_argument("--kill", type=int, default=16, help="nodes killed in each of the two kill rounds")
+    parser.add_argument("--per-process", type=int, default=8, help="stock nodes per child process")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--op-timeout", type=float, default=30.0, help="bound on each of our operations (s)")
+    parser.add_argument("--stock-op-timeout", type=float, default=60.0, help="bound on each stock operation (s)")
+    parser.add_argument("--skip-stock", action="store_true")
+    parser.add_argument("--skip-ours", action="store_true")
+    args = parser.parse_args()
+    if args.quick:
+        args.nodes, args.ops, args.kill, args.per_process = 16, 40, 4, 4
+    trio.run(main_async, args)
+
+
+if __name__ == "__main__":
+    main()
