@@ -426,7 +426,7 @@ class Matchmaker:
         """Read the key once; True when the set of compatible peers changed."""
         t0 = trio.current_time()
         try:
-            record = await self.dht.get(state.key, latest=True)
+            record = await self.dht.get(state.key, latest=False)
         except Exception as error:  # a DHT hiccup is one stale view, not a failed round
             logger.debug("matchmaking: reading %s failed: %s", state.key, error)
             return False
@@ -467,11 +467,12 @@ class Matchmaker:
         expiration = now + window + 1.0
         try:
             with trio.move_on_at(started + window + self._grace()):
-                try:
-                    await self.dht.store(key, me.to_wire(), expiration, subkey=bytes(self.peer_id))
-                except Exception as error:
-                    logger.debug("matchmaking: declaring under %s failed: %s", key, error)
-                result = await self._assemble(state, started + window)
+                async with trio.open_nursery() as nursery:
+                    # Declaring runs beside gathering: live replicas have the declaration after one round trip,
+                    # while the store call itself may wait out a dead replica's timeout.
+                    nursery.start_soon(self._declare, key, me, expiration)
+                    result = await self._assemble(state, started + window)
+                    nursery.cancel_scope.cancel()
                 result.seconds = trio.current_time() - started
                 return result
             return MatchResult(None, reason="matchmaking window passed", failed_peers=state.failed,
@@ -482,6 +483,13 @@ class Matchmaker:
                 state.assembly.closed = True
             state.sealed.set()
             await self._withdraw(key, expiration)
+
+    async def _declare(self, key: str, me: Declaration, expiration: float) -> None:
+        try:
+            if not await self.dht.store(key, me.to_wire(), expiration, subkey=bytes(self.peer_id)):
+                logger.debug("matchmaking: no replica acknowledged my declaration under %s", key)
+        except Exception as error:  # joins still work: peers that see me find me; others I join myself
+            logger.debug("matchmaking: declaring under %s failed: %s", key, error)
 
     async def _withdraw(self, key: str, expiration: float) -> None:
         """Overwrite my declaration so latecomers don't plan with me. 1 ms later expiration wins the merge
@@ -623,6 +631,8 @@ class Matchmaker:
                         state.assembly = None  # step down; joins arriving from now on get redirected
                         nursery.cancel_scope.cancel()
                         return None
+                    if self._nobody_left(state) and trio.current_time() - last_change >= 3 * self.quiet_period:
+                        break  # everyone I can see is dead or taken: waiting out the window helps nobody
             nursery.cancel_scope.cancel()
         group = assembly.seal(os.urandom(16))
         state.sealed.set()
@@ -632,6 +642,12 @@ class Matchmaker:
                                collector=self.peer_id)
         self.stats["collected"] += 1
         return self._result(state, assembly, self.peer_id)
+
+    @staticmethod
+    def _nobody_left(state: _Round) -> bool:
+        """True when every other peer in view is excluded (dead, or in a sealed group) and there is at least one:
+        I came late to a round that has already assembled."""
+        return bool(state.view) and all(p in state.excluded for p in state.view)
 
     async def _probe(self, state: _Round, declaration: Declaration, assembly: Assembly) -> None:
         t0 = trio.current_time()
