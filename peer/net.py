@@ -273,8 +273,12 @@ class _MemoryUDPEndpoint(UDPEndpoint):
         self.queue: list[tuple[float, int, bytes, Address]] = []
         self.waker = _Waker()
         self.closed = False
+        self.crashed = False
 
     async def sendto(self, data: bytes, address: Address) -> None:
+        if self.crashed:
+            await trio.lowlevel.checkpoint()  # a dead host's packets go nowhere
+            return
         if self.closed:
             raise trio.ClosedResourceError("socket was closed")
         await trio.lowlevel.checkpoint()
@@ -282,6 +286,8 @@ class _MemoryUDPEndpoint(UDPEndpoint):
 
     async def recvfrom(self) -> tuple[bytes, Address]:
         while True:
+            if self.crashed:
+                await trio.sleep_forever()  # until the test cancels the dead host's tasks
             if self.closed:
                 raise trio.ClosedResourceError("socket was closed")
             wake = self.waker.current()
@@ -370,12 +376,15 @@ class MemoryNetwork:
         self._topology_changed()
 
     def crash(self, host: str) -> None:
-        """The host's process died: listeners and UDP sockets vanish, its connections are reset."""
+        """The host's process died: listeners and UDP sockets vanish, its connections are reset. Tasks of the
+        dead host that still run (until the test cancels them) see their datagrams vanish and receive nothing."""
         for address in [a for a in self._listeners if a[0] == host]:
             listener = self._listeners.pop(address)
             listener.send_channel.close()
         for address in [a for a in self._udp if a[0] == host]:
-            self._udp[address].close()
+            endpoint = self._udp.pop(address)
+            endpoint.crashed = True
+            endpoint.waker.notify()
         for pipe in self._pipes:
             if host in (pipe.source, pipe.destination):
                 pipe.reset = True
