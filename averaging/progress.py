@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 _RECORD_VERSION = 1
 
 
+RUNS_KEY = "swarmd.runs"  # subkey = run id, value = [target_batch_size]: how `peer status` finds the runs
+
+
 def progress_key(run_id: str) -> str:
     """The DHT key holding every trainer's progress record for `run_id`."""
     if not run_id:
@@ -207,6 +210,7 @@ class ProgressTracker:
         if not 0 < min_refresh <= max_refresh:
             raise ValueError("need 0 < min_refresh <= max_refresh")
         self.dht = dht
+        self.run_id = run_id
         self.key = progress_key(run_id)
         self.peer_id = PeerID(bytes(dht.peer_id))
         self.target = int(target_batch_size)
@@ -222,6 +226,7 @@ class ProgressTracker:
         self._published: PeerProgress | None = None
         self._published_at = -math.inf  # trio time
         self._fetched_at = -math.inf  # trio time
+        self._listed_at = -math.inf  # trio time of the last refresh of the run's entry under RUNS_KEY
         self._wake = trio.Event()
         self.stats = {"published": 0, "publish_failures": 0, "fetches": 0, "fetch_failures": 0}
 
@@ -269,6 +274,12 @@ class ProgressTracker:
             self.stats["publish_failures"] += 1
         self._published = record
         self._published_at = trio.current_time()
+        if self._published_at - self._listed_at >= self.ttl / 3:
+            self._listed_at = self._published_at
+            try:
+                await self.dht.store(RUNS_KEY, [self.target], record.time + self.ttl, subkey=self.run_id)
+            except Exception as error:
+                logger.debug("progress: listing run %s failed: %s", self.run_id, error)
         return stored
 
     async def fetch(self) -> SwarmProgress:
@@ -320,3 +331,34 @@ class ProgressTracker:
             self._wake = trio.Event()
             with trio.move_on_at(min(publish_at, fetch_at)):
                 await self._wake.wait()
+
+
+async def list_runs(dht: Any) -> list[dict[str, Any]]:
+    """Every training run with live trainers, as `peer status` shows it: run id, epoch, trainers in that epoch,
+    estimated samples toward the target, and the swarm's throughput."""
+    listing = await dht.get(RUNS_KEY, latest=True)
+    now = dht.now()
+    targets: dict[str, int] = {}
+    for subkey, entry in (getattr(listing, "subkeys", None) or {}).items():
+        value = entry.value
+        if isinstance(subkey, str) and subkey and isinstance(value, list) and value and isinstance(value[0], int):
+            targets[subkey] = max(1, value[0])
+    if not targets:
+        return []
+    records = await dht.get_many([progress_key(run_id) for run_id in targets], latest=True)
+    runs = []
+    for run_id, target in sorted(targets.items()):
+        reports = parse_records(records.get(progress_key(run_id)), now)
+        if not reports:
+            continue
+        progress = estimate(reports.values(), target=target, now=now)
+        runs.append({
+            "run_id": run_id,
+            "epoch": progress.epoch,
+            "trainers": len(reports),
+            "trainers_in_epoch": progress.num_peers,
+            "samples": min(progress.samples, target),
+            "target_batch_size": target,
+            "samples_per_s": round(progress.samples_per_second, 1),
+        })
+    return runs

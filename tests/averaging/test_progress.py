@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from averaging.progress import (
-    PeerProgress, ProgressTracker, SwarmProgress, estimate, parse_records, progress_key,
+    PeerProgress, ProgressTracker, SwarmProgress, estimate, list_runs, parse_records, progress_key,
 )
 from dht import DHTNode
 from peer.identity import Identity, PeerID
@@ -201,4 +201,29 @@ async def test_the_tracker_republishes_before_expiry_and_reports_a_rate(autojump
         assert peers[worker.peer_id].samples == 100
         assert peers[worker.peer_id].samples_per_second == pytest.approx(50.0, rel=0.2)
         assert isinstance(seen, SwarmProgress)
+        nursery.cancel_scope.cancel()
+
+
+async def test_status_lists_the_live_runs_and_their_progress(autojump_clock):
+    network = MemoryNetwork(latency=0.003, seed=10)
+    async with trio.open_nursery() as nursery:
+        servers = await _servers(nursery, network)
+        a, _ = await _tracker(nursery, network, servers, "a", run_id="digits", target=512)
+        b, b_scope = await _tracker(nursery, network, servers, "b", run_id="digits", target=512)
+        c, _ = await _tracker(nursery, network, servers, "c", run_id="cifar", target=4096)
+        a.report(100)
+        b.report(28)
+        c.report(7)
+        for tracker in (a, b, c):
+            await tracker.publish()
+        observer, _ = await nursery.start(_dht_node, "observer", network, servers, True)
+        runs = {run["run_id"]: run for run in await list_runs(observer)}
+        assert set(runs) == {"digits", "cifar"}
+        assert runs["digits"]["trainers"] == 2 and runs["digits"]["target_batch_size"] == 512
+        assert runs["digits"]["samples"] >= 128 and runs["digits"]["epoch"] == 0
+        assert runs["cifar"]["trainers"] == 1 and runs["cifar"]["target_batch_size"] == 4096
+        b_scope.cancel()
+        await trio.sleep(b.ttl + 1.0)
+        runs = {run["run_id"]: run for run in await list_runs(observer)}
+        assert runs["digits"]["trainers"] == 1  # the dead trainer is gone from the listing
         nursery.cancel_scope.cancel()
