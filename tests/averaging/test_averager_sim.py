@@ -84,3 +84,40 @@ async def test_weights_give_a_weighted_mean(autojump_clock):
             for tensor, mean in zip(averager.tensors, expected):
                 torch.testing.assert_close(tensor, mean, atol=1e-6, rtol=0)
         nursery.cancel_scope.cancel()
+
+
+async def test_peer_killed_during_matchmaking_does_not_stop_the_others(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        memory, peers, averagers = await _averagers(nursery, 8, prefix="k", target_group_size=4,
+                                                    matchmaking_time=5.0)
+        before = {i: [t.clone() for t in a.tensors] for i, a in enumerate(averagers)}
+        victim = 3
+        # the victim declares (its step runs inside its own peer scope) and dies before any group is sealed
+        peers[victim].nursery.start_soon(averagers[victim].step)
+        await trio.sleep(0.005)
+        peers[victim].kill()
+        started = trio.current_time()
+        results = await _step_all([a for i, a in enumerate(averagers) if i != victim], timeout=30)
+        assert trio.current_time() - started < 2.0  # same round window, well inside matchmaking_time
+        assert all(r.finished for r in results)
+        victim_id = averagers[victim].peer_id
+        survivors = [i for i in range(8) if i != victim]
+        for index, result in zip(survivors, results):
+            assert victim_id not in result.group
+            members = [i for i in survivors if averagers[i].peer_id in result.group]
+            for k, tensor in enumerate(averagers[index].tensors):
+                mean = torch.stack([before[i][k] for i in members]).mean(0)
+                torch.testing.assert_close(tensor, mean, atol=1e-6, rtol=0)
+        nursery.cancel_scope.cancel()
+
+
+async def test_step_with_nobody_else_reports_no_group(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        memory, peers, averagers = await _averagers(nursery, 2, prefix="solo", target_group_size=2,
+                                                    matchmaking_time=1.0)
+        before = [t.clone() for t in averagers[0].tensors]
+        result = await averagers[0].step(timeout=5)
+        assert not result.finished and result.group is None and result.reason
+        assert all(torch.equal(a, b) for a, b in zip(averagers[0].tensors, before))
+        assert averagers[0].stats()["no_group"] == 1
+        nursery.cancel_scope.cancel()
