@@ -55,10 +55,11 @@ class PeerProgress:
     samples_per_second: float
     time: float
     client_mode: bool = True
+    left: bool = False  # the trainer finished and said goodbye: count it no more
 
     def to_wire(self) -> list:
         return [_RECORD_VERSION, int(self.epoch), int(self.samples), float(self.samples_per_second),
-                float(self.time), bool(self.client_mode)]
+                float(self.time), bool(self.client_mode), bool(self.left)]
 
     @classmethod
     def from_wire(cls, peer_id: bytes, value: Any) -> "PeerProgress | None":
@@ -72,7 +73,8 @@ class PeerProgress:
             return None
         if epoch < 0 or samples < 0 or not math.isfinite(sps) or sps < 0 or not math.isfinite(time):
             return None
-        return cls(PeerID(bytes(peer_id)), epoch, samples, float(sps), float(time), bool(client_mode))
+        left = len(value) > 6 and value[6] is True
+        return cls(PeerID(bytes(peer_id)), epoch, samples, float(sps), float(time), bool(client_mode), left)
 
 
 @dataclass(frozen=True)
@@ -139,7 +141,7 @@ def parse_records(record: Any, now: float) -> dict[PeerID, PeerProgress]:
         if entry.expiration_time <= now:
             continue
         progress = PeerProgress.from_wire(subkey, entry.value)
-        if progress is not None:
+        if progress is not None and not progress.left:
             found[progress.peer_id] = progress
     return found
 
@@ -297,6 +299,20 @@ class ProgressTracker:
         self._others = others
         self._fetched_at = trio.current_time()
         return self.progress()
+
+    async def leave(self, timeout: float = 2.0) -> bool:
+        """Overwrite my record with a goodbye so the others stop counting me at once (a trainer that finished;
+        one that crashes just expires). Call after cancelling `run()`."""
+        record = self.local()
+        goodbye = PeerProgress(record.peer_id, record.epoch, record.samples, 0.0, record.time, record.client_mode,
+                               left=True)
+        with trio.move_on_after(timeout):
+            try:
+                return await self.dht.store(self.key, goodbye.to_wire(), record.time + self.ttl,
+                                            subkey=bytes(self.peer_id), signed=True)
+            except Exception as error:
+                logger.debug("progress: goodbye under %s failed: %s", self.key, error)
+        return False
 
     def _publish_due(self, now: float) -> float:
         """Trio time at which the local record should next be published."""

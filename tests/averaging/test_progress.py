@@ -52,6 +52,8 @@ def test_estimate_caps_extrapolation_of_stale_reports_and_handles_no_progress():
 def test_records_round_trip_and_malformed_values_are_dropped():
     record = PeerProgress(_pid(7), epoch=2, samples=64, samples_per_second=12.5, time=99.0, client_mode=False)
     assert PeerProgress.from_wire(bytes(_pid(7)), record.to_wire()) == record
+    gone = PeerProgress(_pid(7), epoch=2, samples=64, samples_per_second=0.0, time=99.0, left=True)
+    assert PeerProgress.from_wire(bytes(_pid(7)), gone.to_wire()) == gone
     for bad in (None, "x", [], [1, 2], [99, 2, 64, 1.0, 1.0, True], [1, -1, 64, 1.0, 1.0, True],
                 [1, 2, 64, float("nan"), 1.0, True], [1, 2.5, 64, 1.0, 1.0, True], [1, 2, 64, -3.0, 1.0, True]):
         assert PeerProgress.from_wire(bytes(_pid(7)), bad) is None
@@ -76,8 +78,20 @@ async def _run_tracker(name, network, servers, run_id, target, options, *, task_
                                 clock=trio.current_time, seed=len(name)) as node:
             tracker = ProgressTracker(node, run_id, target, min_refresh=0.05, max_refresh=1.0, ttl=5.0, **options)
             async with trio.open_nursery() as nursery:
-                await nursery.start(tracker.run)
+                loop_scope = await nursery.start(_loop, tracker)
+                _LOOPS[id(tracker)] = loop_scope
                 task_status.started((tracker, scope))
+                await trio.sleep_forever()  # the node outlives its tracker loop
+
+
+_LOOPS: dict[int, trio.CancelScope] = {}  # each tracker's background loop, to stop it alone
+
+
+async def _loop(tracker: ProgressTracker, *, task_status=trio.TASK_STATUS_IGNORED):
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(tracker.run)
+            task_status.started(scope)
 
 
 async def _tracker(nursery, network, servers, name, run_id="run", target=600, **options):
@@ -160,6 +174,14 @@ async def test_a_dead_trainer_drops_out_after_its_record_expires(autojump_clock)
         while (await alive.fetch()).num_peers != 1:
             await trio.sleep(0.5)
         assert trio.current_time() - killed_at <= dying.ttl + 1.0
+        # a trainer that finishes says goodbye and stops counting at once, without waiting for expiry
+        leaving, _ = await _tracker(nursery, network, servers, "leaving")
+        leaving.report(10)
+        await leaving.publish()
+        assert (await alive.fetch()).num_peers == 2
+        _LOOPS[id(leaving)].cancel()  # the trainer stops its loop, then says goodbye through its DHT node
+        assert await leaving.leave()
+        assert (await alive.fetch()).num_peers == 1
         nursery.cancel_scope.cancel()
 
 
