@@ -19,7 +19,11 @@ So a member that dies before committing (before the round, while sending, or whi
 contributes to NO part: every element of a survivor is the survivors' weighted mean, or its own local value where
 the lost member was the reducer. (A member dying in the instant between its commits to two reducers can still be
 counted by one and not the other; the window is one small message wide.) A member that dies after committing
-counts everywhere it committed; only its own part, if it reduces one, keeps the local values.
+counts everywhere it committed; only its own part, if it reduces one, is lost.
+
+A lost part (its reducer failed) is then averaged again among the survivors in a short follow-up round on just
+that slice of the vector (`retry_lost_parts`); if that fails too, the part keeps the local values. So with one
+failure the survivors normally end with their exact mean everywhere.
 
 Failures are detected from the connection (a call fails, or a handler is cancelled because the caller vanished),
 shared (a committing member tells each reducer which members it saw fail), and, for silent peers, from deadlines
@@ -36,6 +40,7 @@ the trio driver that moves it over `peer.rpc`.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import weakref
 from collections import OrderedDict
@@ -48,7 +53,7 @@ import trio
 from averaging.errors import BadChunk, GroupMismatch, RoundNotFound, SenderExcluded
 from averaging.group import GroupInfo
 from averaging.locking import TensorLock, check_lock, hold
-from averaging.partition import DEFAULT_CHUNK_BYTES, Part, Partition, chunk_views
+from averaging.partition import DEFAULT_CHUNK_BYTES, Part, Partition, chunk_views, segment_view
 from peer import wire
 from peer.identity import PeerID
 from peer.rpc import CallContext, RemoteError, RPCError, RPCNode
@@ -98,7 +103,7 @@ class AllReduceConfig:
     max(floor, factor * bytes / observed rate); straggler_slack: after the data phase took T seconds, a missing
     commit is awaited max(floor, slack * T); join_wait: how long a message for a round that has not started here
     yet waits for it (members start a round at slightly different times); initial_rate: bytes/s assumed before
-    anything was measured."""
+    anything was measured; retry_lost_parts: re-average the parts of lost reducers among the survivors."""
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     timeout_floor: float = 1.0
@@ -110,6 +115,7 @@ class AllReduceConfig:
     pulls_in_flight: int = 2
     max_waiting_rounds: int = 64
     remembered_rounds: int = 256
+    retry_lost_parts: bool = True
 
 
 # ------------------------------------------------------------------------------------------------ sans-I/O core
@@ -644,18 +650,61 @@ class AllReduceServer:
             raise GroupMismatch("this round is already running here", operation="allreduce")
         if not group.reducers:
             raise GroupMismatch("no member of the group can reduce (all in client mode)", operation="allreduce")
+        deadline = trio.current_time() + timeout
+        result, partition = await self._run_once(group, tensors, float(weight), wire.Compression(compression),
+                                                 deadline, lock)
+        if self.config.retry_lost_parts:
+            await self._retry_lost_parts(result, partition, group, tensors, float(weight),
+                                         wire.Compression(compression), deadline, lock)
+        result.elapsed = trio.current_time() - (deadline - timeout)
+        return result
+
+    async def _retry_lost_parts(self, result: AllReduceResult, partition: Partition, group: GroupInfo,
+                                tensors: list[torch.Tensor], weight: float, compression: wire.Compression,
+                                deadline: float, lock: TensorLock) -> None:
+        """Average the parts whose reducer was lost in a short follow-up round among the survivors.
+
+        Every survivor that saw the same failures derives the same follow-up group (its id digests the failed
+        peers) and the same tensors (views of the lost parts), so no message is needed to agree on it. A survivor
+        with a different view of who failed lands in another follow-up group and keeps its local values there
+        once the join wait expires. The lost parts are 1/N of the vector each, so this costs little."""
+        failed = result.failed_peers
+        lost = [i for i, part in enumerate(partition.parts)
+                if not result.averaged[i] and group.members[part.owner].peer_id in failed]
+        survivors = [m for m in group.members if m.peer_id not in failed]
+        if not lost or len(survivors) < 2 or not any(m.reduces for m in survivors):
+            return
+        if trio.current_time() >= deadline:
+            return
+        digest = hashlib.blake2b(group.group_id + b"|retry|" + b"".join(sorted(failed)), digest_size=16)
+        retry_group = GroupInfo.create(digest.digest(), survivors)
+        views = [segment_view(tensors, s) for i in lost for s in partition.parts[i].segments]
+        retry, _ = await self._run_once(retry_group, views, weight, compression, deadline, lock)
+        result.finished = result.finished and retry.finished
+        result.failed_peers |= retry.failed_peers
+        if retry.fully_averaged:
+            contributors = sorted({p for c in retry.contributors for p in c})
+            for i in lost:
+                result.averaged[i] = True
+                result.contributors[i] = list(contributors)
+        result.bytes_sent += retry.bytes_sent
+        result.bytes_received += retry.bytes_received
+
+    async def _run_once(self, group: GroupInfo, tensors: list[torch.Tensor], weight: float,
+                        compression: wire.Compression, deadline: float, lock: TensorLock
+                        ) -> tuple[AllReduceResult, Partition]:
         me = group.index_of(self.rpc.peer_id)
         bandwidths = [m.bandwidth if m.reduces else 0.0 for m in group.members]
         partition = Partition.for_tensors(tensors, bandwidths, chunk_bytes=self.config.chunk_bytes)
-        round_ = _Round(self, group, partition, me, tensors, float(weight), wire.Compression(compression), lock)
-        round_.deadline = trio.current_time() + timeout
+        round_ = _Round(self, group, partition, me, tensors, weight, compression, lock)
+        round_.deadline = deadline
 
         self._rounds[group.group_id] = round_
         waiting = self._waiting.get(group.group_id)
         if waiting is not None:
             waiting[0].set()
         try:
-            with trio.move_on_after(timeout) as scope:
+            with trio.move_on_at(deadline) as scope:
                 await self._run_round(round_)
             finished = not scope.cancelled_caught
         finally:
@@ -666,7 +715,7 @@ class AllReduceServer:
                 self._finished.popitem(last=False)
 
         members = group.members
-        return AllReduceResult(
+        result = AllReduceResult(
             group_id=group.group_id,
             averaged=list(round_.averaged),
             part_owners=[members[p.owner].peer_id for p in partition.parts],
@@ -677,6 +726,7 @@ class AllReduceServer:
             bytes_sent=round_.bytes_sent,
             bytes_received=round_.bytes_received,
         )
+        return result, partition
 
     async def _run_round(self, round_: _Round) -> None:
         others = [part for part in round_.partition.parts if part.owner != round_.me]
@@ -838,9 +888,7 @@ class AllReduceServer:
                 round_.bytes_sent += nbytes
                 round_.hook("chunk_pushed", part=part.index, chunk=index)
 
-        async with trio.open_nursery() as nursery:
-            for _ in range(min(self.config.pushes_in_flight, len(part.chunks))):
-                nursery.start_soon(worker)
+        await _run_workers(min(self.config.pushes_in_flight, len(part.chunks)), worker)
 
     async def _pull_part(self, round_: _Round, part: Part) -> list[list[torch.Tensor]]:
         values: list[list[torch.Tensor] | None] = [None] * len(part.chunks)
@@ -858,9 +906,7 @@ class AllReduceServer:
                 values[index] = reply
                 round_.bytes_received += nbytes
 
-        async with trio.open_nursery() as nursery:
-            for _ in range(min(self.config.pulls_in_flight, len(part.chunks))):
-                nursery.start_soon(worker)
+        await _run_workers(min(self.config.pulls_in_flight, len(part.chunks)), worker)
         return values  # type: ignore[return-value]
 
     async def _call(self, round_: _Round, part: Part, method: str, args: dict, *, nbytes: int = 0,
@@ -875,6 +921,23 @@ class AllReduceServer:
         if nbytes:
             self.estimator.observe(nbytes, trio.current_time() - started)
         return result
+
+
+async def _run_workers(count: int, worker: Callable[[], Any]) -> None:
+    """Run `count` copies of `worker`; the first call error stops the others and is raised as itself (not
+    wrapped in an exception group), so callers can tell a failed peer from anything else."""
+    try:
+        async with trio.open_nursery() as nursery:
+            for _ in range(count):
+                nursery.start_soon(worker)
+    except BaseExceptionGroup as group:
+        matched, _ = group.split(RPCError)
+        if matched is None:
+            raise
+        error = matched
+        while isinstance(error, BaseExceptionGroup):
+            error = error.exceptions[0]
+        raise error from None
 
 
 def _compression_arg(value: Any) -> wire.Compression:
