@@ -21,7 +21,7 @@ import random
 import time
 from collections import Counter
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterable, Sequence
 
 import trio
@@ -62,6 +62,14 @@ class DHTConfig:
     requests_per_second: float = 500.0  # per source address
     request_burst: float = 1000.0
     max_concurrent_probes: int = 256
+
+
+@dataclass
+class _StorePlan:
+    """Records a store lookup carries, and which peers acknowledged each key during the lookup."""
+
+    wire: dict[bytes, Any]
+    stored_on: dict[bytes, set[bytes]] = field(default_factory=dict)
 
 
 @dataclass
@@ -427,6 +435,9 @@ class DHTNode:
             return self._find_many(args[1], sender, now)
         if name == "swarmd_store_many":
             return [self._store_local(key_id, value, now) for key_id, value in args[1]]
+        if name == "swarmd_store_find":  # store, and answer like find_node: one round trip does both
+            return [[self._store_local(key_id, value, now), self._contacts_for(key_id, sender)]
+                    for key_id, value in args[1]]
         return _NO_REPLY
 
     def _note_sender(self, node_id: bytes, address: Address) -> None:
@@ -478,7 +489,8 @@ class DHTNode:
 
     # ------------------------------------------------------------------------------------------------- lookups
 
-    async def _lookup(self, key_ids: set[bytes], *, want_value: bool, quorum: int | None = None) -> dict[bytes, Target]:
+    async def _lookup(self, key_ids: set[bytes], *, want_value: bool, quorum: int | None = None,
+                      store: _StorePlan | None = None) -> dict[bytes, Target]:
         """Iterative lookups for all `key_ids` at once (see dht/lookup.py for the stopping rule)."""
         config = self.config
         now = trio.current_time()
@@ -506,7 +518,8 @@ class DHTNode:
                     query_id = next(query_ids)
                     soft = trio.current_time() + self._peers.timeout(address)
                     soft_deadlines[query_id] = (soft, node_id, keys)
-                    self._nursery.start_soon(self._query, query_id, node_id, address, keys, want_value, send_channel)
+                    self._nursery.start_soon(self._query, query_id, node_id, address, keys, want_value, send_channel,
+                                             store)
                 if all(t.finished() for t in targets.values()):
                     break
                 if not any(t.pending() for t in targets.values()):
@@ -572,9 +585,13 @@ class DHTNode:
                 target.on_answer(node_id, contacts, None, False, self.peer_id)
 
     async def _query(self, query_id: int, node_id: bytes, address: Address, keys: list[bytes], want_value: bool,
-                     results: trio.MemorySendChannel) -> None:
+                     results: trio.MemorySendChannel, store: _StorePlan | None) -> None:
         answers: dict[bytes, Any] = {}
         info = self._peers.known(address)
+        if store is not None and info is not None and info.swarmd:
+            await self._store_find(node_id, address, keys, store, answers)
+            _deliver(results, (query_id, node_id, answers))
+            return
         if len(keys) > 1 and info is not None and info.swarmd:
             try:
                 reply = await self._request(address, "swarmd_find_many", [self.peer_id, keys], node_id=node_id)
@@ -606,6 +623,33 @@ class DHTNode:
                     nursery.start_soon(one, key_id)
         _deliver(results, (query_id, node_id, answers))
 
+    async def _store_find(self, node_id: bytes, address: Address, keys: list[bytes], store: _StorePlan,
+                          answers: dict[bytes, Any]) -> None:
+        """A store lookup asking a swarmd peer: it stores the records and names its closest contacts in one
+        round trip, so a peer of the final k closest needs no second request."""
+
+        async def one(batch: list[list]) -> None:
+            try:
+                reply = await self._request(address, "swarmd_store_find", [self.peer_id, batch], node_id=node_id)
+            except RequestTimeout:
+                return
+            if not (isinstance(reply, list) and len(reply) == len(batch)):
+                self._dropped["bad_reply"] += 1
+                return
+            for (key_id, _), answer in zip(batch, reply):
+                if not (isinstance(answer, list) and len(answer) == 2):
+                    self._dropped["bad_reply"] += 1
+                    continue
+                if answer[0] is True:
+                    store.stored_on.setdefault(key_id, set()).add(node_id)
+                answers[key_id] = self._parse_find(answer[1], False)
+
+        async with trio.open_nursery() as nursery:
+            for batch in proto.batches([(key_id, store.wire[key_id]) for key_id in keys]):
+                nursery.start_soon(one, batch)
+        for key_id in keys:
+            answers.setdefault(key_id, None)
+
     def _parse_find(self, raw: Any, want_value: bool) -> tuple[str, Any]:
         if want_value and isinstance(raw, dict):
             value = raw.get("value")
@@ -622,7 +666,11 @@ class DHTNode:
     # ------------------------------------------------------------------------------------------------- storing
 
     async def _store_records(self, by_key: dict[bytes, Record]) -> dict[bytes, bool]:
-        targets = await self._lookup(set(by_key), want_value=False)
+        """Find the k closest peers of each key and store there. Swarmd peers store during the lookup itself
+        (`swarmd_store_find`); stock peers among the k closest get a stock `store` afterwards."""
+        wire = {key_id: records.encode(record) for key_id, record in by_key.items()}
+        store = _StorePlan(wire)
+        targets = await self._lookup(set(by_key), want_value=False, store=None if self.client_mode else store)
         now = self.now()
         acknowledged = {key_id: False for key_id in by_key}
         plan: dict[tuple[bytes, Address], list[bytes]] = {}
@@ -636,9 +684,12 @@ class DHTNode:
                     if outcome == "full":
                         self._dropped["storage_full"] += 1
                     acknowledged[key_id] = outcome == "accepted"
+            stored_on = store.stored_on.get(key_id, set())
+            if stored_on:
+                acknowledged[key_id] = True
             for candidate in closest:
-                plan.setdefault((candidate.node_id, candidate.address), []).append(key_id)
-        wire = {key_id: records.encode(record) for key_id, record in by_key.items()}
+                if candidate.node_id not in stored_on:
+                    plan.setdefault((candidate.node_id, candidate.address), []).append(key_id)
 
         async def send(node_id: bytes, address: Address, key_ids: list[bytes]) -> None:
             for key_id, ok in (await self._send_stores(node_id, address, [(k, wire[k]) for k in key_ids])).items():
@@ -654,17 +705,7 @@ class DHTNode:
         """Store items on one peer: batched for swarmd peers, one stock `store` per key otherwise."""
         results: dict[bytes, bool] = {}
         if len(items) > 1 and await self._probe(address):
-            batch: list[list] = []
-            batches = [batch]
-            size = 0
-            for key_id, value in items:
-                item_size = len(proto.pack([key_id, value]))
-                if batch and (size + item_size > proto.MAX_REQUEST_PAYLOAD - 100 or len(batch) >= proto.MAX_BATCH_KEYS):
-                    batch, size = [], 0
-                    batches.append(batch)
-                batch.append([key_id, value])
-                size += item_size
-            for batch in batches:
+            for batch in proto.batches(items):
                 try:
                     reply = await self._request(address, "swarmd_store_many", [self.peer_id, batch], node_id=node_id)
                 except RequestTimeout:

@@ -49,6 +49,20 @@ def new_msg_id(random_bytes: Callable[[int], bytes] = os.urandom) -> bytes:
     return hashlib.sha1(random_bytes(32)).digest()
 
 
+def batches(items: list[tuple[bytes, Any]], limit: int = MAX_REQUEST_PAYLOAD - 128) -> list[list[list]]:
+    """Split [key, value] items into groups whose request fits the rpcudp size cap (and MAX_BATCH_KEYS)."""
+    groups: list[list[list]] = [[]]
+    size = 0
+    for key_id, value in items:
+        item_size = len(pack([key_id, value]))
+        if groups[-1] and (size + item_size > limit or len(groups[-1]) >= MAX_BATCH_KEYS):
+            groups.append([])
+            size = 0
+        groups[-1].append([key_id, value])
+        size += item_size
+    return groups if groups[0] else []
+
+
 def encode_request(msg_id: bytes, name: str, args: list | tuple) -> bytes:
     payload = pack([name, list(args)])
     if len(payload) > MAX_REQUEST_PAYLOAD:
@@ -125,7 +139,8 @@ MAX_BATCH_KEYS = 64
 
 
 KNOWN_METHODS = frozenset(
-    {"ping", "store", "find_node", "find_value", "stun", "swarmd_hello", "swarmd_find_many", "swarmd_store_many"}
+    {"ping", "store", "find_node", "find_value", "stun",
+     "swarmd_hello", "swarmd_find_many", "swarmd_store_many", "swarmd_store_find"}
 )
 
 
@@ -145,7 +160,7 @@ def check_request_args(name: str, args: list) -> bool:
         return len(args) == 2 and isinstance(args[1], dict)
     if name == "swarmd_find_many":  # [nodeid, [key, ...]]
         return len(args) == 2 and _valid_key_list(args[1], MAX_BATCH_KEYS)
-    if name == "swarmd_store_many":  # [nodeid, [[key, value], ...]]
+    if name in ("swarmd_store_many", "swarmd_store_find"):  # [nodeid, [[key, value], ...]]
         items = args[1] if len(args) == 2 else None
         return (
             isinstance(items, list)

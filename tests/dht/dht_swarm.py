@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import trio
 
 from dht import DHTNode
+from peer.identity import Identity
 
 
 @dataclass
@@ -31,9 +32,12 @@ async def start_node(nursery: trio.Nursery, host: str, initial_peers=(), **kwarg
 
 
 async def start_swarm(nursery: trio.Nursery, hosts: list[str], network_for, rng, **kwargs) -> list[RunningNode]:
-    """The first host starts a new DHT; each later one joins through up to 3 random earlier nodes."""
+    """The first host starts a new DHT; each later one joins through up to 3 random earlier nodes. Identities
+    and node randomness come from `rng`, so a simulated run is reproducible."""
     swarm: list[RunningNode] = []
-    for index, host in enumerate(hosts):
+    for host in hosts:
         initial = [r.node.address for r in rng.sample(swarm, min(3, len(swarm)))]
-        swarm.append(await start_node(nursery, host, initial, network=network_for(host), seed=index, **kwargs))
+        identity = Identity.from_seed(rng.randbytes(32))
+        swarm.append(await start_node(nursery, host, initial, network=network_for(host), identity=identity,
+                                      seed=rng.getrandbits(64), **kwargs))
     return swarm
