@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -218,6 +219,7 @@ class Expert:
     clip_grad_norm: float | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     steps: int = 0  # optimizer steps applied (one per backward batch)
+    skipped_steps: int = 0  # backward batches whose gradients were not finite (no step taken)
 
     def info(self, max_batch_size: int) -> dict[str, Any]:
         """The `moe.info` reply: what a caller needs to build inputs and expect outputs."""
@@ -248,12 +250,18 @@ class Expert:
             (leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)).detach().to("cpu").contiguous()
             for leaf in leaves
         ]
-        if self.clip_grad_norm is not None:
-            nn.utils.clip_grad_norm_(self.module.parameters(), self.clip_grad_norm)
-        self.optimizer.step()
-        self.scheduler.step()
+        # Finite inputs can still overflow into inf/NaN gradients; one such step would ruin the expert for every
+        # caller, so it is skipped (the norm is one fused pass; clipping reuses it).
+        norm = nn.utils.clip_grad_norm_(
+            self.module.parameters(), self.clip_grad_norm if self.clip_grad_norm is not None else math.inf
+        )
+        if bool(torch.isfinite(norm)):
+            self.optimizer.step()
+            self.scheduler.step()
+            self.steps += 1
+        else:
+            self.skipped_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
-        self.steps += 1
         return grad_inputs
 
     def state_dict(self) -> dict[str, Any]:

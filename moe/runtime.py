@@ -152,6 +152,7 @@ class ExpertRuntime:
                 "inline_batches": slot.inline_batches,
                 "failures": slot.failures,
                 "optimizer_steps": slot.expert.steps,
+                "skipped_steps": slot.expert.skipped_steps,
             }
         total = lambda key: sum(sum(e[key].values()) for e in per_expert.values())  # noqa: E731
         return {

@@ -151,3 +151,23 @@ def test_deep_ffn_matches_hivemind_layer_stack():
     expert = make_expert("d.0", "deep_ffn", 8, seed=0)
     linears = [m for m in expert.module.modules() if isinstance(m, nn.Linear)]
     assert [(m.in_features, m.out_features) for m in linears] == [(8, 32), (32, 32), (32, 8)]
+
+
+def test_overflowing_gradients_skip_the_step_instead_of_ruining_the_expert():
+    expert = make_expert("ffn.7", "ffn", 8, seed=0, optimizer=OptimizerConfig("adam", lr=0.01))
+    before = [p.detach().clone() for p in expert.module.parameters()]
+    (grad_x,) = expert.backward([torch.full((2, 8), 3e38)], [torch.full((2, 8), 3e38)])  # finite, but overflows
+    assert expert.steps == 0 and expert.skipped_steps == 1
+    for p, b in zip(expert.module.parameters(), before):
+        assert torch.equal(p, b)
+    expert.backward([torch.randn(2, 8)], [torch.randn(2, 8)])
+    assert expert.steps == 1 and all(bool(torch.isfinite(p).all()) for p in expert.module.parameters())
+
+
+def test_clip_grad_norm_bounds_the_update():
+    config = OptimizerConfig("sgd", lr=1.0, clip_grad_norm=0.5)
+    expert = make_expert("ffn.8", "ffn", 8, seed=0, optimizer=config)
+    before = torch.cat([p.detach().flatten().clone() for p in expert.module.parameters()])
+    expert.backward([torch.randn(4, 8) * 10], [torch.randn(4, 8) * 10])
+    after = torch.cat([p.detach().flatten() for p in expert.module.parameters()])
+    assert float((after - before).norm()) == pytest.approx(0.5, rel=1e-4)
