@@ -171,3 +171,23 @@ async def test_compressed_replies_on_request():
     assert half["outputs"][0].dtype == torch.float32
     assert not torch.equal(half["outputs"][0], exact["outputs"][0])
     torch.testing.assert_close(half["outputs"][0], exact["outputs"][0], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+async def test_cuda_expert_serves_cpu_callers_and_trains():
+    expert = make_expert("ffn.9", "ffn", 64, seed=2, device="cuda", optimizer=OptimizerConfig("adam", lr=0.01))
+    local = copy.deepcopy(expert.module).cpu()
+    local_opt = torch.optim.Adam(local.parameters(), lr=0.01)
+    x, grad_out = torch.randn(8, 64), torch.randn(8, 64)
+    async with serving([expert]) as (_, client, address):
+        reply = await client.call(address, "moe.forward", {"uid": "ffn.9", "inputs": [x]}, timeout=TIMEOUT)
+        assert reply["outputs"][0].device.type == "cpu"
+        torch.testing.assert_close(reply["outputs"][0], local(x).detach(), rtol=1e-3, atol=1e-3)
+        reply = await client.call(address, "moe.backward", {"uid": "ffn.9", "inputs": [x],
+                                                            "grad_outputs": [grad_out]}, timeout=TIMEOUT)
+    x_local = x.clone().requires_grad_()
+    local(x_local).backward(grad_out)
+    local_opt.step()
+    torch.testing.assert_close(reply["grad_inputs"][0], x_local.grad, rtol=1e-3, atol=1e-3)
+    for p_remote, p_local in zip(expert.module.parameters(), local.parameters()):
+        torch.testing.assert_close(p_remote.cpu(), p_local, rtol=1e-3, atol=1e-4)
