@@ -888,7 +888,7 @@ class AllReduceServer:
                 round_.bytes_sent += nbytes
                 round_.hook("chunk_pushed", part=part.index, chunk=index)
 
-        await _run_workers(min(self.config.pushes_in_flight, len(part.chunks)), worker)
+        await run_workers(min(self.config.pushes_in_flight, len(part.chunks)), worker)
 
     async def _pull_part(self, round_: _Round, part: Part) -> list[list[torch.Tensor]]:
         values: list[list[torch.Tensor] | None] = [None] * len(part.chunks)
@@ -906,7 +906,7 @@ class AllReduceServer:
                 values[index] = reply
                 round_.bytes_received += nbytes
 
-        await _run_workers(min(self.config.pulls_in_flight, len(part.chunks)), worker)
+        await run_workers(min(self.config.pulls_in_flight, len(part.chunks)), worker)
         return values  # type: ignore[return-value]
 
     async def _call(self, round_: _Round, part: Part, method: str, args: dict, *, nbytes: int = 0,
@@ -923,15 +923,16 @@ class AllReduceServer:
         return result
 
 
-async def _run_workers(count: int, worker: Callable[[], Any]) -> None:
-    """Run `count` copies of `worker`; the first call error stops the others and is raised as itself (not
-    wrapped in an exception group), so callers can tell a failed peer from anything else."""
+async def run_workers(count: int, worker: Callable[[], Any],
+                      errors: tuple[type[BaseException], ...] = (RPCError,)) -> None:
+    """Run `count` copies of `worker`; the first error of the `errors` types stops the others and is raised as
+    itself (not wrapped in an exception group), so callers can tell a failed peer from anything else."""
     try:
         async with trio.open_nursery() as nursery:
             for _ in range(count):
                 nursery.start_soon(worker)
     except BaseExceptionGroup as group:
-        matched, _ = group.split(RPCError)
+        matched, _ = group.split(errors)
         if matched is None:
             raise
         error = matched
