@@ -1,0 +1,367 @@
+"""CollaborativeOptimizer: many trainers, one model, no coordinator.
+
+    opt = CollaborativeOptimizer(torch.optim.Adam(model.parameters()), swarm, run_id="digits",
+                                 target_batch_size=4096, batch_size_per_step=32)
+    for x, y in batches:
+        loss = loss_fn(model(x), y); loss.backward()
+        opt.step()                      # accumulates; every collective epoch: averages with peers, then steps
+        opt.zero_grad()
+
+What one `step()` does, from a plain synchronous training loop:
+1. **Count.** In `average="gradients"` mode the batch's gradients are added to local accumulators (the wrapped
+   optimizer is not stepped); in `average="parameters"` mode the wrapped optimizer steps locally at once. Either
+   way the batch's samples are reported to the progress tracker (`averaging/progress.py`).
+2. **Epoch end.** When the swarm's samples in the current epoch reach `target_batch_size` (every trainer
+   estimates this from the same signed DHT records, so they all stop at about the same moment), the trainer
+   averages with the peers that are ready, in groups (`averaging.averager.Averager`, through the swarm's bridge):
+   - gradients mode: the accumulated mean gradients, weighted by the samples behind them, and along with them the
+     parameters and optimizer state (so trainers that drifted apart, e.g. after a failed round, are pulled back
+     together); then the wrapped optimizer steps once with the averaged gradients;
+   - parameters mode: the parameters and optimizer state.
+   Then the epoch number is incremented and published.
+3. **Catching up.** A trainer whose epoch is more than one behind the swarm's, or that joins a run already past
+   epoch 0, downloads parameters and optimizer state from a peer (`Averager.load_state_from_peers`) instead of
+   averaging. One epoch behind is normal (another trainer noticed the end first and has moved on): it applies
+   its own accumulated update and moves to the swarm's epoch.
+Trainers that die simply stop publishing progress and drop out of the estimate when their record expires.
+
+Why one averager for gradients and state: one tensor list keeps the group schema simple and lets a newcomer
+download a consistent snapshot (parameters and optimizer state of the same epoch) from any trainer.
+
+Networking: the trainer is a `peer.client.Swarm` (client mode in the DHT). An averaging group needs at least one
+member that accepts connections (client-mode members send and receive but cannot reduce a part), so a group made
+only of client-mode trainers cannot form. By default the trainer therefore opens an RPC listener on the local
+address it uses to reach its initial peers (`listen=True`); `listen=False` keeps it purely client-mode, in which
+case it averages only in groups that contain some reachable trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+import time
+from typing import Any
+
+import torch
+import trio
+
+from averaging.averager import Averager
+from averaging.progress import ProgressTracker, SwarmProgress
+from peer import wire
+
+logger = logging.getLogger(__name__)
+
+MODES = ("gradients", "parameters")
+
+
+def local_host_towards(address: tuple[str, int]) -> str:
+    """The local IP address this machine uses to reach `address` (no packet is sent): the address to listen on
+    and announce so peers on the same path can connect back."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((address[0], int(address[1])))
+            return probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def initialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's lazily built state (Adam moments, SGD momentum...) as it is before the first real
+    step, without changing the parameters: averaging and state downloads need every tensor to exist up front and
+    to look the same on every trainer."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    saved = [(p.detach().clone(), p.grad) for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    with torch.no_grad():
+        for p, (data, grad) in zip(params, saved):
+            p.copy_(data)
+            p.grad = grad
+        for p in params:
+            for value in optimizer.state[p].values():
+                if torch.is_tensor(value):
+                    value.zero_()
+
+
+def state_tensors(optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) for the parameters and every tensor of the optimizer state, in a fixed order."""
+    named: list[tuple[str, torch.Tensor]] = []
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            named.append((f"param.{g}.{i}", p.data))
+            state = optimizer.state.get(p, {})
+            for key in sorted(state):
+                if torch.is_tensor(state[key]):
+                    named.append((f"state.{g}.{i}.{key}", state[key]))
+    return named
+
+
+class CollaborativeOptimizer:
+    """Wraps any torch optimizer for collaborative training over a `peer.client.Swarm` (see module doc).
+
+    `target_batch_size`: samples the whole swarm processes per epoch (one averaged update per epoch in gradients
+    mode). `batch_size_per_step`: samples behind one `step()` unless `step(batch_size=...)` says otherwise.
+    Averaging options: `target_group_size`, `min_group_size`, `matchmaking_time`, `averaging_timeout`,
+    `compression` (a `peer.wire.Compression`). Progress options: `progress_ttl`, `min_refresh`, `max_refresh`.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        swarm: Any,
+        run_id: str,
+        target_batch_size: int,
+        batch_size_per_step: int,
+        *,
+        average: str = "gradients",
+        target_group_size: int = 4,
+        min_group_size: int = 2,
+        matchmaking_time: float = 3.0,
+        averaging_timeout: float = 30.0,
+        load_state_timeout: float = 30.0,
+        compression: wire.Compression = wire.Compression.NONE,
+        listen: bool = True,
+        listen_host: str | None = None,
+        progress_ttl: float = 20.0,
+        min_refresh: float = 0.1,
+        max_refresh: float = 2.0,
+        load_state_on_join: bool = True,
+    ):
+        if average not in MODES:
+            raise ValueError(f"average must be one of {MODES}, not {average!r}")
+        if target_batch_size < 1 or batch_size_per_step < 1:
+            raise ValueError("target_batch_size and batch_size_per_step must be positive")
+        self.optimizer = optimizer
+        self.swarm = swarm
+        self.run_id = run_id
+        self.mode = average
+        self.target_batch_size = int(target_batch_size)
+        self.batch_size_per_step = int(batch_size_per_step)
+        self.averaging_timeout = averaging_timeout
+        self.load_state_timeout = load_state_timeout
+        self.epoch = 0
+        self.local_samples = 0
+        self.local_steps = 0
+
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        initialize_optimizer_state(optimizer)
+        named = state_tensors(optimizer)
+        self._grads: list[torch.Tensor] = []
+        if self.mode == "gradients":
+            self._grads = [torch.zeros_like(p) for p in self.params]
+            named = [(f"grad.{i}", g) for i, g in enumerate(self._grads)] + named
+        self._names = [name for name, _ in named]
+        self._tensors = [tensor for _, tensor in named]
+
+        self._stats: dict[str, Any] = {
+            "epochs": 0, "averaging_rounds": 0, "averaging_attempts": 0, "averaging_failures": 0,
+            "group_sizes": [], "peers_averaged_with": set(), "state_loads": 0, "state_load_failures": 0,
+            "local_transitions": 0, "averaging_seconds": 0.0,
+        }
+        self.last_progress: SwarmProgress | None = None
+        self._scope: trio.CancelScope | None = None
+        self.averager = Averager(
+            swarm.rpc, swarm.dht, self._tensors, prefix=f"{run_id}.{self.mode}", names=self._names,
+            target_group_size=target_group_size, min_group_size=min_group_size,
+            matchmaking_time=matchmaking_time, allreduce_timeout=averaging_timeout, compression=compression,
+        )
+        self.tracker = ProgressTracker(
+            swarm.dht, run_id, self.target_batch_size, ttl=progress_ttl, min_refresh=min_refresh,
+            max_refresh=max_refresh, client_mode=not listen,
+        )
+        host = listen_host
+        if listen and host is None:
+            host = local_host_towards(swarm.initial_peers[0]) if getattr(swarm, "initial_peers", None) else "127.0.0.1"
+        self._scope = swarm.bridge.start_and_wait(self._serve, host if listen else None)
+        self.last_progress = swarm.run(self._current)
+        if load_state_on_join and self.last_progress.epoch > self.epoch:
+            self._catch_up(self.last_progress)
+
+    # ------------------------------------------------------------------------------------------ trio side
+
+    async def _serve(self, listen_host: str | None, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        with trio.CancelScope() as scope:
+            rpc = self.swarm.rpc
+            if listen_host is not None and rpc.announced_address is None:
+                await rpc.listen(listen_host, 0)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.averager.serve)
+                await nursery.start(self.tracker.run)
+                task_status.started(scope)
+
+    async def _current(self) -> SwarmProgress:
+        return self.tracker.progress()
+
+    async def _report(self, samples: int) -> SwarmProgress:
+        self.tracker.report(samples)
+        return self.tracker.progress()
+
+    async def _new_epoch(self, epoch: int) -> None:
+        self.tracker.new_epoch(epoch)
+
+    async def _average(self, weight: float) -> Any:
+        return await self.averager.step(weight=weight, timeout=self.averaging_timeout)
+
+    async def _load_state(self) -> Any:
+        with trio.move_on_after(self.load_state_timeout):
+            return await self.averager.load_state_from_peers()
+        return None
+
+    # ------------------------------------------------------------------------------------------ public API
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def lock(self):
+        """The lock averaging takes while writing tensors; hold it when touching parameters from other threads."""
+        return self.averager.lock
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, batch_size: int | None = None) -> bool:
+        """Account one local batch (after `loss.backward()`); returns True when this call ended an epoch (an
+        averaged update was applied, or state was loaded from peers)."""
+        samples = self.batch_size_per_step if batch_size is None else int(batch_size)
+        if self.mode == "gradients":
+            with torch.no_grad():
+                for p, acc in zip(self.params, self._grads):
+                    if p.grad is not None:
+                        acc.add_(p.grad, alpha=samples)
+        else:
+            with self.averager.lock:
+                self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.local_samples += samples
+        self.local_steps += 1
+        progress = self.swarm.run(self._report, samples)
+        self.last_progress = progress
+        if progress.epoch > self.epoch + 1:
+            self._catch_up(progress)
+            return True
+        if progress.epoch > self.epoch or progress.target_reached:
+            fresh = self.swarm.run(self.tracker.fetch)  # decide on the swarm's records, not on extrapolation
+            self.last_progress = fresh
+            if fresh.epoch > self.epoch + 1:
+                self._catch_up(fresh)
+                return True
+            if fresh.epoch > self.epoch or fresh.target_reached:
+                self._end_epoch(fresh)
+                return True
+        return False
+
+    def stats(self) -> dict[str, Any]:
+        """What this trainer did: epochs, averaging rounds, group sizes, who it averaged with, state loads."""
+        stats = dict(self._stats)
+        stats["peers_averaged_with"] = sorted(stats["peers_averaged_with"])
+        stats["group_sizes"] = list(stats["group_sizes"])
+        stats["averaging_seconds"] = round(stats["averaging_seconds"], 3)
+        stats["epoch"] = self.epoch
+        stats["peer_id"] = str(self.averager.peer_id)
+        progress = self.last_progress
+        if progress is not None:
+            stats["swarm_epoch"] = progress.epoch
+            stats["swarm_trainers"] = progress.num_peers
+        return stats
+
+    def close(self) -> None:
+        """Stop publishing progress and leave averaging (the swarm itself stays open)."""
+        scope, self._scope = self._scope, None
+        if scope is None or getattr(self.swarm, "bridge", None) is None:
+            return
+
+        async def cancel() -> None:
+            scope.cancel()
+            await self.tracker.leave()  # the others stop counting this trainer at once
+
+        try:
+            self.swarm.bridge.run(cancel)
+        except Exception as error:  # the bridge already closed: nothing left to stop
+            logger.debug("collaborative optimizer: close after the bridge: %s", error)
+
+    def __enter__(self) -> "CollaborativeOptimizer":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------ epochs
+
+    def _end_epoch(self, progress: SwarmProgress) -> None:
+        """Average with whoever is ready (unless the swarm already moved on or nobody else is training),
+        apply the update, move to the next epoch."""
+        others_in_epoch = progress.epoch == self.epoch and progress.num_peers > 1
+        if self.mode == "gradients" and self.local_samples > 0:
+            with torch.no_grad():
+                for acc in self._grads:
+                    acc.div_(self.local_samples)
+        averaged = False
+        if others_in_epoch:
+            averaged = self._average_once(weight=max(1.0, float(self.local_samples)))
+        else:
+            self._stats["local_transitions"] += 1
+        if self.mode == "gradients":
+            with self.averager.lock, torch.no_grad():
+                for p, acc in zip(self.params, self._grads):
+                    p.grad = acc.clone()
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                for acc in self._grads:
+                    acc.zero_()
+        new_epoch = max(self.epoch + 1, progress.epoch)
+        logger.info("epoch %d -> %d (averaged: %s, local samples %d)", self.epoch, new_epoch, averaged,
+                    self.local_samples)
+        self._move_to(new_epoch)
+
+    def _average_once(self, weight: float) -> bool:
+        self._stats["averaging_attempts"] += 1
+        started = time.monotonic()
+        try:
+            result = self.swarm.run(self._average, weight)
+        except Exception as error:  # averaging is best effort: the local update still applies
+            logger.warning("averaging failed: %s", error)
+            self._stats["averaging_failures"] += 1
+            return False
+        finally:
+            self._stats["averaging_seconds"] += time.monotonic() - started
+        if result.group is None or result.group_size < 2:
+            self._stats["averaging_failures"] += 1
+            logger.info("no averaging group this epoch: %s", result.reason)
+            return False
+        self._stats["averaging_rounds"] += 1
+        self._stats["group_sizes"].append(result.group_size)
+        me = self.averager.peer_id
+        self._stats["peers_averaged_with"].update(str(p) for p in result.group.peer_ids if p != me)
+        if not result.finished:
+            logger.info("averaging round partial: %s", result.reason)
+        return True
+
+    def _catch_up(self, progress: SwarmProgress) -> None:
+        """Too far behind the swarm (or just joined): take a peer's parameters and optimizer state."""
+        loaded = None
+        try:
+            loaded = self.swarm.run(self._load_state)
+        except Exception as error:
+            logger.warning("loading state from peers failed: %s", error)
+        if loaded:
+            self._stats["state_loads"] += 1
+        else:
+            self._stats["state_load_failures"] += 1
+        if self.mode == "gradients":
+            for acc in self._grads:
+                acc.zero_()
+        self._move_to(max(self.epoch, progress.epoch))
+
+    def _move_to(self, epoch: int) -> None:
+        if epoch > self.epoch:
+            self._stats["epochs"] += epoch - self.epoch
+        self.epoch = epoch
+        self.local_samples = 0
+        self.swarm.run(self._new_epoch, epoch)
+
+
+__all__ = ["CollaborativeOptimizer", "MODES", "initialize_optimizer_state", "local_host_towards", "state_tensors"]

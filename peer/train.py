@@ -1,0 +1,418 @@
+"""`peer train`: an example trainer that needs nothing but this package and a running swarm.
+
+The model classifies scikit-learn's handwritten digits (8x8 images, shipped inside scikit-learn: nothing is
+downloaded): Linear(64 -> hidden) -> ReLU -> residual RemoteMixtureOfExperts over the swarm's `ffn` experts ->
+Linear(hidden -> 10). The experts live on `peer join` daemons (their `--hidden-dim` must equal `--hidden-dim`
+here) and learn from every backward pass; the trainer's own layers (input, gate, output) are trained with a
+`CollaborativeOptimizer`, so several trainers of one `--run-id` average with each other.
+
+Output (stdout), made for both people and scripts:
+- every `--log-every` steps a JSON line `{"event": "progress", "step", "steps", "loss", "accuracy",
+  "samples_per_s", "experts_alive", "epoch", ...}` (a progress bar is drawn on stderr when it is a terminal);
+- last line: a JSON object with the held-out `accuracy`, `loss`, `steps`, `samples_per_s`, `averaging_rounds`,
+  `peers_averaged_with`, `failed_expert_calls`, `checkpoint`...
+
+`--local-experts` trains the same model with the experts in this process (no swarm): the baseline of
+`benchmarks/bench_train.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+DIGITS_SPLIT_SEED = 20240607  # the held-out set is the same for every trainer of every run
+HELD_OUT_FRACTION = 0.2
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+
+def load_digits_split(seed: int = DIGITS_SPLIT_SEED) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x_train, y_train, x_test, y_test): scikit-learn's 1797 digits, pixels scaled to [0, 1], a fixed 80/20
+    split (the same for every trainer, so their held-out accuracies compare)."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(digits.target, dtype=torch.long)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    cut = int(round(len(x) * (1 - HELD_OUT_FRACTION)))
+    train, test = order[:cut], order[cut:]
+    return x[train], y[train], x[test], y[test]
+
+
+class BatchStream:
+    """Shuffled mini-batches, epoch after epoch, from a seeded generator."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int):
+        self.x, self.y, self.batch_size = x, y, batch_size
+        self.generator = torch.Generator().manual_seed(seed)
+        self._order = torch.empty(0, dtype=torch.long)
+        self._position = 0
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._position + self.batch_size > len(self._order):
+            self._order = torch.randperm(len(self.x), generator=self.generator)
+            self._position = 0
+        index = self._order[self._position:self._position + self.batch_size]
+        self._position += self.batch_size
+        return self.x[index], self.y[index]
+
+
+# ------------------------------------------------------------------------------------------------ model
+
+
+def parse_grid(text: str) -> tuple[int, ...]:
+    """'12' -> (12,), '4x4' -> (4, 4)."""
+    try:
+        grid = tuple(int(part) for part in str(text).lower().split("x"))
+    except ValueError:
+        raise ValueError(f"grid size {text!r} is not N or AxB (positive integers)") from None
+    if not grid or any(g < 1 for g in grid):
+        raise ValueError(f"grid size {text!r} is not N or AxB (positive integers)")
+    return grid
+
+
+def grid_uids(prefix: str, grid: Sequence[int]) -> list[str]:
+    from moe.grid import make_uid
+
+    return [make_uid(prefix, coords) for coords in _coords(grid)]
+
+
+def _coords(grid: Sequence[int]) -> list[tuple[int, ...]]:
+    coords: list[tuple[int, ...]] = [()]
+    for size in grid:
+        coords = [c + (i,) for c in coords for i in range(size)]
+    return coords
+
+
+class LocalMixtureOfExperts(nn.Module):
+    """The same computation as `moe.mixture.RemoteMixtureOfExperts` with the experts in this process: a gate
+    over the grid (one linear score per coordinate, an expert's score is the sum over its coordinates), each
+    sample's `k_best` best experts, their outputs mixed with a softmax over the chosen scores."""
+
+    def __init__(self, in_features: int, grid_size: Sequence[int], experts: Sequence[nn.Module], k_best: int):
+        super().__init__()
+        self.grid_size = tuple(grid_size)
+        self.k_best = min(k_best, len(experts))
+        self.gate = nn.Linear(in_features, sum(self.grid_size))
+        self.experts = nn.ModuleList(experts)
+        coords = torch.tensor(_coords(self.grid_size), dtype=torch.long)  # [E, ndim]
+        offsets = torch.tensor([0, *self.grid_size[:-1]]).cumsum(0)
+        self.register_buffer("score_index", coords + offsets, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)  # [B, sum(grid)]
+        scores = logits[:, self.score_index].sum(-1)  # [B, E]
+        top, chosen = scores.topk(self.k_best, dim=1)  # [B, k]
+        weights = torch.softmax(top, dim=1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows, slots = (chosen == e).nonzero(as_tuple=True)
+            if len(rows):
+                out = out.index_add(0, rows, weights[rows, slots].unsqueeze(1) * expert(x[rows]))
+        return out
+
+
+class DigitsModel(nn.Module):
+    """64 pixels -> hidden -> (residual mixture of experts) -> 10 classes."""
+
+    def __init__(self, hidden_dim: int, mixture: nn.Module):
+        super().__init__()
+        self.inp = nn.Linear(64, hidden_dim)
+        self.moe = mixture
+        self.out = nn.Linear(hidden_dim, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        return self.out(h + self.moe(h))
+
+
+def run_seed(run_id: str) -> int:
+    """Every trainer of a run starts from the same weights (derived from the run id), so averaging starts from
+    agreement; `--seed` only changes the order of the batches."""
+    return int.from_bytes(hashlib.sha256(run_id.encode()).digest()[:4], "big")
+
+
+def build_model(args: argparse.Namespace, swarm: Any | None) -> DigitsModel:
+    grid = parse_grid(args.grid_size)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(run_seed(args.run_id))
+        if swarm is None:
+            from moe.experts import make_expert
+
+            experts = [make_expert(uid, "ffn", args.hidden_dim, seed=run_seed(uid)).module
+                       for uid in grid_uids(args.expert_prefix, grid)]
+            mixture: nn.Module = LocalMixtureOfExperts(args.hidden_dim, grid, experts, args.k_best)
+        else:
+            from moe.mixture import RemoteMixtureOfExperts
+
+            mixture = RemoteMixtureOfExperts(
+                args.hidden_dim, grid, args.expert_prefix, k_best=args.k_best, k_min=1,
+                timeout_after_k_min=args.expert_grace, forward_timeout=args.expert_timeout,
+                backward_timeout=args.expert_timeout, swarm=swarm,
+            )
+        return DigitsModel(args.hidden_dim, mixture)
+
+
+# ------------------------------------------------------------------------------------------------ options
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return value
+
+
+def _grid(text: str) -> str:
+    try:
+        parse_grid(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `peer train` options."""
+    parser.add_argument("--initial-peers", nargs="+", metavar="HOST:PORT",
+                        help="any running peers of the swarm (required unless --local-experts)")
+    parser.add_argument("--run-id", default="digits", help="trainers with the same run id train one model together")
+    parser.add_argument("--steps", type=_positive_int, default=400, help="local training steps")
+    parser.add_argument("--batch-size", type=_positive_int, default=32, help="samples per local step")
+    parser.add_argument("--target-batch-size", type=_positive_int, default=128,
+                        help="samples the whole swarm processes per collective epoch (one averaged update)")
+    parser.add_argument("--expert-prefix", default="ffn", help="uid prefix of the experts the daemons serve")
+    parser.add_argument("--grid-size", type=_grid, default="12",
+                        help="expert grid, N or AxB (e.g. 12 for ffn.[0:12] spread over the daemons)")
+    parser.add_argument("--hidden-dim", type=_positive_int, default=64, help="must equal the daemons' --hidden-dim")
+    parser.add_argument("--k-best", type=_positive_int, default=4, help="experts per sample")
+    parser.add_argument("--lr", type=_positive_float, default=3e-3, help="learning rate of the trainer's layers")
+    parser.add_argument("--average", choices=["gradients", "parameters"], default="gradients",
+                        help="what trainers average at the end of each collective epoch")
+    parser.add_argument("--group-size", type=_positive_int, default=4, help="target averaging group size")
+    parser.add_argument("--matchmaking-time", type=_positive_float, default=3.0,
+                        help="seconds to wait for averaging partners")
+    parser.add_argument("--client-mode", action="store_true",
+                        help="accept no connections (then this trainer averages only in groups holding a "
+                             "reachable trainer)")
+    parser.add_argument("--expert-timeout", type=_positive_float, default=5.0, help="seconds per expert call")
+    parser.add_argument("--expert-grace", type=float, default=0.2,
+                        help="seconds to wait for more experts once every sample has one answer")
+    parser.add_argument("--seed", type=int, default=0, help="order of the batches")
+    parser.add_argument("--checkpoint", type=Path, metavar="PATH", help="save the trained model here")
+    parser.add_argument("--log-every", type=_positive_int, default=20, help="steps between progress lines")
+    parser.add_argument("--local-experts", action="store_true",
+                        help="no swarm: the same model with its experts in this process (a baseline)")
+    parser.add_argument("--max-failed-steps", type=_positive_int, default=50,
+                        help="give up after this many consecutive steps without enough experts")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="peer train", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return parser
+
+
+# ------------------------------------------------------------------------------------------------ training
+
+
+class _Meter:
+    """Loss and accuracy over the last few steps (exponential moving averages)."""
+
+    def __init__(self, alpha: float = 0.1):
+        self.alpha = alpha
+        self.loss = math.nan
+        self.accuracy = math.nan
+
+    def update(self, loss: float, accuracy: float) -> None:
+        if math.isnan(self.loss):
+            self.loss, self.accuracy = loss, accuracy
+        else:
+            self.loss += self.alpha * (loss - self.loss)
+            self.accuracy += self.alpha * (accuracy - self.accuracy)
+
+
+def _experts_alive(swarm: Any, model: DigitsModel, uids: list[str]) -> int:
+    """Experts declared in the DHT right now and not banned by this trainer after a failure."""
+    from moe.declare import get_experts
+
+    async def count() -> int:
+        found = await get_experts(swarm.dht, uids)
+        blacklist = model.moe.client.blacklist
+        return sum(1 for uid, location in found.items()
+                   if location is not None and not blacklist.is_banned(uid, location))
+
+    return swarm.run(count)
+
+
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 512) -> tuple[float, float]:
+    """(accuracy, mean cross-entropy) on a held-out set."""
+    model.eval()
+    correct, total_loss = 0, 0.0
+    with torch.no_grad():
+        for start in range(0, len(x), batch_size):
+            logits = model(x[start:start + batch_size])
+            target = y[start:start + batch_size]
+            total_loss += nn.functional.cross_entropy(logits, target, reduction="sum").item()
+            correct += (logits.argmax(1) == target).sum().item()
+    model.train()
+    return correct / len(x), total_loss / len(x)
+
+
+def _emit(line: dict[str, Any]) -> None:
+    print(json.dumps(line), flush=True)
+
+
+def _draw_bar(step: int, steps: int, line: dict[str, Any]) -> None:
+    if not sys.stderr.isatty():
+        return
+    width = 24
+    filled = int(width * step / steps)
+    sys.stderr.write(
+        f"\r[{'#' * filled}{'.' * (width - filled)}] {step}/{steps} loss {line['loss']:.3f} "
+        f"acc {line['accuracy']:.3f} {line['samples_per_s']:.0f} samples/s experts {line['experts_alive']} "
+        f"epoch {line['epoch']}" + ("\n" if step == steps else "")
+    )
+    sys.stderr.flush()
+
+
+def run_training(args: argparse.Namespace) -> dict[str, Any]:
+    """Train as configured by `args` (see `add_arguments`); print progress and the result; return the result."""
+    from moe.errors import NotEnoughExperts
+
+    if not args.local_experts and not args.initial_peers:
+        raise ValueError("--initial-peers is required (HOST:PORT of any `peer join`), or use --local-experts")
+    torch.manual_seed(args.seed)
+    x_train, y_train, x_test, y_test = load_digits_split()
+    batches = BatchStream(x_train, y_train, args.batch_size, seed=args.seed)
+    uids = grid_uids(args.expert_prefix, parse_grid(args.grid_size))
+
+    swarm = None
+    optimizer: Any = None
+    started = time.monotonic()
+    try:
+        if not args.local_experts:
+            from averaging.collaborative import local_host_towards
+            from peer.client import Swarm, normalize_peers
+
+            peers = normalize_peers(args.initial_peers)
+            swarm = Swarm(initial_peers=peers, host=local_host_towards(peers[0]))
+        model = build_model(args, swarm)
+        base = torch.optim.Adam(model.parameters(), lr=args.lr)
+        if swarm is not None:
+            from averaging.collaborative import CollaborativeOptimizer
+
+            optimizer = CollaborativeOptimizer(
+                base, swarm, args.run_id, target_batch_size=args.target_batch_size,
+                batch_size_per_step=args.batch_size, average=args.average, target_group_size=args.group_size,
+                matchmaking_time=args.matchmaking_time, listen=not args.client_mode,
+            )
+        meter = _Meter()
+        failed_steps = consecutive_failures = 0
+        samples = 0
+        train_started = time.monotonic()
+        for step in range(1, args.steps + 1):
+            x, y = batches.next()
+            try:
+                logits = model(x)
+                loss = nn.functional.cross_entropy(logits, y)
+                loss.backward()
+            except NotEnoughExperts as error:
+                failed_steps += 1
+                consecutive_failures += 1
+                model.zero_grad(set_to_none=True)
+                if consecutive_failures >= args.max_failed_steps:
+                    raise RuntimeError(f"{consecutive_failures} steps in a row without enough experts: {error}")
+                continue
+            consecutive_failures = 0
+            if optimizer is not None:
+                optimizer.step(batch_size=len(x))
+            else:
+                base.step()
+                base.zero_grad(set_to_none=True)
+            samples += len(x)
+            meter.update(loss.item(), (logits.argmax(1) == y).float().mean().item())
+            if step % args.log_every == 0 or step == args.steps:
+                elapsed = time.monotonic() - train_started
+                line = {
+                    "event": "progress", "step": step, "steps": args.steps, "loss": round(meter.loss, 4),
+                    "accuracy": round(meter.accuracy, 4), "samples_per_s": round(samples / max(elapsed, 1e-9), 1),
+                    "experts_alive": len(uids) if swarm is None else _experts_alive(swarm, model, uids),
+                    "epoch": optimizer.epoch if optimizer is not None else None,
+                }
+                if optimizer is not None:
+                    stats = optimizer.stats()
+                    line["averaging_rounds"] = stats["averaging_rounds"]
+                    line["swarm_trainers"] = stats.get("swarm_trainers")
+                _emit(line)
+                _draw_bar(step, args.steps, line)
+        train_seconds = time.monotonic() - train_started
+        accuracy, test_loss = evaluate(model, x_test, y_test)
+        result: dict[str, Any] = {
+            "event": "result", "accuracy": round(accuracy, 4), "loss": round(test_loss, 4), "steps": args.steps,
+            "failed_steps": failed_steps, "samples_per_s": round(samples / max(train_seconds, 1e-9), 1),
+            "train_seconds": round(train_seconds, 3), "wall_seconds": round(time.monotonic() - started, 3),
+            "run_id": args.run_id, "local_experts": bool(args.local_experts),
+        }
+        if optimizer is not None:
+            stats = optimizer.stats()
+            result.update({
+                "epoch": stats["epoch"], "averaging_rounds": stats["averaging_rounds"],
+                "averaging_attempts": stats["averaging_attempts"], "group_sizes": stats["group_sizes"],
+                "peers_averaged_with": stats["peers_averaged_with"], "state_loads": stats["state_loads"],
+                "peer_id": stats["peer_id"],
+            })
+            mixture_stats = model.moe.client.stats
+            result["failed_expert_calls"] = int(mixture_stats["forward_failures"] + mixture_stats["backward_failures"])
+        if args.checkpoint is not None:
+            args.checkpoint.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"model": model.state_dict(), "optimizer": base.state_dict(), "args": _plain_args(args),
+                        "accuracy": accuracy, "epoch": result.get("epoch")}, args.checkpoint)
+            result["checkpoint"] = str(args.checkpoint)
+        _emit(result)
+        return result
+    finally:
+        if optimizer is not None:
+            optimizer.close()
+        if swarm is not None:
+            swarm.close()
+
+
+def _plain_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The options as plain values (a checkpoint must load with torch.load(weights_only=True))."""
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+            if isinstance(v, (str, int, float, bool, list, Path, type(None)))}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        run_training(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as error:  # one line, like the other `peer` commands
+        print(f"peer train: error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
