@@ -40,34 +40,24 @@ def _address(text: str) -> tuple[str, int]:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
-    return value
+def _number(kind: type, what: str, accept: Any, rule: str) -> Any:
+    """An argparse type: `kind(text)` that `accept`s, with one-line messages for everything else."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not accept(value):
+            raise argparse.ArgumentTypeError(f"{text!r} {rule}")
+        return value
+
+    return parse
 
 
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= value < 65536:
-        raise argparse.ArgumentTypeError(f"port {value} is outside 0..65535")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
-    return value
+_positive_int = _number(int, "a whole number", lambda v: v > 0, "must be positive")
+_port = _number(int, "a port number", lambda v: 0 <= v < 65536, "is outside 0..65535")
+_positive_float = _number(float, "a number", lambda v: v > 0, "must be positive")
 
 
 # ------------------------------------------------------------------------------------------------------- join
