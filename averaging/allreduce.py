@@ -56,7 +56,7 @@ from averaging.locking import TensorLock, check_lock, hold
 from averaging.partition import DEFAULT_CHUNK_BYTES, Part, Partition, chunk_views, segment_view
 from peer import wire
 from peer.identity import PeerID
-from peer.rpc import CallContext, RemoteError, RPCError, RPCNode
+from peer.rpc import CallContext, ConnectionFailed, RPCError, RPCNode
 
 PUSH = "averaging.allreduce.push"
 FINISH = "averaging.allreduce.finish"
@@ -75,7 +75,8 @@ class ThroughputEstimator:
     """Smoothed bytes/second of our transfers, and the deadlines derived from it.
 
     Every finished transfer of a known size is an observation; the first rounds start from `initial_rate`,
-    later ones use what the network actually delivered (exponential moving average)."""
+    later ones use what the network actually delivered: a slower observation replaces the estimate at once, a
+    faster one moves it gradually, so deadlines stay on the safe side of the slowest recent transfer."""
 
     def __init__(self, initial_rate: float = 5e6, *, smoothing: float = 0.3, min_rate: float = 1e3):
         self.rate = float(initial_rate)
@@ -87,10 +88,10 @@ class ThroughputEstimator:
         if nbytes <= 0 or seconds <= 0:
             return
         rate = max(self.min_rate, nbytes / seconds)
-        if self.observations == 0:
-            self.rate = rate
+        if self.observations == 0 or rate < self.rate:
+            self.rate = rate  # a slowdown is believed at once: deadlines must never be tighter than reality
         else:
-            self.rate += self.smoothing * (rate - self.rate)
+            self.rate += self.smoothing * (rate - self.rate)  # a speed-up only gradually
         self.observations += 1
 
     def timeout(self, nbytes: int, *, floor: float, factor: float) -> float:
@@ -106,7 +107,7 @@ class AllReduceConfig:
     anything was measured; retry_lost_parts: re-average the parts of lost reducers among the survivors."""
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    timeout_floor: float = 1.0
+    timeout_floor: float = 2.0
     timeout_factor: float = 4.0
     straggler_slack: float = 2.0
     join_wait: float = 10.0
@@ -344,7 +345,9 @@ class AllReduceResult:
 
     averaged[i]: part i (in partition order) now holds the group mean in our tensors; False = local values kept.
     part_owners[i]: the member that reduced part i; contributors[i]: whose data is in part i's mean.
-    failed_peers: members this member saw fail (or was told about). finished: the round ended before the deadline.
+    failed_peers: members this member stopped waiting for (crashed, timed out, misbehaved); crashed_peers: those
+    among them with hard evidence (connection refused or lost), shared with the group. finished: the round ended
+    before the deadline.
     """
 
     group_id: bytes
@@ -354,6 +357,7 @@ class AllReduceResult:
     failed_peers: set[PeerID]
     finished: bool
     elapsed: float
+    crashed_peers: set[PeerID] = field(default_factory=set)
     bytes_sent: int = 0
     bytes_received: int = 0
 
@@ -384,7 +388,8 @@ class _Round:
         self.own_part = own
         dtypes = [t.dtype for t in tensors]
         self.reducer = PartReducer(own, group.size, dtypes, now=now) if own is not None else None
-        self.failed: set[int] = set()
+        self.failed: set[int] = set()  # every member we stopped waiting for, whatever the reason
+        self.crashed: set[int] = set()  # those with hard evidence (connection refused or lost): told to others
         self.averaged = [False] * len(partition.parts)
         self.contributors: list[list[int]] = [[] for _ in partition.parts]
         self.pushes_left = sum(1 for p in partition.parts if p.owner != me)
@@ -419,8 +424,15 @@ class _Round:
         if self.server.hook is not None:
             self.server.hook(name, {"peer": self.server.rpc.peer_id, "group_id": self.group.group_id, **info})
 
-    def note_failed(self, member: int) -> None:
-        if member == self.me or member in self.failed:
+    def note_failed(self, member: int, *, crashed: bool = False) -> None:
+        """Stop waiting for `member`. `crashed` marks hard evidence (its connection was refused or lost), which
+        we pass on to the reducers we commit to; a timeout or a bad message is only our own view (our process
+        may be the slow one) and is not spread, so one slow link cannot exclude a member everywhere."""
+        if member == self.me:
+            return
+        if crashed and member not in self.crashed:
+            self.crashed.add(member)
+        if member in self.failed:
             return
         self.failed.add(member)
         if self.reducer is not None:
@@ -566,7 +578,7 @@ class AllReduceServer:
         if isinstance(suspects, list):
             for suspect in suspects:
                 if isinstance(suspect, int) and 0 <= suspect < round_.group.size and suspect != sender:
-                    round_.note_failed(suspect)
+                    round_.note_failed(suspect, crashed=True)
         try:
             reducer.commit(sender, args.get("weight", 0.0))
         except Excluded:
@@ -586,7 +598,7 @@ class AllReduceServer:
         return {
             "averaged": reducer.result is not None,
             "contributors": list(reducer.contributors),
-            "failed": sorted(round_.failed),
+            "failed": sorted(round_.crashed),
         }
 
     async def _on_pull(self, context: CallContext, args: Any) -> list:
@@ -668,7 +680,7 @@ class AllReduceServer:
         peers) and the same tensors (views of the lost parts), so no message is needed to agree on it. A survivor
         with a different view of who failed lands in another follow-up group and keeps its local values there
         once the join wait expires. The lost parts are 1/N of the vector each, so this costs little."""
-        failed = result.failed_peers
+        failed = result.crashed_peers  # hard evidence is shared, so the survivors' views agree
         lost = [i for i, part in enumerate(partition.parts)
                 if not result.averaged[i] and group.members[part.owner].peer_id in failed]
         survivors = [m for m in group.members if m.peer_id not in failed]
@@ -682,6 +694,7 @@ class AllReduceServer:
         retry, _ = await self._run_once(retry_group, views, weight, compression, deadline, lock)
         result.finished = result.finished and retry.finished
         result.failed_peers |= retry.failed_peers
+        result.crashed_peers |= retry.crashed_peers
         if retry.fully_averaged:
             contributors = sorted({p for c in retry.contributors for p in c})
             for i in lost:
@@ -721,6 +734,7 @@ class AllReduceServer:
             part_owners=[members[p.owner].peer_id for p in partition.parts],
             contributors=[[members[i].peer_id for i in c] for c in round_.contributors],
             failed_peers={members[i].peer_id for i in round_.failed},
+            crashed_peers={members[i].peer_id for i in round_.crashed},
             finished=finished,
             elapsed=trio.current_time() - round_.started_at,
             bytes_sent=round_.bytes_sent,
@@ -745,9 +759,9 @@ class AllReduceServer:
     async def _watch(self, round_: _Round, part: Part) -> None:
         try:
             await self._call(round_, part, WATCH, {}, timeout=max(0.0, round_.deadline - trio.current_time()))
-        except RPCError:
+        except RPCError as error:
             if part.owner not in round_.done_with:
-                round_.note_failed(part.owner)
+                round_.note_failed(part.owner, crashed=isinstance(error, ConnectionFailed))
 
     def _feed_own_part(self, round_: _Round) -> None:
         reducer = round_.reducer
@@ -834,8 +848,8 @@ class AllReduceServer:
                 await self._push_part(round_, part)
             except SenderExcluded:
                 round_.excluded_by.add(part.owner)  # it dropped us; it is not at fault, we keep our values
-            except RPCError:
-                round_.note_failed(part.owner)
+            except RPCError as error:
+                round_.note_failed(part.owner, crashed=isinstance(error, ConnectionFailed))
             finally:
                 round_.pushes_left -= 1
                 round_.notify()
@@ -843,13 +857,13 @@ class AllReduceServer:
             if part.owner in round_.failed or part.owner in round_.excluded_by:
                 return
             reply = await self._call(round_, part, FINISH, {
-                "weight": round_.weight, "suspects": sorted(round_.failed)},
+                "weight": round_.weight, "suspects": sorted(round_.crashed)},
                 timeout=max(0.0, round_.deadline - trio.current_time()))
             if not isinstance(reply, dict):
                 raise BadChunk("malformed finish reply")
             for member in reply.get("failed") or []:
                 if isinstance(member, int) and 0 <= member < round_.group.size and member != part.owner:
-                    round_.note_failed(member)
+                    round_.note_failed(member, crashed=True)
             if not reply.get("averaged"):
                 return
             values = await self._pull_part(round_, part)
@@ -863,8 +877,8 @@ class AllReduceServer:
             round_.hook("part_received", part=part.index, reducer=owner.peer_id)
         except SenderExcluded:
             round_.excluded_by.add(part.owner)
-        except RPCError:
-            round_.note_failed(part.owner)
+        except RPCError as error:
+            round_.note_failed(part.owner, crashed=isinstance(error, ConnectionFailed))
         finally:
             round_.done_with.add(part.owner)
 
