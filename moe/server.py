@@ -210,6 +210,13 @@ class ExpertServer:
         (default: the RPC node's announced address)."""
         if self._running:
             raise RuntimeError("this ExpertServer is already running")
+        address = announce or rpc.announced_address
+        if dht is not None:
+            if address is None:
+                raise RuntimeError("the RPC node does not listen: nothing to declare in the DHT")
+            if address[0] in ("", "0.0.0.0", "::"):
+                raise ValueError(f"cannot declare the wildcard address {address[0]!r}: clients could not "
+                                 "connect to it; pass announce=(public host, port)")
         self.load_checkpoints()
         self._running = True
         registered: list[str] = []
@@ -220,10 +227,7 @@ class ExpertServer:
                                       ("moe.backward", self._handle_backward)):
                     rpc.register(name, handler)
                     registered.append(name)
-                if dht is not None:
-                    address = announce or rpc.announced_address
-                    if address is None:
-                        raise RuntimeError("the RPC node does not listen: nothing to declare in the DHT")
+                if dht is not None and address is not None:
                     await self._declare_once(dht, address, rpc.peer_id)  # before `started`: findable at once
                     nursery.start_soon(self._declare_loop, dht, address, rpc.peer_id)
                 if self.checkpoint_dir is not None and math.isfinite(self.checkpoint_interval):

@@ -110,3 +110,19 @@ async def test_malformed_records_are_ignored(autojump_clock):
         assert (await get_experts(nodes[1], ["ffn.1"]))["ffn.1"] is None
         entries = await get_prefix_entries(nodes[1], "ffn.")
         assert list(entries) == [2] and entries[2][1].address == ("h", 7)
+
+
+async def test_wildcard_listen_address_needs_an_announced_one(autojump_clock):
+    import pytest
+
+    network = MemoryNetwork(latency=0.005, seed=6)
+    server = ExpertServer([make_expert("ffn.1", "ffn", 4, seed=0)])
+    async with memory_swarm(network, ["d0"]) as nodes:
+        async with RPCNode(Identity.generate(), network.host("s0")) as rpc:
+            with pytest.raises(ValueError, match="wildcard"):
+                await server.run(rpc, nodes[0], announce=("0.0.0.0", 5000))
+            await rpc.listen("s0", 5000)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(server.run, rpc, nodes[0])
+                assert (await get_experts(nodes[0], ["ffn.1"]))["ffn.1"].address == ("s0", 5000)
+                nursery.cancel_scope.cancel()
