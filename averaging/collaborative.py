@@ -20,8 +20,8 @@ What one `step()` does, from a plain synchronous training loop:
    - parameters mode: the parameters and optimizer state.
    Then the epoch number is incremented and published.
 3. **Catching up.** A trainer whose epoch is more than one behind the swarm's, or that joins a run already past
-   epoch 0, downloads parameters and optimizer state from a peer (`Averager.load_state_from_peers`) instead of
-   averaging. One epoch behind is normal (another trainer noticed the end first and has moved on): it applies
+   epoch 0, downloads parameters and optimizer state from a trainer of the newest epoch (`averaging.state`; the
+   progress records say who is there and where it serves) instead of averaging. One epoch behind is normal (another trainer noticed the end first and has moved on): it applies
    its own accumulated update and moves to the swarm's epoch.
 Trainers that die simply stop publishing progress and drop out of the estimate when their record expires.
 
@@ -48,6 +48,7 @@ import trio
 
 from averaging.averager import Averager
 from averaging.progress import ProgressTracker, SwarmProgress
+from averaging.state import install_state_server, load_state_from_peers
 from peer import wire
 
 logger = logging.getLogger(__name__)
@@ -154,6 +155,7 @@ class CollaborativeOptimizer:
             named = [(f"grad.{i}", g) for i, g in enumerate(self._grads)] + named
         self._names = [name for name, _ in named]
         self._tensors = [tensor for _, tensor in named]
+        self._state = self._tensors[len(self._grads):]  # parameters + optimizer state: what newcomers download
 
         self._stats: dict[str, Any] = {
             "epochs": 0, "averaging_rounds": 0, "averaging_attempts": 0, "averaging_failures": 0,
@@ -186,10 +188,23 @@ class CollaborativeOptimizer:
             rpc = self.swarm.rpc
             if listen_host is not None and rpc.announced_address is None:
                 await rpc.listen(listen_host, 0)
-            async with trio.open_nursery() as nursery:
-                await nursery.start(self.averager.serve)
-                await nursery.start(self.tracker.run)
-                task_status.started(scope)
+            state_server = None
+            if rpc.announced_address is not None:
+                # others catching up download parameters + optimizer state (and our epoch) from us
+                state_server = install_state_server(rpc, self._get_state, lock=self.averager.lock)
+                self.tracker.address = rpc.announced_address
+            try:
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(self.averager.serve)
+                    await nursery.start(self.tracker.run)
+                    task_status.started(scope)
+            finally:
+                if state_server is not None:
+                    state_server.uninstall()
+
+    def _get_state(self) -> tuple[Any, list[torch.Tensor]]:
+        """Called by the state server under the averaging lock: a consistent (epoch, tensors) pair."""
+        return {"epoch": self.epoch, "run_id": self.run_id, "mode": self.mode}, self._state
 
     async def _current(self) -> SwarmProgress:
         return self.tracker.progress()
@@ -204,10 +219,16 @@ class CollaborativeOptimizer:
     async def _average(self, weight: float) -> Any:
         return await self.averager.step(weight=weight, timeout=self.averaging_timeout)
 
-    async def _load_state(self) -> Any:
-        with trio.move_on_after(self.load_state_timeout):
-            return await self.averager.load_state_from_peers()
-        return None
+    async def _load_state(self, progress: SwarmProgress) -> Any:
+        """Download parameters + optimizer state from a trainer of the newest epoch (the most advanced first)."""
+        me = self.averager.peer_id
+        providers = sorted((p for p in progress.peers if p.epoch == progress.epoch and p.address is not None
+                            and p.peer_id != me), key=lambda p: -p.samples)
+        candidates = [(p.peer_id, p.address) for p in providers]
+        if not candidates:
+            return None
+        return await load_state_from_peers(self.swarm.rpc, candidates, into=self._state, lock=self.averager.lock,
+                                           timeout=self.load_state_timeout)
 
     # ------------------------------------------------------------------------------------------ public API
 
@@ -344,17 +365,22 @@ class CollaborativeOptimizer:
         """Too far behind the swarm (or just joined): take a peer's parameters and optimizer state."""
         loaded = None
         try:
-            loaded = self.swarm.run(self._load_state)
-        except Exception as error:
+            loaded = self.swarm.run(self._load_state, progress)
+        except Exception as error:  # nobody could give it: keep training from where we are
             logger.warning("loading state from peers failed: %s", error)
-        if loaded:
+        epoch = progress.epoch
+        if loaded is not None:
             self._stats["state_loads"] += 1
+            metadata = loaded.metadata if isinstance(loaded.metadata, dict) else {}
+            if isinstance(metadata.get("epoch"), int) and not isinstance(metadata.get("epoch"), bool):
+                epoch = max(epoch, metadata["epoch"])
+            logger.info("loaded state of epoch %d from %s", epoch, loaded.peer)
         else:
             self._stats["state_load_failures"] += 1
         if self.mode == "gradients":
             for acc in self._grads:
                 acc.zero_()
-        self._move_to(max(self.epoch, progress.epoch))
+        self._move_to(max(self.epoch, epoch))
 
     def _move_to(self, epoch: int) -> None:
         if epoch > self.epoch:

@@ -56,10 +56,12 @@ class PeerProgress:
     time: float
     client_mode: bool = True
     left: bool = False  # the trainer finished and said goodbye: count it no more
+    address: tuple[str, int] | None = None  # where it serves its state to trainers that catch up (None: nowhere)
 
     def to_wire(self) -> list:
+        address = [self.address[0], int(self.address[1])] if self.address is not None else None
         return [_RECORD_VERSION, int(self.epoch), int(self.samples), float(self.samples_per_second),
-                float(self.time), bool(self.client_mode), bool(self.left)]
+                float(self.time), bool(self.client_mode), bool(self.left), address]
 
     @classmethod
     def from_wire(cls, peer_id: bytes, value: Any) -> "PeerProgress | None":
@@ -74,7 +76,13 @@ class PeerProgress:
         if epoch < 0 or samples < 0 or not math.isfinite(sps) or sps < 0 or not math.isfinite(time):
             return None
         left = len(value) > 6 and value[6] is True
-        return cls(PeerID(bytes(peer_id)), epoch, samples, float(sps), float(time), bool(client_mode), left)
+        address = None
+        raw = value[7] if len(value) > 7 else None
+        if (isinstance(raw, (list, tuple)) and len(raw) == 2 and isinstance(raw[0], str) and isinstance(raw[1], int)
+                and 0 < raw[1] < 65536):
+            address = (raw[0], raw[1])
+        return cls(PeerID(bytes(peer_id)), epoch, samples, float(sps), float(time), bool(client_mode), left,
+                   address)
 
 
 @dataclass(frozen=True)
@@ -201,6 +209,7 @@ class ProgressTracker:
         *,
         epoch: int = 0,
         client_mode: bool = True,
+        address: tuple[str, int] | None = None,
         ttl: float = 20.0,
         publish_interval: float = 1.0,
         min_refresh: float = 0.1,
@@ -217,6 +226,7 @@ class ProgressTracker:
         self.peer_id = PeerID(bytes(dht.peer_id))
         self.target = int(target_batch_size)
         self.client_mode = client_mode
+        self.address = address
         self.ttl = ttl
         self.publish_interval = publish_interval
         self.min_refresh = min_refresh
@@ -236,7 +246,7 @@ class ProgressTracker:
 
     def local(self) -> PeerProgress:
         return PeerProgress(self.peer_id, self.epoch, self.samples, self._rate.value, self.dht.now(),
-                            self.client_mode)
+                            self.client_mode, address=self.address)
 
     def report(self, samples: int) -> None:
         """Count `samples` more samples accumulated in the current epoch."""
@@ -305,7 +315,7 @@ class ProgressTracker:
         one that crashes just expires). Call after cancelling `run()`."""
         record = self.local()
         goodbye = PeerProgress(record.peer_id, record.epoch, record.samples, 0.0, record.time, record.client_mode,
-                               left=True)
+                               left=True, address=None)
         with trio.move_on_after(timeout):
             try:
                 return await self.dht.store(self.key, goodbye.to_wire(), record.time + self.ttl,

@@ -221,6 +221,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-every", type=_positive_int, default=20, help="steps between progress lines")
     parser.add_argument("--local-experts", action="store_true",
                         help="no swarm: the same model with its experts in this process (a baseline)")
+    parser.add_argument("--threads", type=_positive_int, default=1,
+                        help="torch threads (the model is small: more threads mostly spin on a busy machine)")
     parser.add_argument("--max-failed-steps", type=_positive_int, default=50,
                         help="give up after this many consecutive steps without enough experts")
 
@@ -300,6 +302,7 @@ def run_training(args: argparse.Namespace) -> dict[str, Any]:
 
     if not args.local_experts and not args.initial_peers:
         raise ValueError("--initial-peers is required (HOST:PORT of any `peer join`), or use --local-experts")
+    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     x_train, y_train, x_test, y_test = load_digits_split()
     batches = BatchStream(x_train, y_train, args.batch_size, seed=args.seed)

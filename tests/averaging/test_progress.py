@@ -50,10 +50,13 @@ def test_estimate_caps_extrapolation_of_stale_reports_and_handles_no_progress():
 
 
 def test_records_round_trip_and_malformed_values_are_dropped():
-    record = PeerProgress(_pid(7), epoch=2, samples=64, samples_per_second=12.5, time=99.0, client_mode=False)
+    record = PeerProgress(_pid(7), epoch=2, samples=64, samples_per_second=12.5, time=99.0, client_mode=False,
+                          address=("10.0.0.7", 31337))
     assert PeerProgress.from_wire(bytes(_pid(7)), record.to_wire()) == record
     gone = PeerProgress(_pid(7), epoch=2, samples=64, samples_per_second=0.0, time=99.0, left=True)
     assert PeerProgress.from_wire(bytes(_pid(7)), gone.to_wire()) == gone
+    odd_address = PeerProgress.from_wire(bytes(_pid(7)), [1, 2, 64, 1.0, 1.0, False, False, ["h", 70000]])
+    assert odd_address is not None and odd_address.address is None
     for bad in (None, "x", [], [1, 2], [99, 2, 64, 1.0, 1.0, True], [1, -1, 64, 1.0, 1.0, True],
                 [1, 2, 64, float("nan"), 1.0, True], [1, 2.5, 64, 1.0, 1.0, True], [1, 2, 64, -3.0, 1.0, True]):
         assert PeerProgress.from_wire(bytes(_pid(7)), bad) is None
