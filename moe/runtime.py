@@ -196,34 +196,45 @@ class ExpertRuntime:
 
     async def _worker(self, slot: _Slot) -> None:
         while True:
-            mode = self._oldest_mode(slot)
+            mode, wake_at = self._next_batch(slot)
             if mode is None:
                 slot.wakeup = trio.Event()
-                await slot.wakeup.wait()
+                with trio.move_on_at(wake_at):
+                    await slot.wakeup.wait()
                 continue
-            if slot.queued_rows[mode] < self.min_batch_size:
-                # wait for more samples, but never make the oldest request wait longer than batch_timeout
-                with trio.move_on_at(slot.queues[mode][0].created + self.batch_timeout):
-                    while slot.queued_rows[mode] < self.min_batch_size:
-                        slot.wakeup = trio.Event()
-                        await slot.wakeup.wait()
             batch = self._take(slot, mode)
-            if batch:
-                try:
-                    async with slot.lock:
-                        await self._run_batch(slot, mode, batch)
-                finally:  # cancelled mid-batch (shutdown): its callers must not wait forever
-                    for task in batch:
-                        if not task.done.is_set():
-                            task.error = RuntimeNotRunning("the expert runtime stopped")
-                            task.done.set()
-            else:
+            if not batch:
                 await trio.lowlevel.checkpoint()
+                continue
+            try:
+                async with slot.lock:
+                    await self._run_batch(slot, mode, batch)
+            finally:  # cancelled mid-batch (shutdown): its callers must not wait forever
+                for task in batch:
+                    if not task.done.is_set():
+                        task.error = RuntimeNotRunning("the expert runtime stopped")
+                        task.done.set()
 
-    @staticmethod
-    def _oldest_mode(slot: _Slot) -> str | None:
-        heads = [(queue[0].created, mode) for mode, queue in slot.queues.items() if queue]
-        return min(heads)[1] if heads else None
+    def _next_batch(self, slot: _Slot) -> tuple[str | None, float]:
+        """The queue to serve now: among queues that hold `min_batch_size` samples or whose oldest request has
+        waited `batch_timeout`, the one with the oldest request. Otherwise (None, when to look again), so a
+        batch that cannot fill up never delays a full one of the other mode."""
+        now = trio.current_time()
+        ready: list[tuple[float, str]] = []
+        wake_at = math.inf
+        for mode, queue in slot.queues.items():
+            while queue and queue[0].abandoned:  # callers that gave up no longer count as waiting
+                slot.queued_rows[mode] -= queue.popleft().rows
+            if not queue:
+                continue
+            deadline = queue[0].created + self.batch_timeout
+            if slot.queued_rows[mode] >= self.min_batch_size or now >= deadline:
+                ready.append((queue[0].created, mode))
+            else:
+                wake_at = min(wake_at, deadline)
+        if ready:
+            return min(ready)[1], now
+        return None, wake_at
 
     def _take(self, slot: _Slot, mode: str) -> list[_Task]:
         queue = slot.queues[mode]

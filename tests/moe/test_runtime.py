@@ -178,3 +178,24 @@ async def test_inline_runs_after_measuring_a_cheap_expert():
         nursery.cancel_scope.cancel()
     # the first batch has no estimate yet and runs in a thread; the rest are cheap enough to run inline
     assert runtime.stats()["per_expert"]["ffn.3"]["inline_batches"] == 2
+
+
+async def test_a_full_batch_is_not_held_back_by_an_older_one_that_cannot_fill(autojump_clock):
+    expert = make_expert("ffn.4", "ffn", 4, seed=0)
+    runtime = ExpertRuntime({"ffn.4": expert}, min_batch_size=4, batch_timeout=10.0, inline_threshold=math.inf)
+    finished = {}
+
+    async def call(name, coroutine):
+        await coroutine
+        finished[name] = trio.current_time()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runtime.run)
+        start = trio.current_time()
+        async with trio.open_nursery() as callers:
+            callers.start_soon(call, "backward", runtime.backward("ffn.4", [torch.ones(1, 4)], [torch.ones(1, 4)]))
+            await trio.sleep(1.0)
+            callers.start_soon(call, "forward", runtime.forward("ffn.4", [torch.ones(4, 4)]))
+        nursery.cancel_scope.cancel()
+    assert finished["forward"] - start == pytest.approx(1.0)  # full: served at once, although younger
+    assert finished["backward"] - start == pytest.approx(10.0)  # alone: served when its batch_timeout expired
