@@ -1,0 +1,184 @@
+"""CollaborativeOptimizer over real sockets (127.0.0.1): trainers are `peer.client.Swarm`s (each its own bridge
+thread) around one DHT bootstrap node; what a user relies on: the collective epoch ends for everyone, the update
+applied is the sample-weighted mean of everyone's gradients, parameters agree afterwards, and a trainer that
+joins late or falls behind gets the swarm's current state."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+import trio
+from torch import nn
+
+from averaging.collaborative import CollaborativeOptimizer, initialize_optimizer_state, state_tensors
+from dht import DHTNode
+from peer.bridge import Bridge
+from peer.client import Swarm
+
+
+async def _bootstrap_node(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async with DHTNode.open("127.0.0.1", 0) as node:
+        task_status.started(node.address)
+        await trio.sleep_forever()
+
+
+@pytest.fixture
+def bootstrap():
+    with Bridge.start() as bridge:
+        yield bridge.start_and_wait(_bootstrap_node)
+
+
+def _template(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Linear(4, 1)
+
+
+def _data(seed: int, rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 4, generator=generator), torch.randn(rows, 1, generator=generator)
+
+
+def _params(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+# ------------------------------------------------------------------------------------------- no network
+
+
+def test_optimizer_state_is_created_without_moving_the_parameters():
+    model = _template()
+    before = _params(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    initialize_optimizer_state(optimizer)
+    assert all(torch.equal(a, b) for a, b in zip(before, _params(model)))
+    names = [name for name, _ in state_tensors(optimizer)]
+    assert names == ["param.0.0", "state.0.0.exp_avg", "state.0.0.exp_avg_sq", "state.0.0.step",
+                     "param.0.1", "state.0.1.exp_avg", "state.0.1.exp_avg_sq", "state.0.1.step"]
+    assert all(not t.any() for name, t in state_tensors(optimizer) if name.startswith("state."))
+    # the first real step behaves exactly as on a fresh optimizer
+    fresh_model = _template()
+    fresh = torch.optim.Adam(fresh_model.parameters(), lr=0.1)
+    for m, opt in ((model, optimizer), (fresh_model, fresh)):
+        x, y = _data(1)
+        nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+    assert all(torch.allclose(a, b) for a, b in zip(_params(model), _params(fresh_model)))
+
+
+# ------------------------------------------------------------------------------------------- two trainers
+
+
+def _run_pair(bootstrap, mode: str, make_optimizer, target: int = 400, batch: int = 8) -> dict[int, dict]:
+    """Two trainers in threads, each with its own Swarm and data; each runs until its first epoch ends."""
+    template = _template()
+    results: dict[int, dict] = {}
+    errors: list[BaseException] = []
+    ready = threading.Barrier(2, timeout=60)
+
+    def train(index: int) -> None:
+        try:
+            with Swarm([bootstrap]) as swarm:
+                model = copy.deepcopy(template)
+                opt = CollaborativeOptimizer(make_optimizer(model), swarm, f"pair-{mode}", target_batch_size=target,
+                                             batch_size_per_step=batch, average=mode, matchmaking_time=5.0)
+                x, y = _data(10 + index, batch)
+                ready.wait()
+                steps = 0
+                while True:
+                    nn.functional.mse_loss(model(x), y).backward()
+                    steps += 1
+                    if opt.step():
+                        break
+                results[index] = {"samples": steps * batch, "params": _params(model), "stats": opt.stats(),
+                                  "epoch": opt.epoch, "peer_id": str(opt.averager.peer_id)}
+                opt.close()
+        except BaseException as error:  # re-raised in the test thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=train, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    if errors:
+        raise errors[0]
+    assert set(results) == {0, 1}
+    return results
+
+
+def test_the_epoch_update_is_the_sample_weighted_mean_gradient_of_both_trainers(bootstrap):
+    lr = 0.1
+    results = _run_pair(bootstrap, "gradients", lambda model: torch.optim.SGD(model.parameters(), lr=lr))
+    a, b = results[0], results[1]
+    for me, other in ((a, b), (b, a)):
+        assert me["epoch"] == 1
+        assert me["stats"]["averaging_rounds"] == 1
+        assert me["stats"]["group_sizes"] == [2]
+        assert me["stats"]["peers_averaged_with"] == [other["peer_id"]]
+    # reference: one SGD step with the sample-weighted mean of the two trainers' gradients at the start point
+    # (in gradients mode the parameters do not move within an epoch, so every local batch had the same gradient)
+    reference = _template()
+    grads = []
+    for index in (0, 1):
+        model = _template()
+        x, y = _data(10 + index, 8)
+        nn.functional.mse_loss(model(x), y).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    n0, n1 = a["samples"], b["samples"]
+    with torch.no_grad():
+        for p, g0, g1 in zip(reference.parameters(), *grads):
+            p -= lr * (n0 * g0 + n1 * g1) / (n0 + n1)
+    for got in (a["params"], b["params"]):
+        for value, expected in zip(got, reference.parameters()):
+            assert torch.allclose(value, expected, atol=1e-6), (value, expected)
+
+
+def test_parameter_averaging_leaves_both_trainers_with_the_same_model(bootstrap):
+    results = _run_pair(bootstrap, "parameters", lambda model: torch.optim.Adam(model.parameters(), lr=0.05))
+    a, b = results[0], results[1]
+    assert a["stats"]["averaging_rounds"] == b["stats"]["averaging_rounds"] == 1
+    assert a["stats"]["peers_averaged_with"] == [b["peer_id"]]
+    for pa, pb in zip(a["params"], b["params"]):
+        assert torch.allclose(pa, pb, atol=1e-6)
+    assert not all(torch.equal(p, q) for p, q in zip(a["params"], _params(_template())))  # it did train
+
+
+# ------------------------------------------------------------------------------------------- catching up
+
+
+def test_a_late_or_lagging_trainer_downloads_the_swarms_state_and_epoch(bootstrap):
+    with Swarm([bootstrap]) as leader_swarm, Swarm([bootstrap]) as late_swarm, Swarm([bootstrap]) as lagging_swarm:
+        leader_model = _template(0)
+        leader = CollaborativeOptimizer(torch.optim.Adam(leader_model.parameters(), lr=0.05), leader_swarm,
+                                        "catch-up", target_batch_size=16, batch_size_per_step=8)
+        x, y = _data(3)
+        for _ in range(6):  # alone in the run: an epoch every 2 steps, no averaging partner needed
+            nn.functional.mse_loss(leader_model(x), y).backward()
+            leader.step()
+        assert leader.epoch == 3
+        assert leader.stats()["local_transitions"] == 3
+        leader_swarm.run(leader.tracker.publish)  # the leader's epoch is in the DHT before the others look
+
+        late_model = _template(1)  # other weights: joining must replace them
+        late = CollaborativeOptimizer(torch.optim.Adam(late_model.parameters(), lr=0.05), late_swarm,
+                                      "catch-up", target_batch_size=16, batch_size_per_step=8)
+        assert late.epoch == 3
+        assert late.stats()["state_loads"] == 1
+        assert all(torch.equal(p, q) for p, q in zip(_params(late_model), _params(leader_model)))
+        for (name, mine), (_, theirs) in zip(state_tensors(late.optimizer), state_tensors(leader.optimizer)):
+            assert torch.equal(mine, theirs), name  # Adam moments and step count came along
+
+        lagging_model = _template(2)
+        lagging = CollaborativeOptimizer(torch.optim.Adam(lagging_model.parameters(), lr=0.05), lagging_swarm,
+                                         "catch-up", target_batch_size=16, batch_size_per_step=8,
+                                         load_state_on_join=False)
+        assert lagging.epoch == 0
+        nn.functional.mse_loss(lagging_model(x), y).backward()
+        assert lagging.step()  # two epochs behind: catch up instead of applying its own update
+        assert lagging.epoch == 3
+        assert all(torch.equal(p, q) for p, q in zip(_params(lagging_model), _params(leader_model)))
+        for opt in (leader, late, lagging):
+            opt.close()
