@@ -41,6 +41,7 @@ the trio driver that moves it over `peer.rpc`.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import weakref
 from collections import OrderedDict
@@ -57,6 +58,8 @@ from averaging.partition import DEFAULT_CHUNK_BYTES, Part, Partition, chunk_view
 from peer import wire
 from peer.identity import PeerID
 from peer.rpc import CallContext, ConnectionFailed, RPCError, RPCNode
+
+logger = logging.getLogger(__name__)
 
 PUSH = "averaging.allreduce.push"
 FINISH = "averaging.allreduce.finish"
@@ -404,6 +407,8 @@ class _Round:
         self.pulled: dict[int, set[int]] = {}
         self.last_pull: dict[int, float] = {}
         self.gone: set[int] = set()
+        self.watching: set[int] = set()
+        self.watch_scopes: dict[int, trio.CancelScope] = {}
         self.bytes_sent = 0
         self.bytes_received = 0
         self._changed = trio.Event()
@@ -424,7 +429,7 @@ class _Round:
         if self.server.hook is not None:
             self.server.hook(name, {"peer": self.server.rpc.peer_id, "group_id": self.group.group_id, **info})
 
-    def note_failed(self, member: int, *, crashed: bool = False) -> None:
+    def note_failed(self, member: int, *, crashed: bool = False, reason: str = "") -> None:
         """Stop waiting for `member`. `crashed` marks hard evidence (its connection was refused or lost), which
         we pass on to the reducers we commit to; a timeout or a bad message is only our own view (our process
         may be the slow one) and is not spread, so one slow link cannot exclude a member everywhere."""
@@ -437,7 +442,9 @@ class _Round:
         self.failed.add(member)
         if self.reducer is not None:
             self.reducer.fail(member)
-        self.hook("member_failed", member=self.group.members[member].peer_id)
+        self.hook("member_failed", member=self.group.members[member].peer_id, crashed=crashed, reason=reason)
+        logger.info("all-reduce %s: member %s failed (%s)", self.group.group_id.hex()[:12],
+                    self.group.members[member].peer_id.short(), reason)
         self.notify()
 
     def maybe_commit(self) -> None:
@@ -559,7 +566,7 @@ class AllReduceServer:
         except Excluded:
             raise SenderExcluded("you are counted as failed in this round") from None
         except ChunkRejected as error:
-            round_.note_failed(sender)
+            round_.note_failed(sender, reason=f"bad chunk: {error}")
             raise BadChunk(str(error)) from None
         chunk = args.get("chunk")
         if chunk != NOTHING:
@@ -578,13 +585,13 @@ class AllReduceServer:
         if isinstance(suspects, list):
             for suspect in suspects:
                 if isinstance(suspect, int) and 0 <= suspect < round_.group.size and suspect != sender:
-                    round_.note_failed(suspect, crashed=True)
+                    round_.note_failed(suspect, crashed=True, reason="reported by a member")
         try:
             reducer.commit(sender, args.get("weight", 0.0))
         except Excluded:
             raise SenderExcluded("you are counted as failed in this round") from None
         except ChunkRejected as error:
-            round_.note_failed(sender)
+            round_.note_failed(sender, reason=f"bad commit: {error}")
             raise BadChunk(str(error)) from None
         round_.notify()
         try:
@@ -628,15 +635,18 @@ class AllReduceServer:
         once (and the member's failing call tells it that we vanished), so crashes cost no timeout."""
         round_, member = await self._lookup(context, args)
         self._part_arg(round_, args)
+        round_.watching.add(member)
         try:
             await round_.closed.wait()
         except trio.Cancelled:
             reducer = round_.reducer
             if reducer is not None and member not in reducer.committed:
-                round_.note_failed(member)
+                round_.note_failed(member, reason="left before committing")
+            raise
+        finally:
+            round_.watching.discard(member)
             round_.gone.add(member)
             round_.notify()
-            raise
 
     # ------------------------------------------------------------------------------------------ member side
 
@@ -757,11 +767,18 @@ class AllReduceServer:
             watches.cancel_scope.cancel()
 
     async def _watch(self, round_: _Round, part: Part) -> None:
+        """Keep a call open to the reducer until we are done with it (crash detection both ways; ending it tells
+        the reducer we have everything we need from it)."""
+        scope = round_.watch_scopes.setdefault(part.owner, trio.CancelScope())
+        with scope:
+            await self._watch_call(round_, part)
+
+    async def _watch_call(self, round_: _Round, part: Part) -> None:
         try:
             await self._call(round_, part, WATCH, {}, timeout=max(0.0, round_.deadline - trio.current_time()))
         except RPCError as error:
             if part.owner not in round_.done_with:
-                round_.note_failed(part.owner, crashed=isinstance(error, ConnectionFailed))
+                round_.note_failed(part.owner, crashed=isinstance(error, ConnectionFailed), reason=f"watch: {error}")
 
     def _feed_own_part(self, round_: _Round) -> None:
         reducer = round_.reducer
@@ -814,19 +831,21 @@ class AllReduceServer:
             overdue = [member for member, due in deadlines.items() if due <= now]
             if overdue:
                 for member in overdue:
-                    round_.note_failed(member)
+                    round_.note_failed(member, reason="missed its deadline")
                 continue
             await round_.wait_changed(min(deadlines.values(), default=math.inf))
 
     async def _serve_pulls(self, round_: _Round) -> None:
-        """Stay in the round until every committed member fetched our mean (or left, or missed its deadline)."""
+        """Stay in the round until every committed member has its copy of our mean, or left, or missed its
+        deadline. A member is done when it pulled every chunk AND ended its watch call: a pull handler returns
+        before its reply has crossed the network, so leaving at that point could cut the last reply off."""
         reducer = round_.reducer
         assert reducer is not None
         released_at = trio.current_time()
         while True:
             waiting = [m for m in reducer.committed
                        if m != round_.me and m not in round_.failed and m not in round_.gone
-                       and len(round_.pulled.get(m, ())) < reducer.n_chunks]
+                       and (m in round_.watching or len(round_.pulled.get(m, ())) < reducer.n_chunks)]
             if not waiting:
                 return
             timeout = round_.chunk_timeout(reducer.max_chunk_bytes)
@@ -849,7 +868,7 @@ class AllReduceServer:
             except SenderExcluded:
                 round_.excluded_by.add(part.owner)  # it dropped us; it is not at fault, we keep our values
             except RPCError as error:
-                round_.note_failed(part.owner, crashed=isinstance(error, ConnectionFailed))
+                round_.note_failed(part.owner, crashed=isinstance(error, ConnectionFailed), reason=f"push: {error}")
             finally:
                 round_.pushes_left -= 1
                 round_.notify()
@@ -863,7 +882,7 @@ class AllReduceServer:
                 raise BadChunk("malformed finish reply")
             for member in reply.get("failed") or []:
                 if isinstance(member, int) and 0 <= member < round_.group.size and member != part.owner:
-                    round_.note_failed(member, crashed=True)
+                    round_.note_failed(member, crashed=True, reason="reported by a reducer")
             if not reply.get("averaged"):
                 return
             values = await self._pull_part(round_, part)
@@ -878,9 +897,11 @@ class AllReduceServer:
         except SenderExcluded:
             round_.excluded_by.add(part.owner)
         except RPCError as error:
-            round_.note_failed(part.owner, crashed=isinstance(error, ConnectionFailed))
+            round_.note_failed(part.owner, crashed=isinstance(error, ConnectionFailed),
+                               reason=f"{error}")
         finally:
             round_.done_with.add(part.owner)
+            round_.watch_scopes.setdefault(part.owner, trio.CancelScope()).cancel()
 
     async def _push_part(self, round_: _Round, part: Part) -> None:
         if not part.chunks:
