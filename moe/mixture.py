@@ -209,7 +209,7 @@ class MixtureClient:
         self.compression = compression
         self.stats: dict[str, float] = {
             "forward_calls": 0, "forward_failures": 0, "backward_calls": 0, "backward_failures": 0,
-            "replacement_searches": 0, "hedged_samples": 0, "search_seconds": 0.0, "forward_seconds": 0.0, "backward_seconds": 0.0,
+            "replacement_searches": 0, "hedged_samples": 0, "backward_skipped": 0, "search_seconds": 0.0, "forward_seconds": 0.0, "backward_seconds": 0.0,
         }
 
     # ------------------------------------------------------------------------------------------- forward
@@ -361,25 +361,26 @@ class MixtureClient:
             samples = torch.tensor(call.samples, dtype=torch.long)
             slots = torch.tensor(call.slots, dtype=torch.long)
             grads = grad_outputs[samples, slots].contiguous()
-            if not bool(grads.any()):
-                # nothing to learn (e.g. a hedged expert whose output was not used): no call, no optimizer step
-                for sample in call.samples:
-                    answered[sample] += 1
-                finished.add(id(call))
-                in_flight[0] -= 1
-                return
             args = {"uid": call.uid, "inputs": [inputs.index_select(0, samples)], "grad_outputs": [grads]}
             try:
+                if not bool(grads.any()):
+                    # nothing to learn (e.g. a hedged expert whose output was not used): no call, no step
+                    for sample in call.samples:
+                        answered[sample] += 1
+                    self.stats["backward_skipped"] += 1
+                    finished.add(id(call))
+                    return
                 reply = await self._call(call.choice.location, "moe.backward", args, deadline)
                 grad = self._check_grad_inputs(call, reply, inputs, len(call.samples))
                 grad_inputs.index_add_(0, samples, grad)
                 for sample in call.samples:
                     answered[sample] += 1
                 self.stats["backward_calls"] += 1
+                finished.add(id(call))
             except (RPCError, wire.WireError, BadExpertOutput, ValueError) as error:
                 self._failed(call, error, failures, "backward")
-            finally:
                 finished.add(id(call))
+            finally:  # also when cut by the grace period: then it is not `finished` and counts as too slow
                 in_flight[0] -= 1
                 changed[0].set()
                 changed[0] = trio.Event()

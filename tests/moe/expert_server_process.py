@@ -41,6 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--declare-ttl", type=float, default=30.0)
     parser.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
     parser.add_argument("--max-batch-size", type=int, default=4096)
+    parser.add_argument("--inline-threshold", type=float, default=1e-4,
+                        help="batches predicted to compute faster than this (seconds) run on the event loop")
     return parser.parse_args(argv)
 
 
@@ -55,7 +57,7 @@ async def serve(args: argparse.Namespace) -> None:
     async with RPCNode(identity, network) as rpc:
         address = await rpc.listen("127.0.0.1", 0)
         server = ExpertServer(experts, max_batch_size=args.max_batch_size, declare_ttl=args.declare_ttl,
-                              inline_threshold=1e-4)
+                              inline_threshold=args.inline_threshold)
         use_dht = args.new_dht or args.dht_peer is not None
         initial = []
         if args.dht_peer:

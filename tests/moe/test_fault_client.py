@@ -250,3 +250,25 @@ async def test_bans_expire(autojump_clock, three_servers):
         await trio.sleep(BAN)
         result = await s.client.forward(torch.randn(1, HIDDEN), scores(ALL_ON_S1), **request)
         assert answered(result, 0) == ["ffn.1.0", "ffn.1.1", "ffn.1.2", "ffn.1.3"]
+
+
+async def test_backward_stops_waiting_for_a_hung_peer_after_the_grace_period(autojump_clock, three_servers):
+    async with three_servers() as s:
+        x = torch.randn(1, HIDDEN)
+        result = await s.client.forward(x, scores(MIXED), k_best=4, k_min=1, forward_timeout=30.0,
+                                        timeout_after_k_min=2.0)
+        s.network.freeze("s1")
+        grad_outputs = torch.randn_like(result.outputs)
+        start = trio.current_time()
+        grad = await s.client.backward(result, grad_outputs, backward_k_min=1, backward_timeout=30.0,
+                                       timeout_after_k_min=2.0)
+        assert trio.current_time() - start == pytest.approx(2.0)
+        assert s.client.stats["backward_calls"] == 2 and s.client.stats["backward_failures"] == 2
+        expected = torch.zeros_like(x)
+        for call in result.calls:
+            if call.uid.startswith("ffn.0."):
+                inputs = x[call.samples].clone().requires_grad_()
+                s.local[call.uid](inputs).backward(grad_outputs[call.samples, call.slots])
+                expected += inputs.grad
+        torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6)
+        assert s.blacklist.is_banned("ffn.1.0", s.table["ffn.1.0"])

@@ -1,0 +1,302 @@
+"""MoE benchmark: remote experts vs local, throughput, small-call latency, and training through a SIGKILL.
+
+Expert servers run in separate processes (tests/moe/expert_server_process.py: RPC + DHT + ExpertServer), the
+client (`peer.client.Swarm`, `RemoteExpert`, `RemoteMixtureOfExperts`) in this one.
+(a) ratio: 4 ffn experts, hidden 1024, batch 256, 4 client threads doing forward+backward through RemoteExpert,
+    vs the same 4 experts in this process (4 threads: forward, backward, optimizer step).
+(b) throughput: hivemind's benchmark_throughput configuration: 4 ffn experts, hidden 256, batch 64, 4 clients,
+    backprop; samples/s.
+(c) latency: 1 expert, 1 client, hidden 256, batch 1, forward only: calls/s; plus where the time goes (bridge
+    hop, RPC round trip, server compute).
+(d) fault tolerance: 2 server processes x 4 ffn experts (hidden 256); RemoteMixtureOfExperts over grid (8,),
+    k_best 4, k_min 1, batch 64, 100 steps of Adam on an MSE task; server 2 is SIGKILLed after step 30.
+The last line of output is one JSON object with the figures.
+
+Usage: python benchmarks/bench_moe.py [--seconds 4] [--steps 100] [--skip ratio,throughput,latency,ft]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import select
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from moe.experts import OptimizerConfig, make_expert  # noqa: E402
+from moe.mixture import RemoteMixtureOfExperts  # noqa: E402
+from moe.remote_expert import RemoteExpert  # noqa: E402
+from peer.client import Swarm  # noqa: E402
+
+LAUNCHER = os.path.join(ROOT, "tests", "moe", "expert_server_process.py")
+SERVER_FLAGS = ["--torch-threads", "1"]
+
+
+# ------------------------------------------------------------------------------------------------ processes
+
+
+class ServerProcess:
+    def __init__(self, uids: list[str], hidden: int, *extra: str):
+        self.uids = uids
+        self.process = subprocess.Popen(
+            [sys.executable, LAUNCHER, "--uids", *uids, "--hidden", str(hidden), *extra],
+            stdout=subprocess.PIPE, text=True,
+        )
+        self.address: tuple[str, int] | None = None
+        self.peer_id: str | None = None
+
+    def wait_ready(self, timeout: float = 180.0) -> "ServerProcess":
+        ready, _, _ = select.select([self.process.stdout], [], [], timeout)
+        line = self.process.stdout.readline() if ready else ""
+        if not line:
+            self.kill()
+            raise RuntimeError("expert server process did not start")
+        info = json.loads(line)
+        self.address, self.peer_id = tuple(info["address"]), info["peer_id"]
+        return self
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        self.process.stdout.close()
+
+
+def run_threads(worker, count: int, seconds: float, warmup: float) -> tuple[int, float]:
+    """Run `worker(i, stop, counter)` in `count` threads; returns (samples counted in the window, seconds)."""
+    stop = threading.Event()
+    counters = [[0] for _ in range(count)]
+    threads = [threading.Thread(target=worker, args=(i, stop, counters[i]), daemon=True) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    time.sleep(warmup)
+    start_counts = sum(c[0] for c in counters)
+    started = time.perf_counter()
+    time.sleep(seconds)
+    done = sum(c[0] for c in counters) - start_counts
+    elapsed = time.perf_counter() - started
+    stop.set()
+    for thread in threads:
+        thread.join()
+    return done, elapsed
+
+
+# ------------------------------------------------------------------------------------------------ (a), (b)
+
+
+def remote_throughput(hidden: int, batch: int, clients: int, seconds: float, warmup: float) -> dict:
+    uids = [f"ffn.{i}" for i in range(4)]
+    server = ServerProcess(uids, hidden, "--new-dht", "--optimizer", "adam").wait_ready()
+    try:
+        with Swarm([server.address]) as swarm:
+            experts = [RemoteExpert(uid, server.address, swarm, peer_id=server.peer_id) for uid in uids]
+
+            def worker(i: int, stop: threading.Event, counter: list) -> None:
+                expert = experts[i % len(experts)]
+                x = torch.randn(batch, hidden)
+                grad = torch.randn(batch, hidden)
+                while not stop.is_set():
+                    out = expert(x.requires_grad_())
+                    out.backward(grad)
+                    x.grad = None
+                    counter[0] += batch
+
+            samples, elapsed = run_threads(worker, clients, seconds, warmup)
+    finally:
+        server.kill()
+    return {"samples_per_s": samples / elapsed}
+
+
+def local_throughput(hidden: int, batch: int, clients: int, seconds: float, warmup: float) -> dict:
+    experts = [make_expert(f"ffn.{i}", "ffn", hidden, seed=i, optimizer=OptimizerConfig("adam")) for i in range(4)]
+
+    def worker(i: int, stop: threading.Event, counter: list) -> None:
+        expert = experts[i % len(experts)]
+        x = torch.randn(batch, hidden)
+        grad = torch.randn(batch, hidden)
+        while not stop.is_set():
+            out = expert.module(x.requires_grad_())
+            out.backward(grad)
+            expert.optimizer.step()
+            expert.optimizer.zero_grad(set_to_none=True)
+            x.grad = None
+            counter[0] += batch
+
+    samples, elapsed = run_threads(worker, clients, seconds, warmup)
+    return {"samples_per_s": samples / elapsed}
+
+
+# ------------------------------------------------------------------------------------------------ (c)
+
+
+def latency(seconds: float) -> dict:
+    server = ServerProcess(["ffn.0"], 256, "--new-dht").wait_ready()
+    try:
+        with Swarm([server.address]) as swarm:
+            expert = RemoteExpert("ffn.0", server.address, swarm, peer_id=server.peer_id)
+            x = torch.randn(1, 256)
+
+            async def nothing() -> None:
+                return None
+
+            def rate(fn) -> float:
+                for _ in range(50):
+                    fn()
+                count, started = 0, time.perf_counter()
+                while time.perf_counter() - started < seconds:
+                    fn()
+                    count += 1
+                return count / (time.perf_counter() - started)
+
+            async def in_trio(method: str, args: dict, n: int) -> float:
+                import trio
+
+                started = trio.current_time()
+                for _ in range(n):
+                    await swarm.rpc.call(server.address, method, args, timeout=10.0)
+                return (trio.current_time() - started) / n
+
+            bridge_hops = rate(lambda: swarm.bridge.run(nothing))
+            info_s = swarm.bridge.run(in_trio, "moe.info", {"uid": "ffn.0"}, 2000)
+            forward_s = swarm.bridge.run(in_trio, "moe.forward", {"uid": "ffn.0", "inputs": [x]}, 2000)
+            with torch.no_grad():
+                calls = rate(lambda: expert(x))
+            calls_grad = rate(lambda: expert(x))
+    finally:
+        server.kill()
+    return {
+        "calls_per_s": calls,
+        "calls_per_s_autograd": calls_grad,
+        "bridge_hop_us": 1e6 / bridge_hops,
+        "rpc_info_us": 1e6 * info_s,
+        "rpc_forward_us": 1e6 * forward_s,
+        "remote_forward_us": 1e6 / calls,
+    }
+
+
+# ------------------------------------------------------------------------------------------------ (d)
+
+
+def fault_tolerance(steps: int, kill_after: int) -> dict:
+    hidden = 256
+    first = ServerProcess([f"ffn.{i}" for i in range(4)], hidden, "--new-dht", "--seed", "0", "--lr", "1e-3",
+                          *SERVER_FLAGS)
+    first.wait_ready()
+    second = ServerProcess([f"ffn.{i}" for i in range(4, 8)], hidden, "--dht-peer", "%s:%d" % first.address,
+                           "--seed", "10", "--lr", "1e-3", *SERVER_FLAGS).wait_ready()
+    step_times, losses, bad = [], [], []
+    try:
+        with Swarm([first.address]) as swarm:
+            torch.manual_seed(0)
+            teacher = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, hidden))
+            moe = RemoteMixtureOfExperts(hidden, (8,), "ffn", k_best=4, k_min=1, timeout_after_k_min=1.0,
+                                         forward_timeout=10.0, backward_timeout=10.0, swarm=swarm)
+            opt = torch.optim.Adam(moe.parameters(), lr=1e-3)
+            for step in range(1, steps + 1):
+                x = torch.randn(64, hidden)
+                with torch.no_grad():
+                    y = teacher(x)
+                started = time.perf_counter()
+                try:
+                    loss = ((moe(x) - y) ** 2).mean()
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                    value = loss.item()
+                    if not math.isfinite(value):
+                        bad.append((step, "non-finite loss"))
+                    losses.append(value)
+                except Exception as error:  # a bad step is what this benchmark counts
+                    bad.append((step, f"{type(error).__name__}: {error}"))
+                step_times.append(time.perf_counter() - started)
+                if step == kill_after:
+                    second.kill()  # SIGKILL
+            stats = dict(moe.client.stats)
+    finally:
+        first.kill()
+        second.kill()
+    around = step_times[kill_after : kill_after + 3]
+    return {
+        "median_step_s": statistics.median(step_times),
+        "max_step_s_at_kill": max(around) if around else float("nan"),
+        "bad_steps": len(bad),
+        "bad": bad[:5],
+        "first_loss": losses[0] if losses else None,
+        "loss_before_kill": statistics.mean(losses[kill_after - 5 : kill_after]) if len(losses) >= kill_after else None,
+        "last_loss": statistics.mean(losses[-5:]) if losses else None,
+        "steps_after_kill_s": [round(t, 4) for t in around],
+        "client_stats": {k: (round(v, 3) if isinstance(v, float) else v) for k, v in stats.items()},
+    }
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument("--warmup", type=float, default=1.5)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--kill-after", type=int, default=30)
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: ratio,throughput,latency,ft")
+    args = parser.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    result: dict = {}
+
+    if "ratio" not in skip:
+        remote = remote_throughput(1024, 256, 4, args.seconds, args.warmup)
+        local = local_throughput(1024, 256, 4, args.seconds, args.warmup)
+        ratio = remote["samples_per_s"] / local["samples_per_s"]
+        print(f"(a) hidden 1024, batch 256, 4 experts, 4 clients, fwd+bwd: remote {remote['samples_per_s']:.0f} "
+              f"samples/s, local {local['samples_per_s']:.0f} samples/s, ratio {ratio:.2f} (target >= 0.6)")
+        result.update(remote_local_ratio_h1024=round(ratio, 3),
+                      remote_samples_per_s_h1024=round(remote["samples_per_s"], 1),
+                      local_samples_per_s_h1024=round(local["samples_per_s"], 1))
+
+    if "throughput" not in skip:
+        remote = remote_throughput(256, 64, 4, args.seconds, args.warmup)
+        local = local_throughput(256, 64, 4, args.seconds, args.warmup)
+        print(f"(b) hidden 256, batch 64, 4 experts, 4 clients, fwd+bwd: {remote['samples_per_s']:.0f} samples/s "
+              f"(target >= 6,600 = 2x hivemind); same experts locally {local['samples_per_s']:.0f} samples/s")
+        result.update(samples_per_s_h256_b64=round(remote["samples_per_s"], 1),
+                      local_samples_per_s_h256_b64=round(local["samples_per_s"], 1))
+
+    if "latency" not in skip:
+        lat = latency(args.seconds)
+        print(f"(c) hidden 256, batch 1, forward only: {lat['calls_per_s']:.0f} calls/s (target >= 1,000); "
+              f"with autograd {lat['calls_per_s_autograd']:.0f} calls/s")
+        print(f"    where the time goes: bridge hop {lat['bridge_hop_us']:.0f} us, RPC round trip (moe.info) "
+              f"{lat['rpc_info_us']:.0f} us, moe.forward from the trio thread {lat['rpc_forward_us']:.0f} us, "
+              f"RemoteExpert forward from a torch thread {lat['remote_forward_us']:.0f} us")
+        result.update(calls_per_s_batch1=round(lat["calls_per_s"], 1),
+                      **{k: round(v, 1) for k, v in lat.items() if k.endswith("_us")})
+
+    if "ft" not in skip:
+        ft = fault_tolerance(args.steps, args.kill_after)
+        print(f"(d) MoE training, 2 servers x 4 experts, SIGKILL after step {args.kill_after}: median step "
+              f"{ft['median_step_s']:.3f} s (target <= 0.1), worst step around the kill {ft['max_step_s_at_kill']:.3f} s "
+              f"(target <= 1), bad steps {ft['bad_steps']} (target 0)")
+        print(f"    loss: first {ft['first_loss']:.4f}, before kill {ft['loss_before_kill']:.4f}, last "
+              f"{ft['last_loss']:.4f}; steps after kill {ft['steps_after_kill_s']}; client {ft['client_stats']}")
+        if ft["bad"]:
+            print(f"    bad steps: {ft['bad']}")
+        result.update(ft_median_step_s=round(ft["median_step_s"], 4),
+                      ft_max_step_s_at_kill=round(ft["max_step_s_at_kill"], 4), ft_bad_steps=ft["bad_steps"])
+
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
