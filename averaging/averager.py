@@ -203,6 +203,7 @@ class Averager:
                                     matchmaking_seconds, trio.current_time() - allreduce_started)
                 return self._remember(result)
             failed = list(dict.fromkeys([*match.failed_peers, *sorted(outcome.failed_peers)]))
+            self.matchmaker.forget(failed)
             finished = outcome.fully_averaged
             self.counters["succeeded" if finished else "partial"] += 1
             reason = "" if finished else ("deadline" if not outcome.finished else "some parts kept local values")

@@ -123,18 +123,24 @@ def _balanced(items: list, count: int) -> list[list]:
 
 
 def plan_groups(declarations: Iterable[Declaration], target_group_size: int, *,
-                salt: bytes | None = None) -> list[list[Declaration]]:
+                salt: bytes | None = None, full_only: bool = False) -> list[list[Declaration]]:
     """The deterministic grouping every peer computes from the same visible set.
 
     Peers are ordered by peer id (or by sha256(salt + peer id) when `salt` is given) and cut into
     ceil(n / target) balanced chunks, so 8 peers with target 4 give 4 + 4 and 9 give 3 + 3 + 3 rather than
     4 + 4 + 1. Client-mode peers are spread separately from reachable peers and there are never more chunks than
     reachable peers, so every chunk has a collector. Without client-mode peers this is exactly "sort, then cut".
+
+    `full_only` (used while more peers are expected): cut into full chunks of exactly `target` and leave the rest
+    as one partial chunk that waits for the stragglers, instead of spreading everyone over smaller groups.
     """
     unique = {d.peer_id: d for d in declarations}
     ordered = sorted(unique.values(), key=lambda d: _order_key(d, salt))
     servers = [d for d in ordered if d.can_collect]
     clients = [d for d in ordered if not d.can_collect]
+    if full_only and not clients and servers:
+        size = max(1, target_group_size)
+        return [servers[i:i + size] for i in range(0, len(servers), size)]
     count = min(len(servers), math.ceil(len(ordered) / max(1, target_group_size)))
     if count == 0:
         return []
@@ -267,7 +273,8 @@ class Assembly:
         return min(d.deadline for d in self.joined.values())
 
     def should_seal(self, now: float, quiet: bool) -> bool:
-        """Full; or everyone still alive in my chunk joined and the view is quiet; or the seal deadline."""
+        """Full; or everyone still alive in my chunk joined and the view is quiet (the driver passes quiet=False
+        while it still expects stragglers); or the seal deadline."""
         if self.full:
             return True
         if quiet and not self.waiting_for and len(self.joined) >= self.min_size:
@@ -319,10 +326,14 @@ class _EWMA:
 class _Round:
     """Everything one `find_group` call knows; handlers read it to answer joins and probes."""
 
-    def __init__(self, key: str, me: Declaration, offset: float):
+    def __init__(self, key: str, me: Declaration, offset: float, expected: int):
         self.key = key
         self.me = me
         self.offset = offset  # DHT clock minus trio clock
+        self.started = trio.current_time()
+        self.expected = expected  # peers (me included) seen under this key in recent rounds
+        self.seen: set[PeerID] = set()  # every peer seen under the key this round
+        self.last_change = self.started  # when the set of visible peers (or of excluded ones) last changed
         self.view: dict[PeerID, Declaration] = {}
         self.excluded: set[PeerID] = set()
         self.failed: list[PeerID] = []
@@ -377,8 +388,12 @@ class Matchmaker:
         self.min_quiet = min_quiet
         self.nursery = nursery
         self.dht_latency = _EWMA(0.01)
+        self.store_latency = _EWMA(0.01)
         self.rtt = _EWMA(0.02)
         self.spread = 0.0  # how far apart in time the last group's members declared
+        self.arrival_spread = _EWMA(0.0, alpha=0.5)  # how far apart everyone under a key declared, per round
+        self._recent: dict[str, list[set[PeerID]]] = {}  # key -> peers seen there in the last few rounds
+        self._forgotten: set[PeerID] = set()
         self._round: _Round | None = None
         self.stats = {"attempts": 0, "groups": 0, "no_group": 0, "collected": 0, "joins_served": 0,
                       "redirects": 0, "rejects": 0, "dead_peers": 0}
@@ -399,11 +414,42 @@ class Matchmaker:
 
     @property
     def quiet_period(self) -> float:
-        """How long a view must stay unchanged before acting on it: a few DHT reads, or more when the last
-        round's members declared far apart in time (peers leaving their previous round at different times).
-        Both are measured, so the wait tracks the swarm instead of a fixed guess."""
+        """How long a view must stay unchanged before acting on it: a few measured DHT reads and about one
+        measured store, so a declaration stored at the same time as mine has landed. (Waiting for peers that are late is `straggler_wait`'s job.)"""
         upper = max(self.min_quiet, self.matchmaking_time / 4)
-        return min(upper, max(self.min_quiet, 3 * self.dht_latency.value, 1.5 * self.spread))
+        return min(upper, max(self.min_quiet, 3 * self.dht_latency.value, 1.5 * self.store_latency.value))
+
+    @property
+    def straggler_wait(self) -> float:
+        """How long to hold out for peers seen in recent rounds but not here yet: a few times the measured spread
+        of arrivals (peers leave their previous round at different times), bounded by half the window."""
+        return min(self.matchmaking_time / 2, max(4 * self.quiet_period, 2.5 * self.arrival_spread.value))
+
+    def forget(self, peer_ids: Iterable[bytes]) -> None:
+        """Peers known dead (e.g. lost during the all-reduce): stop expecting them in the next rounds."""
+        self._forgotten.update(PeerID(bytes(p)) for p in peer_ids)
+        for history in self._recent.values():
+            for seen in history:
+                seen.difference_update(self._forgotten)
+
+    def _expected_population(self, key: str) -> int:
+        history = self._recent.get(key, [])
+        return len(set().union(*history) - self._forgotten | {self.peer_id}) if history else 0
+
+    def _remember_population(self, state: _Round) -> None:
+        seen = (state.seen | set(state.view)) - set(state.failed) - {self.peer_id}
+        history = self._recent.setdefault(state.key, [])
+        history.append(seen)
+        del history[:-3]  # a peer not seen for 3 rounds under this key is no longer expected
+        if len(self._recent) > 64:
+            self._recent.pop(next(iter(self._recent)))
+        times = [d.declared_at for d in state.view.values()] + [state.me.declared_at]
+        self.arrival_spread.update(max(times) - min(times))
+
+    def _patient(self, state: _Round) -> bool:
+        """True while peers seen in recent rounds are missing and the straggler wait has not run out."""
+        visible = 1 + sum(1 for p in state.view if p not in state.excluded)
+        return visible < state.expected and trio.current_time() - state.started < self.straggler_wait
 
     @property
     def probe_timeout(self) -> float:
@@ -417,7 +463,7 @@ class Matchmaker:
 
     def _plan(self, state: _Round) -> list[list[Declaration]]:
         visible = [d for p, d in state.view.items() if p not in state.excluded] + [state.me]
-        return plan_groups(visible, self.target, salt=round_salt(state.key, visible))
+        return plan_groups(visible, self.target, salt=round_salt(state.key, visible), full_only=self._patient(state))
 
     def _my_collector(self, state: _Round) -> Declaration | None:
         return collector_of(chunk_of(self._plan(state), self.peer_id))
@@ -430,7 +476,8 @@ class Matchmaker:
         except Exception as error:  # a DHT hiccup is one stale view, not a failed round
             logger.debug("matchmaking: reading %s failed: %s", state.key, error)
             return False
-        self.dht_latency.update(trio.current_time() - t0)
+        # one read stalled by a dead replica must not inflate every later quiet period
+        self.dht_latency.update(min(trio.current_time() - t0, 2 * self.dht_latency.value + 0.01))
         now = self.dht.now()
         view: dict[PeerID, Declaration] = {}
         for subkey, entry in (getattr(record, "subkeys", None) or {}).items():
@@ -443,6 +490,7 @@ class Matchmaker:
                 continue  # left over from an earlier round of that peer
             view[declaration.peer_id] = declaration
         view.pop(self.peer_id, None)
+        state.seen.update(view)
         if state.assembly is not None:  # peers that joined me count even if their declaration isn't visible
             for peer_id, declaration in state.assembly.joined.items():
                 view.setdefault(peer_id, declaration)
@@ -462,7 +510,7 @@ class Matchmaker:
         now = self.dht.now()
         me = Declaration(self.peer_id, self.address, self.bandwidth, self.client_mode, self.schema, round,
                          now + window, now)
-        state = self._round = _Round(key, me, now - started)
+        state = self._round = _Round(key, me, now - started, self._expected_population(key))
         self.stats["attempts"] += 1
         expiration = now + window + 1.0
         try:
@@ -471,6 +519,8 @@ class Matchmaker:
                     # Declaring runs beside gathering: live replicas have the declaration after one round trip,
                     # while the store call itself may wait out a dead replica's timeout.
                     nursery.start_soon(self._declare, key, me, expiration)
+                    await self._refresh_view(state)
+                    nursery.start_soon(self._poll, state)
                     result = await self._assemble(state, started + window)
                     nursery.cancel_scope.cancel()
                 result.seconds = trio.current_time() - started
@@ -479,15 +529,18 @@ class Matchmaker:
                                seconds=trio.current_time() - started)
         finally:
             self._round = None
+            self._remember_population(state)
             if state.assembly is not None:
                 state.assembly.closed = True
             state.sealed.set()
             await self._withdraw(key, expiration)
 
     async def _declare(self, key: str, me: Declaration, expiration: float) -> None:
+        t0 = trio.current_time()
         try:
             if not await self.dht.store(key, me.to_wire(), expiration, subkey=bytes(self.peer_id)):
                 logger.debug("matchmaking: no replica acknowledged my declaration under %s", key)
+            self.store_latency.update(min(trio.current_time() - t0, 2 * self.store_latency.value + 0.01))
         except Exception as error:  # joins still work: peers that see me find me; others I join myself
             logger.debug("matchmaking: declaring under %s failed: %s", key, error)
 
@@ -523,19 +576,37 @@ class Matchmaker:
         self.stats["groups"] += 1
         return MatchResult(group, round=group_round, failed_peers=list(state.failed), collector=collector)
 
-    async def _assemble(self, state: _Round, deadline: float) -> MatchResult:
-        last_change = trio.current_time()
-        redirects = 0
+    async def _poll(self, state: _Round) -> None:
+        """Keep the view fresh in the background: a slow read (a dead replica answering nothing) delays only the
+        view, never a join or a seal."""
         while True:
-            if state.assembly is None and await self._refresh_view(state):
-                last_change = trio.current_time()
+            await trio.sleep(max(self.min_quiet, self.quiet_period / 2))
+            if await self._refresh_view(state):
+                state.last_change = trio.current_time()
+                state.poke()
+
+    async def _assemble(self, state: _Round, deadline: float) -> MatchResult:
+        redirects = 0
+        redirected: Declaration | None = None  # where the last redirect pointed: join it next, skip planning
+        while True:
             now = trio.current_time()
             collector = self._my_collector(state)
+            if redirected is not None and state.assembly is None:
+                collector, redirected = redirected, None
+                decision = await self._join(state, collector, deadline)
+                if decision is not None and decision.kind == "group" and decision.group is not None \
+                        and self.peer_id in decision.group:
+                    return self._result(state, decision, collector.peer_id)
+                if decision is not None and decision.kind == "reject":
+                    state.excluded.update(p for p in decision.busy if p != self.peer_id)
+                    state.excluded.add(collector.peer_id)
+                state.last_change = trio.current_time()
+                continue
             if state.assembly is not None or (collector is not None and collector.peer_id == self.peer_id):
-                result = await self._collect(state, last_change)
+                result = await self._collect(state)
                 if result is not None:
                     return result
-                last_change = trio.current_time()
+                state.last_change = trio.current_time()
                 continue  # stepped down: a lower peer appeared in my chunk
             if now >= deadline:
                 self.stats["no_group"] += 1
@@ -543,16 +614,22 @@ class Matchmaker:
             if collector is None:  # alone, or only client-mode peers around: wait for a reachable one
                 await state.wait_changed(min(deadline, now + self.quiet_period))
                 continue
-            quiet_for = now - last_change
+            quiet_for = now - state.last_change
             full = len(chunk_of(self._plan(state), self.peer_id)) >= self.target
-            settled = (full and quiet_for >= self.quiet_period) or quiet_for >= 3 * self.quiet_period \
-                or state.join_arrived
+            patient = self._patient(state)
+            settled = (full and quiet_for >= self.quiet_period) or state.join_arrived \
+                or (not patient and quiet_for >= 3 * self.quiet_period)
             if not settled:
                 await state.wait_changed(min(deadline, now + self.quiet_period / 2))
                 continue
+            logger.debug("matchmaking %s: joining %s (view %d, chunk %d, quiet %.3f/%.3f)", self.peer_id.short(),
+                         collector.peer_id.short(), len(state.view), len(chunk_of(self._plan(state), self.peer_id)),
+                         quiet_for, self.quiet_period)
             decision = await self._join(state, collector, deadline)
+            logger.debug("matchmaking %s: answer %s %s", self.peer_id.short(),
+                         decision.kind if decision else None, decision.reason if decision else "")
             if decision is None:
-                last_change = trio.current_time()
+                state.last_change = trio.current_time()
                 continue  # collector unreachable: excluded, plan again
             if decision.kind == "group" and decision.group is not None and self.peer_id in decision.group:
                 return self._result(state, decision, collector.peer_id)
@@ -560,14 +637,13 @@ class Matchmaker:
                     and decision.redirect.peer_id < collector.peer_id:
                 redirects += 1
                 self.stats["redirects"] += 1
-                state.view[decision.redirect.peer_id] = decision.redirect
-                state.excluded.discard(decision.redirect.peer_id)
+                redirected = decision.redirect
                 state.excluded.add(collector.peer_id)  # it follows someone else this round
                 continue
             self.stats["rejects"] += 1
             state.excluded.add(collector.peer_id)
             state.excluded.update(p for p in decision.busy if p != self.peer_id)
-            last_change = trio.current_time()
+            state.last_change = trio.current_time()
 
     async def _join(self, state: _Round, collector: Declaration, deadline: float) -> Decision | None:
         """One long-poll join; None when the collector is unreachable (it is then excluded and reported)."""
@@ -595,7 +671,7 @@ class Matchmaker:
         state.excluded.add(collector.peer_id)
         return None
 
-    async def _collect(self, state: _Round, last_change: float) -> MatchResult | None:
+    async def _collect(self, state: _Round) -> MatchResult | None:
         """Collector role: accept joins until `Assembly.should_seal`. Returns None if I step down (nobody joined
         yet and a lower peer appeared in my chunk)."""
         if state.assembly is None:
@@ -607,8 +683,9 @@ class Matchmaker:
             while True:
                 assembly.set_expected(chunk_of(self._plan(state), self.peer_id))
                 now = trio.current_time()
-                quiet_for = now - last_change
-                if assembly.should_seal(now + state.offset, quiet_for >= self.quiet_period):
+                quiet_for = now - state.last_change
+                patient = self._patient(state)
+                if assembly.should_seal(now + state.offset, quiet_for >= self.quiet_period and not patient):
                     break
                 if quiet_for >= self.quiet_period:
                     for peer_id in assembly.waiting_for:
@@ -623,19 +700,19 @@ class Matchmaker:
                             assembly.drop(peer_id)  # a client-mode peer cannot be probed: don't wait forever
                 wake = min(assembly.seal_deadline - state.offset, now + self.quiet_period / 2)
                 await state.wait_changed(wake)
-                if await self._refresh_view(state):
-                    last_change = trio.current_time()
                 if len(assembly.joined) == 1 and not assembly.closed:
                     collector = self._my_collector(state)
                     if collector is not None and collector.peer_id != self.peer_id:
                         state.assembly = None  # step down; joins arriving from now on get redirected
                         nursery.cancel_scope.cancel()
                         return None
-                    if self._nobody_left(state) and trio.current_time() - last_change >= 3 * self.quiet_period:
+                    if self._nobody_left(state) and trio.current_time() - state.last_change >= 3 * self.quiet_period:
                         break  # everyone I can see is dead or taken: waiting out the window helps nobody
             nursery.cancel_scope.cancel()
         group = assembly.seal(os.urandom(16))
         state.sealed.set()
+        logger.debug("matchmaking %s: sealed %d member(s) (waiting for %d, dropped %d, view %d)", self.peer_id.short(),
+                     len(assembly.joined), len(assembly.waiting_for), len(assembly.dropped), len(state.view))
         if group is None:
             self.stats["no_group"] += 1
             return MatchResult(None, reason=f"only {len(assembly.joined)} peer(s) joined", failed_peers=state.failed,
@@ -677,7 +754,9 @@ class Matchmaker:
         matching = state is not None and key == state.key
         following = state.following.peer_id if matching and state.following is not None else None
         return {"matching": matching, "following": bytes(following) if following is not None else None,
-                "collecting": matching and state.assembly is not None and not state.assembly.closed}
+                # a collector nobody joined yet steps down as soon as it sees a lower peer: not a rival yet
+                "collecting": matching and state.assembly is not None and not state.assembly.closed
+                and len(state.assembly.joined) > 1}
 
     async def _handle_join(self, ctx: CallContext, args: Any) -> dict:
         state = self._round
