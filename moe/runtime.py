@@ -173,6 +173,23 @@ class ExpertRuntime:
         rows = int(tensors[0].shape[0])
         if rows > self.max_batch_size:
             raise ValueError(f"{rows} samples exceed max_batch_size {self.max_batch_size}")
+        if (
+            rows >= self.min_batch_size
+            and not slot.lock.locked()
+            and not slot.queues[FORWARD]
+            and not slot.queues[BACKWARD]
+            and self._runs_inline(slot, mode, rows)
+        ):
+            # Fast path: the expert is idle and the batch is tiny, so compute right here; the queue and worker
+            # hand-offs would cost more than the computation (this is what makes batch-1 calls cheap).
+            slot.requests[mode] += 1
+            slot.lock.acquire_nowait()
+            try:
+                outputs = await self._execute(slot, mode, tensors, rows)
+            finally:
+                slot.lock.release()
+            await trio.lowlevel.checkpoint()
+            return outputs
         task = _Task(tensors, rows, trio.current_time())
         slot.queues[mode].append(task)
         slot.queued_rows[mode] += rows
@@ -249,50 +266,53 @@ class ExpertRuntime:
             rows += task.rows
         return batch
 
-    async def _run_batch(self, slot: _Slot, mode: str, batch: list[_Task]) -> None:
+    def _runs_inline(self, slot: _Slot, mode: str, rows: int) -> bool:
+        estimate = slot.seconds_per_row[mode]
+        return self.inline_threshold == math.inf or (estimate is not None and estimate * rows <= self.inline_threshold)
+
+    async def _execute(self, slot: _Slot, mode: str, tensors: Sequence[torch.Tensor], rows: int) -> list[torch.Tensor]:
+        """Run one batch inline or in a worker thread; raises ExpertComputeError if the module fails."""
         expert = slot.expert
+
+        def timed() -> tuple[list[torch.Tensor], float]:
+            started = time.perf_counter()
+            if mode == FORWARD:
+                outputs = expert.forward(tensors)
+            else:
+                split = len(expert.inputs)
+                outputs = expert.backward(tensors[:split], tensors[split:])
+            return outputs, time.perf_counter() - started
+
+        try:
+            if self._runs_inline(slot, mode, rows):
+                slot.inline_batches += 1
+                outputs, elapsed = timed()
+            else:
+                outputs, elapsed = await trio.to_thread.run_sync(timed, limiter=self._limiter(expert.device))
+        except Exception as error:  # the module itself failed
+            slot.failures += 1
+            raise ExpertComputeError(expert.uid, mode, error) from error
+        estimate = slot.seconds_per_row[mode]
+        per_row = elapsed / rows
+        slot.seconds_per_row[mode] = per_row if estimate is None else 0.8 * estimate + 0.2 * per_row
+        slot.batches[mode] += 1
+        slot.samples[mode] += rows
+        return outputs
+
+    async def _run_batch(self, slot: _Slot, mode: str, batch: list[_Task]) -> None:
         rows = sum(task.rows for task in batch)
-        width = len(batch[0].tensors)
         if len(batch) == 1:
             tensors = list(batch[0].tensors)
         else:
-            tensors = [torch.cat([task.tensors[i] for task in batch]) for i in range(width)]
-        if mode == FORWARD:
-            compute = lambda: expert.forward(tensors)  # noqa: E731
-        else:
-            split = len(expert.inputs)
-            compute = lambda: expert.backward(tensors[:split], tensors[split:])  # noqa: E731
-        elapsed = [0.0]
-
-        def timed() -> list[torch.Tensor]:
-            started = time.perf_counter()
-            try:
-                return compute()
-            finally:
-                elapsed[0] = time.perf_counter() - started
-
-        estimate = slot.seconds_per_row[mode]
+            tensors = [torch.cat([task.tensors[i] for task in batch]) for i in range(len(batch[0].tensors))]
         try:
-            inline = self.inline_threshold == math.inf or (
-                estimate is not None and estimate * rows <= self.inline_threshold
-            )
-            if inline:
-                slot.inline_batches += 1
-                outputs = timed()
-                await trio.lowlevel.checkpoint()
-            else:
-                outputs = await trio.to_thread.run_sync(timed, limiter=self._limiter(expert.device))
-        except Exception as error:  # the module itself failed: tell every caller of this batch
-            slot.failures += 1
-            failure = ExpertComputeError(expert.uid, mode, error)
+            outputs = await self._execute(slot, mode, tensors, rows)
+        except ExpertComputeError as failure:  # tell every caller of this batch
             for task in batch:
                 task.error = failure
                 task.done.set()
             return
-        per_row = elapsed[0] / rows
-        slot.seconds_per_row[mode] = per_row if estimate is None else 0.8 * estimate + 0.2 * per_row
-        slot.batches[mode] += 1
-        slot.samples[mode] += rows
+        await trio.lowlevel.checkpoint()
         if len(batch) == 1:
             batch[0].result = outputs
             batch[0].done.set()
