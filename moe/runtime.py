@@ -9,10 +9,11 @@ Why a worker per expert: an expert's batches must run one at a time (backward ch
 reads), while different experts may run in parallel, bounded by a `trio.CapacityLimiter` per device.
 
 Threads or inline: a batch normally runs in a worker thread (`trio.to_thread.run_sync`) so the event loop keeps
-serving the network. A thread handoff costs tens of microseconds, more than a tiny batch takes to compute
-(hidden 256, batch 1: ~50 us; a thread handoff measured ~100 us here), so the runtime measures each expert's cost per sample and runs batches predicted
-to take under `inline_threshold` seconds inline on the event loop. `inline_threshold=math.inf` runs everything
-inline (simulated tests under MockClock); `0` always uses threads.
+serving the network while torch computes. A thread hand-off costs ~100 us here, more than a tiny batch takes
+(hidden 256, batch 1: ~50 us), so the runtime keeps an estimate of each expert's cost per sample and runs batches
+predicted to take under `inline_threshold` seconds on the event loop; when the expert is idle such a request
+skips the queue too (computed by the caller's own task). `inline_threshold=math.inf` runs everything inline
+(simulated tests under MockClock); `0` always uses threads.
 """
 
 from __future__ import annotations
