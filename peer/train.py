@@ -25,7 +25,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -296,8 +296,10 @@ def _draw_bar(step: int, steps: int, line: dict[str, Any]) -> None:
     sys.stderr.flush()
 
 
-def run_training(args: argparse.Namespace) -> dict[str, Any]:
-    """Train as configured by `args` (see `add_arguments`); print progress and the result; return the result."""
+def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]], None] | None = None
+                 ) -> dict[str, Any]:
+    """Train as configured by `args` (see `add_arguments`); print progress and the result; return the result.
+    `on_progress` (optional) receives every progress line as a dict, in the training thread."""
     from moe.errors import NotEnoughExperts
 
     if not args.local_experts and not args.initial_peers:
@@ -367,6 +369,8 @@ def run_training(args: argparse.Namespace) -> dict[str, Any]:
                     line["swarm_trainers"] = stats.get("swarm_trainers")
                 _emit(line)
                 _draw_bar(step, args.steps, line)
+                if on_progress is not None:
+                    on_progress(line)
         train_seconds = time.monotonic() - train_started
         accuracy, test_loss = evaluate(model, x_test, y_test)
         result: dict[str, Any] = {

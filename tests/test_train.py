@@ -1,0 +1,134 @@
+"""`peer train`: the digits trainer. Local-experts runs (fast, no network) check the training, the output contract
+and the checkpoint; the swarm scenario (3 daemons + 2 trainers in this process, one daemon killed mid-training)
+checks what the end-to-end CLI test checks with processes."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+import trio
+
+from peer import train
+from peer.bridge import Bridge
+from peer.daemon import Daemon, DaemonConfig
+
+
+def _args(*extra: str):
+    return train.build_parser().parse_args(list(extra))
+
+
+def test_local_training_reaches_90_percent_and_saves_a_loadable_checkpoint(tmp_path, capsys):
+    checkpoint = tmp_path / "digits.pt"
+    result = train.run_training(_args("--local-experts", "--steps", "150", "--log-every", "50",
+                                      "--checkpoint", str(checkpoint)))
+    lines = capsys.readouterr().out.strip().splitlines()
+    progress = [json.loads(line) for line in lines[:-1]]
+    assert [p["step"] for p in progress] == [50, 100, 150]
+    assert all(p["event"] == "progress" and p["experts_alive"] == 12 for p in progress)
+    final = json.loads(lines[-1])  # the last line is the parseable result
+    assert final == result
+    assert final["accuracy"] >= 0.9
+    assert final["steps"] == 150 and final["failed_steps"] == 0
+    saved = torch.load(checkpoint, weights_only=True)
+    model = train.build_model(_args("--local-experts"), None)
+    model.load_state_dict(saved["model"])
+    x_train, y_train, x_test, y_test = train.load_digits_split()
+    accuracy, _ = train.evaluate(model, x_test, y_test)
+    assert accuracy == pytest.approx(final["accuracy"], abs=1e-4)
+    assert saved["accuracy"] == pytest.approx(accuracy)
+
+
+def test_the_held_out_split_is_fixed_and_disjoint_from_training():
+    first, second = train.load_digits_split(), train.load_digits_split()
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    x_train, _, x_test, _ = first
+    assert len(x_train) + len(x_test) == 1797 and len(x_test) == 359
+    train_rows = {tuple(row.tolist()) for row in x_train}
+    # the digits set has a handful of duplicate images; nearly all held-out images are unseen
+    assert sum(tuple(row.tolist()) in train_rows for row in x_test) <= 5
+
+
+def test_local_mixture_mixes_each_samples_best_experts_by_softmax_of_their_scores():
+    torch.manual_seed(0)
+    experts = [torch.nn.Linear(3, 3) for _ in range(4)]
+    layer = train.LocalMixtureOfExperts(3, (4,), experts, k_best=2)
+    x = torch.randn(5, 3)
+    out = layer(x)
+    scores = layer.gate(x)
+    for row in range(5):
+        top, chosen = scores[row].topk(2)
+        weights = torch.softmax(top, 0)
+        expected = sum(w * experts[int(e)](x[row]) for w, e in zip(weights, chosen))
+        assert torch.allclose(out[row], expected, atol=1e-6)
+
+
+def test_options_are_checked_and_errors_are_one_line(capsys):
+    with pytest.raises(SystemExit):
+        _args("--grid-size", "4xq")
+    assert "4xq" in capsys.readouterr().err
+    assert train.parse_grid("4x3") == (4, 3) and train.parse_grid("12") == (12,)
+    assert train.main(["--steps", "5"]) == 1  # neither --initial-peers nor --local-experts
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--initial-peers" in err[0]
+
+
+# ------------------------------------------------------------------------------------------- on a swarm
+
+
+async def _daemon(config: DaemonConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as nursery:
+            info = await nursery.start(Daemon(config).run)
+            task_status.started((info, scope))
+
+
+@pytest.mark.slow
+def test_two_trainers_on_three_daemons_survive_a_dead_daemon_and_average_together():
+    with Bridge.start() as bridge:
+        daemons = []
+        bootstrap = None
+        for index in range(3):
+            config = DaemonConfig(experts=f"ffn.[{4 * index}:{4 * index + 4}]", hidden_dim=64, seed=index,
+                                  initial_peers=[bootstrap] if bootstrap else [])
+            info, scope = bridge.start_and_wait(_daemon, config)
+            bootstrap = bootstrap or info.address
+            daemons.append((info, scope))
+        victim = daemons[-1][1]
+        killed = threading.Event()
+
+        def kill_at_step_40(line: dict) -> None:
+            if line["step"] >= 40 and not killed.is_set():
+                killed.set()
+
+                async def cancel() -> None:
+                    victim.cancel()
+
+                bridge.run(cancel)
+
+        results: dict[int, dict] = {}
+        errors: list[BaseException] = []
+
+        def trainer(index: int) -> None:
+            try:
+                args = _args("--initial-peers", f"{bootstrap[0]}:{bootstrap[1]}", "--steps", "120",
+                             "--log-every", "20", "--seed", str(index), "--run-id", "e2e")
+                results[index] = train.run_training(args, kill_at_step_40 if index == 0 else None)
+            except BaseException as error:
+                errors.append(error)
+
+        threads = [threading.Thread(target=trainer, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=300)
+        if errors:
+            raise errors[0]
+    assert killed.is_set()
+    for me, other in ((results[0], results[1]), (results[1], results[0])):
+        assert me["accuracy"] >= 0.9, me
+        assert me["failed_steps"] == 0
+        assert me["averaging_rounds"] >= 1
+        assert other["peer_id"] in me["peers_averaged_with"]
