@@ -3,12 +3,14 @@
 How a peer composes it (the daemon does this):
 
     async with RPCNode(identity, network) as rpc:
-        await rpc.listen(host, port)
-        experts = [make_expert(uid, "ffn", 1024, seed=i) for i, uid in enumerate(uids)]
-        server = ExpertServer(experts, checkpoint_dir=path)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(server.run, rpc, dht)     # dht may be None (no declarations)
-            ...                                           # cancelling the nursery stops the server
+        await rpc.listen(host, port)                      # TCP first; the DHT then binds UDP on the same port
+        async with DHTNode.open(host, port, initial_peers, identity=identity, network=network) as dht:
+            server = await ExpertServer.from_pattern("ffn.[0:16].[0:16]", 4, kind="ffn", hidden_dim=1024,
+                                                     dht=dht, checkpoint_dir=path, seed=0)
+            # or: ExpertServer([make_expert(uid, "ffn", 1024), ...], checkpoint_dir=path)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(server.run, rpc, dht)  # dht may be None (no declarations)
+                ...                                        # cancelling the nursery stops the server
 
 `run` loads checkpoints, starts the runtime, registers `moe.info` / `moe.forward` / `moe.backward`, declares the
 experts every `declare_interval` seconds with expiration `dht.now() + declare_ttl`, saves checkpoints every
@@ -238,7 +240,7 @@ class ExpertServer:
                 rpc.unregister(name)
             self._running = False
             if self.checkpoint_dir is not None:
-                self.save_checkpoints()  # the runtime has stopped: no batch runs, weights are final
+                self.save_checkpoints(only_changed=True)  # the runtime has stopped: weights are final
 
     async def declare(self, dht: ExpertDHT, address: Address, peer_id: Any) -> None:
         """Declare every expert once, expiring `declare_ttl` seconds from now in the DHT's clock."""
@@ -305,7 +307,9 @@ class ExpertServer:
         between its batches, then written in a worker thread."""
         assert self.checkpoint_dir is not None
         saved = 0
-        for uid in self.experts:
+        for uid, expert in self.experts.items():
+            if self._saved_steps.get(uid) == expert.steps:
+                continue  # nothing trained since: skip even the copy
             state = await self.runtime.exclusive(uid, lambda expert: expert.state_dict())
             if self._saved_steps.get(uid) == state["steps"]:
                 continue
