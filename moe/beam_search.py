@@ -21,7 +21,7 @@ batched DHT read per cache period, not one per step.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import trio
@@ -87,12 +87,15 @@ def parse_location(value: Any) -> ExpertLocation | None:
     return ExpertLocation(host, port, peer_id_hex)
 
 
-@dataclass(order=True, slots=True)
-class _Node:
-    neg_priority: float  # heapq is a min-heap: the best candidate has the most negative value
-    coords: tuple[int, ...]
-    score: float = field(compare=False)  # exact partial score of the coordinates fixed so far
-    location: ExpertLocation | None = field(compare=False, default=None)  # set for complete experts only
+# Heap entries are plain tuples (compared in C): (-priority, coords, kind, score, extra).
+# - _PREFIX: coords of a prefix, score = its exact partial score, priority = score + what the remaining dimensions
+#   can add at most. Its children may still be unknown (then the search must ask the oracle).
+# - _CURSOR: the child at position `extra[1]` of a parent's children sorted best first (`extra[0]`); priority =
+#   that child's score (+ the remaining dimensions' maximum). Popping it pushes the next sibling, so expanding a
+#   prefix costs one sort and two pushes per popped child, never one push per child.
+# - _EXPERT: a complete uid with its location in `extra`; priority = exact score.
+# `coords` are unique within a sample's heap, so comparisons never reach the later fields.
+_PREFIX, _CURSOR, _EXPERT = 0, 1, 2
 
 
 class GridSearch:
@@ -125,9 +128,10 @@ class GridSearch:
             raise ValueError("need one k per sample")
         self._banned = banned
         self._exclude = exclude
-        self._children: dict[str, dict[int, Any]] = {}
+        # prefix key -> valid children: {coord: location} at the last level, {coord: None} above it
+        self._children: dict[str, dict[int, ExpertLocation | None]] = {}
         self._results: list[list[ExpertChoice]] = [[] for _ in range(self.batch_size)]
-        self._heaps: list[list[_Node]] = []
+        self._heaps: list[list[tuple]] = []
         # suffix_max[b][d]: the most that dimensions d.. can still add to sample b's score
         self._suffix_max: list[list[float]] = []
         for b in range(self.batch_size):
@@ -138,14 +142,15 @@ class GridSearch:
                     raise ValueError(f"scores[{d}][{b}] has {len(row)} entries, grid size is {self.grid_size[d]}")
                 suffix[d] = suffix[d + 1] + max(row)
             self._suffix_max.append(suffix)
-            self._heaps.append([_Node(-suffix[0], (), 0.0)] if self._k[b] > 0 else [])
+            self._heaps.append([(-suffix[0], (), _PREFIX, 0.0, None)] if self._k[b] > 0 else [])
+        self._pending = [b for b in range(self.batch_size) if self._heaps[b]]
         self._advance_all()
 
     # ------------------------------------------------------------------------------------------------ driving
 
     @property
     def done(self) -> bool:
-        return not self._pending_samples()
+        return not self._pending
 
     def wanted(self) -> list[str]:
         """DHT prefix keys whose children the search needs next (deduplicated, stable order). Empty when done.
@@ -153,19 +158,48 @@ class GridSearch:
         For each unfinished sample this looks at as many of its best candidates as it still needs, so a
         sample whose best prefixes are all unexplored asks for them in one round instead of one per round."""
         keys: dict[str, None] = {}
-        for b in self._pending_samples():
+        ndim = len(self.grid_size)
+        for b in self._pending:
+            # look at the sample's `missing` best candidates: pop them from a copy of its heap, letting cursors
+            # bring in their next siblings as `_advance` would
             missing = self._k[b] - len(self._results[b])
-            for node in heapq.nsmallest(missing, self._heaps[b]):
-                if node.location is None:
-                    key = self._key(node.coords)
+            heap = list(self._heaps[b])
+            while heap and missing > 0:
+                _, coords, kind, _, extra = heapq.heappop(heap)
+                missing -= 1
+                if kind == _CURSOR:
+                    parent_coords, parent_score, ordered, index = extra
+                    if index + 1 < len(ordered):
+                        sibling = ordered[index + 1]
+                        sibling_score = parent_score + self._scores[len(parent_coords)][b][sibling]
+                        heapq.heappush(heap, (-(sibling_score + self._suffix_max[b][len(coords)]),
+                                              parent_coords + (sibling,), _CURSOR, sibling_score,
+                                              (parent_coords, parent_score, ordered, index + 1)))
+                if kind != _EXPERT and len(coords) < ndim:
+                    key = self._key(coords)
                     if key not in self._children:
                         keys[key] = None
         return list(keys)
 
     def provide(self, children: Mapping[str, Children | None]) -> None:
         """Tell the search which coordinates exist below the given prefixes (None or {} = nothing there)."""
+        prefix_dots = self.uid_prefix.count(".")
+        ndim = len(self.grid_size)
         for key, found in children.items():
-            self._children[key] = dict(found) if found else {}
+            depth = key.count(".") - prefix_dots  # coordinates fixed by this prefix
+            valid: dict[int, ExpertLocation | None] = {}
+            if found and 0 <= depth < ndim:
+                for coord, value in found.items():
+                    if not isinstance(coord, int) or isinstance(coord, bool) or not 0 <= coord < self.grid_size[depth]:
+                        continue  # another grid's expert, or garbage from the DHT
+                    if depth + 1 == ndim:
+                        location = parse_location(value)
+                        if location is None:
+                            continue
+                        valid[coord] = location
+                    else:
+                        valid[coord] = None
+            self._children[key] = valid
         self._advance_all()
 
     def results(self) -> list[list[ExpertChoice]]:
@@ -182,45 +216,53 @@ class GridSearch:
     def _uid(self, coords: tuple[int, ...]) -> str:
         return self.uid_prefix + ".".join(str(c) for c in coords)
 
-    def _pending_samples(self) -> list[int]:
-        return [b for b in range(self.batch_size) if len(self._results[b]) < self._k[b] and self._heaps[b]]
-
     def _advance_all(self) -> None:
-        for b in range(self.batch_size):
-            self._advance(b)
+        self._pending = [b for b in self._pending if self._advance(b)]
 
-    def _advance(self, b: int) -> None:
-        """Emit complete experts and expand known prefixes until the best candidate is an unexplored prefix."""
-        heap, results, ndim = self._heaps[b], self._results[b], len(self.grid_size)
-        while heap and len(results) < self._k[b]:
-            top = heap[0]
-            if top.location is not None:
-                heapq.heappop(heap)
-                uid = self._uid(top.coords)
-                if self._banned is not None and self._banned(uid, top.location):
+    def _advance(self, b: int) -> bool:
+        """Emit complete experts and expand known prefixes until the best candidate is an unexplored prefix.
+        Returns whether sample b still needs the oracle."""
+        heap, results, k = self._heaps[b], self._results[b], self._k[b]
+        ndim, suffix, children_of = len(self.grid_size), self._suffix_max[b], self._children
+        push, pop = heapq.heappush, heapq.heappop
+        while heap and len(results) < k:
+            neg, coords, kind, score, extra = heap[0]
+            if kind == _EXPERT:
+                pop(heap)
+                uid = self._uid(coords)
+                if self._banned is not None and self._banned(uid, extra):
                     continue
                 if self._exclude is not None and uid in self._exclude[b]:
                     continue
-                results.append(ExpertChoice(uid, top.coords, top.score, top.location))
-                continue
-            children = self._children.get(self._key(top.coords))
-            if children is None:
-                return  # the next move needs the oracle
-            heapq.heappop(heap)
-            depth = len(top.coords)
-            row = self._scores[depth][b]
-            for coord, value in children.items():
-                if not isinstance(coord, int) or isinstance(coord, bool) or not 0 <= coord < self.grid_size[depth]:
-                    continue  # another grid's expert, or garbage from the DHT
-                score = top.score + float(row[coord])
-                coords = top.coords + (coord,)
+                results.append(ExpertChoice(uid, coords, score, extra))
+            elif kind == _CURSOR:
+                pop(heap)
+                parent_coords, parent_score, ordered, index = extra
+                depth = len(parent_coords)
+                row = self._scores[depth][b]
+                if index + 1 < len(ordered):  # the next sibling waits its turn
+                    sibling = ordered[index + 1]
+                    sibling_score = parent_score + row[sibling]
+                    push(heap, (-(sibling_score + suffix[depth + 1]), parent_coords + (sibling,), _CURSOR,
+                                sibling_score, (parent_coords, parent_score, ordered, index + 1)))
                 if depth + 1 == ndim:
-                    location = parse_location(value)
-                    if location is None:
-                        continue
-                    heapq.heappush(heap, _Node(-score, coords, score, location))
+                    location = children_of[self._key(parent_coords)][coords[-1]]
+                    push(heap, (neg, coords, _EXPERT, score, location))
                 else:
-                    heapq.heappush(heap, _Node(-(score + self._suffix_max[b][depth + 1]), coords, score))
+                    push(heap, (neg, coords, _PREFIX, score, None))
+            else:
+                children = children_of.get(self._key(coords))
+                if children is None:
+                    return True  # the next move needs the oracle
+                pop(heap)
+                if children:
+                    row = self._scores[len(coords)][b]
+                    ordered = sorted(children, key=row.__getitem__, reverse=True)
+                    best = ordered[0]
+                    child_score = score + row[best]
+                    push(heap, (-(child_score + suffix[len(coords) + 1]), coords + (best,), _CURSOR, child_score,
+                                (coords, score, ordered, 0)))
+        return False
 
 
 # ---------------------------------------------------------------------------------------------------- drivers
