@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
 
 from moe.schema import SchemaError, TensorSpec, dtype_name, specs_to_wire
 
@@ -152,6 +153,9 @@ def get_expert_kind(name: str) -> ExpertKind:
 # ------------------------------------------------------------------------------------------------ optimization
 
 
+_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
 @dataclass(frozen=True)
 class OptimizerConfig:
     """The optimizer and LR schedule each expert gets: linear warmup over `warmup_steps`, then constant, or a
@@ -169,27 +173,26 @@ class OptimizerConfig:
     # matters because every backward request pays for a step. None: use them where torch supports them.
     fused: bool | None = None
 
-    def build(self, parameters: Sequence[nn.Parameter]) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    def build(self, parameters: Sequence[nn.Parameter]) -> tuple[torch.optim.Optimizer, LambdaLR]:
         params = list(parameters)
         name = self.name.lower()
         fused = self.fused
         if fused is None:
             fused = bool(params) and all(
-                p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-                for p in params
+                p.device.type in ("cpu", "cuda") and p.dtype in _FUSED_DTYPES for p in params
             )
-        options: dict[str, Any] = {"fused": True} if fused else {}
+        common: dict[str, Any] = {"lr": self.lr, "weight_decay": self.weight_decay}
+        if fused:
+            common["fused"] = True
         if name == "sgd":
-            optimizer: torch.optim.Optimizer = torch.optim.SGD(
-                params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay, **options
-            )
+            optimizer: torch.optim.Optimizer = torch.optim.SGD(params, momentum=self.momentum, **common)
         elif name == "adam":
-            optimizer = torch.optim.Adam(params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay, **options)
+            optimizer = torch.optim.Adam(params, betas=self.betas, **common)
         elif name == "adamw":
-            optimizer = torch.optim.AdamW(params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay, **options)
+            optimizer = torch.optim.AdamW(params, betas=self.betas, **common)
         else:
             raise ValueError(f"unknown optimizer {self.name!r} (sgd, adam, adamw)")
-        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_factor)
+        return optimizer, LambdaLR(optimizer, self.lr_factor)
 
     def lr_factor(self, step: int) -> float:
         if self.warmup_steps and step < self.warmup_steps:
@@ -212,7 +215,7 @@ class Expert:
     hidden_dim: int
     module: nn.Module
     optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scheduler: LambdaLR
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
     options: dict[str, Any] = field(default_factory=dict)
