@@ -81,7 +81,7 @@ class ThroughputEstimator:
     later ones use what the network actually delivered: a slower observation replaces the estimate at once, a
     faster one moves it gradually, so deadlines stay on the safe side of the slowest recent transfer."""
 
-    def __init__(self, initial_rate: float = 5e6, *, smoothing: float = 0.3, min_rate: float = 1e3):
+    def __init__(self, initial_rate: float = 1e6, *, smoothing: float = 0.3, min_rate: float = 1e3):
         self.rate = float(initial_rate)
         self.smoothing = smoothing
         self.min_rate = min_rate
@@ -114,7 +114,7 @@ class AllReduceConfig:
     timeout_factor: float = 4.0
     straggler_slack: float = 2.0
     join_wait: float = 10.0
-    initial_rate: float = 5e6
+    initial_rate: float = 1e6
     pushes_in_flight: int = 2
     pulls_in_flight: int = 2
     max_waiting_rounds: int = 64
@@ -263,12 +263,13 @@ class PartReducer:
     def uncommitted(self) -> list[int]:
         return [s for s in range(self.group_size) if s not in self.committed and s not in self.failed]
 
-    def deadlines(self, chunk_timeout: Callable[[int], float], *, floor: float, slack: float) -> dict[int, float]:
-        """When each member still awaited becomes overdue: a sender with data outstanding gets one chunk time
-        since its last chunk (or since the round opened); a sender that sent everything but has not committed
-        gets slack times the duration of the data phase (it may still be pushing to slower reducers)."""
+    def deadlines(self, chunk_time: float, commit_grace: float, *, floor: float, slack: float
+                  ) -> dict[int, float]:
+        """When each member still awaited becomes overdue. A sender with data outstanding: `chunk_time` after
+        its last chunk (or after the round opened). A sender that sent everything but has not committed may
+        still be pushing to slower reducers (or waiting for a push to a dead one to time out): `commit_grace`
+        (the caller's bound on such a push) plus slack times the duration of the data phase."""
         result = {}
-        chunk_time = chunk_timeout(self.max_chunk_bytes)
         for sender in self.missing():
             result[sender] = self.last_activity.get(sender, self.opened_at) + chunk_time
         reference = self.data_complete_at
@@ -276,7 +277,7 @@ class PartReducer:
             if sender in self.complete:
                 done = max(self.completed_at.get(sender, self.opened_at), reference or self.opened_at)
                 phase = (reference if reference is not None else done) - self.opened_at
-                result[sender] = done + max(floor, slack * phase)
+                result[sender] = done + commit_grace + max(floor, slack * phase)
         return result
 
     def finalize(self) -> list[list[torch.Tensor]] | None:
@@ -490,6 +491,7 @@ class AllReduceServer:
         self._waiting: dict[bytes, list[Any]] = {}  # group id -> [Event, number of waiters]
         self._finished: OrderedDict[bytes, None] = OrderedDict()
         self._installed = False
+        self._in_flight = {"in": 0, "out": 0}
 
     # ------------------------------------------------------------------------------------------ install
 
@@ -824,7 +826,12 @@ class AllReduceServer:
         assert reducer is not None
         config = self.config
         while not condition():
-            deadlines = reducer.deadlines(round_.chunk_timeout, floor=config.timeout_floor,
+            # every sender still sending shares our inbound link, each with a few chunks in flight; a sender
+            # that is done with us may wait for its pushes to everyone else (as many chunks in flight each)
+            chunk = reducer.max_chunk_bytes * config.pushes_in_flight
+            chunk_time = round_.chunk_timeout(chunk * max(1, len(reducer.missing())))
+            commit_grace = round_.chunk_timeout(chunk * round_.group.size)
+            deadlines = reducer.deadlines(chunk_time, commit_grace, floor=config.timeout_floor,
                                           slack=config.straggler_slack)
             deadlines.pop(round_.me, None)  # our own commit waits only for our pushes, which have deadlines
             now = trio.current_time()
@@ -848,7 +855,7 @@ class AllReduceServer:
                        and (m in round_.watching or len(round_.pulled.get(m, ())) < reducer.n_chunks)]
             if not waiting:
                 return
-            timeout = round_.chunk_timeout(reducer.max_chunk_bytes)
+            timeout = round_.chunk_timeout(reducer.max_chunk_bytes * len(waiting) * self.config.pulls_in_flight)
             deadlines = {m: round_.last_pull.get(m, released_at) + timeout for m in waiting}
             now = trio.current_time()
             late = [m for m, due in deadlines.items() if due <= now]
@@ -949,12 +956,21 @@ class AllReduceServer:
         owner = round_.group.members[part.owner]
         assert owner.address is not None
         message = {"group": round_.group.group_id, "fp": round_.partition.fingerprint, "part": part.index, **args}
-        if timeout is None:
-            timeout = round_.chunk_timeout(nbytes)
+        if timeout is not None:
+            return await self.rpc.call(owner.address, method, message, timeout=timeout, peer_id=owner.peer_id)
+        # A transfer shares our link with every other transfer in flight in the same direction: its deadline
+        # covers all the bytes queued with it, and its duration measures the rate for that whole backlog.
+        direction = "in" if method == PULL else "out"
+        backlog = self._in_flight[direction] + nbytes
+        self._in_flight[direction] += nbytes
         started = trio.current_time()
-        result = await self.rpc.call(owner.address, method, message, timeout=timeout, peer_id=owner.peer_id)
+        try:
+            result = await self.rpc.call(owner.address, method, message, timeout=round_.chunk_timeout(backlog),
+                                         peer_id=owner.peer_id)
+        finally:
+            self._in_flight[direction] -= nbytes
         if nbytes:
-            self.estimator.observe(nbytes, trio.current_time() - started)
+            self.estimator.observe(backlog, trio.current_time() - started)
         return result
 
 

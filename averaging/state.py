@@ -66,7 +66,7 @@ class StateConfig:
     snapshot_ttl: float = 30.0
     timeout_floor: float = 1.0
     timeout_factor: float = 4.0
-    initial_rate: float = 5e6
+    initial_rate: float = 1e6
     chunks_in_flight: int = 2
 
 

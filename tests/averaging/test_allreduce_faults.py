@@ -123,3 +123,68 @@ async def check_failure(transport, moment, retry):
     if not retry:
         victim_part = peers[alive[0]].result.part_owners.index(victim.peer_id)
         assert all(not peers[i].result.averaged[victim_part] for i in alive)
+
+
+async def test_a_frozen_member_is_dropped_by_deadlines(autojump_clock):
+    """A hung peer (no reset, no answer) is excluded by the throughput-based deadlines, not a round timeout."""
+    swarm = Swarm("memory", config=AllReduceConfig(chunk_bytes=512))
+    tensor_sets = [random_tensors(200 + seed) for seed in range(5)]
+    originals = [flat(ts) for ts in tensor_sets]
+    async with trio.open_nursery() as nursery:
+        peers = await swarm.start(nursery, 5)
+        victim = peers[2]
+
+        def on_hook(name, info):
+            if name == "chunk_pushed" and not victim.killed:
+                victim.killed = True
+                swarm.memory.freeze(victim.name)
+        victim.hook = on_hook
+        group = swarm.group(peers)
+        for peer, tensors in zip(peers, tensor_sets):
+            peer.start_round(group, tensors, timeout=120)
+        survivors = [p for p in peers if p is not victim]
+        for peer in survivors:
+            await peer.done.wait()
+        nursery.cancel_scope.cancel()
+
+    alive = [i for i, p in enumerate(peers) if p is not victim]
+    survivors_mean = sum(originals[i] for i in alive) / len(alive)
+    for i in alive:
+        result = peers[i].result
+        assert peers[i].error is None and result.finished
+        assert result.elapsed < 60  # deadlines fired, long before the 120 s round timeout
+        assert result.failed_peers == {victim.peer_id} and not result.crashed_peers  # no hard evidence
+        values = flat(tensor_sets[i])
+        for index, owner in enumerate(result.part_owners):
+            assert result.averaged[index] == (owner != victim.peer_id)
+        close = torch.isclose(values, survivors_mean, atol=1e-6, rtol=0)
+        assert bool((close | torch.isclose(values, originals[i], atol=1e-6, rtol=0)).all())
+        assert float(close.double().mean()) > 0.5
+
+
+async def test_deadlines_follow_the_measured_rate_of_slow_links(autojump_clock):
+    """On 50 KB/s links a 64 KiB chunk takes over a second: rounds still succeed (deadlines cover the backlog),
+    and the estimate moves from its initial guess to what the links delivered."""
+    config = AllReduceConfig(chunk_bytes=65536, initial_rate=5_000.0)
+    swarm = Swarm("memory", config=config)
+    swarm.memory.default.bandwidth = 50_000.0
+    tensor_sets = [[torch.randn(60_000, generator=torch.Generator().manual_seed(s))] for s in range(3)]
+    expected = sum(flat(ts) for ts in tensor_sets) / 3
+    async with trio.open_nursery() as nursery:
+        peers = await swarm.start(nursery, 3)
+        for number in range(2):
+            group = swarm.group(peers, group_id=b"slow-%d" % number)
+            for peer in peers:
+                peer.done = trio.Event()
+            for peer, tensors in zip(peers, tensor_sets):
+                peer.start_round(group, tensors, timeout=600)
+            for peer in peers:
+                await peer.done.wait()
+            for peer in peers:
+                assert peer.error is None and peer.result.fully_averaged and not peer.result.failed_peers
+        nursery.cancel_scope.cancel()
+    for tensors in tensor_sets:
+        assert torch.allclose(flat(tensors), expected, atol=1e-6, rtol=0)
+    for peer in peers:
+        rate = peer.server.estimator.rate
+        assert 10_000 < rate < 500_000, rate
