@@ -46,7 +46,7 @@ import trio
 from averaging.group import GroupInfo, Member
 from peer.identity import PeerID
 from peer.net import Address
-from peer.rpc import CallContext, ConnectionFailed, RemoteError, RPCError, RPCNode
+from peer.rpc import CallContext, CallTimeout, RemoteError, RPCError, RPCNode
 
 logger = logging.getLogger(__name__)
 
@@ -334,6 +334,9 @@ class _Round:
         self.expected = expected  # peers (me included) seen under this key in recent rounds
         self.seen: set[PeerID] = set()  # every peer seen under the key this round
         self.last_change = self.started  # when the set of visible peers (or of excluded ones) last changed
+        self.population_reached_after: float | None = None  # seconds until every expected peer was visible
+        self.patience_ran_out = False
+        self.probe_timeouts: dict[PeerID, int] = {}
         self.view: dict[PeerID, Declaration] = {}
         self.excluded: set[PeerID] = set()
         self.failed: list[PeerID] = []
@@ -391,7 +394,7 @@ class Matchmaker:
         self.store_latency = _EWMA(0.01)
         self.rtt = _EWMA(0.02)
         self.spread = 0.0  # how far apart in time the last group's members declared
-        self.arrival_spread = _EWMA(0.0, alpha=0.5)  # how far apart everyone under a key declared, per round
+        self._patience = 0.0  # see straggler_wait
         self._recent: dict[str, list[set[PeerID]]] = {}  # key -> peers seen there in the last few rounds
         self._forgotten: set[PeerID] = set()
         self._round: _Round | None = None
@@ -421,9 +424,11 @@ class Matchmaker:
 
     @property
     def straggler_wait(self) -> float:
-        """How long to hold out for peers seen in recent rounds but not here yet: a few times the measured spread
-        of arrivals (peers leave their previous round at different times), bounded by half the window."""
-        return min(self.matchmaking_time / 2, max(4 * self.quiet_period, 2.5 * self.arrival_spread.value))
+        """How long to hold out for peers seen in recent rounds but not here yet (peers leave their previous
+        round at different times). Adapted from outcomes: it doubles after a round in which it ran out with peers
+        still missing, and shrinks toward twice the wait that was actually needed when everyone arrived in time;
+        bounded by a quarter of the window, so a dead peer costs at most that, and only for a round or two."""
+        return min(self.matchmaking_time / 4, max(4 * self.quiet_period, self._patience))
 
     def forget(self, peer_ids: Iterable[bytes]) -> None:
         """Peers known dead (e.g. lost during the all-reduce): stop expecting them in the next rounds."""
@@ -440,21 +445,32 @@ class Matchmaker:
         seen = (state.seen | set(state.view)) - set(state.failed) - {self.peer_id}
         history = self._recent.setdefault(state.key, [])
         history.append(seen)
-        del history[:-3]  # a peer not seen for 3 rounds under this key is no longer expected
+        del history[:-2]  # a peer not seen for 2 rounds under this key is no longer expected
         if len(self._recent) > 64:
             self._recent.pop(next(iter(self._recent)))
-        times = [d.declared_at for d in state.view.values()] + [state.me.declared_at]
-        self.arrival_spread.update(max(times) - min(times))
+        if state.patience_ran_out:
+            self._patience = min(self.matchmaking_time / 4, 2 * max(self._patience, 4 * self.quiet_period))
+        elif state.population_reached_after is not None:
+            self._patience = max(0.8 * self._patience, 2 * state.population_reached_after)
 
     def _patient(self, state: _Round) -> bool:
         """True while peers seen in recent rounds are missing and the straggler wait has not run out."""
         visible = 1 + sum(1 for p in state.view if p not in state.excluded)
-        return visible < state.expected and trio.current_time() - state.started < self.straggler_wait
+        waited = trio.current_time() - state.started
+        if visible >= state.expected:
+            if state.population_reached_after is None and state.expected > 1:
+                state.population_reached_after = waited
+            return False
+        if waited < self.straggler_wait:
+            return True
+        state.patience_ran_out = True
+        return False
 
     @property
     def probe_timeout(self) -> float:
-        """A live peer answers a probe in one RTT; a few RTTs without answer means frozen or gone."""
-        return min(1.0, max(0.05, 5 * self.rtt.value))
+        """A live peer answers a probe in one RTT, but a loaded one may take many: a probe that times out is only
+        a suspicion; two in a row (or a refused connection) drop the peer."""
+        return min(1.0, max(0.2, 10 * self.rtt.value))
 
     def _grace(self) -> float:
         return self.quiet_period + 4 * self.rtt.value + 0.05
@@ -738,6 +754,11 @@ class Matchmaker:
                 assembly.drop(declaration.peer_id)
         except RemoteError:
             assembly.drop(declaration.peer_id)
+        except CallTimeout as error:
+            count = state.probe_timeouts[declaration.peer_id] = state.probe_timeouts.get(declaration.peer_id, 0) + 1
+            logger.debug("matchmaking: %s timed out a probe (%d): %s", declaration.peer_id.short(), count, error)
+            if count >= 2:
+                assembly.drop(declaration.peer_id)
         except RPCError as error:
             logger.debug("matchmaking: %s failed a probe: %s", declaration.peer_id.short(), error)
             if declaration.peer_id not in state.failed:
