@@ -32,10 +32,6 @@ class GroupMismatch(AveragingError):
     """The local tensors or group description do not fit the round (no reducer, wrong shapes, not a member)."""
 
 
-class AllReduceFailed(AveragingError):
-    """The round could not average anything at all (e.g. every reducer was lost or the deadline passed)."""
-
-
 class StateDownloadFailed(AveragingError):
     """No peer could provide its state (all asked peers failed, refused, or sent inconsistent data)."""
 
