@@ -113,7 +113,7 @@ def test_two_trainers_on_three_daemons_survive_a_dead_daemon_and_average_togethe
 
         def trainer(index: int) -> None:
             try:
-                args = _args("--initial-peers", f"{bootstrap[0]}:{bootstrap[1]}", "--steps", "120",
+                args = _args("--initial-peers", f"{bootstrap[0]}:{bootstrap[1]}", "--steps", "200",
                              "--log-every", "20", "--seed", str(index), "--run-id", "e2e")
                 results[index] = train.run_training(args, kill_at_step_40 if index == 0 else None)
             except BaseException as error:

@@ -1,0 +1,130 @@
+"""Training on the swarm vs the same model trained locally (issue 6 Targets).
+
+The same digits model (`peer/train.py`: Linear -> mixture of `ffn` experts -> Linear), the same steps, batch
+size, seeds and held-out set, trained twice:
+- local: the experts in this process (`peer train --local-experts`);
+- swarm: the experts served by `peer join` daemons (separate processes on 127.0.0.1), the trainer a client of the
+  swarm with its CollaborativeOptimizer (alone in its run, `--target-batch-size` = `--batch-size`, so it applies
+  one update per step like the local run).
+Prints both held-out accuracies and training wall times; ends with one JSON line holding `swarm_accuracy`,
+`local_accuracy`, `time_ratio` (swarm / local training seconds). Targets: accuracy within 1 point, ratio <= 1.5.
+
+    .venv/bin/python benchmarks/bench_train.py [--steps 300] [--hidden-dim 64] [--daemons 2] [--repeats 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from peer import train  # noqa: E402
+
+LISTENING = re.compile(r"^peer ([0-9a-f]{40}) listening on (\S+)$")
+
+
+def start_daemons(count: int, grid: int, hidden_dim: int) -> tuple[list[subprocess.Popen], str]:
+    """`peer join` processes serving ffn.[0:grid] split between them; returns them and the bootstrap address."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    processes: list[subprocess.Popen] = []
+    bootstrap = None
+    per = -(-grid // count)
+    for index in range(count):
+        first, last = index * per, min(grid, (index + 1) * per)
+        command = [sys.executable, "-m", "peer.cli", "join", "--experts", f"ffn.[{first}:{last}]",
+                   "--hidden-dim", str(hidden_dim), "--log-level", "warning"]
+        if bootstrap:
+            command += ["--initial-peers", bootstrap]
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                   text=True)
+        processes.append(process)
+        deadline = time.monotonic() + 60
+        while True:
+            line = process.stdout.readline()
+            if not line or time.monotonic() > deadline:
+                stop(processes)
+                raise RuntimeError(f"daemon {index} did not start")
+            match = LISTENING.match(line.strip())
+            if match:
+                bootstrap = bootstrap or match.group(2)
+                break
+    return processes, bootstrap
+
+
+def stop(processes: list[subprocess.Popen]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    for process in processes:
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def run(options: list[str]) -> dict:
+    """One `peer train` run in this process, its JSON lines swallowed; returns the result line."""
+    args = train.build_parser().parse_args(options)
+    with contextlib.redirect_stdout(io.StringIO()):
+        return train.run_training(args)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--hidden-dim", type=int, default=64)
+    parser.add_argument("--grid", type=int, default=12)
+    parser.add_argument("--k-best", type=int, default=4)
+    parser.add_argument("--daemons", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each; the fastest time counts")
+    options = parser.parse_args()
+
+    common = ["--steps", str(options.steps), "--batch-size", str(options.batch_size), "--hidden-dim",
+              str(options.hidden_dim), "--grid-size", str(options.grid), "--k-best", str(options.k_best),
+              "--seed", "0", "--log-every", str(options.steps)]
+    print(f"digits, {options.steps} steps of {options.batch_size}, hidden {options.hidden_dim}, "
+          f"{options.grid} ffn experts, k_best {options.k_best}")
+
+    local_runs = [run(common + ["--local-experts", "--run-id", "bench-local"]) for _ in range(options.repeats)]
+    local = min(local_runs, key=lambda r: r["train_seconds"])
+    print(f"local : held-out accuracy {local['accuracy']:.4f}, training {local['train_seconds']:.2f} s "
+          f"({local['samples_per_s']:.0f} samples/s)")
+
+    daemons, bootstrap = start_daemons(options.daemons, options.grid, options.hidden_dim)
+    try:
+        swarm_runs = []
+        for repeat in range(options.repeats):
+            swarm_runs.append(run(common + ["--initial-peers", bootstrap, "--run-id", f"bench-swarm-{repeat}",
+                                            "--target-batch-size", str(options.batch_size)]))
+    finally:
+        stop(daemons)
+    swarm = min(swarm_runs, key=lambda r: r["train_seconds"])
+    print(f"swarm : held-out accuracy {swarm['accuracy']:.4f}, training {swarm['train_seconds']:.2f} s "
+          f"({swarm['samples_per_s']:.0f} samples/s) on {options.daemons} daemons, "
+          f"{swarm.get('failed_expert_calls', 0)} failed expert calls, {swarm['failed_steps']} failed steps")
+    ratio = swarm["train_seconds"] / local["train_seconds"]
+    gap = abs(swarm["accuracy"] - local["accuracy"])
+    print(f"time ratio swarm/local {ratio:.2f} (target <= 1.5); accuracy gap {100 * gap:.2f} points "
+          f"(target <= 1)")
+    print(json.dumps({
+        "swarm_accuracy": swarm["accuracy"], "local_accuracy": local["accuracy"], "time_ratio": round(ratio, 3),
+        "accuracy_gap_points": round(100 * gap, 2), "swarm_train_s": swarm["train_seconds"],
+        "local_train_s": local["train_seconds"], "steps": options.steps, "batch_size": options.batch_size,
+        "hidden_dim": options.hidden_dim, "daemons": options.daemons,
+    }))
+
+
+if __name__ == "__main__":
+    main()
