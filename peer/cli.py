@@ -235,6 +235,19 @@ def cmd_status(args: argparse.Namespace) -> int:
     return trio.run(_run_status, args)
 
 
+# ------------------------------------------------------------------------------------------------------- train
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from peer.train import run_training
+
+    configure_logging("warning")
+    if not args.local_experts and not args.initial_peers:
+        raise UsageError("peer train: --initial-peers HOST:PORT is required (or --local-experts for a baseline)")
+    run_training(args)
+    return 0
+
+
 # ------------------------------------------------------------------------------------------------------- swarm
 
 
@@ -312,6 +325,14 @@ def build_parser() -> argparse.ArgumentParser:
                                  description="Attach in client mode and show every live peer of the swarm.")
     add_status_arguments(status)
     status.set_defaults(handler=cmd_status)
+    train = commands.add_parser("train", help="train a model with MoE layers served by the swarm (digits)",
+                                description="Example trainer: a model whose mixture-of-experts layer is served by "
+                                            "the swarm, trained on scikit-learn's handwritten digits with a "
+                                            "collaborative optimizer; prints JSON progress lines and a result.")
+    from peer.train import add_arguments as add_train_arguments
+
+    add_train_arguments(train)
+    train.set_defaults(handler=cmd_train)
     swarm = commands.add_parser("swarm", help="run a whole local swarm (volunteers + trainers) on this machine",
                                 description="Local swarms for demos and tests.")
     add_swarm_arguments(swarm)
