@@ -616,7 +616,6 @@ class Matchmaker:
                 if decision is not None and decision.kind == "reject":
                     state.excluded.update(p for p in decision.busy if p != self.peer_id)
                     state.excluded.add(collector.peer_id)
-                state.last_change = trio.current_time()
                 continue
             if state.assembly is not None or (collector is not None and collector.peer_id == self.peer_id):
                 result = await self._collect(state)
@@ -633,7 +632,8 @@ class Matchmaker:
             quiet_for = now - state.last_change
             full = len(chunk_of(self._plan(state), self.peer_id)) >= self.target
             patient = self._patient(state)
-            settled = (full and quiet_for >= self.quiet_period) or state.join_arrived \
+            everyone = state.expected > 1 and 1 + len(set(state.view) - state.excluded) >= state.expected
+            settled = (full and (quiet_for >= self.quiet_period or everyone)) or state.join_arrived \
                 or (not patient and quiet_for >= 3 * self.quiet_period)
             if not settled:
                 await state.wait_changed(min(deadline, now + self.quiet_period / 2))
@@ -656,10 +656,10 @@ class Matchmaker:
                 redirected = decision.redirect
                 state.excluded.add(collector.peer_id)  # it follows someone else this round
                 continue
+            # a collector that already left (its withdrawal not visible yet) or a full one: plan again at once
             self.stats["rejects"] += 1
             state.excluded.add(collector.peer_id)
             state.excluded.update(p for p in decision.busy if p != self.peer_id)
-            state.last_change = trio.current_time()
 
     async def _join(self, state: _Round, collector: Declaration, deadline: float) -> Decision | None:
         """One long-poll join; None when the collector is unreachable (it is then excluded and reported)."""
