@@ -14,9 +14,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-# The main job: a local swarm training a real model.
+# The main job: a local swarm (3 volunteer daemons, 2 trainers) training on handwritten digits; one daemon is
+# SIGKILLed mid-run to show the trainers carrying on.
 run: $(STAMP)
-	$(BIN)/python benchmarks/bench_rpc.py
+	$(BIN)/peer swarm up --kill-one-at 10
 
 # Everything CI runs: the default (fast) suite, then the scenarios marked slow.
 test: $(STAMP)

@@ -269,7 +269,8 @@ def add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
         sub.add_argument("--batch-size", type=_positive_int, default=defaults.batch_size)
         sub.add_argument("--target-batch-size", type=_positive_int, default=defaults.target_batch_size)
     up.add_argument("--kill-one-at", type=_positive_float, metavar="SECONDS",
-                    help="SIGKILL one volunteer this many seconds after start (fault-tolerance demo)")
+                    help="SIGKILL one volunteer this many seconds after the trainers start (fault-tolerance "
+                         "demo)")
     up.add_argument("--log-dir", type=Path, help="where each process's output goes (default runs/swarm-TIME)")
     up.set_defaults(swarm_handler=_swarm_up)
     compose.set_defaults(swarm_handler=_swarm_compose)

@@ -141,7 +141,7 @@ class SwarmLauncher:
         member.exit_code = await member.process.wait()
 
     async def _kill_one_later(self) -> None:
-        await trio.sleep_until(trio.current_time() + self.kill_one_at - (time.monotonic() - self.started_at))
+        await trio.sleep(self.kill_one_at)  # counted from the trainers' start, so it lands mid-training
         volunteers = [m for m in self.members if m.role == "volunteer" and m.killed_at is None]
         victim = volunteers[-1] if len(volunteers) > 1 else None
         if victim is not None and victim.process is not None and victim.process.returncode is None:
