@@ -41,6 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--declare-ttl", type=float, default=30.0)
     parser.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
     parser.add_argument("--max-batch-size", type=int, default=4096)
+    parser.add_argument("--threads-per-device", type=int, default=1, help="batches computed at once per device")
     parser.add_argument("--inline-threshold", type=float, default=1e-4,
                         help="batches predicted to compute faster than this (seconds) run on the event loop")
     return parser.parse_args(argv)
@@ -57,7 +58,7 @@ async def serve(args: argparse.Namespace) -> None:
     async with RPCNode(identity, network) as rpc:
         address = await rpc.listen("127.0.0.1", 0)
         server = ExpertServer(experts, max_batch_size=args.max_batch_size, declare_ttl=args.declare_ttl,
-                              inline_threshold=args.inline_threshold)
+                              inline_threshold=args.inline_threshold, threads_per_device=args.threads_per_device)
         use_dht = args.new_dht or args.dht_peer is not None
         initial = []
         if args.dht_peer:
