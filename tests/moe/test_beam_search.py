@@ -191,3 +191,52 @@ async def test_find_best_experts_batches_oracle_calls():
     # 32 samples share the oracle: the rounds grow with depth, not with the batch
     assert oracle.rounds <= 3
     assert oracle.keys_asked <= 1 + grid_size[0]
+
+
+async def test_dht_oracle_finds_the_true_top_k_caches_and_forgets_expired_experts(autojump_clock):
+    import trio
+
+    from dht import DHTNode
+    from moe.beam_search import DHTGridOracle
+    from moe.declare import declaration_items
+    from peer.net import MemoryNetwork
+
+    network = MemoryNetwork(seed=5)
+    rng = random.Random(11)
+    grid_size = (4, 5)
+    alive = random_alive(rng, grid_size, 0.6)
+    locations = sorted({loc.address for loc in alive.values()})
+    async with trio.open_nursery() as nursery:
+        async def node(host, initial, client_mode=False, task_status=trio.TASK_STATUS_IGNORED):
+            async with DHTNode.open(host, 4000, initial, network=network.host(host), clock=trio.current_time,
+                                    client_mode=client_mode, seed=len(host)) as dht:
+                task_status.started(dht)
+                await trio.sleep_forever()
+
+        first = await nursery.start(node, "d0", [])
+        servers = [first] + [await nursery.start(node, f"d{i}", [first.address]) for i in range(1, 4)]
+        client = await nursery.start(node, "trainer", [first.address], True)
+        # the long-lived experts expire in an hour, one short-lived expert in 10 s
+        short_lived = sorted(alive)[0]
+        for index, address in enumerate(locations):
+            uids = [uid for uid, loc in alive.items() if loc.address == address]
+            for uid in uids:
+                expiration = client.now() + (10.0 if uid == short_lived else 3600.0)
+                assert all(await servers[index % 4].store_many(
+                    declaration_items([uid], address, alive[uid].peer_id_hex, expiration)))
+
+        oracle = DHTGridOracle(client, ttl=5.0)
+        scores = random_scores(rng, grid_size, batch=16)
+        results = await find_best_experts(oracle, "ffn", grid_size, scores, 3)
+        assert [[c.uid for c in s] for s in results] == brute_force_top_k("ffn", grid_size, scores, 3, alive)
+        assert all(c.location.address == alive[c.uid].address for s in results for c in s)
+        lookups = oracle.lookups
+        await find_best_experts(oracle, "ffn", grid_size, scores, 3)
+        assert oracle.lookups == lookups  # served from the cache
+
+        await trio.sleep(20.0)  # past the cache period and the short-lived expert's expiration
+        remaining = {uid: loc for uid, loc in alive.items() if uid != short_lived}
+        results = await find_best_experts(oracle, "ffn", grid_size, scores, 3)
+        assert oracle.lookups > lookups
+        assert [[c.uid for c in s] for s in results] == brute_force_top_k("ffn", grid_size, scores, 3, remaining)
+        nursery.cancel_scope.cancel()
