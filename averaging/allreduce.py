@@ -113,7 +113,7 @@ class AllReduceConfig:
     timeout_floor: float = 2.0
     timeout_factor: float = 4.0
     straggler_slack: float = 2.0
-    join_wait: float = 10.0
+    join_wait: float = 5.0
     initial_rate: float = 1e6
     pushes_in_flight: int = 2
     pulls_in_flight: int = 2
@@ -223,9 +223,17 @@ class PartReducer:
         if len(received) == self.n_chunks:
             self._mark_complete(sender, now)
 
+    def joined(self, sender: int, now: float) -> None:
+        """The sender showed up in the round (its watch call arrived): from now on it is held to chunk deadlines
+        rather than the join wait."""
+        self.last_activity.setdefault(sender, now)
+
     def commit(self, sender: int, weight: float) -> None:
         """The sender declares its contribution final (it finished ALL its pushes, not only this part)."""
         self._check_sender(sender)
+        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not math.isfinite(weight) \
+                or weight < 0:
+            raise ChunkRejected(f"invalid weight {weight!r}")
         if sender not in self.complete:
             raise ChunkRejected(f"member {sender} commits before sending all of its part")
         if self.weights.get(sender, float(weight)) != float(weight):
@@ -263,15 +271,19 @@ class PartReducer:
     def uncommitted(self) -> list[int]:
         return [s for s in range(self.group_size) if s not in self.committed and s not in self.failed]
 
-    def deadlines(self, chunk_time: float, commit_grace: float, *, floor: float, slack: float
-                  ) -> dict[int, float]:
+    def deadlines(self, chunk_time: float, commit_grace: float, *, floor: float, slack: float,
+                  join_wait: float = 0.0) -> dict[int, float]:
         """When each member still awaited becomes overdue. A sender with data outstanding: `chunk_time` after
-        its last chunk (or after the round opened). A sender that sent everything but has not committed may
+        its last sign of life (chunk or join); one never seen: `join_wait` after the round opened here (members
+        start a round at slightly different times). A sender that sent everything but has not committed may
         still be pushing to slower reducers (or waiting for a push to a dead one to time out): `commit_grace`
         (the caller's bound on such a push) plus slack times the duration of the data phase."""
         result = {}
         for sender in self.missing():
-            result[sender] = self.last_activity.get(sender, self.opened_at) + chunk_time
+            if sender in self.last_activity:
+                result[sender] = self.last_activity[sender] + chunk_time
+            else:
+                result[sender] = self.opened_at + max(join_wait, chunk_time)
         reference = self.data_complete_at
         for sender in self.uncommitted():
             if sender in self.complete:
@@ -350,8 +362,8 @@ class AllReduceResult:
     averaged[i]: part i (in partition order) now holds the group mean in our tensors; False = local values kept.
     part_owners[i]: the member that reduced part i; contributors[i]: whose data is in part i's mean.
     failed_peers: members this member stopped waiting for (crashed, timed out, misbehaved); crashed_peers: those
-    among them with hard evidence (connection refused or lost), shared with the group. finished: the round ended
-    before the deadline.
+    among them with hard evidence (connection refused or lost, or it left the round), shared with the group.
+    finished: the round ended before the deadline.
     """
 
     group_id: bytes
@@ -393,7 +405,7 @@ class _Round:
         dtypes = [t.dtype for t in tensors]
         self.reducer = PartReducer(own, group.size, dtypes, now=now) if own is not None else None
         self.failed: set[int] = set()  # every member we stopped waiting for, whatever the reason
-        self.crashed: set[int] = set()  # those with hard evidence (connection refused or lost): told to others
+        self.crashed: set[int] = set()  # those with hard evidence (see _is_hard): told to the others
         self.averaged = [False] * len(partition.parts)
         self.contributors: list[list[int]] = [[] for _ in partition.parts]
         self.pushes_left = sum(1 for p in partition.parts if p.owner != me)
@@ -431,9 +443,10 @@ class _Round:
             self.server.hook(name, {"peer": self.server.rpc.peer_id, "group_id": self.group.group_id, **info})
 
     def note_failed(self, member: int, *, crashed: bool = False, reason: str = "") -> None:
-        """Stop waiting for `member`. `crashed` marks hard evidence (its connection was refused or lost), which
-        we pass on to the reducers we commit to; a timeout or a bad message is only our own view (our process
-        may be the slow one) and is not spread, so one slow link cannot exclude a member everywhere."""
+        """Stop waiting for `member`. `crashed` marks hard evidence (its connection was refused or lost, or it
+        left the round), which we pass on to the reducers we commit to; a timeout or a bad message is only our
+        own view (our process may be the slow one) and is not spread, so one slow link cannot exclude a member
+        everywhere."""
         if member == self.me:
             return
         if crashed and member not in self.crashed:
@@ -638,8 +651,13 @@ class AllReduceServer:
         round_, member = await self._lookup(context, args)
         self._part_arg(round_, args)
         round_.watching.add(member)
+        if round_.reducer is not None:
+            round_.reducer.joined(member, trio.current_time())
+            round_.notify()
         try:
             await round_.closed.wait()
+            if round_.aborted:
+                raise RoundNotFound("left the round before reducing")  # cancelled or timed out here
         except trio.Cancelled:
             reducer = round_.reducer
             if reducer is not None and member not in reducer.committed:
@@ -780,7 +798,7 @@ class AllReduceServer:
             await self._call(round_, part, WATCH, {}, timeout=max(0.0, round_.deadline - trio.current_time()))
         except RPCError as error:
             if part.owner not in round_.done_with:
-                round_.note_failed(part.owner, crashed=isinstance(error, ConnectionFailed), reason=f"watch: {error}")
+                round_.note_failed(part.owner, crashed=_is_hard(error), reason=f"watch: {error}")
 
     def _feed_own_part(self, round_: _Round) -> None:
         reducer = round_.reducer
@@ -832,7 +850,7 @@ class AllReduceServer:
             chunk_time = round_.chunk_timeout(chunk * max(1, len(reducer.missing())))
             commit_grace = round_.chunk_timeout(chunk * round_.group.size)
             deadlines = reducer.deadlines(chunk_time, commit_grace, floor=config.timeout_floor,
-                                          slack=config.straggler_slack)
+                                          slack=config.straggler_slack, join_wait=config.join_wait)
             deadlines.pop(round_.me, None)  # our own commit waits only for our pushes, which have deadlines
             now = trio.current_time()
             overdue = [member for member, due in deadlines.items() if due <= now]
@@ -875,7 +893,7 @@ class AllReduceServer:
             except SenderExcluded:
                 round_.excluded_by.add(part.owner)  # it dropped us; it is not at fault, we keep our values
             except RPCError as error:
-                round_.note_failed(part.owner, crashed=isinstance(error, ConnectionFailed), reason=f"push: {error}")
+                round_.note_failed(part.owner, crashed=_is_hard(error), reason=f"push: {error}")
             finally:
                 round_.pushes_left -= 1
                 round_.notify()
@@ -904,7 +922,7 @@ class AllReduceServer:
         except SenderExcluded:
             round_.excluded_by.add(part.owner)
         except RPCError as error:
-            round_.note_failed(part.owner, crashed=isinstance(error, ConnectionFailed),
+            round_.note_failed(part.owner, crashed=_is_hard(error),
                                reason=f"{error}")
         finally:
             round_.done_with.add(part.owner)
@@ -914,11 +932,14 @@ class AllReduceServer:
         if not part.chunks:
             return
         if round_.weight == 0:
-            await self._call(round_, part, PUSH, {"chunk": NOTHING, "weight": 0.0, "data": []}, nbytes=0)
+            await self._call(round_, part, PUSH, {"chunk": NOTHING, "weight": 0.0, "data": []}, nbytes=0,
+                             first_contact=True)
             return
         pending = iter(range(len(part.chunks)))
+        acknowledged = False
 
         async def worker() -> None:
+            nonlocal acknowledged
             for index in pending:
                 chunk = part.chunks[index]
                 views = chunk_views(round_.tensors, chunk)
@@ -926,7 +947,8 @@ class AllReduceServer:
                     wire.compressed(v, round_.compression) for v in views]
                 nbytes = round_.partition.chunk_bytes_of(chunk)
                 await self._call(round_, part, PUSH, {"chunk": index, "weight": round_.weight, "data": data},
-                                 nbytes=nbytes)
+                                 nbytes=nbytes, first_contact=not acknowledged)
+                acknowledged = True
                 round_.bytes_sent += nbytes
                 round_.hook("chunk_pushed", part=part.index, chunk=index)
 
@@ -952,7 +974,10 @@ class AllReduceServer:
         return values  # type: ignore[return-value]
 
     async def _call(self, round_: _Round, part: Part, method: str, args: dict, *, nbytes: int = 0,
-                    timeout: float | None = None) -> Any:
+                    timeout: float | None = None, first_contact: bool = False) -> Any:
+        """One call to the reducer of `part`. Without an explicit `timeout`, the deadline follows the measured
+        rate; `first_contact` adds `join_wait` (the reducer may not have started the round yet: its handler waits
+        for it) and keeps that call's duration out of the rate estimate."""
         owner = round_.group.members[part.owner]
         assert owner.address is not None
         message = {"group": round_.group.group_id, "fp": round_.partition.fingerprint, "part": part.index, **args}
@@ -964,14 +989,20 @@ class AllReduceServer:
         backlog = self._in_flight[direction] + nbytes
         self._in_flight[direction] += nbytes
         started = trio.current_time()
+        timeout = round_.chunk_timeout(backlog) + (self.config.join_wait if first_contact else 0.0)
         try:
-            result = await self.rpc.call(owner.address, method, message, timeout=round_.chunk_timeout(backlog),
-                                         peer_id=owner.peer_id)
+            result = await self.rpc.call(owner.address, method, message, timeout=timeout, peer_id=owner.peer_id)
         finally:
             self._in_flight[direction] -= nbytes
-        if nbytes:
+        if nbytes and not first_contact:
             self.estimator.observe(backlog, trio.current_time() - started)
         return result
+
+
+def _is_hard(error: RPCError) -> bool:
+    """Hard evidence that a member is out of the round: its connection was refused or lost, or it says it does
+    not run (or no longer runs) the round. A timeout or a rejected message is not: we may be the slow side."""
+    return isinstance(error, (ConnectionFailed, RoundNotFound))
 
 
 async def run_workers(count: int, worker: Callable[[], Any],
