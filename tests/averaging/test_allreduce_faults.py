@@ -2,8 +2,9 @@
 
 (a): they end with the exact mean of the 4. (b), (c): every element is the survivors' mean or the local value;
 more precisely each part reduced by a survivor holds the survivors' mean, and the lost member's part keeps the
-local values (with `retry_lost_parts` off) or is averaged among the survivors in a follow-up round (default). The failure is injected at the exact protocol moment through the all-reduce hook (no sleeps), on
-real sockets and on the in-memory network under MockClock.
+local values (with `retry_lost_parts` off) or is averaged among the survivors in a follow-up round (default).
+The failure is injected at the exact protocol moment through the all-reduce hook (no sleeps), on real sockets
+and on the in-memory network under MockClock.
 """
 
 from __future__ import annotations
