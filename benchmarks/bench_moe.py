@@ -152,7 +152,8 @@ def local_throughput(hidden: int, batch: int, clients: int, iterations: int) -> 
 
 def latency(seconds: float) -> dict:
     # batch 1 computes in ~30 us: run it on the server's event loop (no thread handoff), one torch thread
-    server = ServerProcess(["ffn.0"], 256, "--new-dht", "--torch-threads", "1", "--inline-threshold", "0.001").wait_ready()
+    server = ServerProcess(["ffn.0"], 256, "--new-dht", "--torch-threads", "1", "--inline-threshold", "0.001")
+    server.wait_ready()
     try:
         with Swarm([server.address]) as swarm:
             expert = RemoteExpert("ffn.0", server.address, swarm, peer_id=server.peer_id)
@@ -299,7 +300,8 @@ def main() -> None:
     if "ft" not in skip:
         ft = fault_tolerance(args.steps, args.kill_after)
         print(f"(d) MoE training, 2 servers x 4 experts, SIGKILL after step {args.kill_after}: median step "
-              f"{ft['median_step_s']:.3f} s (target <= 0.1), worst step around the kill {ft['max_step_s_at_kill']:.3f} s "
+              f"{ft['median_step_s']:.3f} s (target <= 0.1), worst step around the kill "
+              f"{ft['max_step_s_at_kill']:.3f} s "
               f"(target <= 1), bad steps {ft['bad_steps']} (target 0)")
         print(f"    loss: first {ft['first_loss']:.4f}, before kill {ft['loss_before_kill']:.4f}, last "
               f"{ft['last_loss']:.4f}; steps after kill {ft['steps_after_kill_s']}; client {ft['client_stats']}")

@@ -209,7 +209,8 @@ class MixtureClient:
         self.compression = compression
         self.stats: dict[str, float] = {
             "forward_calls": 0, "forward_failures": 0, "backward_calls": 0, "backward_failures": 0,
-            "replacement_searches": 0, "hedged_samples": 0, "backward_skipped": 0, "search_seconds": 0.0, "forward_seconds": 0.0, "backward_seconds": 0.0,
+            "replacement_searches": 0, "hedged_samples": 0, "backward_skipped": 0,
+            "search_seconds": 0.0, "forward_seconds": 0.0, "backward_seconds": 0.0,
         }
 
     # ------------------------------------------------------------------------------------------- forward
@@ -312,7 +313,9 @@ class MixtureClient:
             raise self._not_enough("forward", progress.answered, k_min, failures)
         return self._assemble(inputs, progress, k_best, failures)
 
-    def _assemble(self, inputs: torch.Tensor, progress: _Progress, k_best: int, failures: dict[str, str]) -> ForwardResult:
+    def _assemble(
+        self, inputs: torch.Tensor, progress: _Progress, k_best: int, failures: dict[str, str]
+    ) -> ForwardResult:
         batch_size = inputs.shape[0]
         succeeded = [c for c in progress.calls if c.outputs is not None]
         out_shape = self.out_shape if self.out_shape is not None else tuple(succeeded[0].outputs.shape[1:])
@@ -345,8 +348,15 @@ class MixtureClient:
         batch_size = inputs.shape[0]
         started = trio.current_time()
         deadline = started + backward_timeout
-        alive = [0] * batch_size
+        # one backward call (one optimizer step) per expert, even if a replacement round called it twice
+        by_uid: dict[str, ExpertCall] = {}
         for call in result.calls:
+            merged = by_uid.setdefault(call.uid, ExpertCall(call.choice, [], []))
+            merged.samples.extend(call.samples)
+            merged.slots.extend(call.slots)
+        calls = list(by_uid.values())
+        alive = [0] * batch_size
+        for call in calls:
             for sample in call.samples:
                 alive[sample] += 1
         need = [min(backward_k_min, a) for a in alive]
@@ -355,7 +365,7 @@ class MixtureClient:
         failures: dict[str, str] = {}
         finished: set[int] = set()  # id() of calls that answered or failed
         changed = [trio.Event()]
-        in_flight = [len(result.calls)]
+        in_flight = [len(calls)]
 
         async def run_call(call: ExpertCall) -> None:
             samples = torch.tensor(call.samples, dtype=torch.long)
@@ -388,7 +398,7 @@ class MixtureClient:
         grace_deadline = math.inf
         with trio.move_on_at(deadline):
             async with trio.open_nursery() as nursery:
-                for call in result.calls:
+                for call in calls:
                     nursery.start_soon(run_call, call)
                 while in_flight[0]:
                     if grace_deadline == math.inf and all(a >= n for a, n in zip(answered, need)):
@@ -399,7 +409,7 @@ class MixtureClient:
                         break
                 nursery.cancel_scope.cancel()
         self.stats["backward_seconds"] += trio.current_time() - started
-        for call in result.calls:
+        for call in calls:
             if id(call) not in finished:
                 self._failed(call, trio.TooSlowError("no answer before the backward deadline or grace period"),
                              failures, "backward")
@@ -441,7 +451,8 @@ class MixtureClient:
             raise BadExpertOutput(call.uid, "expected {'grad_inputs': [tensor]}")
         grad = grads[0]
         if tuple(grad.shape) != (rows, *inputs.shape[1:]):
-            raise BadExpertOutput(call.uid, f"grad_inputs shape {tuple(grad.shape)}, expected {(rows, *inputs.shape[1:])}")
+            expected = (rows, *inputs.shape[1:])
+            raise BadExpertOutput(call.uid, f"grad_inputs shape {tuple(grad.shape)}, expected {expected}")
         if not grad.is_floating_point() or not bool(torch.isfinite(grad).all()):
             raise BadExpertOutput(call.uid, "grad_inputs must be finite floating point values")
         return grad.to(inputs.dtype)
@@ -471,7 +482,9 @@ class _DispatchFunction(torch.autograd.Function):
     """Ties the experts' outputs into autograd: its backward runs `MixtureClient.backward` through the bridge."""
 
     @staticmethod
-    def forward(ctx: Any, dummy: torch.Tensor, inputs: torch.Tensor, layer: "_GridMixture", result: ForwardResult) -> torch.Tensor:
+    def forward(
+        ctx: Any, dummy: torch.Tensor, inputs: torch.Tensor, layer: "_GridMixture", result: ForwardResult
+    ) -> torch.Tensor:
         ctx.layer, ctx.result = layer, result
         return result.outputs
 
@@ -530,9 +543,12 @@ class _GridMixture(nn.Module):
         self._dummy = torch.empty(0, requires_grad=True)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, grid_size={self.grid_size}, uid_prefix={self.uid_prefix!r}, k_best={self.k_best}"
+        return (f"in_features={self.in_features}, grid_size={self.grid_size}, uid_prefix={self.uid_prefix!r}, "
+                f"k_best={self.k_best}")
 
-    def _dispatch(self, x: torch.Tensor, k_best: int, k_min: int) -> tuple[list[torch.Tensor], ForwardResult, torch.Tensor]:
+    def _dispatch(
+        self, x: torch.Tensor, k_best: int, k_min: int
+    ) -> tuple[list[torch.Tensor], ForwardResult, torch.Tensor]:
         """Gate, search and call the experts; returns per-dimension gate logits, the raw result and the
         experts' outputs wired into autograd ([B, k, out])."""
         if x.ndim != 2 or x.shape[1] != self.in_features:

@@ -35,7 +35,10 @@ def local_mixture(x, gate, experts, k, alive=None, detached=()):
     uids = [uid for uid in experts if alive is None or uid in alive]
     outputs = []
     for b in range(x.shape[0]):
-        scored = sorted(uids, key=lambda u: -sum(float(logits[d][b, int(c)].detach()) for d, c in enumerate(u.split(".")[1:])))
+        def score(u):
+            return sum(float(logits[d][b, int(c)].detach()) for d, c in enumerate(u.split(".")[1:]))
+
+        scored = sorted(uids, key=lambda u: -score(u))
         chosen = scored[:k]
         score = torch.stack([sum(logits[d][b, int(c)] for d, c in enumerate(u.split(".")[1:])) for u in chosen])
         weights = torch.softmax(score, dim=0)
