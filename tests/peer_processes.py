@@ -17,11 +17,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class PeerProcess:
-    def __init__(self, args: list[str], *, env: dict | None = None):
+    def __init__(self, args: list[str], *, env: dict | None = None, prefix: list[str] | None = None):
+        """`prefix` runs the peer through another command, e.g. `ip netns exec NAME` for a test host."""
         self.args = args
         self.process = subprocess.Popen(
-            [*PEER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            [*(prefix or []), *PEER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+            env={"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
         self.lines: list[str] = []
         self._queue: queue.Queue[str | None] = queue.Queue()
