@@ -79,7 +79,6 @@ async def _serve_experts(
                 if dht_peers is not None:
                     dht = await stack.enter_async_context(DHTNode.open(
                         host, address[1], list(dht_peers), identity=node.identity, network=network,
-                        clock=trio.current_time,
                     ))
                     dht_peers.append(dht.address)
                 async with trio.open_nursery() as nursery:
@@ -93,7 +92,7 @@ async def _client_node(network: Network, dht_peers: list | None, box: list, *, t
         if dht_peers is not None:
             box.append(await stack.enter_async_context(DHTNode.open(
                 "127.0.0.1" if isinstance(network, RealNetwork) else "client", 0, list(dht_peers),
-                network=network, client_mode=True, clock=trio.current_time,
+                network=network, client_mode=True,
             )))
         task_status.started()
         await trio.sleep_forever()
@@ -115,7 +114,7 @@ async def _expert_peer(network: Network, host: str, experts: Sequence[Expert], *
 
 async def _bootstrap_node(network: Network, box: list, *, task_status) -> None:
     host = "127.0.0.1" if isinstance(network, RealNetwork) else "dht"
-    async with DHTNode.open(host, 0, [], network=network, clock=trio.current_time) as node:
+    async with DHTNode.open(host, 0, [], network=network) as node:
         box.append(node.address)
         task_status.started()
         await trio.sleep_forever()

@@ -11,6 +11,7 @@ from torch import nn
 
 from moe.experts import OptimizerConfig, make_expert
 from moe.mixture import RemoteMixtureOfExperts, RemoteSwitchMixtureOfExperts
+from peer.client import Swarm
 
 HIDDEN = 16
 GRID = (3, 4)
@@ -80,9 +81,15 @@ def test_mixture_equals_local_computation_forward_backward_and_server_steps(dht_
                 torch.testing.assert_close(p_server, expected.detach(), rtol=1e-4, atol=1e-6)
 
 
-def test_mixture_trains_a_small_model(dht_harness):
+def test_mixture_trains_a_small_model_through_the_trainers_swarm(dht_harness):
     make_servers(dht_harness, optimizer=OptimizerConfig("adam", lr=0.01))
-    swarm = dht_harness.client()
+    # the trainer's own client peer (peer.client.Swarm: its own trio thread), joining the servers' DHT
+    with Swarm(initial_peers=[dht_harness.dht_peers[0]]) as swarm:
+        losses = train_small_model(swarm)
+    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5
+
+
+def train_small_model(swarm):
     torch.manual_seed(1)
     teacher = nn.Sequential(nn.Linear(HIDDEN, 32), nn.Tanh(), nn.Linear(32, HIDDEN))
     xs = torch.randn(256, HIDDEN)
@@ -99,7 +106,7 @@ def test_mixture_trains_a_small_model(dht_harness):
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5
+    return losses
 
 
 def test_switch_mixture_equals_local_top1_and_balancing_loss(dht_harness):
