@@ -209,9 +209,9 @@ class CollaborativeOptimizer:
     async def _current(self) -> SwarmProgress:
         return self.tracker.progress()
 
-    async def _report(self, samples: int) -> SwarmProgress:
+    async def _report(self, samples: int) -> tuple[SwarmProgress, float]:
         self.tracker.report(samples)
-        return self.tracker.progress()
+        return self.tracker.progress(), self.tracker.last_fetch_age
 
     async def _new_epoch(self, epoch: int) -> None:
         self.tracker.new_epoch(epoch)
@@ -259,13 +259,16 @@ class CollaborativeOptimizer:
         self.optimizer.zero_grad(set_to_none=True)
         self.local_samples += samples
         self.local_steps += 1
-        progress = self.swarm.run(self._report, samples)
+        progress, fetch_age = self.swarm.run(self._report, samples)
         self.last_progress = progress
         if progress.epoch > self.epoch + 1:
             self._catch_up(progress)
             return True
         if progress.epoch > self.epoch or progress.target_reached:
-            fresh = self.swarm.run(self.tracker.fetch)  # decide on the swarm's records, not on extrapolation
+            fresh = progress
+            if fetch_age > self.tracker.min_refresh or progress.num_peers < 2:
+                # decide on the swarm's records, not on extrapolation; and never conclude "alone" from an old view
+                fresh = self.swarm.run(self.tracker.fetch)
             self.last_progress = fresh
             if fresh.epoch > self.epoch + 1:
                 self._catch_up(fresh)

@@ -221,6 +221,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-every", type=_positive_int, default=20, help="steps between progress lines")
     parser.add_argument("--local-experts", action="store_true",
                         help="no swarm: the same model with its experts in this process (a baseline)")
+    parser.add_argument("--expert-lr", type=_positive_float, default=1e-3,
+                        help="with --local-experts: the experts' learning rate (as `peer join --lr`, default "
+                             "the same)")
     parser.add_argument("--threads", type=_positive_int, default=1,
                         help="torch threads (the model is small: more threads mostly spin on a busy machine)")
     parser.add_argument("--max-failed-steps", type=_positive_int, default=50,
@@ -321,7 +324,14 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
             peers = normalize_peers(args.initial_peers)
             swarm = Swarm(initial_peers=peers, host=local_host_towards(peers[0]))
         model = build_model(args, swarm)
-        base = torch.optim.Adam(model.parameters(), lr=args.lr)
+        if swarm is None:  # the experts learn at the daemons' rate, as they would on the swarm
+            expert_params = {id(p) for p in model.moe.experts.parameters()}
+            base = torch.optim.Adam([
+                {"params": [p for p in model.parameters() if id(p) not in expert_params], "lr": args.lr},
+                {"params": list(model.moe.experts.parameters()), "lr": args.expert_lr},
+            ])
+        else:
+            base = torch.optim.Adam(model.parameters(), lr=args.lr)
         if swarm is not None:
             from averaging.collaborative import CollaborativeOptimizer
 
