@@ -134,3 +134,18 @@ async def test_wrong_calls_raise_group_mismatch(autojump_clock):
         with pytest.raises(GroupMismatch):
             await run_allreduce(peers[0].node, group, [torch.zeros(3, dtype=torch.int64)])
         nursery.cancel_scope.cancel()
+
+
+async def test_more_reducers_than_elements(autojump_clock):
+    swarm = Swarm("memory")
+    tensor_sets = [[torch.tensor([float(i), 2.0 * i])] for i in range(4)]
+    async with trio.open_nursery() as nursery:
+        peers = await swarm.start(nursery, 4)
+        group = swarm.group(peers)
+        for peer, tensors in zip(peers, tensor_sets):
+            peer.start_round(group, tensors, timeout=30)
+        await wait_all(peers)
+        nursery.cancel_scope.cancel()
+    for peer, tensors in zip(peers, tensor_sets):
+        assert peer.result.fully_averaged
+        assert torch.equal(tensors[0], torch.tensor([1.5, 3.0]))
