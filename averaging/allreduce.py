@@ -25,10 +25,13 @@ A lost part (its reducer failed) is then averaged again among the survivors in a
 that slice of the vector (`retry_lost_parts`); if that fails too, the part keeps the local values. So with one
 failure the survivors normally end with their exact mean everywhere.
 
-Failures are detected from the connection (a call fails, or a handler is cancelled because the caller vanished),
-shared (a committing member tells each reducer which members it saw fail), and, for silent peers, from deadlines
-that follow measured throughput: a chunk may take max(floor, factor * bytes / observed rate); a committed sender
-waits for stragglers at most max(floor, slack * the time the data phase took).
+Failures are detected from the connection: every member keeps a `watch` call open to every reducer for the
+round, so a crash on either side fails a call or cancels a handler at once. Hard evidence (connection refused or
+lost, round left) is shared: a committing member tells each reducer whom it saw crash. Timeouts are not shared
+(we may be the slow side). Silent peers are caught by deadlines that follow measured throughput: a transfer may
+take max(floor, factor * bytes queued on the link / observed rate); a member never seen gets `join_wait`; a
+sender that sent everything but has not committed gets a push's grace plus slack * the duration of the data
+phase.
 
 Tensors: registered tensors are read while the round runs WITHOUT the lock (a concurrent optimizer step makes
 the contribution a mix of old and new values, never a crash), and the averaged values are written back part by
