@@ -308,20 +308,35 @@ class DHTGridOracle:
 
     Caching is what keeps a training step cheap: a 2-level grid costs two `get_many` calls per `ttl`, not per
     step. Experts that died since are not a problem for correctness: calls to them fail fast and the mixture
-    bans them (see `moe/mixture.py`); new experts appear after at most `ttl` seconds. The record layout and its
-    validation live in `moe.declare` (shared with the servers that write it)."""
+    bans them (see `moe/mixture.py`); new experts appear after at most `ttl` seconds. A refresh of entries that
+    are already known waits at most `refresh_timeout` (and survives DHT errors): if the DHT is slow, e.g. while
+    its routing tables still hold a peer that just died, the step goes on with the previous answer and the
+    refresh is retried `retry_after` seconds later. The record layout and its validation live in `moe.declare`
+    (shared with the servers that write it)."""
 
-    def __init__(self, dht: Any, *, ttl: float = 5.0, clock: Callable[[], float] = trio.current_time):
+    def __init__(
+        self,
+        dht: Any,
+        *,
+        ttl: float = 5.0,
+        refresh_timeout: float = 0.5,
+        retry_after: float = 1.0,
+        clock: Callable[[], float] = trio.current_time,
+    ):
         self.dht = dht
         self.ttl = ttl
+        self.refresh_timeout = refresh_timeout
+        self.retry_after = retry_after
         self._clock = clock
-        self._cache: dict[str, tuple[float, dict[int, Any]]] = {}
-        self.lookups = 0  # number of DHT get_many calls, for tests and benchmarks
+        self._cache: dict[str, tuple[float, dict[int, Any]]] = {}  # key -> (fresh until, children)
+        self.lookups = 0  # DHT get_many calls, for tests and benchmarks
+        self.stale_answers = 0  # refreshes that gave up and served the previous answer
 
     def invalidate(self) -> None:
         self._cache.clear()
 
     async def children(self, prefixes: Sequence[str]) -> dict[str, dict[int, Any]]:
+        from dht.errors import DHTError
         from moe.declare import get_prefixes  # moe.declare imports this module's ExpertLocation
 
         now = self._clock()
@@ -329,17 +344,33 @@ class DHTGridOracle:
         missing = []
         for key in prefixes:
             cached = self._cache.get(key)
-            if cached is not None and now - cached[0] < self.ttl:
+            if cached is not None and now < cached[0]:
                 found[key] = cached[1]
             else:
                 missing.append(key)
-        if missing:
-            self.lookups += 1
+        if not missing:
+            return found
+        self.lookups += 1
+        if all(key in self._cache for key in missing):
+            fetched = None
+            try:
+                with trio.move_on_after(self.refresh_timeout):
+                    fetched = await get_prefixes(self.dht, missing)
+            except DHTError:
+                pass
+            if fetched is None:
+                self.stale_answers += 1
+                for key in missing:
+                    children = self._cache[key][1]
+                    self._cache[key] = (now + self.retry_after, children)
+                    found[key] = children
+                return found
+        else:
             fetched = await get_prefixes(self.dht, missing)
-            for key in missing:
-                children = dict(fetched.get(key) or {})
-                self._cache[key] = (now, children)
-                found[key] = children
+        for key in missing:
+            children = dict(fetched.get(key) or {})
+            self._cache[key] = (now + self.ttl, children)
+            found[key] = children
         return found
 
 

@@ -240,3 +240,42 @@ async def test_dht_oracle_finds_the_true_top_k_caches_and_forgets_expired_expert
         assert oracle.lookups > lookups
         assert [[c.uid for c in s] for s in results] == brute_force_top_k("ffn", grid_size, scores, 3, remaining)
         nursery.cancel_scope.cancel()
+
+
+
+async def test_dht_oracle_serves_the_previous_answer_when_a_refresh_hangs(autojump_clock):
+    import trio
+
+    from dht import DHTNode
+    from moe.beam_search import DHTGridOracle
+    from moe.declare import declaration_items
+    from peer.net import MemoryNetwork
+
+    network = MemoryNetwork(seed=6)
+    rng = random.Random(2)
+    grid_size = (3, 3)
+    alive = random_alive(rng, grid_size, 1.0)
+    async with trio.open_nursery() as nursery:
+        async def node(host, initial, client_mode=False, task_status=trio.TASK_STATUS_IGNORED):
+            async with DHTNode.open(host, 4000, initial, network=network.host(host), clock=trio.current_time,
+                                    client_mode=client_mode, seed=len(host)) as dht:
+                task_status.started(dht)
+                await trio.sleep_forever()
+
+        server = await nursery.start(node, "d0", [])
+        client = await nursery.start(node, "trainer", [server.address], True)
+        for uid, location in alive.items():
+            await server.store_many(declaration_items([uid], location.address, location.peer_id_hex, 1e9))
+        oracle = DHTGridOracle(client, ttl=5.0, refresh_timeout=0.5)
+        scores = random_scores(rng, grid_size, batch=4)
+        expected = brute_force_top_k("ffn", grid_size, scores, 2, alive)
+        first = await find_best_experts(oracle, "ffn", grid_size, scores, 2)
+        assert [[c.uid for c in s] for s in first] == expected
+        network.freeze("d0")  # the only DHT peer hangs: lookups wait for their timeouts
+        await trio.sleep(10.0)  # the cache is stale
+        start = trio.current_time()
+        again = await find_best_experts(oracle, "ffn", grid_size, scores, 2)
+        assert [[c.uid for c in s] for s in again] == expected
+        assert trio.current_time() - start == pytest.approx(1.0)  # two levels, 0.5 s each, then stale answers
+        assert oracle.stale_answers == 2
+        nursery.cancel_scope.cancel()
