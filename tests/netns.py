@@ -43,14 +43,14 @@ class Host:
         return ["ip", "netns", "exec", self.namespace, *args]
 
 
-class TestNetwork:
+class HostNetwork:
     def __init__(self, tag: str | None = None):
         self.tag = tag or uuid.uuid4().hex[:5]
         self.hub = f"sw{self.tag}hub"
         self.hosts: list[Host] = []
         self._created: list[str] = []
 
-    def __enter__(self) -> "TestNetwork":
+    def __enter__(self) -> "HostNetwork":
         _run("ip", "netns", "add", self.hub)
         self._created.append(self.hub)
         self._hub("ip", "link", "add", "br0", "type", "bridge")

@@ -11,7 +11,7 @@ import signal
 import pytest
 
 from peer.topology import Topology
-from tests.netns import TestNetwork, netns_available
+from tests.netns import HostNetwork, netns_available
 from tests.peer_processes import PeerProcess
 
 AVAILABLE, WHY_NOT = netns_available()
@@ -29,7 +29,7 @@ def progress_step(process: PeerProcess, at_least: int, timeout: float = 300) -> 
 def test_training_across_namespaces_survives_a_partition_and_a_killed_host():
     topology = Topology(volunteers=3, trainers=2, steps=300)
     processes: list[PeerProcess] = []
-    with TestNetwork() as network:
+    with HostNetwork() as network:
         volunteers = [network.add_host(topology.volunteer_name(i)) for i in range(topology.volunteers)]
         trainers = [network.add_host(topology.trainer_name(i)) for i in range(topology.trainers)]
         bootstrap = f"{volunteers[0].address}:{PORT}"
