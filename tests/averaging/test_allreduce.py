@@ -149,3 +149,22 @@ async def test_more_reducers_than_elements(autojump_clock):
     for peer, tensors in zip(peers, tensor_sets):
         assert peer.result.fully_averaged
         assert torch.equal(tensors[0], torch.tensor([1.5, 3.0]))
+
+
+async def test_many_small_tensors_share_messages(autojump_clock):
+    swarm = Swarm("memory", config=AllReduceConfig(chunk_bytes=16384))
+    sizes = [((i * 37) % 200) + 1 for i in range(300)]
+    tensor_sets = [[torch.randn(n, generator=torch.Generator().manual_seed(1000 * s + n)) for n in sizes]
+                   for s in range(3)]
+    expected = weighted_mean(tensor_sets, [1, 1, 1])
+    async with trio.open_nursery() as nursery:
+        peers = await swarm.start(nursery, 3)
+        group = swarm.group(peers)
+        for peer, tensors in zip(peers, tensor_sets):
+            peer.start_round(group, tensors, timeout=30)
+        await wait_all(peers)
+        nursery.cancel_scope.cancel()
+    for tensors in tensor_sets:
+        assert torch.allclose(flat(tensors), expected, atol=1e-6, rtol=0)
+    pushed = [e for e in swarm.events if e[1] == "chunk_pushed"]
+    assert len(pushed) <= 3 * 2 * 3  # 3 members x 2 parts x 3 messages of 16 KiB, not one per tensor
