@@ -189,3 +189,39 @@ async def test_deadlines_follow_the_measured_rate_of_slow_links(autojump_clock):
     for peer in peers:
         rate = peer.server.estimator.rate
         assert 10_000 < rate < 500_000, rate
+
+
+async def test_two_failures_in_one_round(autojump_clock):
+    """One member dead before the round, another killed while reducing: the 4 others still finish with their
+    exact mean (the follow-up round re-averages both lost parts)."""
+    swarm = Swarm("memory", config=AllReduceConfig(chunk_bytes=512))
+    tensor_sets = [random_tensors(300 + seed) for seed in range(6)]
+    originals = [flat(ts) for ts in tensor_sets]
+    async with trio.open_nursery() as nursery:
+        peers = await swarm.start(nursery, 6, clients=(5,))
+        early, late = peers[1], peers[3]
+
+        def on_hook(name, info):
+            if name == "reducing" and not late.killed:
+                late.kill()
+        late.hook = on_hook
+        group = swarm.group(peers)
+        early.kill()
+        for peer, tensors in zip(peers, tensor_sets):
+            if peer is not early:
+                peer.start_round(group, tensors, timeout=60)
+        survivors = [p for p in peers if p not in (early, late)]
+        for peer in survivors:
+            await peer.done.wait()
+        nursery.cancel_scope.cancel()
+
+    alive = [i for i, p in enumerate(peers) if p not in (early, late)]
+    mean = sum(originals[i] for i in alive) / len(alive)
+    for i in alive:
+        result = peers[i].result
+        assert peers[i].error is None and result.finished
+        assert result.failed_peers == {early.peer_id, late.peer_id}
+        values = flat(tensor_sets[i])
+        close = torch.isclose(values, mean, atol=1e-6, rtol=0)
+        assert bool((close | torch.isclose(values, originals[i], atol=1e-6, rtol=0)).all())
+        assert all(result.averaged) and bool(close.all())  # both lost parts were re-averaged
