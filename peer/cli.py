@@ -65,7 +65,8 @@ _positive_float = _number(float, "a number", lambda v: v > 0, "must be positive"
 JOIN_DEFAULTS: dict[str, Any] = {
     "host": "127.0.0.1", "port": 0, "announce": None, "initial_peers": [], "identity": None, "experts": None,
     "num_experts": None, "expert_kind": "ffn", "hidden_dim": 256, "max_batch_size": 4096, "optimizer": "adam",
-    "lr": 1e-3, "checkpoint_dir": None, "checkpoint_interval": 300.0, "device": "cpu", "log_level": "info",
+    "lr": 1e-3, "checkpoint_dir": None, "checkpoint_interval": 300.0, "device": "cpu", "threads": None,
+    "log_level": "info",
 }
 
 
@@ -92,6 +93,9 @@ def add_join_arguments(parser: argparse.ArgumentParser) -> None:
                         help="save experts here periodically and on shutdown; reload them on start")
     parser.add_argument("--checkpoint-interval", type=_positive_float, help="seconds between checkpoints")
     parser.add_argument("--device", help="torch device for the experts (default cpu)")
+    parser.add_argument("--threads", type=_positive_int,
+                        help="torch threads for expert compute (default: torch's choice; use 1 when several "
+                             "peers share a machine)")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import trio
 
 from dht.node import DHTNode
@@ -47,6 +48,7 @@ class DaemonConfig:
     checkpoint_dir: Path | None = None
     checkpoint_interval: float = 300.0
     device: str = "cpu"
+    threads: int | None = None
     declare_ttl: float = 30.0
     seed: int | None = None
 
@@ -101,6 +103,8 @@ class Daemon:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled. Reports a DaemonInfo through `task_status` once the peer is reachable."""
         config = self.config
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
         async with RPCNode(self.identity, self.network, announce=config.announce) as rpc:
             self.rpc = rpc
             port = config.port

@@ -43,7 +43,7 @@ class Topology:
         first = index * self.experts_per_volunteer
         args = ["join", "--host", host, "--port", str(port),
                 "--experts", f"{self.expert_prefix}.[{first}:{first + self.experts_per_volunteer}]",
-                "--hidden-dim", str(self.hidden_dim)]
+                "--hidden-dim", str(self.hidden_dim), "--threads", "1"]
         if announce:
             args += ["--announce", announce]
         if bootstrap and index > 0:
