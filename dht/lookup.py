@@ -12,7 +12,6 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
 
 from dht.records import Record
 
@@ -49,6 +48,12 @@ class Target:
 
     def __post_init__(self) -> None:
         self.long_id = int.from_bytes(self.key_id, "big")
+        self._version = 0  # bumped on every change; the window is cached per version
+        self._window: tuple[int, list[Candidate]] = (-1, [])
+
+    def set_state(self, candidate: Candidate, state: State) -> None:
+        candidate.state = state
+        self._version += 1
 
     def add(self, node_id: bytes, address: Address) -> None:
         if node_id in self.candidates:
@@ -56,8 +61,11 @@ class Target:
         distance = int.from_bytes(node_id, "big") ^ self.long_id
         self.candidates[node_id] = Candidate(node_id, address, distance)
         bisect.insort(self.order, (distance, node_id))
+        self._version += 1
 
     def window(self) -> list[Candidate]:
+        if self._window[0] == self._version:
+            return self._window[1]
         window = []
         for _, node_id in self.order:
             candidate = self.candidates[node_id]
@@ -66,6 +74,7 @@ class Target:
             window.append(candidate)
             if len(window) >= self.k:
                 break
+        self._window = (self._version, window)
         return window
 
     def active(self) -> int:
@@ -105,7 +114,7 @@ class Target:
         candidate = self.candidates.get(node_id)
         if candidate is None:
             return
-        candidate.state = State.ANSWERED
+        self.set_state(candidate, State.ANSWERED)
         if found_value:
             if record is not None:
                 self.values.append((candidate.distance, record))
@@ -118,10 +127,10 @@ class Target:
     def on_failure(self, node_id: bytes) -> None:
         candidate = self.candidates.get(node_id)
         if candidate is not None and candidate.state is not State.ANSWERED:
-            candidate.state = State.FAILED
+            self.set_state(candidate, State.FAILED)
 
     def on_slow(self, node_id: bytes) -> None:
         candidate = self.candidates.get(node_id)
         if candidate is not None and candidate.state is State.ACTIVE:
-            candidate.state = State.SLOW
+            self.set_state(candidate, State.SLOW)
 

@@ -40,6 +40,7 @@ from peer.identity import Identity
 from peer.net import Address, Network, RealNetwork, UDPEndpoint
 
 MAX_REPLY_BYTES = 60000
+WELCOME_BATCH_DELAY = 0.05
 
 
 @dataclass
@@ -106,6 +107,8 @@ class DHTNode:
         self._dropped: Counter[str] = Counter()
         self._served: Counter[str] = Counter()
         self._probes: dict[Address, trio.Event] = {}  # swarmd_hello in flight, per address
+        self._welcome_queue: dict[bytes, Node] = {}
+        self._welcome_scheduled = False
 
     # ------------------------------------------------------------------------------------------------ lifecycle
 
@@ -166,6 +169,11 @@ class DHTNode:
             "dropped": dict(self._dropped),
             "requests_served": dict(self._served),
         }
+
+    def local_record(self, key: str | bytes) -> Record | None:
+        """What this node holds for `key` as a replica, without asking the network."""
+        item = self._storage.get(key_id_of(key), self.now())
+        return item.record if item is not None else None
 
     def routing_table_ids(self) -> list[bytes]:
         return [node.id for node in self._table.nodes()]
@@ -289,7 +297,7 @@ class DHTNode:
         if head is not None:
             self._nursery.start_soon(self._check_head, head)
         if is_new and node_id in self._table and not self.client_mode:
-            self._nursery.start_soon(self._welcome, node)
+            self._queue_welcome(node)
 
     async def _check_head(self, head: Node) -> None:
         """A full bucket met a newcomer: ping its least recently seen contact; after repeated failures it is
@@ -549,7 +557,7 @@ class DHTNode:
         planned: dict[bytes, tuple[Address, list[bytes]]] = {}
         for target in targets.values():
             for candidate in target.next_candidates():
-                candidate.state = State.ACTIVE
+                target.set_state(candidate, State.ACTIVE)
                 planned.setdefault(candidate.node_id, (candidate.address, []))[1].append(target.key_id)
         if len(targets) > 1:
             for node_id, (address, keys) in planned.items():
@@ -561,7 +569,7 @@ class DHTNode:
                         continue
                     candidate = target.candidates.get(node_id)
                     if candidate is not None and candidate.state is State.NEW and candidate in target.window():
-                        candidate.state = State.ACTIVE
+                        target.set_state(candidate, State.ACTIVE)
                         keys.append(target.key_id)
         return [(node_id, address, keys) for node_id, (address, keys) in planned.items()]
 
@@ -796,25 +804,48 @@ class DHTNode:
         await self._store_records(due)
         return len(due)
 
-    async def _welcome(self, node: Node) -> None:
-        """A new server appeared: hand it the records it should hold (the stock rule, section 2.5 of the
-        paper: it is closer to the key than our k-th closest contact and we are the closest holder we know)."""
+    def _queue_welcome(self, node: Node) -> None:
+        self._welcome_queue[node.id] = node
+        if not self._welcome_scheduled:
+            self._welcome_scheduled = True
+            self._nursery.start_soon(self._welcome, trio.current_time())
+
+    async def _welcome(self, since: float) -> None:
+        """New servers appeared: hand each the records it should hold (the stock rule, section 2.5 of the
+        paper: it is closer to the key than our k-th closest other contact, and we are closer than all of
+        them). Newcomers arriving in a burst are handled together, one neighbour search per held key."""
+        await trio.sleep(WELCOME_BATCH_DELAY)
+        newcomers = list(self._welcome_queue.values())
+        self._welcome_queue.clear()
+        self._welcome_scheduled = False
+        newcomer_ids = {node.id for node in newcomers}
+        k = self.config.k
         now = self.now()
         my_long = int.from_bytes(self.peer_id, "big")
-        items = []
+        gifts: dict[bytes, list[tuple[bytes, Any]]] = {}
         for key_id, item in self._storage.items():
+            if item.refreshed_at >= since:
+                continue  # stored after the newcomers were known: that store's lookup already included them
             key_long = int.from_bytes(key_id, "big")  # key ids are digests already: never hash them again
-            neighbors = self._table.neighbors(key_id, self.config.k, exclude=node.id)
-            if neighbors:
-                new_is_close = len(neighbors) < self.config.k or (node.long_id ^ key_long) < (neighbors[-1].long_id ^ key_long)
-                we_are_closest = (my_long ^ key_long) < (neighbors[0].long_id ^ key_long)
-                if not (new_is_close and we_are_closest):
-                    continue
+            others = [n for n in self._table.neighbors(key_id, k + len(newcomers)) if n.id not in newcomer_ids][:k]
+            if others and (my_long ^ key_long) >= (others[0].long_id ^ key_long):
+                continue  # a closer holder exists and will do it
+            farthest = (others[-1].long_id ^ key_long) if len(others) >= k else math.inf
+            receivers = [node for node in newcomers if (node.long_id ^ key_long) < farthest and node.id in self._table]
+            if not receivers:
+                continue
             record = item.record.pruned(now)
-            if not record.empty():
-                items.append((key_id, records.encode(record)))
-        if items:
-            await self._send_stores(node.id, (node.ip, node.port), items)
+            if record.empty():
+                continue
+            wire = records.encode(record)
+            for node in receivers:
+                gifts.setdefault(node.id, []).append((key_id, wire))
+        if gifts:
+            by_id = {node.id: node for node in newcomers}
+            async with trio.open_nursery() as nursery:
+                for node_id, items in gifts.items():
+                    node = by_id[node_id]
+                    nursery.start_soon(self._send_stores, node.id, (node.ip, node.port), items)
 
 
 def _deliver(channel: trio.MemorySendChannel, message: tuple) -> None:

@@ -22,6 +22,7 @@ class RoutingTable:
         self.node = Node(node_id)
         self.k = k
         self.buckets: list[KBucket] = [self._new_bucket(0, ID_SPACE, now)]
+        self._flat: list[tuple[int, Node]] | None = None  # (long_id, node) of every contact; None = stale
 
     def _new_bucket(self, low: int, high: int, now: float) -> KBucket:
         bucket = KBucket(low, high, self.k)
@@ -57,6 +58,8 @@ class RoutingTable:
         while True:
             index = self.bucket_index(node.long_id)
             bucket = self.buckets[index]
+            if node.id not in bucket.nodes:
+                self._flat = None
             if bucket.add_node(node):
                 bucket.swarmd_touched = now
                 return None
@@ -81,6 +84,8 @@ class RoutingTable:
         node = Node(node_id)
         bucket = self.buckets[self.bucket_index(node.long_id)]
         present = node_id in bucket.nodes or node_id in bucket.replacement_nodes
+        if node_id in bucket.nodes:
+            self._flat = None
         bucket.remove_node(node)
         return present
 
@@ -89,9 +94,13 @@ class RoutingTable:
         self.buckets[self.bucket_index(Node(target_id).long_id)].swarmd_touched = now
 
     def neighbors(self, target_id: bytes, k: int | None = None, exclude: bytes | None = None) -> list[Node]:
-        target = Node(target_id).long_id
-        candidates = (n for n in self.nodes() if n.id != exclude and n.id != target_id)
-        return heapq.nsmallest(k or self.k, candidates, key=lambda n: n.long_id ^ target)
+        """The k contacts closest to `target_id` (exact: every bucket is considered)."""
+        if self._flat is None:
+            self._flat = [(node.long_id, node) for node in self.nodes()]
+        target = int.from_bytes(target_id, "big")
+        distances = [(long_id ^ target, node) for long_id, node in self._flat]  # ids are unique: no ties
+        closest = heapq.nsmallest((k or self.k) + 2, distances)
+        return [node for distance, node in closest if distance and node.id != exclude][: k or self.k]
 
     def stale_bucket_ids(self, now: float, interval: float, rng: random.Random) -> list[bytes]:
         """A random id in each bucket not looked up for `interval` seconds (Kademlia's bucket refresh)."""

@@ -273,3 +273,20 @@ async def test_four_nodes_with_the_same_initial_peer_form_one_dht(autojump_clock
         for running in others:
             assert set(running.node.routing_table_ids()) == ids - {bytes(running.node.peer_id)}
         nursery.cancel_scope.cancel()
+
+
+async def test_newcomer_closest_to_a_key_is_handed_its_record(autojump_clock):
+    config = DHTConfig(k=3)
+    async with trio.open_nursery() as nursery:
+        network, swarm = await _memory_swarm(nursery, 10, config=config)
+        assert await swarm[0].node.store("wanted", "payload", swarm[0].node.now() + 600)
+        key = int.from_bytes(key_id_of("wanted"), "big")
+        closest_existing = min(int.from_bytes(r.node.peer_id, "big") ^ key for r in swarm)
+        identity = min((Identity.from_seed(i.to_bytes(4, "big")) for i in range(3000)),
+                       key=lambda ident: int.from_bytes(ident.peer_id, "big") ^ key)
+        assert int.from_bytes(identity.peer_id, "big") ^ key < closest_existing
+        newcomer = await start_node(nursery, "newcomer", [swarm[5].node.address], network=network.host("newcomer"),
+                                    identity=identity, config=config)
+        await trio.sleep(1)  # virtual: welcome stores are sent in the background
+        assert newcomer.node.local_record("wanted").value == "payload"
+        nursery.cancel_scope.cancel()
