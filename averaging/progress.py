@@ -327,8 +327,12 @@ class ProgressTracker:
     def _publish_due(self, now: float) -> float:
         """Trio time at which the local record should next be published."""
         published = self._published
-        if published is None or published.epoch != self.epoch:
+        if published is None:
             return now
+        if published.epoch != self.epoch:
+            # trainers of my old epoch must stop counting my samples at once; with nobody else in view (a lone
+            # trainer, maybe many epochs per second) a newcomer can wait a publish interval to see my epoch
+            return now if self._others else self._published_at + self.publish_interval
         if published.samples == self.samples:  # nothing new: only keep it alive
             return self._published_at + self.ttl / 3
         return self._published_at + min(self.publish_interval, self.ttl / 3)
