@@ -9,7 +9,7 @@ size, seeds and held-out set, trained twice:
 Prints both held-out accuracies and training wall times; ends with one JSON line holding `swarm_accuracy`,
 `local_accuracy`, `time_ratio` (swarm / local training seconds). Targets: accuracy within 1 point, ratio <= 1.5.
 
-    .venv/bin/python benchmarks/bench_train.py [--steps 300] [--hidden-dim 64] [--daemons 2] [--repeats 1]
+    .venv/bin/python benchmarks/bench_train.py [--steps 300] [--hidden-dim 64] [--daemons 2] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -80,6 +80,12 @@ def run(options: list[str]) -> dict:
         return train.run_training(args)
 
 
+def summarize(runs: list[dict]) -> dict:
+    return {"accuracy": sum(r["accuracy"] for r in runs) / len(runs),
+            "accuracies": [r["accuracy"] for r in runs],
+            "train_seconds": sum(r["train_seconds"] for r in runs) / len(runs)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=300)
@@ -88,40 +94,45 @@ def main() -> None:
     parser.add_argument("--grid", type=int, default=12)
     parser.add_argument("--k-best", type=int, default=4)
     parser.add_argument("--daemons", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=1, help="runs of each; the fastest time counts")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of each, with seeds 0..N-1 (batch order); accuracies and times are averaged")
     options = parser.parse_args()
 
     common = ["--steps", str(options.steps), "--batch-size", str(options.batch_size), "--hidden-dim",
               str(options.hidden_dim), "--grid-size", str(options.grid), "--k-best", str(options.k_best),
-              "--seed", "0", "--log-every", str(options.steps)]
+              "--log-every", str(options.steps)]
     print(f"digits, {options.steps} steps of {options.batch_size}, hidden {options.hidden_dim}, "
-          f"{options.grid} ffn experts, k_best {options.k_best}")
+          f"{options.grid} ffn experts, k_best {options.k_best}, {options.repeats} seeds")
 
-    local_runs = [run(common + ["--local-experts", "--run-id", "bench-local"]) for _ in range(options.repeats)]
-    local = min(local_runs, key=lambda r: r["train_seconds"])
-    print(f"local : held-out accuracy {local['accuracy']:.4f}, training {local['train_seconds']:.2f} s "
-          f"({local['samples_per_s']:.0f} samples/s)")
+    local_runs = [run(common + ["--local-experts", "--run-id", "bench-local", "--seed", str(seed)])
+                  for seed in range(options.repeats)]
+    local = summarize(local_runs)
+    print(f"local : held-out accuracy {local['accuracy']:.4f} (runs: {local['accuracies']}), "
+          f"training {local['train_seconds']:.2f} s per run")
 
     daemons, bootstrap = start_daemons(options.daemons, options.grid, options.hidden_dim)
     try:
-        swarm_runs = []
-        for repeat in range(options.repeats):
-            swarm_runs.append(run(common + ["--initial-peers", bootstrap, "--run-id", f"bench-swarm-{repeat}",
-                                            "--target-batch-size", str(options.batch_size)]))
+        swarm_runs = [run(common + ["--initial-peers", bootstrap, "--run-id", f"bench-swarm-{seed}",
+                                    "--target-batch-size", str(options.batch_size), "--seed", str(seed)])
+                      for seed in range(options.repeats)]
     finally:
         stop(daemons)
-    swarm = min(swarm_runs, key=lambda r: r["train_seconds"])
-    print(f"swarm : held-out accuracy {swarm['accuracy']:.4f}, training {swarm['train_seconds']:.2f} s "
-          f"({swarm['samples_per_s']:.0f} samples/s) on {options.daemons} daemons, "
-          f"{swarm.get('failed_expert_calls', 0)} failed expert calls, {swarm['failed_steps']} failed steps")
+    swarm = summarize(swarm_runs)
+    failed_calls = sum(r.get("failed_expert_calls", 0) for r in swarm_runs)
+    failed_steps = sum(r["failed_steps"] for r in swarm_runs)
+    print(f"swarm : held-out accuracy {swarm['accuracy']:.4f} (runs: {swarm['accuracies']}), "
+          f"training {swarm['train_seconds']:.2f} s per run on {options.daemons} daemons, "
+          f"{failed_calls} failed expert calls, {failed_steps} failed steps")
     ratio = swarm["train_seconds"] / local["train_seconds"]
     gap = abs(swarm["accuracy"] - local["accuracy"])
     print(f"time ratio swarm/local {ratio:.2f} (target <= 1.5); accuracy gap {100 * gap:.2f} points "
           f"(target <= 1)")
     print(json.dumps({
-        "swarm_accuracy": swarm["accuracy"], "local_accuracy": local["accuracy"], "time_ratio": round(ratio, 3),
-        "accuracy_gap_points": round(100 * gap, 2), "swarm_train_s": swarm["train_seconds"],
-        "local_train_s": local["train_seconds"], "steps": options.steps, "batch_size": options.batch_size,
+        "swarm_accuracy": round(swarm["accuracy"], 4), "local_accuracy": round(local["accuracy"], 4),
+        "time_ratio": round(ratio, 3),
+        "accuracy_gap_points": round(100 * gap, 2), "swarm_train_s": round(swarm["train_seconds"], 3),
+        "local_train_s": round(local["train_seconds"], 3), "seeds": options.repeats, "steps": options.steps,
+        "batch_size": options.batch_size,
         "hidden_dim": options.hidden_dim, "daemons": options.daemons,
     }))
 
