@@ -97,7 +97,8 @@ class DHTNode:
         self._endpoint = endpoint
         self._nursery = nursery
         self._rng = rng
-        self._protocol = proto.DatagramProtocol(random_bytes=random_bytes)
+        self._protocol = proto.DatagramProtocol(random_bytes=random_bytes,
+                                                flags=proto.FLAG_CLIENT if client_mode else 0)
         self._waiters: dict[bytes, _Waiter] = {}
         self._table = RoutingTable(self.peer_id, config.k, trio.current_time())
         self._peers = PeerBook(min_timeout=config.min_timeout, max_timeout=config.max_timeout,
@@ -250,12 +251,8 @@ class DHTNode:
     async def _request(self, address: Address, name: str, args: list, node_id: bytes | None = None,
                        timeout: float | None = None) -> Any:
         """Send one request and wait for its reply (matched by msg id and address); RequestTimeout after
-        `timeout` (default: the hard timeout). A reply refreshes the peer's RTT and its routing-table entry.
-        The first request to an address is preceded by a `swarmd_hello`, so the peer learns what we are
-        (server or client) before it handles the request, and we learn whether it speaks the extensions."""
+        `timeout` (default: the hard timeout). A reply refreshes the peer's RTT and its routing-table entry."""
         info = self._peers.get(address)
-        if info.swarmd is None and address not in self._probes:
-            await self._start_probe(address)
         msg_id, datagram = self._protocol.request(address, name, args)
         waiter = _Waiter(trio.Event())
         self._waiters[msg_id] = waiter
@@ -369,15 +366,6 @@ class DHTNode:
         else:
             info.swarmd = False
 
-    async def _verify_sender(self, node_id: bytes, address: Address) -> None:
-        """An unknown peer sent us a request: add it once its hello says it is a server (or, for a stock peer,
-        once the hello went unanswered: stock nodes are always servers)."""
-        await self._probe(address)
-        info = self._peers.get(address)
-        if info.client or (info.node_id is not None and info.swarmd and info.node_id != node_id):
-            return
-        self._saw_server(node_id, address)
-
     # ------------------------------------------------------------------------------------------------ receiving
 
     async def _receive_loop(self) -> None:
@@ -415,6 +403,13 @@ class DHTNode:
 
     def _serve(self, request: proto.Request) -> Any:
         name, args, address = request.name, request.args, request.address
+        flags = proto.swarmd_flags(request.msg_id)
+        info = self._peers.get(address)
+        if flags is None:
+            info.swarmd = False  # stock software sent this (our requests always carry the mark)
+        else:
+            info.swarmd = True
+            info.client = bool(flags & proto.FLAG_CLIENT)
         if name == "stun":
             self._served[name] += 1
             return [address[0], address[1]]
@@ -457,10 +452,7 @@ class DHTNode:
         if known is not None and (known.ip, known.port) == address:
             self._table.add(known, trio.current_time())
             return
-        if info.swarmd is not None:
-            self._saw_server(node_id, address)
-        elif address not in self._probes and len(self._probes) < self.config.max_concurrent_probes:
-            self._nursery.start_soon(self._verify_sender, node_id, address)
+        self._saw_server(node_id, address)
 
     def _contacts_for(self, key_id: bytes, exclude: bytes) -> list[list]:
         return [[n.id, n.ip, n.port] for n in self._table.neighbors(key_id, self.config.k, exclude=exclude)]
@@ -595,12 +587,14 @@ class DHTNode:
     async def _query(self, query_id: int, node_id: bytes, address: Address, keys: list[bytes], want_value: bool,
                      results: trio.MemorySendChannel, store: _StorePlan | None) -> None:
         answers: dict[bytes, Any] = {}
-        info = self._peers.known(address)
-        if store is not None and info is not None and info.swarmd:
+        info = self._peers.get(address)
+        if info.swarmd is None and (store is not None or len(keys) > 1):
+            await self._probe(address)  # one round trip, once per peer that never sent us a request
+        if store is not None and info.swarmd:
             await self._store_find(node_id, address, keys, store, answers)
             _deliver(results, (query_id, node_id, answers))
             return
-        if len(keys) > 1 and info is not None and info.swarmd:
+        if len(keys) > 1 and info.swarmd:
             try:
                 reply = await self._request(address, "swarmd_find_many", [self.peer_id, keys], node_id=node_id)
             except RequestTimeout:

@@ -44,9 +44,27 @@ def unpack(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=False)
 
 
-def new_msg_id(random_bytes: Callable[[int], bytes] = os.urandom) -> bytes:
+# Our request msg ids start with a 3-byte mark and a flags byte, then 16 random bytes. rpcudp treats msg ids as
+# opaque (it draws sha1 of random bytes and echoes the id back), so stock nodes are unaffected, while a swarmd node
+# learns from any request it receives whether the sender runs swarmd and whether it is a client, with no extra
+# round trip. A stock id carries the mark by chance with probability 2**-24; such a peer is taken for swarmd until
+# an extension request to it goes unanswered (then it is treated as stock).
+SWARMD_MARK = b"swd"
+FLAG_CLIENT = 0x01
+
+
+def new_msg_id(random_bytes: Callable[[int], bytes] = os.urandom, flags: int | None = None) -> bytes:
     """rpcudp draws sha1(32 random bytes); any 20 unpredictable bytes are equivalent on the wire."""
-    return hashlib.sha1(random_bytes(32)).digest()
+    if flags is None:
+        return hashlib.sha1(random_bytes(32)).digest()
+    return SWARMD_MARK + bytes([flags]) + random_bytes(16)
+
+
+def swarmd_flags(msg_id: bytes) -> int | None:
+    """The flags of a request sent by a swarmd node, None for a stock sender."""
+    if msg_id[:3] == SWARMD_MARK and msg_id[3] <= FLAG_CLIENT:
+        return msg_id[3]
+    return None
 
 
 def batches(items: list[tuple[bytes, Any]], limit: int = MAX_REQUEST_PAYLOAD - 128) -> list[list[list]]:
@@ -209,13 +227,15 @@ class _Outstanding:
 class DatagramProtocol:
     """Frames requests and replies and matches replies to requests by (msg id, address)."""
 
-    def __init__(self, random_bytes: Callable[[int], bytes] = os.urandom):
+    def __init__(self, random_bytes: Callable[[int], bytes] = os.urandom, flags: int | None = None):
+        """`flags`: mark our msg ids as a swarmd node's (see SWARMD_MARK); None sends plain rpcudp ids."""
         self._random_bytes = random_bytes
+        self._flags = flags
         self._outstanding: dict[bytes, _Outstanding] = {}
 
     def request(self, address: Address, name: str, args: list | tuple) -> tuple[bytes, bytes]:
         """Returns (msg_id, datagram) and remembers the request until `forget(msg_id)` or its reply."""
-        msg_id = new_msg_id(self._random_bytes)
+        msg_id = new_msg_id(self._random_bytes, self._flags)
         datagram = encode_request(msg_id, name, args)
         self._outstanding[msg_id] = _Outstanding(name, address)
         return msg_id, datagram

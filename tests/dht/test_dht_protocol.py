@@ -142,3 +142,15 @@ def test_huge_find_node_answers_are_cut_to_k_and_bad_entries_skipped():
     assert len(parsed) == 20
     assert parsed[0] == (b"\x00" * 20, "127.0.0.1", 1000)
     assert proto.parse_contacts({"value": 1}, limit=20) is None
+
+
+def test_our_msg_ids_tell_swarmd_senders_and_clients_apart_and_stock_ids_do_not():
+    server = proto.DatagramProtocol(flags=0)
+    client = proto.DatagramProtocol(flags=proto.FLAG_CLIENT)
+    stock = proto.DatagramProtocol()  # plain rpcudp ids: sha1 of random bytes
+    server_id, _ = server.request(("h", 1), "ping", [NODE_ID])
+    client_id, _ = client.request(("h", 1), "ping", [NODE_ID])
+    assert proto.swarmd_flags(server_id) == 0
+    assert proto.swarmd_flags(client_id) == proto.FLAG_CLIENT
+    assert all(proto.swarmd_flags(stock.request(("h", 1), "ping", [NODE_ID])[0]) is None for _ in range(1000))
+    assert len({server.request(("h", 1), "ping", [NODE_ID])[0] for _ in range(1000)}) == 1000
