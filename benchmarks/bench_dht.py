@@ -8,7 +8,8 @@ Workload (issue 3 "Targets"), run once on each implementation:
 Ours runs in this process under trio (a killed node's cancel scope is cancelled: its socket vanishes mid-flight,
 nothing is said to anyone). The stock package is asyncio, so it runs in child processes of 8 nodes each
 (`stock_kademlia_cluster.py`); killing = SIGKILL of whole processes. Both sides kill the same node indices and
-replay the same plan of (node, key) operations. Stock latencies are measured inside the stock process (the JSON-line
+replay the same plan of (node, key) operations, alternating operation by operation (ours, stock, ours, ...) so
+that both meet the same load on a shared machine. Stock latencies are measured inside the stock process (the JSON-line
 round trip to it is not counted); ours around each `await`. Failed or timed-out operations count as failures and
 their elapsed time stays in the percentiles.
 
@@ -31,6 +32,7 @@ import math
 import random
 import sys
 import time
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,135 +120,148 @@ class PhaseResult:
 # ------------------------------------------------------------------------------------------------ ours
 
 
-async def run_ours(plan: Plan, op_timeout: float, seed: int, log: Any) -> dict[str, PhaseResult]:
-    from dht import DHTNode
+class OursSide:
+    """64 of our DHT nodes in this trio process; killing one cancels its scope (its socket closes at once)."""
 
-    network = RealNetwork()
-    results = {phase: PhaseResult() for phase in PHASES}
-    nodes: list[Any] = []
-    scopes: list[trio.CancelScope] = []
-    finished: list[trio.Event] = []
+    name = "ours"
 
-    async def run_node(index: int, initial_peers: list, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        done = trio.Event()
-        try:
-            with trio.CancelScope() as scope:
-                identity = Identity.from_seed(f"bench-dht:{seed}:{index}".encode())
-                async with DHTNode.open(
-                    HOST, 0, initial_peers=initial_peers, identity=identity, network=network
-                ) as node:
-                    task_status.started((node, scope, done))
-                    await trio.sleep_forever()
-        finally:
-            done.set()
+    def __init__(self, plan: Plan, op_timeout: float):
+        self.plan = plan
+        self.op_timeout = op_timeout
+        self.results = {phase: PhaseResult() for phase in PHASES}
+        self.nodes: list[Any] = []
+        self._scopes: list[trio.CancelScope] = []
+        self._finished: list[trio.Event] = []
 
-    async with trio.open_nursery() as nursery:
+    async def start(self, nursery: trio.Nursery, seed: int, log: Any) -> None:
+        from dht import DHTNode
+
+        network = RealNetwork()
+
+        async def run_node(index: int, initial_peers: list, task_status=trio.TASK_STATUS_IGNORED) -> None:
+            done = trio.Event()
+            try:
+                with trio.CancelScope() as scope:
+                    identity = Identity.from_seed(f"bench-dht:{seed}:{index}".encode())
+                    async with DHTNode.open(
+                        HOST, 0, initial_peers=initial_peers, identity=identity, network=network
+                    ) as node:
+                        task_status.started((node, scope, done))
+                        await trio.sleep_forever()
+            finally:
+                done.set()
+
         started = time.perf_counter()
-        for index in range(plan.nodes):
-            initial = [nodes[0].address] if nodes else []
+        for index in range(self.plan.nodes):
+            initial = [self.nodes[0].address] if self.nodes else []
             with trio.fail_after(30):
                 node, scope, done = await nursery.start(run_node, index, initial)
-            nodes.append(node)
-            scopes.append(scope)
-            finished.append(done)
-        log(f"ours: {plan.nodes} nodes up in {time.perf_counter() - started:.2f} s")
+            self.nodes.append(node)
+            self._scopes.append(scope)
+            self._finished.append(done)
+        log(f"ours: {self.plan.nodes} nodes up in {time.perf_counter() - started:.2f} s")
 
-        async def store(node_index: int, key_index: int) -> None:
-            node = nodes[node_index]
-            begin, cpu = time.perf_counter(), time.process_time()
-            ok, error = False, None
-            try:
-                with trio.fail_after(op_timeout):
-                    ok = bool(await node.store(plan.keys[key_index], plan.values[key_index], node.now() + 3600))
-            except trio.TooSlowError:
-                error = "timeout"
-            except Exception as failure:  # a failed store is a data point, not the end of the benchmark
-                error = type(failure).__name__
-            results["store"].add(ok, (time.perf_counter() - begin) * 1000, error, (time.process_time() - cpu) * 1000)
+    async def run(self, phase: str, node_index: int, key_index: int) -> None:
+        node = self.nodes[node_index]
+        key, value = self.plan.keys[key_index], self.plan.values[key_index]
+        begin, cpu = time.perf_counter(), time.process_time()
+        ok, error = False, None
+        try:
+            with trio.fail_after(self.op_timeout):
+                if phase == "store":
+                    ok = bool(await node.store(key, value, node.now() + 3600))
+                else:
+                    record = await node.get(key)
+                    ok = record is not None and record.value == value
+                    if not ok:
+                        error = "missing" if record is None else "wrong value"
+        except trio.TooSlowError:
+            error = "timeout"
+        except Exception as failure:  # a failed operation is a data point, not the end of the benchmark
+            error = type(failure).__name__
+        self.results[phase].add(ok, (time.perf_counter() - begin) * 1000, error, (time.process_time() - cpu) * 1000)
 
-        async def get(phase: str, node_index: int, key_index: int) -> None:
-            node = nodes[node_index]
-            begin, cpu = time.perf_counter(), time.process_time()
-            ok, error = False, None
-            try:
-                with trio.fail_after(op_timeout):
-                    record = await node.get(plan.keys[key_index])
-                ok = record is not None and record.value == plan.values[key_index]
-                if not ok:
-                    error = "missing" if record is None else "wrong value"
-            except trio.TooSlowError:
-                error = "timeout"
-            except Exception as failure:
-                error = type(failure).__name__
-            results[phase].add(ok, (time.perf_counter() - begin) * 1000, error, (time.process_time() - cpu) * 1000)
-
-        async def kill(victims: list[int]) -> None:
+    async def kill(self, victims: list[int]) -> None:
+        for victim in victims:
+            self._scopes[victim].cancel()
+        with trio.fail_after(10):
             for victim in victims:
-                scopes[victim].cancel()
-            with trio.fail_after(10):
-                for victim in victims:
-                    await finished[victim].wait()
-
-        for node_index, key_index in plan.stores:
-            await store(node_index, key_index)
-        for node_index, key_index in plan.gets["get"]:
-            await get("get", node_index, key_index)
-        await kill(plan.kills[0])
-        for node_index, key_index in plan.gets["get_after_kill"]:
-            await get("get_after_kill", node_index, key_index)
-        await kill(plan.kills[1])
-        for node_index, key_index in plan.gets["get_after_half_killed"]:
-            await get("get_after_half_killed", node_index, key_index)
-        nursery.cancel_scope.cancel()
-    return results
+                await self._finished[victim].wait()
 
 
 # ------------------------------------------------------------------------------------------------ stock
 
 
-async def run_stock(plan: Plan, per_process: int, op_timeout: float, seed: int, after_kill_ops: int,
-                    log: Any) -> dict[str, PhaseResult]:
-    from stock_kademlia_cluster import StockCluster, StockNodeError
+class StockSide:
+    """64 stock nodes in child processes of `per_process`; killing = SIGKILL of whole processes."""
 
-    results = {phase: PhaseResult() for phase in PHASES}
-    async with StockCluster.open(plan.nodes, per_process=per_process, seed=seed) as cluster:
+    name = "stock"
+
+    def __init__(self, plan: Plan, op_timeout: float, per_process: int):
+        self.plan = plan
+        self.op_timeout = op_timeout
+        self.per_process = per_process
+        self.results = {phase: PhaseResult() for phase in PHASES}
+        self.cluster: Any = None
+
+    async def start(self, stack: AsyncExitStack, seed: int, log: Any) -> None:
+        from stock_kademlia_cluster import StockCluster
+
+        self.cluster = await stack.enter_async_context(
+            StockCluster.open(self.plan.nodes, per_process=self.per_process, seed=seed)
+        )
         started = time.perf_counter()
-        for index in range(1, plan.nodes):
-            await cluster.bootstrap(index, [cluster.address(0)], timeout=30)
-        log(f"stock: {plan.nodes} nodes up in {time.perf_counter() - started:.2f} s")
+        for index in range(1, self.plan.nodes):
+            await self.cluster.bootstrap(index, [self.cluster.address(0)], timeout=30)
+        log(f"stock: {self.plan.nodes} nodes up in {time.perf_counter() - started:.2f} s")
 
-        async def run(phase: str, node_index: int, key_index: int) -> None:
-            begin = time.perf_counter()
-            ok, error, ms = False, None, None
-            try:
-                if phase == "store":
-                    ok, ms = await cluster.set(
-                        node_index, plan.keys[key_index], plan.values[key_index], timeout=op_timeout
-                    )
-                else:
-                    value, ms = await cluster.get(node_index, plan.keys[key_index], timeout=op_timeout)
-                    ok = value == plan.values[key_index]
-                    if not ok:
-                        error = "missing" if value is None else "wrong value"
-            except StockNodeError as failure:
-                error = "timeout" if "no reply" in str(failure) else "error"
-            if ms is None:
-                ms = (time.perf_counter() - begin) * 1000
-            results[phase].add(ok, ms, error)
+    async def run(self, phase: str, node_index: int, key_index: int) -> None:
+        from stock_kademlia_cluster import StockNodeError
 
-        for node_index, key_index in plan.stores:
-            await run("store", node_index, key_index)
-        for node_index, key_index in plan.gets["get"]:
-            await run("get", node_index, key_index)
-        for group in sorted({victim // per_process for victim in plan.kills[0]}):
-            cluster.kill_process_of(group * per_process)
-        for node_index, key_index in plan.gets["get_after_kill"][:after_kill_ops]:
-            await run("get_after_kill", node_index, key_index)
-        for group in sorted({victim // per_process for victim in plan.kills[1]}):
-            cluster.kill_process_of(group * per_process)
-        for node_index, key_index in plan.gets["get_after_half_killed"][:after_kill_ops]:
-            await run("get_after_half_killed", node_index, key_index)
-    return results
+        key, value = self.plan.keys[key_index], self.plan.values[key_index]
+        begin = time.perf_counter()
+        ok, error, ms = False, None, None
+        try:
+            if phase == "store":
+                ok, ms = await self.cluster.set(node_index, key, value, timeout=self.op_timeout)
+            else:
+                got, ms = await self.cluster.get(node_index, key, timeout=self.op_timeout)
+                ok = got == value
+                if not ok:
+                    error = "missing" if got is None else "wrong value"
+        except StockNodeError as failure:
+            error = "timeout" if "no reply" in str(failure) else "error"
+        if ms is None:
+            ms = (time.perf_counter() - begin) * 1000
+        self.results[phase].add(ok, ms, error)
+
+    async def kill(self, victims: list[int]) -> None:
+        for group in sorted({victim // self.per_process for victim in victims}):
+            self.cluster.kill_process_of(group * self.per_process)
+        await trio.lowlevel.checkpoint()
+
+
+async def run_workload(plan: Plan, sides: list[Any], stock_after_kill_ops: int, log: Any) -> None:
+    """Replay the plan on every side, one operation at a time, alternating sides operation by operation, so
+    both meet the same machine load at the same moments (this machine is shared)."""
+
+    async def phase(name: str, operations: list[tuple[int, int]]) -> None:
+        started = time.perf_counter()
+        for number, (node_index, key_index) in enumerate(operations):
+            for side in sides:
+                if side.name == "stock" and name.startswith("get_after") and number >= stock_after_kill_ops:
+                    continue
+                await side.run(name, node_index, key_index)
+        log(f"phase {name}: {time.perf_counter() - started:.1f} s")
+
+    await phase("store", plan.stores)
+    await phase("get", plan.gets["get"])
+    for side in sides:
+        await side.kill(plan.kills[0])
+    await phase("get_after_kill", plan.gets["get_after_kill"])
+    for side in sides:
+        await side.kill(plan.kills[1])
+    await phase("get_after_half_killed", plan.gets["get_after_half_killed"])
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -307,21 +322,28 @@ async def main_async(args: argparse.Namespace) -> None:
         f"DHT benchmark: {args.nodes} nodes, {args.ops} ops per phase, kill {len(plan.kills[0])} then "
         f"{len(plan.kills[1])} more; seed {args.seed}"
     )
-    sides: dict[str, dict[str, PhaseResult]] = {}
     figures: dict[str, Any] = {"nodes": args.nodes, "ops_per_phase": args.ops, "killed_per_round": len(plan.kills[0])}
-    if not args.skip_ours:
-        started = time.perf_counter()
-        sides["ours"] = await run_ours(plan, args.op_timeout, args.seed, log)
-        log(f"ours: workload done in {time.perf_counter() - started:.1f} s")
-        figures.update(summary("ours", sides["ours"]))
-    if not args.skip_stock:
-        started = time.perf_counter()
-        after_kill_ops = args.stock_after_kill_ops or args.ops
-        sides["stock"] = await run_stock(plan, args.per_process, args.stock_op_timeout, args.seed, after_kill_ops, log)
-        figures["stock_ops_after_kill"] = min(after_kill_ops, args.ops)
-        log(f"stock: workload done in {time.perf_counter() - started:.1f} s")
-        figures.update(summary("stock", sides["stock"]))
-    print_table(sides, log)
+    after_kill_ops = min(args.stock_after_kill_ops or args.ops, args.ops)
+    sides: list[Any] = []
+    started = time.perf_counter()
+    async with AsyncExitStack() as stack:
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        if not args.skip_ours:
+            ours = OursSide(plan, args.op_timeout)
+            await ours.start(nursery, args.seed, log)
+            sides.append(ours)
+        if not args.skip_stock:
+            stock = StockSide(plan, args.stock_op_timeout, args.per_process)
+            await stock.start(stack, args.seed, log)
+            sides.append(stock)
+            figures["stock_ops_after_kill"] = after_kill_ops
+        await run_workload(plan, sides, after_kill_ops, log)
+        nursery.cancel_scope.cancel()
+    log(f"workload done in {time.perf_counter() - started:.1f} s")
+    for side in sides:
+        figures.update(summary(side.name, side.results))
+    results = {side.name: side.results for side in sides}
+    print_table(results, log)
     check_targets(figures, log)
     print(json.dumps(figures), flush=True)
 
