@@ -53,6 +53,7 @@ class DHTConfig:
     max_timeout: float = 2.0  # ceiling of it, and the hard timeout after which a request counts as failed
     initial_timeout: float = 1.0  # for a peer when nothing has been measured yet
     failures_to_evict: int = 3  # consecutive unanswered requests before a contact leaves the routing table
+    head_check_after: float = 60.0  # a full bucket pings its oldest contact only if silent this long
     lookup_timeout: float = 10.0  # a whole lookup never takes longer
     get_quorum: int = 3  # get(latest=False) stops after this many replicas answered with a value
     bootstrap_attempts: int = 3
@@ -109,6 +110,7 @@ class DHTNode:
         self._served: Counter[str] = Counter()
         self._probes: dict[Address, trio.Event] = {}  # swarmd_hello in flight, per address
         self._welcome_queue: dict[bytes, Node] = {}
+        self._checking: set[bytes] = set()  # bucket heads being pinged
         self._welcome_scheduled = False
 
     # ------------------------------------------------------------------------------------------------ lifecycle
@@ -272,6 +274,7 @@ class DHTNode:
                                  peer=address)
         self._peers.observe_rtt(address, trio.current_time() - sent_at)
         info.failures = 0
+        info.last_seen = trio.current_time()
         if name == "ping" and isinstance(waiter.result, bytes) and len(waiter.result) == proto.NODE_ID_BYTES:
             node_id = waiter.result
         if node_id is not None:
@@ -291,20 +294,26 @@ class DHTNode:
         node = Node(node_id, address[0], address[1])
         is_new = existing is None
         head = self._table.add(node, trio.current_time())
-        if head is not None:
-            self._nursery.start_soon(self._check_head, head)
+        if head is not None and head.id not in self._checking:
+            head_info = self._peers.known((head.ip, head.port))
+            if head_info is None or trio.current_time() - head_info.last_seen > self.config.head_check_after:
+                self._checking.add(head.id)
+                self._nursery.start_soon(self._check_head, head)
         if is_new and node_id in self._table and not self.client_mode:
             self._queue_welcome(node)
 
     async def _check_head(self, head: Node) -> None:
         """A full bucket met a newcomer: ping its least recently seen contact; after repeated failures it is
         evicted (in `_request`) and the freshest replacement takes its place."""
-        for _ in range(self.config.failures_to_evict):
-            try:
-                await self._request((head.ip, head.port), "ping", [self.peer_id], node_id=head.id)
-                return
-            except RequestTimeout:
-                continue
+        try:
+            for _ in range(self.config.failures_to_evict):
+                try:
+                    await self._request((head.ip, head.port), "ping", [self.peer_id], node_id=head.id)
+                    return
+                except RequestTimeout:
+                    continue
+        finally:
+            self._checking.discard(head.id)
 
     async def _start_probe(self, address: Address) -> trio.Event:
         """Send a `swarmd_hello` now and collect its answer in the background; the event fires when the
@@ -446,6 +455,7 @@ class DHTNode:
     def _note_sender(self, node_id: bytes, address: Address) -> None:
         info = self._peers.get(address)
         info.failures = 0
+        info.last_seen = trio.current_time()
         if node_id == self.peer_id or info.client:
             return
         known = self._table.get(node_id)

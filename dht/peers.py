@@ -36,6 +36,7 @@ class PeerInfo:
     swarmd: bool | None = None  # speaks the swarmd_* extension RPCs; None = not probed yet
     client: bool = False  # a client-mode node: never enters a routing table
     node_id: bytes | None = None
+    last_seen: float = -1e18  # trio time of the last request or reply from it
     tokens: float = 0.0
     refilled_at: float | None = None
 
