@@ -42,6 +42,7 @@ from peer.client import Swarm  # noqa: E402
 
 LAUNCHER = os.path.join(ROOT, "tests", "moe", "expert_server_process.py")
 SERVER_FLAGS = ["--torch-threads", "1"]
+CORES = len(os.sched_getaffinity(0))  # the cores this process may use (taskset-aware, unlike os.cpu_count)
 
 
 # ------------------------------------------------------------------------------------------------ processes
@@ -152,7 +153,7 @@ def local_throughput(hidden: int, batch: int, clients: int, iterations: int) -> 
 
 def latency(seconds: float) -> dict:
     # batch 1 computes in ~30 us: run it on the server's event loop (no thread handoff), one torch thread
-    server = ServerProcess(["ffn.0"], 256, "--new-dht", "--torch-threads", "1", "--inline-threshold", "0.001")
+    server = ServerProcess(["ffn.0"], 256, "--new-dht", "--torch-threads", "1", "--inline-threshold", "inf")
     server.wait_ready()
     try:
         with Swarm([server.address]) as swarm:
@@ -280,7 +281,7 @@ def main() -> None:
 
     if "throughput" not in skip:
         # small batches: one torch thread per batch and one batch per core at a time (no OpenMP barriers)
-        per_core = ["--torch-threads", "1", "--threads-per-device", str(os.cpu_count() or 1)]
+        per_core = ["--torch-threads", "1", "--threads-per-device", str(CORES)]
         remote = remote_throughput(256, 64, 4, args.iterations_h256, per_core)
         local = local_throughput(256, 64, 4, args.iterations_h256)
         print(f"(b) hidden 256, batch 64, 4 experts, 4 clients, fwd+bwd: {remote:.0f} samples/s (target >= 6,600 "
@@ -311,7 +312,7 @@ def main() -> None:
                       ft_max_step_s_at_kill=round(ft["max_step_s_at_kill"], 4), ft_bad_steps=ft["bad_steps"])
 
     load = os.getloadavg()
-    print(f"machine: {os.cpu_count()} cores, load average during the run {load[0]:.1f} / {load[1]:.1f} (1 / 5 min)")
+    print(f"machine: {CORES} cores, load average during the run {load[0]:.1f} / {load[1]:.1f} (1 / 5 min)")
     result["load_average_5min"] = round(load[1], 2)
     print(json.dumps(result))
 

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.torch_threads)
     try:
         trio.run(serve, args)
-    except KeyboardInterrupt:
+    except* KeyboardInterrupt:  # Ctrl-C: stop quietly (trio may wrap it in a group)
         pass
 
 
