@@ -318,7 +318,10 @@ class MixtureClient:
     ) -> ForwardResult:
         batch_size = inputs.shape[0]
         succeeded = [c for c in progress.calls if c.outputs is not None]
-        out_shape = self.out_shape if self.out_shape is not None else tuple(succeeded[0].outputs.shape[1:])
+        if self.out_shape is not None:
+            out_shape = self.out_shape
+        else:  # an empty batch has no answers to learn the shape from: experts usually keep the input's shape
+            out_shape = tuple(succeeded[0].outputs.shape[1:]) if succeeded else tuple(inputs.shape[1:])
         width = max([k_best, *(slot + 1 for call in succeeded for slot in call.slots)])
         outputs = inputs.new_zeros((batch_size, width, *out_shape))
         mask = torch.zeros(batch_size, width, dtype=torch.bool)

@@ -172,3 +172,12 @@ def test_server_killed_mid_backward_step_completes_matches_local_and_training_go
         losses.append(loss.item())
     assert losses[-1] < losses[0]
     assert moe.client.stats["forward_failures"] + moe.client.stats["backward_failures"] == failures
+
+
+def test_empty_batch_and_wrong_input_shape(dht_harness):
+    make_servers(dht_harness)
+    moe = RemoteMixtureOfExperts(HIDDEN, GRID, "ffn", k_best=2, swarm=dht_harness.client())
+    out = moe(torch.zeros(0, HIDDEN))
+    assert out.shape == (0, HIDDEN)
+    with pytest.raises(ValueError):
+        moe(torch.zeros(3, HIDDEN + 1))
