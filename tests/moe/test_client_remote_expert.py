@@ -73,3 +73,19 @@ def test_wrong_peer_at_the_address_is_refused(harness):
     remote = RemoteExpert("ffn.3", server.address, harness.client(), peer_id=impostor)
     with pytest.raises(HandshakeError):
         remote(torch.randn(2, 8))
+
+
+def test_float16_compression_both_ways(harness):
+    from peer.wire import Compression
+
+    expert = make_expert("ffn.4", "ffn", 32, seed=5, optimizer=OptimizerConfig("sgd", lr=0.0))
+    server = harness.server([expert])
+    remote = RemoteExpert("ffn.4", server.address, harness.client(), compression=Compression.FLOAT16)
+    x = torch.randn(8, 32, requires_grad=True)
+    y = remote(x)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, expert.module(x).detach(), rtol=1e-2, atol=1e-2)
+    y.sum().backward()
+    x_local = x.detach().clone().requires_grad_()
+    expert.module(x_local).sum().backward()
+    torch.testing.assert_close(x.grad, x_local.grad, rtol=1e-2, atol=1e-2)

@@ -181,3 +181,24 @@ def test_empty_batch_and_wrong_input_shape(dht_harness):
     assert out.shape == (0, HIDDEN)
     with pytest.raises(ValueError):
         moe(torch.zeros(3, HIDDEN + 1))
+
+
+def test_switch_mixture_trains_with_the_balancing_loss(dht_harness):
+    make_servers(dht_harness, optimizer=OptimizerConfig("adam", lr=0.01))
+    torch.manual_seed(5)
+    moe = RemoteSwitchMixtureOfExperts(HIDDEN, GRID, "ffn", swarm=dht_harness.client())
+    teacher = nn.Sequential(nn.Linear(HIDDEN, 32), nn.Tanh(), nn.Linear(32, HIDDEN))
+    xs = torch.randn(256, HIDDEN)
+    with torch.no_grad():
+        ys = teacher(xs)
+    opt = torch.optim.Adam(moe.parameters(), lr=0.01)
+    losses = []
+    for step in range(40):
+        batch = slice((step * 32) % 256, (step * 32) % 256 + 32)
+        out, balancing = moe(xs[batch])
+        loss = ((out - ys[batch]) ** 2).mean()
+        opt.zero_grad()
+        (loss + 0.01 * balancing).backward()
+        opt.step()
+        losses.append(loss.item())
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
