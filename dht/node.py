@@ -49,7 +49,10 @@ class DHTConfig:
 
     k: int = 20
     alpha: int = 3
-    min_timeout: float = 0.05  # floor of the adaptive per-peer timeout (soft: a new query starts after it)
+    # Floor of the adaptive per-peer timeout. It only paces lookups (after it a further query starts; a late
+    # answer still counts), so it can sit close to loopback RTTs: a dead peer then costs ~10 ms, not 5 s.
+    min_timeout: float = 0.01
+    probe_timeout: float = 0.25  # floor of the wait for a swarmd_hello answer (silence = stock peer, for good)
     max_timeout: float = 2.0  # ceiling of it, and the hard timeout after which a request counts as failed
     initial_timeout: float = 1.0  # for a peer when nothing has been measured yet
     failures_to_evict: int = 3  # consecutive unanswered requests before a contact leaves the routing table
@@ -338,7 +341,8 @@ class DHTNode:
     async def _finish_probe(self, address: Address, msg_id: bytes, waiter: _Waiter, sent_at: float,
                             done: trio.Event) -> None:
         try:
-            with trio.move_on_after(min(self.config.max_timeout, 2 * self._peers.timeout(address))):
+            wait = max(self.config.probe_timeout, 4 * self._peers.timeout(address))
+            with trio.move_on_after(min(self.config.max_timeout, wait)):
                 await waiter.event.wait()
         finally:
             self._waiters.pop(msg_id, None)
