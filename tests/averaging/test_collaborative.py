@@ -71,7 +71,8 @@ def test_optimizer_state_is_created_without_moving_the_parameters():
 # ------------------------------------------------------------------------------------------- two trainers
 
 
-def _run_pair(bootstrap, mode: str, make_optimizer, target: int = 400, batch: int = 8) -> dict[int, dict]:
+def _run_pair(bootstrap, mode: str, make_optimizer, target: int = 400, batch: int = 8,
+              listen: tuple[bool, bool] = (True, True), matchmaking_time: float = 5.0) -> dict[int, dict]:
     """Two trainers in threads, each with its own Swarm and data; each runs until its first epoch ends."""
     template = _template()
     results: dict[int, dict] = {}
@@ -83,7 +84,8 @@ def _run_pair(bootstrap, mode: str, make_optimizer, target: int = 400, batch: in
             with Swarm([bootstrap]) as swarm:
                 model = copy.deepcopy(template)
                 opt = CollaborativeOptimizer(make_optimizer(model), swarm, f"pair-{mode}", target_batch_size=target,
-                                             batch_size_per_step=batch, average=mode, matchmaking_time=5.0)
+                                             batch_size_per_step=batch, average=mode, listen=listen[index],
+                                             matchmaking_time=matchmaking_time)
                 x, y = _data(10 + index, batch)
                 ready.wait()
                 steps = 0
@@ -144,6 +146,28 @@ def test_parameter_averaging_leaves_both_trainers_with_the_same_model(bootstrap)
     for pa, pb in zip(a["params"], b["params"]):
         assert torch.allclose(pa, pb, atol=1e-6)
     assert not all(torch.equal(p, q) for p, q in zip(a["params"], _params(_template())))  # it did train
+
+
+def test_a_client_mode_trainer_averages_in_a_group_with_a_reachable_one(bootstrap):
+    results = _run_pair(bootstrap, "gradients", lambda model: torch.optim.SGD(model.parameters(), lr=0.1),
+                        listen=(True, False))
+    a, b = results[0], results[1]
+    assert a["stats"]["peers_averaged_with"] == [b["peer_id"]]
+    assert b["stats"]["peers_averaged_with"] == [a["peer_id"]]
+    for pa, pb in zip(a["params"], b["params"]):
+        assert torch.allclose(pa, pb, atol=1e-6)
+
+
+def test_two_client_mode_trainers_cannot_group_but_still_apply_their_update(bootstrap):
+    # nobody in the group could reduce a part: the round is skipped within the matchmaking window and each
+    # trainer applies its own accumulated gradient and moves on
+    results = _run_pair(bootstrap, "gradients", lambda model: torch.optim.SGD(model.parameters(), lr=0.1),
+                        listen=(False, False), matchmaking_time=1.0)
+    for index, result in results.items():
+        assert result["epoch"] == 1
+        assert result["stats"]["averaging_rounds"] == 0
+        assert result["stats"]["averaging_failures"] == result["stats"]["averaging_attempts"] == 1
+        assert not all(torch.equal(p, q) for p, q in zip(result["params"], _params(_template())))
 
 
 # ------------------------------------------------------------------------------------------- catching up
