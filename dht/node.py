@@ -5,12 +5,18 @@ in-memory simulator) and one nursery holding its receive loop and maintenance ta
 `DHTNode.open(...)` cancels them all and closes the socket.
 
 Wire compatibility: requests and replies are those of kademlia 2.2.3 (see dht/protocol.py), so stock nodes can
-join, store and read plain values. Extension RPCs (`swarmd_hello`, `swarmd_find_many`, `swarmd_store_many`) go
-only to peers that answered a `swarmd_hello`; a stock peer is probed once and never asked again.
+join, store and read plain values. Our request msg ids carry a mark (opaque to rpcudp), so a node knows from any
+request it receives whether the sender is a swarmd server, a swarmd client or a stock node. Extension RPCs
+(`swarmd_find_many`, `swarmd_store_many`, `swarmd_store_find`) go only to peers known to speak them; a peer that
+never sent us a request is asked once with `swarmd_hello` (a stock peer stays silent: a short wait, once).
 
-Client mode: the node sends requests but answers only `swarmd_hello` (saying it is a client), so swarmd nodes
+Client mode: the node sends requests but answers only `swarmd_hello`; its msg ids say "client", so swarmd nodes
 never add it to their routing tables. Stock nodes add any sender they hear from; they will try to contact the
 client later and get no answer, which costs them a timeout (documented limitation).
+
+Timing: every expiration is absolute on the DHT clock (`clock`, default `time.time`); scheduling (timeouts,
+refresh, republish) runs on trio's clock. Under `trio.testing.MockClock` pass `clock=trio.current_time` so records
+expire in virtual time too.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from kademlia.utils import digest
 from dht import protocol as proto
 from dht import records
 from dht.errors import BootstrapFailed, InvalidValue, RequestTimeout
-from dht.lookup import Candidate, State, Target
+from dht.lookup import State, Target
 from dht.peers import PeerBook
 from dht.records import Record, Subkey
 from dht.routing import RoutingTable
@@ -460,6 +466,9 @@ class DHTNode:
         info = self._peers.get(address)
         info.failures = 0
         info.last_seen = trio.current_time()
+        if info.node_id is not None and info.node_id != node_id:
+            self._table.remove(info.node_id)  # another node (a restart with a new identity) lives there now
+            info.node_id = None
         if node_id == self.peer_id or info.client:
             return
         known = self._table.get(node_id)
