@@ -642,7 +642,9 @@ class DHTNode:
                 return
             answers[key_id] = self._parse_find(raw, want_value)
 
-        if keys:
+        if len(keys) == 1:
+            await one(keys[0])  # the common case: no nursery, no extra task
+        elif keys:
             async with trio.open_nursery() as nursery:
                 for key_id in keys:
                     nursery.start_soon(one, key_id)
@@ -669,9 +671,13 @@ class DHTNode:
                     store.stored_on.setdefault(key_id, set()).add(node_id)
                 answers[key_id] = self._parse_find(answer[1], False)
 
-        async with trio.open_nursery() as nursery:
-            for batch in proto.batches([(key_id, store.wire[key_id]) for key_id in keys]):
-                nursery.start_soon(one, batch)
+        groups = proto.batches([(key_id, store.wire[key_id]) for key_id in keys])
+        if len(groups) == 1:
+            await one(groups[0])
+        else:
+            async with trio.open_nursery() as nursery:
+                for batch in groups:
+                    nursery.start_soon(one, batch)
         for key_id in keys:
             answers.setdefault(key_id, None)
 
