@@ -6,8 +6,11 @@
 
 Why it is shaped like this:
 - The averager owns a nursery (the `async with` block): it installs the all-reduce and matchmaking handlers on
-  the peer's RPC node and runs background work (declaration withdrawals, the state server) there; leaving the
-  block cancels all of it.
+  the peer's RPC node and runs background work (declaration withdrawals, the state server and its DHT
+  announcement) there; leaving the block cancels all of it.
+- State for newcomers: a reachable averager serves (metadata, tensors) snapshots (`averaging.state`) and
+  announces itself under `<prefix>.state` in the DHT; `load_state_from_peers()` asks the most advanced of those
+  peers first and adopts its averaging round, so the newcomer is in phase with the swarm's group keys.
 - One step at a time: steps are serialised, because the group key, the round counter and the registered tensors
   belong to the whole averager. Training code that wants to keep computing during a step runs the step through
   the bridge (`bridge.run(averager.step)`) from its own thread.
@@ -27,6 +30,7 @@ from typing import Any, Sequence
 import torch
 import trio
 
+from averaging import state as state_download
 from averaging.allreduce import AllReduceConfig, AllReduceResult, AllReduceServer, install_allreduce
 from averaging.errors import AveragingError
 from averaging.group import GroupInfo
@@ -90,6 +94,9 @@ class Averager:
         lock: TensorLock | None = None,
         names: Sequence[str] | None = None,
         allreduce_config: AllReduceConfig | None = None,
+        serve_state: bool | None = None,
+        state_ttl: float = 30.0,
+        metadata: Any = None,
     ):
         self.rpc = rpc
         self.dht = dht
@@ -108,6 +115,10 @@ class Averager:
         self.min_group_size = min_group_size
         self.matchmaking_time = matchmaking_time
         self.allreduce_config = allreduce_config
+        self.serve_state = serve_state  # None: serve unless this RPC node already serves someone's state
+        self.state_ttl = state_ttl
+        self.metadata = metadata  # sent with the state to newcomers (e.g. the training step)
+        self.state_server: state_download.StateServer | None = None
         self.keys = GroupKeyManager(prefix, target_group_size=target_group_size, nbits=nbits)
         self.matchmaker: Matchmaker | None = None
         self.allreduce_server: AllReduceServer | None = None
@@ -155,8 +166,69 @@ class Averager:
             bandwidth=self.bandwidth, client_mode=client_mode, nursery=nursery,
         )
         self.matchmaker.register()
+        if self.serve_state is not False and not client_mode:
+            try:
+                self.state_server = state_download.install_state_server(self.rpc, self._get_state, lock=self.lock)
+            except ValueError:  # the owner (e.g. CollaborativeOptimizer) serves its own state on this node
+                if self.serve_state:
+                    raise
+            if self.state_server is not None:
+                nursery.start_soon(self._announce_state)
+
+    @property
+    def state_key(self) -> str:
+        return f"{self.prefix}.state"
+
+    def _get_state(self) -> tuple[Any, list[torch.Tensor]]:
+        """Called under the lock by the state server: a consistent snapshot of round, metadata and tensors."""
+        return {"round": self.keys.round, "metadata": self.metadata}, self.tensors
+
+    async def _announce_state(self) -> None:
+        """Keep `<prefix>.state` pointing at me while I serve: refreshed every third of its expiration."""
+        while True:
+            address = self.rpc.announced_address
+            if address is not None:
+                try:
+                    await self.dht.store(self.state_key, [address[0], address[1], self.keys.round],
+                                         self.dht.now() + self.state_ttl, subkey=bytes(self.peer_id))
+                except Exception as error:  # the next refresh tries again
+                    logger.debug("announcing state under %s failed: %s", self.state_key, error)
+            await trio.sleep(self.state_ttl / 3)
+
+    async def load_state_from_peers(self, timeout: float = 60.0) -> state_download.DownloadedState | None:
+        """Download the registered tensors from a peer that serves them (the most advanced round first), copy
+        them in place under the lock, and adopt that peer's round. Returns None when nobody serves state;
+        raises StateDownloadFailed when every provider failed. `.metadata` of the result is the provider's
+        `averager.metadata`, which is also adopted here."""
+        record = await self.dht.get(self.state_key, latest=True)
+        now = self.dht.now()
+        providers = []
+        for subkey, entry in (getattr(record, "subkeys", None) or {}).items():
+            value = entry.value
+            if entry.expiration_time < now or not isinstance(subkey, bytes) or len(subkey) != 20 \
+                    or subkey == bytes(self.peer_id) or not isinstance(value, list) or len(value) != 3:
+                continue
+            try:
+                providers.append((int(value[2]), PeerID(subkey), (str(value[0]), int(value[1]))))
+            except (TypeError, ValueError):
+                continue
+        if not providers:
+            return None
+        providers.sort(key=lambda item: -item[0])
+        downloaded = await state_download.load_state_from_peers(
+            self.rpc, [(peer_id, address) for _, peer_id, address in providers], into=self.tensors,
+            lock=self.lock, timeout=timeout, compression=self.compression)
+        info = downloaded.metadata if isinstance(downloaded.metadata, dict) else {}
+        if isinstance(info.get("round"), int):
+            self.keys.set_round(info["round"])
+        self.metadata = info.get("metadata")
+        downloaded.metadata = self.metadata
+        return downloaded
 
     def _stop(self) -> None:
+        if self.state_server is not None:
+            self.state_server.uninstall()
+            self.state_server = None
         if self.matchmaker is not None:
             self.matchmaker.unregister()
         if self.allreduce_server is not None:
@@ -226,6 +298,7 @@ class Averager:
             "round": self.keys.round,
             "key": self.keys.key,
             "client_mode": bool(self.client_mode),
+            "serving_state": self.state_server is not None,
             **self.counters,
             "last_group": [str(p) for p in last.group.peer_ids] if last and last.group else [],
             "last_finished": bool(last.finished) if last else None,

@@ -37,7 +37,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Protocol, Sequence
 
@@ -337,6 +336,7 @@ class _Round:
         self.population_reached_after: float | None = None  # seconds until every expected peer was visible
         self.patience_ran_out = False
         self.probe_timeouts: dict[PeerID, int] = {}
+        self.invited_by: Declaration | None = None  # a lower peer probed me as a member of its chunk
         self.view: dict[PeerID, Declaration] = {}
         self.excluded: set[PeerID] = set()
         self.failed: list[PeerID] = []
@@ -485,7 +485,11 @@ class Matchmaker:
         return collector_of(chunk_of(self._plan(state), self.peer_id))
 
     async def _refresh_view(self, state: _Round) -> bool:
-        """Read the key once; True when the set of compatible peers changed."""
+        """Read the key once and merge it into the view; True when the set of compatible peers changed.
+
+        Merge, not replace: one read may reach only some replicas and miss a declaration another read saw, and a
+        view that flickers never becomes quiet. A peer leaves the view only when its withdrawal (or a newer
+        entry) is read, or when its declaration expires."""
         t0 = trio.current_time()
         try:
             record = await self.dht.get(state.key, latest=False)
@@ -495,16 +499,17 @@ class Matchmaker:
         # one read stalled by a dead replica must not inflate every later quiet period
         self.dht_latency.update(min(trio.current_time() - t0, 2 * self.dht_latency.value + 0.01))
         now = self.dht.now()
-        view: dict[PeerID, Declaration] = {}
+        view = {p: d for p, d in state.view.items() if d.deadline + 1.0 >= now}
         for subkey, entry in (getattr(record, "subkeys", None) or {}).items():
             if not isinstance(subkey, (bytes, bytearray)) or len(subkey) != 20:
                 continue
             declaration = Declaration.from_wire(subkey, entry.value)
-            if declaration is None or declaration.schema != self.schema or entry.expiration_time < now:
-                continue
-            if declaration.deadline < state.me.declared_at:
-                continue  # left over from an earlier round of that peer
-            view[declaration.peer_id] = declaration
+            fresh = declaration is not None and entry.expiration_time >= now \
+                and declaration.deadline >= state.me.declared_at  # else left over from an earlier round
+            if fresh and declaration.schema == self.schema:
+                view[declaration.peer_id] = declaration
+            elif declaration is None or not fresh:
+                view.pop(PeerID(bytes(subkey)), None)  # withdrawn, or only an old round's entry is left
         view.pop(self.peer_id, None)
         state.seen.update(view)
         if state.assembly is not None:  # peers that joined me count even if their declaration isn't visible
@@ -605,6 +610,8 @@ class Matchmaker:
         redirects = 0
         redirected: Declaration | None = None  # where the last redirect pointed: join it next, skip planning
         while True:
+            if state.invited_by is not None and state.assembly is None:
+                redirected, state.invited_by = state.invited_by, None
             now = trio.current_time()
             collector = self._my_collector(state)
             if redirected is not None and state.assembly is None:
@@ -704,7 +711,7 @@ class Matchmaker:
                 if assembly.should_seal(now + state.offset, quiet_for >= self.quiet_period and not patient):
                     break
                 if quiet_for >= self.quiet_period:
-                    for peer_id in assembly.waiting_for:
+                    for peer_id in sorted(assembly.waiting_for):
                         declaration = state.view.get(peer_id)
                         if declaration is None:
                             assembly.drop(peer_id)
@@ -718,6 +725,10 @@ class Matchmaker:
                 await state.wait_changed(wake)
                 if len(assembly.joined) == 1 and not assembly.closed:
                     collector = self._my_collector(state)
+                    if state.invited_by is not None:
+                        state.assembly = None  # a lower collector counts me in: join it (see _handle_ping)
+                        nursery.cancel_scope.cancel()
+                        return None
                     if collector is not None and collector.peer_id != self.peer_id:
                         state.assembly = None  # step down; joins arriving from now on get redirected
                         nursery.cancel_scope.cancel()
@@ -725,7 +736,11 @@ class Matchmaker:
                     if self._nobody_left(state) and trio.current_time() - state.last_change >= 3 * self.quiet_period:
                         break  # everyone I can see is dead or taken: waiting out the window helps nobody
             nursery.cancel_scope.cancel()
-        group = assembly.seal(os.urandom(16))
+        # unique (my declaration time differs every round) and reproducible in simulations, unlike random bytes
+        group_id = hashlib.sha256(b"swarmd-group|" + state.key.encode() + bytes(self.peer_id)
+                                  + repr(state.me.declared_at).encode()
+                                  + b"".join(sorted(bytes(p) for p in assembly.joined))).digest()[:16]
+        group = assembly.seal(group_id)
         state.sealed.set()
         logger.debug("matchmaking %s: sealed %d member(s) (waiting for %d, dropped %d, view %d)", self.peer_id.short(),
                      len(assembly.joined), len(assembly.waiting_for), len(assembly.dropped), len(state.view))
@@ -761,6 +776,7 @@ class Matchmaker:
                 assembly.drop(declaration.peer_id)
         except RPCError as error:
             logger.debug("matchmaking: %s failed a probe: %s", declaration.peer_id.short(), error)
+            state.excluded.add(declaration.peer_id)  # dead: plan without it from now on
             if declaration.peer_id not in state.failed:
                 state.failed.append(declaration.peer_id)
                 self.stats["dead_peers"] += 1
@@ -773,6 +789,17 @@ class Matchmaker:
         state = self._round
         key = args.get("key") if isinstance(args, dict) else None
         matching = state is not None and key == state.key
+        if matching and ctx.address is not None and ctx.peer_id < self.peer_id and state.assembly is not None \
+                and len(state.assembly.joined) == 1 and not state.assembly.closed:
+            # Two lone collectors whose views differ can wait for each other until the deadline; the rule that
+            # breaks the tie: a lower collector that counts me in its chunk wins, I step down and join it.
+            prober = state.view.get(ctx.peer_id)
+            if prober is None:  # not in my view yet: the authenticated caller is enough to join it
+                me = state.me
+                prober = Declaration(ctx.peer_id, ctx.address, 1.0, False, me.schema, me.round, me.deadline,
+                                     me.declared_at)
+            state.invited_by = prober
+            state.poke()
         following = state.following.peer_id if matching and state.following is not None else None
         return {"matching": matching, "following": bytes(following) if following is not None else None,
                 # a collector nobody joined yet steps down as soon as it sees a lower peer: not a rival yet

@@ -18,7 +18,9 @@ async def _averagers(nursery, count, *, seed=0, client_mode=frozenset(), **optio
     peers = await start_peers(nursery, count, memory=memory, seed=seed, client_mode=set(client_mode))
     averagers = []
     for index, peer in enumerate(peers):
-        averager = Averager(peer.rpc, peer.dht, _tensors(seed * 100 + index), **options)
+        # a trio.Lock: a contended threading.Lock would be waited for in a worker thread, and MockClock's autojump
+        # lets virtual time run while a thread works (see DESIGN.md, Testing)
+        averager = Averager(peer.rpc, peer.dht, _tensors(seed * 100 + index), lock=trio.Lock(), **options)
         await peer.nursery.start(averager.serve)
         averagers.append(averager)
     return memory, peers, averagers
@@ -120,4 +122,35 @@ async def test_step_with_nobody_else_reports_no_group(autojump_clock):
         assert not result.finished and result.group is None and result.reason
         assert all(torch.equal(a, b) for a, b in zip(averagers[0].tensors, before))
         assert averagers[0].stats()["no_group"] == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_newcomer_loads_state_and_round_from_peers(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        memory, peers, averagers = await _averagers(nursery, 4, prefix="st", target_group_size=3, nbits=0)
+        veterans, newcomer = averagers[:3], averagers[3]
+        for averager in veterans:
+            averager.metadata = {"step": 42}
+        for _ in range(2):
+            results = await _step_all(veterans, timeout=30)
+            assert all(r.finished for r in results)
+        assert newcomer.keys.round == 0 and all(a.keys.round == 2 for a in veterans)
+        downloaded = await newcomer.load_state_from_peers(timeout=10)
+        assert downloaded is not None and downloaded.metadata == {"step": 42}
+        assert downloaded.peer in {a.peer_id for a in veterans}
+        provider = next(a for a in veterans if a.peer_id == downloaded.peer)
+        for mine, theirs in zip(newcomer.tensors, provider.tensors):
+            assert torch.equal(mine, theirs)
+        assert newcomer.keys.round == 2 and newcomer.metadata == {"step": 42}
+        # in phase, the newcomer now averages with the others
+        results = await _step_all(averagers, timeout=30)
+        assert all(r.finished for r in results)
+        nursery.cancel_scope.cancel()
+
+
+async def test_nobody_serving_state_returns_none(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        memory, peers, averagers = await _averagers(nursery, 2, prefix="nostate", target_group_size=2,
+                                                    serve_state=False)
+        assert await averagers[0].load_state_from_peers(timeout=5) is None
         nursery.cancel_scope.cancel()
