@@ -170,6 +170,54 @@ def test_two_client_mode_trainers_cannot_group_but_still_apply_their_update(boot
         assert not all(torch.equal(p, q) for p, q in zip(result["params"], _params(_template())))
 
 
+def test_a_crashed_partner_costs_at_most_one_failed_round(bootstrap):
+    template = _template()
+    ready, dead = threading.Barrier(2, timeout=60), threading.Event()
+    stats: dict = {}
+    errors: list[BaseException] = []
+
+    def trainer(index: int) -> None:
+        try:
+            swarm = Swarm([bootstrap])
+            model = copy.deepcopy(template)
+            opt = CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), swarm, "crash",
+                                         target_batch_size=200, batch_size_per_step=8, matchmaking_time=1.0)
+            x, y = _data(20 + index)
+            ready.wait()
+            epochs = 1 if index == 1 else 5
+            while opt.epoch < epochs:
+                if index == 0 and opt.epoch == 1:
+                    dead.wait(timeout=60)
+                nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+            stats[index] = opt.stats()
+            if index == 1:
+                swarm.run(opt.tracker.publish)  # its record says: in epoch 1, training at full speed
+                swarm.close()  # a crash as the others see it: no goodbye, its progress record stays behind
+                dead.set()
+            else:
+                opt.close()
+                swarm.close()
+        except BaseException as error:
+            errors.append(error)
+            dead.set()
+
+    threads = [threading.Thread(target=trainer, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    if errors:
+        raise errors[0]
+    survivor = stats[0]
+    assert survivor["averaging_rounds"] == 1  # the first epoch, together
+    # afterwards the crashed partner's live-looking record costs at most one round that finds nobody: the
+    # survivor then moves to the next epoch, where the dead record (an older epoch) no longer counts, and goes
+    # on alone instead of waiting for it every epoch until the record expires
+    assert survivor["averaging_failures"] <= 1
+    assert survivor["local_transitions"] >= 3
+
+
 # ------------------------------------------------------------------------------------------- catching up
 
 
