@@ -168,6 +168,7 @@ class CollaborativeOptimizer:
             swarm.rpc, swarm.dht, self._tensors, prefix=f"{run_id}.{self.mode}", names=self._names,
             target_group_size=target_group_size, min_group_size=min_group_size,
             matchmaking_time=matchmaking_time, allreduce_timeout=averaging_timeout, compression=compression,
+            serve_state=False,  # this optimizer serves parameters + optimizer state (not gradients) with its epoch
         )
         self.tracker = ProgressTracker(
             swarm.dht, run_id, self.target_batch_size, ttl=progress_ttl, min_refresh=min_refresh,
