@@ -21,9 +21,11 @@ What one `step()` does, from a plain synchronous training loop:
    Then the epoch number is incremented and published.
 3. **Catching up.** A trainer whose epoch is more than one behind the swarm's, or that joins a run already past
    epoch 0, downloads parameters and optimizer state from a trainer of the newest epoch (`averaging.state`; the
-   progress records say who is there and where it serves) instead of averaging. One epoch behind is normal (another trainer noticed the end first and has moved on): it applies
-   its own accumulated update and moves to the swarm's epoch.
-Trainers that die simply stop publishing progress and drop out of the estimate when their record expires.
+   progress records say who is there and where it serves) instead of averaging. One epoch behind is normal
+   (another trainer noticed the end first and has moved on): it applies its own accumulated update and moves to
+   the swarm's epoch.
+Trainers that die simply stop publishing progress: their record belongs to an epoch the others soon leave (and
+expires), so a dead partner costs at most one round that finds nobody.
 
 Why one averager for gradients and state: one tensor list keeps the group schema simple and lets a newcomer
 download a consistent snapshot (parameters and optimizer state of the same epoch) from any trainer.
@@ -38,7 +40,6 @@ case it averages only in groups that contain some reachable trainer.
 from __future__ import annotations
 
 import logging
-import math
 import socket
 import time
 from typing import Any
