@@ -305,7 +305,8 @@ class _MemoryUDPEndpoint(UDPEndpoint):
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self.network._udp.pop(self.address, None)
+            if self.network._udp.get(self.address) is self:  # after a crash a restarted peer may own it
+                del self.network._udp[self.address]
             self.waker.notify()
 
 
