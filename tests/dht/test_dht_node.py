@@ -290,3 +290,38 @@ async def test_newcomer_closest_to_a_key_is_handed_its_record(autojump_clock):
         await trio.sleep(1)  # virtual: welcome stores are sent in the background
         assert newcomer.node.local_record("wanted").value == "payload"
         nursery.cancel_scope.cancel()
+
+
+async def test_get_latest_finds_the_newest_value_even_when_most_replicas_are_stale(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        network, swarm = await _memory_swarm(nursery, 12)
+        hosts = [r.node.address[0] for r in swarm]
+        writer, reader = swarm[0].node, swarm[11].node
+        assert await writer.store("k", "old", writer.now() + 100)
+        network.partition(hosts[:3], hosts[3:])  # the writer reaches only two other replicas
+        assert await writer.store("k", "new", writer.now() + 200)
+        network.heal()
+        assert (await reader.get("k", latest=True)).value == "new"
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_restarted_peer_with_a_new_identity_replaces_its_old_contact(autojump_clock):
+    network = MemoryNetwork(latency=0.002)
+    async with trio.open_nursery() as nursery:
+        first = await start_node(nursery, "a", network=network.host("a"))
+        old = await start_node(nursery, "b", [first.node.address], network=network.host("b"))
+        port = old.node.address[1]
+        old_id = bytes(old.node.peer_id)
+        assert old_id in first.node.routing_table_ids()
+        network.crash("b")
+        old.kill()
+        new = await nursery.start(_run_on_port, network, "b", port, first.node.address)
+        assert bytes(new.peer_id) in first.node.routing_table_ids()
+        assert old_id not in first.node.routing_table_ids()
+        nursery.cancel_scope.cancel()
+
+
+async def _run_on_port(network, host, port, initial, *, task_status):
+    async with DHTNode.open(host, port, [initial], network=network.host(host)) as node:
+        task_status.started(node)
+        await trio.sleep_forever()
