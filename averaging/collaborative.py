@@ -160,7 +160,7 @@ class CollaborativeOptimizer:
 
         self._stats: dict[str, Any] = {
             "epochs": 0, "averaging_rounds": 0, "averaging_attempts": 0, "averaging_failures": 0,
-            "group_sizes": [], "peers_averaged_with": set(), "state_loads": 0, "state_load_failures": 0,
+            "group_sizes": {}, "peers_averaged_with": set(), "state_loads": 0, "state_load_failures": 0,
             "local_transitions": 0, "averaging_seconds": 0.0,
         }
         self.last_progress: SwarmProgress | None = None
@@ -284,7 +284,7 @@ class CollaborativeOptimizer:
         """What this trainer did: epochs, averaging rounds, group sizes, who it averaged with, state loads."""
         stats = dict(self._stats)
         stats["peers_averaged_with"] = sorted(stats["peers_averaged_with"])
-        stats["group_sizes"] = list(stats["group_sizes"])
+        stats["group_sizes"] = dict(sorted(stats["group_sizes"].items()))  # group size -> rounds
         stats["averaging_seconds"] = round(stats["averaging_seconds"], 3)
         stats["epoch"] = self.epoch
         stats["peer_id"] = str(self.averager.peer_id)
@@ -359,7 +359,8 @@ class CollaborativeOptimizer:
             logger.info("no averaging group this epoch: %s", result.reason)
             return False
         self._stats["averaging_rounds"] += 1
-        self._stats["group_sizes"].append(result.group_size)
+        sizes = self._stats["group_sizes"]
+        sizes[result.group_size] = sizes.get(result.group_size, 0) + 1
         me = self.averager.peer_id
         self._stats["peers_averaged_with"].update(str(p) for p in result.group.peer_ids if p != me)
         if not result.finished:

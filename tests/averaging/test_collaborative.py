@@ -118,7 +118,7 @@ def test_the_epoch_update_is_the_sample_weighted_mean_gradient_of_both_trainers(
     for me, other in ((a, b), (b, a)):
         assert me["epoch"] == 1
         assert me["stats"]["averaging_rounds"] == 1
-        assert me["stats"]["group_sizes"] == [2]
+        assert me["stats"]["group_sizes"] == {2: 1}
         assert me["stats"]["peers_averaged_with"] == [other["peer_id"]]
     # reference: one SGD step with the sample-weighted mean of the two trainers' gradients at the start point
     # (in gradients mode the parameters do not move within an epoch, so every local batch had the same gradient)
