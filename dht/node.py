@@ -47,6 +47,8 @@ from peer.net import Address, Network, RealNetwork, UDPEndpoint
 
 MAX_REPLY_BYTES = 60000
 WELCOME_BATCH_DELAY = 0.05
+LOOKUP_CHUNK = 48  # keys per multi-key lookup
+PARALLEL_CHUNKS = 4
 
 
 @dataclass
@@ -227,7 +229,7 @@ class DHTNode:
             item_keys.append((key_id, True))
         if not by_key:
             return [False for _ in items]
-        acknowledged = await self._store_records(by_key)
+        acknowledged = await self._store_in_chunks(by_key)
         return [valid and acknowledged.get(key_id, False) for key_id, valid in item_keys]
 
     async def get(self, key: str | bytes, latest: bool = False) -> Record | None:
@@ -243,7 +245,13 @@ class DHTNode:
             records.check_key(key, "get")
         ids = {key: key_id_of(key) for key in keys}
         quorum = None if latest else self.config.get_quorum
-        targets = await self._lookup(set(ids.values()), want_value=True, quorum=quorum)
+        targets: dict[bytes, Target] = {}
+        key_ids = list(dict.fromkeys(ids.values()))
+
+        async def chunk(part: list[bytes]) -> None:
+            targets.update(await self._lookup(set(part), want_value=True, quorum=quorum))
+
+        await self._in_chunks(key_ids, chunk)
         now = self.now()
         results: dict[Any, Record | None] = {}
         for key, key_id in ids.items():
@@ -696,6 +704,32 @@ class DHTNode:
 
     # ------------------------------------------------------------------------------------------------- storing
 
+    async def _in_chunks(self, key_ids: list[bytes], work: Callable[[list[bytes]], Any]) -> None:
+        """Many keys are looked up in chunks (a few at a time): one lookup's bookkeeping grows with the
+        number of its keys times their candidates."""
+        parts = [key_ids[i : i + LOOKUP_CHUNK] for i in range(0, len(key_ids), LOOKUP_CHUNK)]
+        if len(parts) == 1:
+            await work(parts[0])
+            return
+        limiter = trio.Semaphore(PARALLEL_CHUNKS)
+
+        async def run(part: list[bytes]) -> None:
+            async with limiter:
+                await work(part)
+
+        async with trio.open_nursery() as nursery:
+            for part in parts:
+                nursery.start_soon(run, part)
+
+    async def _store_in_chunks(self, by_key: dict[bytes, Record]) -> dict[bytes, bool]:
+        acknowledged: dict[bytes, bool] = {}
+
+        async def chunk(part: list[bytes]) -> None:
+            acknowledged.update(await self._store_records({key_id: by_key[key_id] for key_id in part}))
+
+        await self._in_chunks(list(by_key), chunk)
+        return acknowledged
+
     async def _store_records(self, by_key: dict[bytes, Record]) -> dict[bytes, bool]:
         """Find the k closest peers of each key and store there. Swarmd peers store during the lookup itself
         (`swarmd_store_find`); stock peers among the k closest get a stock `store` afterwards."""
@@ -824,7 +858,7 @@ class DHTNode:
             item = self._storage.get(key_id, now)
             if item is not None:
                 item.refreshed_at = local_now
-        await self._store_records(due)
+        await self._store_in_chunks(due)
         return len(due)
 
     def _queue_welcome(self, node: Node) -> None:

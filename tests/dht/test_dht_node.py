@@ -325,3 +325,14 @@ async def _run_on_port(network, host, port, initial, *, task_status):
     async with DHTNode.open(host, port, [initial], network=network.host(host)) as node:
         task_status.started(node)
         await trio.sleep_forever()
+
+
+async def test_many_keys_in_one_call(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        _, swarm = await _memory_swarm(nursery, 6)
+        writer, reader = swarm[1].node, swarm[4].node
+        keys = [f"bulk-{i}" for i in range(300)]
+        assert all(await writer.store_many([(key, i, writer.now() + 60, "sub") for i, key in enumerate(keys)]))
+        found = await reader.get_many(keys)
+        assert [found[key].subkeys["sub"].value for key in keys] == list(range(300))
+        nursery.cancel_scope.cancel()
