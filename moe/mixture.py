@@ -524,6 +524,8 @@ class _GridMixture(nn.Module):
         if swarm is None:
             raise ValueError("a remote mixture needs a swarm handle (an object with .bridge, .rpc and .dht)")
         if oracle is None:
+            if getattr(swarm, "dht", None) is None:
+                raise ValueError("the swarm has no DHT to find experts in: pass oracle= (e.g. StaticGridOracle)")
             oracle = DHTGridOracle(swarm.dht, ttl=search_cache_ttl)
         if not 1 <= k_min <= k_best:
             raise ValueError(f"need 1 <= k_min <= k_best, got k_min={k_min}, k_best={k_best}")

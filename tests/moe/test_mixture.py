@@ -202,3 +202,15 @@ def test_switch_mixture_trains_with_the_balancing_loss(dht_harness):
         opt.step()
         losses.append(loss.item())
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
+
+
+def test_fixed_expert_set_without_a_dht(harness):
+    from moe.beam_search import StaticGridOracle
+
+    server = harness.server([make_expert(f"ffn.{i}", "ffn", HIDDEN, seed=i) for i in range(3)])
+    swarm = harness.client()  # no DHT
+    with pytest.raises(ValueError):
+        RemoteMixtureOfExperts(HIDDEN, (3,), "ffn", k_best=2, swarm=swarm)
+    moe = RemoteMixtureOfExperts(HIDDEN, (3,), "ffn", k_best=2, swarm=swarm,
+                                 oracle=StaticGridOracle(server.locations()))
+    assert moe(torch.randn(4, HIDDEN)).shape == (4, HIDDEN)
