@@ -314,10 +314,11 @@ class StockNodes:
         request_id = next(self._ids)
         event = trio.Event()
         self._waiting[request_id] = event
+        line = (json.dumps({"id": request_id, "op": op, **fields}) + "\n").encode()
         try:
             with trio.fail_after(timeout):
                 async with self._send_lock:
-                    await self.process.stdin.send_all((json.dumps({"id": request_id, "op": op, **fields}) + "\n").encode())
+                    await self.process.stdin.send_all(line)
                 await event.wait()
         except trio.TooSlowError:
             raise StockNodeError(f"stock {op} got no reply within {timeout} s") from None
