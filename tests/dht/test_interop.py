@@ -141,7 +141,7 @@ async def test_stock_nodes_are_probed_once_however_many_batched_requests_ours_ma
             for index in range(2):
                 received = await stock.received(index)
                 _assert_extensions_sent_at_most_once(received, index)
-                assert set(received["swarmd_hello"]) <= our_addresses
+                assert set(received.get("swarmd_hello", {})) <= our_addresses
                 # the stock node did get the work: plain stores and lookups from ours
                 assert sum(received.get("store", {}).values()) > 0
                 assert sum(received.get("find_value", {}).values()) > 0
