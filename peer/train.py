@@ -227,7 +227,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=_positive_int, default=1,
                         help="torch threads (the model is small: more threads mostly spin on a busy machine)")
     parser.add_argument("--max-failed-steps", type=_positive_int, default=50,
-                        help="give up after this many consecutive steps without enough experts")
+                        help="give up after this many consecutive attempts without enough experts (retried with "
+                             "a growing pause, up to 1 s: about 45 s in all with the default)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -344,20 +345,25 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
         failed_steps = consecutive_failures = 0
         samples = 0
         train_started = time.monotonic()
-        for step in range(1, args.steps + 1):
+        step = 0
+        while step < args.steps:
             x, y = batches.next()
             try:
                 logits = model(x)
                 loss = nn.functional.cross_entropy(logits, y)
                 loss.backward()
             except NotEnoughExperts as error:
+                # experts not declared yet (a swarm starting up) or all failing at once: retry after a pause
+                # that grows, so a swarm that comes back is used again and one that never does ends the run
                 failed_steps += 1
                 consecutive_failures += 1
                 model.zero_grad(set_to_none=True)
                 if consecutive_failures >= args.max_failed_steps:
                     raise RuntimeError(f"{consecutive_failures} steps in a row without enough experts: {error}")
+                time.sleep(min(1.0, 0.02 * 2 ** consecutive_failures))
                 continue
             consecutive_failures = 0
+            step += 1
             if optimizer is not None:
                 optimizer.step(batch_size=len(x))
             else:

@@ -132,3 +132,20 @@ def test_two_trainers_on_three_daemons_survive_a_dead_daemon_and_average_togethe
         assert me["failed_steps"] == 0
         assert me["averaging_rounds"] >= 1
         assert other["peer_id"] in me["peers_averaged_with"]
+
+
+async def _bootstrap_dht(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    from dht import DHTNode
+
+    async with DHTNode.open("127.0.0.1", 0) as node:
+        task_status.started(node.address)
+        await trio.sleep_forever()
+
+
+def test_a_swarm_without_the_experts_ends_the_run_with_a_clear_error():
+    with Bridge.start() as bridge:
+        host, port = bridge.start_and_wait(_bootstrap_dht)
+        args = _args("--initial-peers", f"{host}:{port}", "--steps", "5", "--max-failed-steps", "3",
+                     "--expert-prefix", "nobody_serves_this")
+        with pytest.raises(RuntimeError, match="3 steps in a row without enough experts"):
+            train.run_training(args)
