@@ -49,6 +49,7 @@ MAX_REPLY_BYTES = 60000
 WELCOME_BATCH_DELAY = 0.05
 LOOKUP_CHUNK = 48  # keys per multi-key lookup
 PARALLEL_CHUNKS = 4
+READ_REPAIRS = 2  # per key and read: close replicas found without the value get it
 
 
 @dataclass
@@ -263,7 +264,25 @@ class DHTNode:
             if local is not None:
                 merged = records.merge(merged, local.record, now)
             results[key] = merged
+        self._repair(targets, results, ids)
         return results
+
+    def _repair(self, targets: dict[bytes, Target], results: dict[Any, Record | None], ids: dict[Any, bytes]) -> None:
+        """Read repair: peers among a key's k closest that answered without the value get the merged record in
+        the background, so a replica set thinned by churn fills up again as the key is read."""
+        gifts: dict[tuple[bytes, Address], list[tuple[bytes, Any]]] = {}
+        for key, key_id in ids.items():
+            record = results.get(key)
+            target = targets.get(key_id)
+            if record is None or target is None or not target.without_value:
+                continue
+            closest = {c.node_id for c in target.answered(self.config.k)}
+            wire = records.encode(record)
+            for candidate in target.without_value[:READ_REPAIRS]:
+                if candidate.node_id in closest:
+                    gifts.setdefault((candidate.node_id, candidate.address), []).append((key_id, wire))
+        for (node_id, address), items in gifts.items():
+            self._nursery.start_soon(self._send_stores, node_id, address, items)
 
     # ------------------------------------------------------------------------------------------------ requests
 
@@ -528,7 +547,9 @@ class DHTNode:
         targets: dict[bytes, Target] = {}
         for key_id in key_ids:
             target = Target(key_id, config.k, config.alpha, want_value=want_value, quorum=quorum)
-            for node in self._table.neighbors(key_id, config.k):
+            # seeded with 2k of our contacts: holders of a value answer without contacts, so a lookup whose
+            # closest candidates died must still have live ones to turn to
+            for node in self._table.neighbors(key_id, 2 * config.k):
                 if self._usable(node.id, (node.ip, node.port)):
                     target.add(node.id, (node.ip, node.port))
             if want_value:

@@ -336,3 +336,21 @@ async def test_many_keys_in_one_call(autojump_clock):
         found = await reader.get_many(keys)
         assert [found[key].subkeys["sub"].value for key in keys] == list(range(300))
         nursery.cancel_scope.cancel()
+
+
+async def test_reading_a_key_refills_its_thinned_replica_set(autojump_clock):
+    config = DHTConfig(k=3)
+    async with trio.open_nursery() as nursery:
+        network, swarm = await _memory_swarm(nursery, 12, config=config)
+        assert await swarm[0].node.store("thin", "v", swarm[0].node.now() + 600)
+        holders = [r for r in swarm if r.node.local_record("thin") is not None]
+        assert len(holders) >= 3
+        for running in holders[1:]:
+            network.crash(running.node.address[0])
+            running.kill()
+        alive = [r for r in swarm if r not in holders[1:]]
+        reader = next(r.node for r in alive if r is not holders[0])
+        assert (await reader.get("thin", latest=True)).value == "v"
+        await trio.sleep(1)  # virtual: repairs are sent in the background
+        assert sum(r.node.local_record("thin") is not None for r in alive) >= 3
+        nursery.cancel_scope.cancel()
