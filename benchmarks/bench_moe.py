@@ -109,10 +109,15 @@ def run_threads(step, count: int, iterations: int, warmup: int) -> float:
 # ------------------------------------------------------------------------------------------------ (a), (b)
 
 
-def remote_throughput(hidden: int, batch: int, clients: int, iterations: int, server_flags: list[str]) -> float:
-    """samples/s of forward+backward through RemoteExpert, client i using expert i."""
+def compare_throughput(hidden: int, batch: int, clients: int, iterations: int, rounds: int) -> tuple[float, float]:
+    """Median samples/s of forward+backward through RemoteExpert (client i uses expert i of one server process)
+    and of the same experts in this process, measured alternately `rounds` times so that load changes on a
+    shared machine hit both alike. The server computes one batch per core at a time, one torch thread each
+    (no OpenMP barriers between batches that share the cores)."""
     uids = [f"ffn.{i}" for i in range(4)]
-    server = ServerProcess(uids, hidden, "--new-dht", "--optimizer", "adam", *server_flags).wait_ready()
+    server = ServerProcess(uids, hidden, "--new-dht", "--optimizer", "adam", "--torch-threads", "1",
+                           "--threads-per-device", str(CORES)).wait_ready()
+    remote_rates, local_rates = [], []
     try:
         with Swarm([server.address]) as swarm:
             experts = [RemoteExpert(uid, server.address, swarm, peer_id=server.peer_id) for uid in uids]
@@ -124,10 +129,12 @@ def remote_throughput(hidden: int, batch: int, clients: int, iterations: int, se
                 experts[i % len(experts)](x).backward(grads[i])
                 x.grad = None
 
-            elapsed = run_threads(step, clients, iterations, warmup=2)
+            for _ in range(rounds):
+                remote_rates.append(clients * iterations * batch / run_threads(step, clients, iterations, warmup=2))
+                local_rates.append(local_throughput(hidden, batch, clients, iterations))
     finally:
         server.kill()
-    return clients * iterations * batch / elapsed
+    return statistics.median(remote_rates), statistics.median(local_rates)
 
 
 def local_throughput(hidden: int, batch: int, clients: int, iterations: int) -> float:
@@ -259,8 +266,9 @@ def fault_tolerance(steps: int, kill_after: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=3.0, help="duration of each latency measurement")
-    parser.add_argument("--iterations-h1024", type=int, default=8, help="fwd+bwd per client thread in (a)")
-    parser.add_argument("--iterations-h256", type=int, default=150, help="fwd+bwd per client thread in (b)")
+    parser.add_argument("--iterations-h1024", type=int, default=6, help="fwd+bwd per client thread in (a)")
+    parser.add_argument("--iterations-h256", type=int, default=100, help="fwd+bwd per client thread in (b)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating remote/local measurements (median)")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--kill-after", type=int, default=30)
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: ratio,throughput,latency,ft")
@@ -270,8 +278,7 @@ def main() -> None:
     torch.manual_seed(0)
 
     if "ratio" not in skip:
-        remote = remote_throughput(1024, 256, 4, args.iterations_h1024, [])
-        local = local_throughput(1024, 256, 4, args.iterations_h1024)
+        remote, local = compare_throughput(1024, 256, 4, args.iterations_h1024, args.rounds)
         ratio = remote / local
         print(f"(a) hidden 1024, batch 256, 4 experts, 4 clients, fwd+bwd: remote {remote:.0f} samples/s, local "
               f"{local:.0f} samples/s, ratio {ratio:.2f} (target >= 0.6; the server recomputes the forward in "
@@ -280,10 +287,7 @@ def main() -> None:
                       local_samples_per_s_h1024=round(local, 1))
 
     if "throughput" not in skip:
-        # small batches: one torch thread per batch and one batch per core at a time (no OpenMP barriers)
-        per_core = ["--torch-threads", "1", "--threads-per-device", str(CORES)]
-        remote = remote_throughput(256, 64, 4, args.iterations_h256, per_core)
-        local = local_throughput(256, 64, 4, args.iterations_h256)
+        remote, local = compare_throughput(256, 64, 4, args.iterations_h256, args.rounds)
         print(f"(b) hidden 256, batch 64, 4 experts, 4 clients, fwd+bwd: {remote:.0f} samples/s (target >= 6,600 "
               f"= 2x hivemind); the same experts locally: {local:.0f} samples/s")
         result.update(samples_per_s_h256_b64=round(remote, 1), local_samples_per_s_h256_b64=round(local, 1))
