@@ -226,7 +226,15 @@ class Assembly:
         self.expected: set[PeerID] = set()
         self.dropped: set[PeerID] = set()
         self.group: GroupInfo | None = None
-        self.closed = False  # sealed, with or without a group
+        self.closed = False  # sealed, with or without a group, or merged into another collector's group
+        self.merged_into: Declaration | None = None
+        self.done = trio.Event()  # set when closed: pending joins get their answer
+
+    def merge_into(self, collector: Declaration) -> None:
+        """Hand my joiners to a lower collector (they are answered with a redirect to it)."""
+        self.merged_into = collector
+        self.closed = True
+        self.done.set()
 
     @property
     def full(self) -> bool:
@@ -238,6 +246,8 @@ class Assembly:
 
     def offer(self, joiner: Declaration, key: str) -> Decision | None:
         """A join request: None = accepted (the answer comes at sealing), else an immediate Decision."""
+        if self.merged_into is not None:
+            return Decision("redirect", redirect=self.merged_into)
         if self.closed:
             if self.group is not None and joiner.peer_id in self.group:
                 return Decision("group", group=self.group, round=self.round)
@@ -253,9 +263,9 @@ class Assembly:
         self.dropped.discard(joiner.peer_id)
         return None
 
-    def set_expected(self, chunk: Iterable[Declaration]) -> None:
-        """The members of my chunk in the newest view: the peers worth waiting for."""
-        self.expected = {d.peer_id for d in chunk} - {self.me.peer_id}
+    def set_expected(self, chunk: Iterable[Declaration], extra: Iterable[PeerID] = ()) -> None:
+        """The members of my chunk in the newest view (and peers merging into my group): worth waiting for."""
+        self.expected = ({d.peer_id for d in chunk} | set(extra)) - {self.me.peer_id}
 
     def drop(self, peer_id: PeerID) -> None:
         """An expected peer is dead or follows someone else: stop waiting for it."""
@@ -285,7 +295,16 @@ class Assembly:
         self.closed = True
         if len(self.joined) >= self.min_size:
             self.group = GroupInfo.create(group_id, [d.member() for d in self.joined.values()])
+        self.done.set()
         return self.group
+
+    def answer(self, joiner: PeerID) -> Decision:
+        """The final answer to a joiner whose join was accepted, once `done` is set."""
+        if self.merged_into is not None:
+            return Decision("redirect", redirect=self.merged_into)
+        if self.group is not None and joiner in self.group:
+            return Decision("group", group=self.group, round=self.round)
+        return Decision("reject", reason="no group assembled")
 
 
 # --------------------------------------------------------------------------------------------- the driver
@@ -336,14 +355,16 @@ class _Round:
         self.population_reached_after: float | None = None  # seconds until every expected peer was visible
         self.patience_ran_out = False
         self.probe_timeouts: dict[PeerID, int] = {}
-        self.invited_by: Declaration | None = None  # a lower peer probed me as a member of its chunk
+        self.invited_by: Declaration | None = None  # a lower collector asked me to merge into its group
+        self.merging: set[PeerID] = set()  # peers a higher collector is handing over to me
+        self.last_drop = -math.inf  # when a probe last found an expected peer following another collector
+        self.following_others: set[PeerID] = set()  # those peers (rechecked once before sealing with room left)
         self.view: dict[PeerID, Declaration] = {}
         self.excluded: set[PeerID] = set()
         self.failed: list[PeerID] = []
         self.assembly: Assembly | None = None
         self.following: Declaration | None = None
         self.changed = trio.Event()
-        self.sealed = trio.Event()
         self.join_arrived = False
 
     def poke(self) -> None:
@@ -398,6 +419,7 @@ class Matchmaker:
         self._recent: dict[str, list[set[PeerID]]] = {}  # key -> peers seen there in the last few rounds
         self._forgotten: set[PeerID] = set()
         self._round: _Round | None = None
+        self._last_group: tuple[str, GroupInfo] | None = None  # (key, group) of my last round, for late joiners
         self.stats = {"attempts": 0, "groups": 0, "no_group": 0, "collected": 0, "joins_served": 0,
                       "redirects": 0, "rejects": 0, "dead_peers": 0}
 
@@ -544,6 +566,7 @@ class Matchmaker:
                     nursery.start_soon(self._poll, state)
                     result = await self._assemble(state, started + window)
                     nursery.cancel_scope.cancel()
+                self._last_group = (key, result.group) if result.group is not None else None
                 result.seconds = trio.current_time() - started
                 return result
             return MatchResult(None, reason="matchmaking window passed", failed_peers=state.failed,
@@ -551,9 +574,9 @@ class Matchmaker:
         finally:
             self._round = None
             self._remember_population(state)
-            if state.assembly is not None:
+            if state.assembly is not None and not state.assembly.closed:
                 state.assembly.closed = True
-            state.sealed.set()
+                state.assembly.done.set()
             await self._withdraw(key, expiration)
 
     async def _declare(self, key: str, me: Declaration, expiration: float) -> None:
@@ -639,8 +662,7 @@ class Matchmaker:
             quiet_for = now - state.last_change
             full = len(chunk_of(self._plan(state), self.peer_id)) >= self.target
             patient = self._patient(state)
-            everyone = state.expected > 1 and 1 + len(set(state.view) - state.excluded) >= state.expected
-            settled = (full and (quiet_for >= self.quiet_period or everyone)) or state.join_arrived \
+            settled = (full and quiet_for >= self.quiet_period) or state.join_arrived \
                 or (not patient and quiet_for >= 3 * self.quiet_period)
             if not settled:
                 await state.wait_changed(min(deadline, now + self.quiet_period / 2))
@@ -704,12 +726,19 @@ class Matchmaker:
         probed: dict[PeerID, float] = {}
         async with trio.open_nursery() as nursery:
             while True:
-                assembly.set_expected(chunk_of(self._plan(state), self.peer_id))
+                assembly.set_expected(chunk_of(self._plan(state), self.peer_id), state.merging)
                 now = trio.current_time()
                 quiet_for = now - state.last_change
                 patient = self._patient(state)
-                if assembly.should_seal(now + state.offset, quiet_for >= self.quiet_period and not patient):
-                    break
+                # a peer dropped because it followed another collector may be turned away there (full) and come
+                # here next: leave it a moment before sealing a group that still has room
+                grace = self.quiet_period + 2 * self.rtt.value
+                settled = quiet_for >= self.quiet_period and now - state.last_drop >= grace
+                if assembly.should_seal(now + state.offset, settled and not patient):
+                    if assembly.full or now + state.offset >= assembly.seal_deadline \
+                            or not await self._recheck_followers(state, assembly):
+                        break
+                    continue
                 if quiet_for >= self.quiet_period:
                     for peer_id in sorted(assembly.waiting_for):
                         declaration = state.view.get(peer_id)
@@ -723,12 +752,16 @@ class Matchmaker:
                             assembly.drop(peer_id)  # a client-mode peer cannot be probed: don't wait forever
                 wake = min(assembly.seal_deadline - state.offset, now + self.quiet_period / 2)
                 await state.wait_changed(wake)
+                if state.invited_by is not None and not assembly.closed:
+                    # a lower collector counts me in and has room for my joiners too: merge into it (_handle_ping)
+                    assembly.merge_into(state.invited_by)
+                    state.assembly = None
+                    nursery.cancel_scope.cancel()
+                    logger.debug("matchmaking %s: merging %d member(s) into %s", self.peer_id.short(),
+                                 len(assembly.joined), state.invited_by.peer_id.short())
+                    return None
                 if len(assembly.joined) == 1 and not assembly.closed:
                     collector = self._my_collector(state)
-                    if state.invited_by is not None:
-                        state.assembly = None  # a lower collector counts me in: join it (see _handle_ping)
-                        nursery.cancel_scope.cancel()
-                        return None
                     if collector is not None and collector.peer_id != self.peer_id:
                         state.assembly = None  # step down; joins arriving from now on get redirected
                         nursery.cancel_scope.cancel()
@@ -741,7 +774,6 @@ class Matchmaker:
                                   + repr(state.me.declared_at).encode()
                                   + b"".join(sorted(bytes(p) for p in assembly.joined))).digest()[:16]
         group = assembly.seal(group_id)
-        state.sealed.set()
         logger.debug("matchmaking %s: sealed %d member(s) (waiting for %d, dropped %d, view %d)", self.peer_id.short(),
                      len(assembly.joined), len(assembly.waiting_for), len(assembly.dropped), len(state.view))
         if group is None:
@@ -750,6 +782,36 @@ class Matchmaker:
                                collector=self.peer_id)
         self.stats["collected"] += 1
         return self._result(state, assembly, self.peer_id)
+
+    async def _recheck_followers(self, state: _Round, assembly: Assembly) -> bool:
+        """Before sealing a group with room left: ask the peers that followed other collectors once more. True
+        (keep waiting) when one of them is free again, e.g. turned away by a full collector."""
+        followers = sorted(p for p in state.following_others if p not in assembly.joined)
+        if not followers:
+            return False
+        freed = []
+
+        async def ask(peer_id: PeerID) -> None:
+            declaration = state.view.get(peer_id)
+            if declaration is None or declaration.address is None:
+                return
+            try:
+                answer = await self.rpc.call(declaration.address, PING_METHOD, {"key": state.key, "joined": 0},
+                                             timeout=self.probe_timeout, peer_id=peer_id)
+            except RPCError:
+                return
+            following = answer.get("following") if isinstance(answer, dict) else None
+            if isinstance(answer, dict) and answer.get("matching") and not answer.get("collecting") \
+                    and (following is None or bytes(following) == bytes(self.peer_id)):
+                freed.append(peer_id)
+
+        state.following_others.clear()
+        async with trio.open_nursery() as nursery:
+            for peer_id in followers:
+                nursery.start_soon(ask, peer_id)
+        for peer_id in freed:
+            assembly.dropped.discard(peer_id)
+        return bool(freed)
 
     @staticmethod
     def _nobody_left(state: _Round) -> bool:
@@ -760,13 +822,23 @@ class Matchmaker:
     async def _probe(self, state: _Round, declaration: Declaration, assembly: Assembly) -> None:
         t0 = trio.current_time()
         try:
-            answer = await self.rpc.call(declaration.address, PING_METHOD, {"key": state.key},
+            answer = await self.rpc.call(declaration.address, PING_METHOD,
+                                         {"key": state.key, "joined": len(assembly.joined)},
                                          timeout=self.probe_timeout, peer_id=declaration.peer_id)
             self.rtt.update(trio.current_time() - t0)
-            if not isinstance(answer, dict) or not answer.get("matching") or answer.get("collecting"):
+            merging = answer.get("merging") if isinstance(answer, dict) else None
+            if isinstance(merging, list):  # it steps down into my group: wait for it and for its joiners
+                for member in merging:
+                    if isinstance(member, bytes) and len(member) == 20:
+                        assembly.expected.add(PeerID(member))
+                        assembly.dropped.discard(PeerID(member))
+                        state.merging.add(PeerID(member))
+            elif not isinstance(answer, dict) or not answer.get("matching") or answer.get("collecting"):
                 assembly.drop(declaration.peer_id)
             elif answer.get("following") is not None and bytes(answer["following"]) != bytes(self.peer_id):
                 assembly.drop(declaration.peer_id)
+                state.last_drop = trio.current_time()
+                state.following_others.add(declaration.peer_id)
         except RemoteError:
             assembly.drop(declaration.peer_id)
         except CallTimeout as error:
@@ -789,10 +861,14 @@ class Matchmaker:
         state = self._round
         key = args.get("key") if isinstance(args, dict) else None
         matching = state is not None and key == state.key
-        if matching and ctx.address is not None and ctx.peer_id < self.peer_id and state.assembly is not None \
-                and len(state.assembly.joined) == 1 and not state.assembly.closed:
-            # Two lone collectors whose views differ can wait for each other until the deadline; the rule that
-            # breaks the tie: a lower collector that counts me in its chunk wins, I step down and join it.
+        their_size = args.get("joined", 1) if isinstance(args, dict) else 1
+        assembly = state.assembly if matching else None
+        if assembly is not None and ctx.address is not None and ctx.peer_id < self.peer_id \
+                and not assembly.closed and isinstance(their_size, int) \
+                and their_size + len(assembly.joined) <= self.target:
+            # Collectors whose views differed can split what should be one group (or wait for each other until
+            # the deadline). The rule that merges them: a lower collector that counts me in its chunk and has
+            # room for my members wins; I step down, my joiners are redirected to it, and I join it too.
             prober = state.view.get(ctx.peer_id)
             if prober is None:  # not in my view yet: the authenticated caller is enough to join it
                 me = state.me
@@ -800,6 +876,8 @@ class Matchmaker:
                                      me.declared_at)
             state.invited_by = prober
             state.poke()
+            return {"matching": True, "following": bytes(ctx.peer_id), "collecting": False,
+                    "merging": [bytes(p) for p in assembly.joined]}
         following = state.following.peer_id if matching and state.following is not None else None
         return {"matching": matching, "following": bytes(following) if following is not None else None,
                 # a collector nobody joined yet steps down as soon as it sees a lower peer: not a rival yet
@@ -813,6 +891,9 @@ class Matchmaker:
             return Decision("reject", reason="malformed join").to_wire()
         key = args.get("key")
         if state is None or key != state.key:
+            if self._last_group is not None and self._last_group[0] == key:
+                # my group for this key is sealed and gone: name its members so the joiner skips them all
+                return Decision("reject", reason="sealed", busy=tuple(self._last_group[1].peer_ids)).to_wire()
             return Decision("reject", reason="not matching").to_wire()
         # who is calling and where it listens come from the authenticated connection, not from the claim
         client_mode = claimed.client_mode or ctx.address is None
@@ -833,7 +914,5 @@ class Matchmaker:
         state.view.setdefault(joiner.peer_id, joiner)
         state.join_arrived = True
         state.poke()
-        await state.sealed.wait()
-        if assembly.group is not None and joiner.peer_id in assembly.group:
-            return Decision("group", group=assembly.group, round=assembly.round).to_wire()
-        return Decision("reject", reason="no group assembled").to_wire()
+        await assembly.done.wait()
+        return assembly.answer(joiner.peer_id).to_wire()
