@@ -354,3 +354,30 @@ async def test_reading_a_key_refills_its_thinned_replica_set(autojump_clock):
         await trio.sleep(1)  # virtual: repairs are sent in the background
         assert sum(r.node.local_record("thin") is not None for r in alive) >= 3
         nursery.cancel_scope.cancel()
+
+
+async def test_forged_reply_from_another_address_is_dropped_and_the_real_one_accepted(autojump_clock):
+    network = MemoryNetwork(latency=0.002)
+    real_id, forged_id = key_id_of("real peer"), key_id_of("forged peer")
+    async with await network.host("s").open_udp("s", 0) as honest, await network.host("m").open_udp("m", 0) as mallory:
+
+        async def answer_after_forgery(*, task_status=trio.TASK_STATUS_IGNORED):
+            task_status.started()
+            data, sender = await honest.recvfrom()
+            msg_id = data[1:21]
+            # an observer who saw the msg id answers first, from its own address
+            await mallory.sendto(b"\x01" + msg_id + umsgpack.packb(forged_id), sender)
+            await trio.sleep(0.01)
+            await honest.sendto(b"\x01" + msg_id + umsgpack.packb(real_id), sender)
+            while True:  # then behave like a quiet stock node: answer lookups with no contacts
+                data, sender = await honest.recvfrom()
+                event = proto.DatagramProtocol().receive(data, sender)
+                if isinstance(event, proto.Request) and event.name == "find_node":
+                    await honest.sendto(proto.encode_reply(event.msg_id, []), sender)
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(answer_after_forgery)
+            async with DHTNode.open("ours", 0, [honest.address], network=network.host("ours")) as node:
+                assert node.routing_table_ids() == [real_id]
+                assert node.stats()["dropped"]["forged_reply"] == 1
+            nursery.cancel_scope.cancel()
