@@ -1,7 +1,8 @@
 """Records this node holds as a replica, merged on every store, bounded in count.
 
-Stored items keep the time the last store for them arrived (`refreshed_at`, trio's clock: it schedules work): republishing skips keys
-another replica refreshed recently, so one replica per interval does the work instead of all k.
+Stored items keep the time the last store for them arrived (`refreshed_at`, on trio's clock since it schedules
+work): republishing skips keys another replica refreshed recently, so one replica per interval does the work
+instead of all k.
 """
 
 from __future__ import annotations

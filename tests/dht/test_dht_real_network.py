@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import random
 
-import pytest
 import trio
 
-from dht import BootstrapFailed, DHTConfig, DHTNode
 from peer.net import RealNetwork
 
-from dht_swarm import start_node, start_swarm
+from dht_swarm import start_swarm
 
 
 async def test_32_nodes_store_200_keys_and_read_all_from_other_nodes():
