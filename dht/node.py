@@ -21,6 +21,7 @@ expire in virtual time too.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import random
@@ -44,6 +45,8 @@ from dht.routing import RoutingTable
 from dht.storage import Storage
 from peer.identity import Identity
 from peer.net import Address, Network, RealNetwork, UDPEndpoint
+
+logger = logging.getLogger(__name__)
 
 MAX_REPLY_BYTES = 60000
 WELCOME_BATCH_DELAY = 0.05
@@ -160,6 +163,21 @@ class DHTNode:
                     nursery.cancel_scope.cancel()
         if failure is not None:
             raise failure
+
+    def _spawn(self, function: Callable[..., Any], *args: Any) -> None:
+        """Start a background task in the node's nursery. A bug in one must not take the node down (a DHT node
+        never lets an exception out): it is logged once per kind and counted in stats()["dropped"]."""
+
+        async def guarded() -> None:
+            try:
+                await function(*args)
+            except Exception as error:  # Cancelled is a BaseException and passes through
+                kind = f"internal_error:{type(error).__name__}"
+                if not self._dropped[kind]:
+                    logger.exception("DHT background task %s failed", getattr(function, "__name__", function))
+                self._dropped[kind] += 1
+
+        self._nursery.start_soon(guarded)
 
     @property
     def address(self) -> Address:
@@ -282,7 +300,7 @@ class DHTNode:
                 if candidate.node_id in closest:
                     gifts.setdefault((candidate.node_id, candidate.address), []).append((key_id, wire))
         for (node_id, address), items in gifts.items():
-            self._nursery.start_soon(self._send_stores, node_id, address, items)
+            self._spawn(self._send_stores, node_id, address, items)
 
     # ------------------------------------------------------------------------------------------------ requests
 
@@ -334,7 +352,7 @@ class DHTNode:
             head_info = self._peers.known((head.ip, head.port))
             if head_info is None or trio.current_time() - head_info.last_seen > self.config.head_check_after:
                 self._checking.add(head.id)
-                self._nursery.start_soon(self._check_head, head)
+                self._spawn(self._check_head, head)
         if is_new and node_id in self._table and not self.client_mode:
             self._queue_welcome(node)
 
@@ -368,7 +386,7 @@ class DHTNode:
             self._probes.pop(address, None)
             done.set()
             raise
-        self._nursery.start_soon(self._finish_probe, address, msg_id, waiter, trio.current_time(), done)
+        self._spawn(self._finish_probe, address, msg_id, waiter, trio.current_time(), done)
         return done
 
     async def _finish_probe(self, address: Address, msg_id: bytes, waiter: _Waiter, sent_at: float,
@@ -570,7 +588,7 @@ class DHTNode:
                     query_id = next(query_ids)
                     soft = trio.current_time() + self._peers.timeout(address)
                     soft_deadlines[query_id] = (soft, node_id, keys)
-                    self._nursery.start_soon(self._query, query_id, node_id, address, keys, want_value, send_channel,
+                    self._spawn(self._query, query_id, node_id, address, keys, want_value, send_channel,
                                              store)
                 if all(t.finished() for t in targets.values()):
                     break
@@ -638,13 +656,21 @@ class DHTNode:
 
     async def _query(self, query_id: int, node_id: bytes, address: Address, keys: list[bytes], want_value: bool,
                      results: trio.MemorySendChannel, store: _StorePlan | None) -> None:
+        """Ask one peer about `keys`; the lookup always gets an answer message (None per key = no answer),
+        even if something here fails, so it never waits for a query that died."""
         answers: dict[bytes, Any] = {}
+        try:
+            await self._ask(node_id, address, keys, want_value, store, answers)
+        finally:
+            _deliver(results, (query_id, node_id, {key_id: answers.get(key_id) for key_id in keys}))
+
+    async def _ask(self, node_id: bytes, address: Address, keys: list[bytes], want_value: bool,
+                   store: _StorePlan | None, answers: dict[bytes, Any]) -> None:
         info = self._peers.get(address)
         if info.swarmd is None and (store is not None or len(keys) > 1):
             await self._probe(address)  # one round trip, once per peer that never sent us a request
         if store is not None and info.swarmd:
             await self._store_find(node_id, address, keys, store, answers)
-            _deliver(results, (query_id, node_id, answers))
             return
         if len(keys) > 1 and info.swarmd:
             try:
@@ -657,7 +683,6 @@ class DHTNode:
                         answers[key_id] = self._parse_find(raw, want_value)
                 keys = [key_id for key_id in keys if key_id not in answers]
             elif reply is None:
-                _deliver(results, (query_id, node_id, {key_id: None for key_id in keys}))
                 return
             else:
                 self._dropped["bad_reply"] += 1
@@ -677,7 +702,6 @@ class DHTNode:
             async with trio.open_nursery() as nursery:
                 for key_id in keys:
                     nursery.start_soon(one, key_id)
-        _deliver(results, (query_id, node_id, answers))
 
     async def _store_find(self, node_id: bytes, address: Address, keys: list[bytes], store: _StorePlan,
                           answers: dict[bytes, Any]) -> None:
@@ -700,13 +724,22 @@ class DHTNode:
                     store.stored_on.setdefault(key_id, set()).add(node_id)
                 answers[key_id] = self._parse_find(answer[1], False)
 
-        groups = proto.batches([(key_id, store.wire[key_id]) for key_id in keys])
-        if len(groups) == 1:
+        async def find_only(key_id: bytes) -> None:  # too large to ride along: stock store after the lookup
+            try:
+                raw = await self._request(address, "find_node", [self.peer_id, key_id], node_id=node_id)
+            except RequestTimeout:
+                return
+            answers[key_id] = self._parse_find(raw, False)
+
+        groups, oversized = proto.batches("swarmd_store_find", [(key_id, store.wire[key_id]) for key_id in keys])
+        if len(groups) == 1 and not oversized:
             await one(groups[0])
         else:
             async with trio.open_nursery() as nursery:
                 for batch in groups:
                     nursery.start_soon(one, batch)
+                for key_id in oversized:
+                    nursery.start_soon(find_only, key_id)
         for key_id in keys:
             answers.setdefault(key_id, None)
 
@@ -791,7 +824,8 @@ class DHTNode:
         """Store items on one peer: batched for swarmd peers, one stock `store` per key otherwise."""
         results: dict[bytes, bool] = {}
         if len(items) > 1 and await self._probe(address):
-            for batch in proto.batches(items):
+            groups, oversized = proto.batches("swarmd_store_many", items)
+            for batch in groups:
                 try:
                     reply = await self._request(address, "swarmd_store_many", [self.peer_id, batch], node_id=node_id)
                 except RequestTimeout:
@@ -799,7 +833,8 @@ class DHTNode:
                 if isinstance(reply, list) and len(reply) == len(batch):
                     for (key_id, _), ok in zip(batch, reply):
                         results[key_id] = ok is True
-            return results
+            too_large = set(oversized)
+            items = [(key_id, value) for key_id, value in items if key_id in too_large]
 
         async def one(key_id: bytes, value: Any) -> None:
             try:
@@ -886,7 +921,7 @@ class DHTNode:
         self._welcome_queue[node.id] = node
         if not self._welcome_scheduled:
             self._welcome_scheduled = True
-            self._nursery.start_soon(self._welcome, trio.current_time())
+            self._spawn(self._welcome, trio.current_time())
 
     async def _welcome(self, since: float) -> None:
         """New servers appeared: hand each the records it should hold (the stock rule, section 2.5 of the

@@ -67,18 +67,26 @@ def swarmd_flags(msg_id: bytes) -> int | None:
     return None
 
 
-def batches(items: list[tuple[bytes, Any]], limit: int = MAX_REQUEST_PAYLOAD - 128) -> list[list[list]]:
-    """Split [key, value] items into groups whose request fits the rpcudp size cap (and MAX_BATCH_KEYS)."""
+def batches(method: str, items: list[tuple[bytes, Any]]) -> tuple[list[list[list]], list[bytes]]:
+    """Split [key, value] items into `method` requests ([node_id, [[key, value], ...]]) that fit the rpcudp size
+    cap and MAX_BATCH_KEYS. Returns (groups, keys of items too large for any such request): those go as stock
+    `store` requests, whose smaller framing always fits a record of at most MAX_RECORD_BYTES."""
+    overhead = len(pack([method, [b"\x00" * NODE_ID_BYTES, []]])) + 2  # + array header growth
+    room = MAX_REQUEST_PAYLOAD - overhead
     groups: list[list[list]] = [[]]
+    oversized: list[bytes] = []
     size = 0
     for key_id, value in items:
         item_size = len(pack([key_id, value]))
-        if groups[-1] and (size + item_size > limit or len(groups[-1]) >= MAX_BATCH_KEYS):
+        if item_size > room:
+            oversized.append(key_id)
+            continue
+        if groups[-1] and (size + item_size > room or len(groups[-1]) >= MAX_BATCH_KEYS):
             groups.append([])
             size = 0
         groups[-1].append([key_id, value])
         size += item_size
-    return groups if groups[0] else []
+    return (groups if groups[0] else []), oversized
 
 
 def encode_request(msg_id: bytes, name: str, args: list | tuple) -> bytes:

@@ -381,3 +381,18 @@ async def test_forged_reply_from_another_address_is_dropped_and_the_real_one_acc
                 assert node.routing_table_ids() == [real_id]
                 assert node.stats()["dropped"]["forged_reply"] == 1
             nursery.cancel_scope.cancel()
+
+
+async def test_largest_records_travel_through_batched_and_stock_paths(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        _, swarm = await _memory_swarm(nursery, 6)
+        writer, reader = swarm[1].node, swarm[3].node
+        expiration = writer.now() + 60
+        biggest = b"x" * 8109  # the largest bytes value whose record fits a stock store request
+        assert await writer.store("big", biggest, expiration)
+        assert all(await writer.store_many([("big1", biggest, expiration), ("big2", biggest, expiration)]))
+        found = await reader.get_many(["big", "big1", "big2"])
+        assert all(record.value == biggest for record in found.values())
+        with pytest.raises(ValueTooLarge):
+            await writer.store("too-big", biggest + b"x", expiration)
+        nursery.cancel_scope.cancel()

@@ -154,3 +154,12 @@ def test_our_msg_ids_tell_swarmd_senders_and_clients_apart_and_stock_ids_do_not(
     assert proto.swarmd_flags(client_id) == proto.FLAG_CLIENT
     assert all(proto.swarmd_flags(stock.request(("h", 1), "ping", [NODE_ID])[0]) is None for _ in range(1000))
     assert len({server.request(("h", 1), "ping", [NODE_ID])[0] for _ in range(1000)}) == 1000
+
+
+def test_batches_fit_the_request_cap_and_set_aside_what_cannot():
+    items = [(bytes([i]) * 20, b"v" * 3000) for i in range(5)] + [(b"\xff" * 20, b"w" * 8150)]
+    groups, oversized = proto.batches("swarmd_store_find", items)
+    assert oversized == [b"\xff" * 20]
+    assert sum(len(g) for g in groups) == 5
+    for group in groups:
+        proto.encode_request(MSG_ID, "swarmd_store_find", [NODE_ID, group])  # never RequestTooLarge
