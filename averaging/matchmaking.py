@@ -440,7 +440,8 @@ class Matchmaker:
     @property
     def quiet_period(self) -> float:
         """How long a view must stay unchanged before acting on it: a few measured DHT reads and about one
-        measured store, so a declaration stored at the same time as mine has landed. (Waiting for peers that are late is `straggler_wait`'s job.)"""
+        measured store, so a declaration stored at the same time as mine has landed. (Waiting for peers that are
+        late is `straggler_wait`'s job.)"""
         upper = max(self.min_quiet, self.matchmaking_time / 4)
         return min(upper, max(self.min_quiet, 3 * self.dht_latency.value, 1.5 * self.store_latency.value))
 

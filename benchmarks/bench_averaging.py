@@ -15,6 +15,7 @@ output is one JSON object.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import signal
@@ -193,6 +194,10 @@ def summarize(peers: list[Peer], group: int) -> dict:
         "full_group_fraction": sum(s["group_size"] == group for s in steps) / max(1, len(steps)),
         "success_fraction": sum(bool(s["finished"]) for s in steps) / max(1, len(steps)),
         "reasons": sorted({s["reason"] for s in steps if not s["finished"]}),
+        "group_sizes": dict(sorted(collections.Counter(s["group_size"] for s in steps).items())),
+        # peers start at 0..7: a spread near 0 after the run means the groups mixed the whole swarm
+        "final_spread": (lambda v: max(v) - min(v) if v else float("nan"))(
+            [p.done["value"] for p in peers if not p.killed and p.done]),
     }
 
 
@@ -268,7 +273,9 @@ def main() -> None:
     print(f"(b) 8 peers, groups of 4, 9.5 MB, {args.rounds} rounds: median step {summary['median_step_s']:.3f} s "
           f"(p90 {summary['p90_step_s']:.3f}; matchmaking {summary['median_matchmaking_s']:.3f}, all-reduce "
           f"{summary['median_allreduce_s']:.3f}), full groups {summary['full_group_fraction']:.1%}, "
-          f"success {summary['success_fraction']:.1%} {summary['reasons'] or ''}")
+          f"success {summary['success_fraction']:.1%} {summary['reasons'] or ''}; "
+          f"group sizes {summary['group_sizes']}; spread of final values {summary['final_spread']:.2g} "
+          f"(started 7 apart)")
     figures.update(median_step_s_8peers=round(summary["median_step_s"], 4),
                    full_group_fraction=round(summary["full_group_fraction"], 4),
                    step_success_fraction=round(summary["success_fraction"], 4))
@@ -277,7 +284,7 @@ def main() -> None:
     summary = summarize(peers, 4)
     print(f"(c) same, one peer SIGKILLed after {args.rounds // 2} rounds: median step of survivors "
           f"{summary['median_step_s']:.3f} s (p90 {summary['p90_step_s']:.3f}), success "
-          f"{summary['success_fraction']:.1%} {summary['reasons'] or ''}")
+          f"{summary['success_fraction']:.1%} {summary['reasons'] or ''}; group sizes {summary['group_sizes']}")
     figures.update(median_step_s_8peers_one_killed=round(summary["median_step_s"], 4),
                    step_success_fraction_one_killed=round(summary["success_fraction"], 4))
     print(json.dumps(figures))

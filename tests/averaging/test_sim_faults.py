@@ -1,10 +1,10 @@
 """64 averaging peers on the in-memory network under MockClock, with seeded random failures.
 
 Seeded (network, identities, failure schedule) in virtual time (MockClock), exercising the real DHT, RPC,
-matchmaking and all-reduce code, not mocks. trio itself shuffles the order of runnable tasks on purpose, so two runs
-can differ in detail: the assertions are about properties that hold in every order. Peers are killed (SIGKILL: connections reset, ports
-closed) or frozen (a hung host: nothing in or out, no reset) at random moments of a round, i.e. during
-matchmaking or during the all-reduce.
+matchmaking and all-reduce code, not mocks. trio itself shuffles the order of runnable tasks on purpose, so two
+runs can differ in detail: the assertions are about properties that hold in every order. Peers are killed
+(SIGKILL: connections reset, ports closed) or frozen (a hung host: nothing in or out, no reset) at random moments
+of a round, i.e. during matchmaking or during the all-reduce.
 """
 
 import random
