@@ -5,30 +5,38 @@ Protocol (one round, seen from one peer; every peer runs the same code):
 1. **Declare.** Store a declaration under the round's group key (`group_keys.py`), subkey = my peer id, with a
    short expiration: address (None in client mode), bandwidth, client mode, schema hash, round, my deadline and
    the time I declared. When I leave matchmaking I overwrite it with a withdrawal so latecomers don't count me.
-2. **Gather.** Poll the key. All peers derive the same plan from the same visible set (`plan_groups`): the
-   compatible declarations (same schema) ordered by a hash of peer id salted with key and round, cut
-   into balanced chunks of about `target_group_size`. In each chunk the **collector** is the member with the
-   lowest peer id that accepts connections. Nobody is appointed: it's a pure function of what everyone sees.
-3. **Join.** A non-collector waits until its view has been quiet for a short period `q` (adapted to measured DHT
-   latency and to how spread out the declarations of the last round were) and then sends one `avg.mm.join` call
-   to its collector. The call is a long poll: its answer is the final member list, a redirect, or a rejection.
-4. **Collect and seal.** The collector accepts joins (same key and schema, group not full, not sealed) and seals
-   as soon as the group is full, or once every member of its chunk that is still alive has joined, or at the
-   deadline (with >= `min_group_size`). Members of the chunk that haven't joined once the view is quiet are
-   probed with `avg.mm.ping`: a dead peer (connection refused, or no answer within a few RTTs) or a peer that
-   follows another collector is dropped from the wait at once. Sealing answers every pending join with the same
-   `GroupInfo` (same id, members sorted by peer id), which is how every member ends with the same list.
-5. **Failover.** Views can differ (late declarations, lost stores). A peer that receives a join while it is
-   itself following another collector answers with a redirect to that collector (always a lower peer id, so
-   redirects cannot loop). A joiner whose collector is dead, sealed without it or not matching excludes it (and
-   any members the rejection names) and recomputes its plan from the rest: the next-lowest peer of the chunk
-   becomes collector, possibly itself. A collector with no joiners yet that sees a lower peer appear in its
-   chunk steps down and joins instead. Everything is bounded by the peer's own deadline, which it also declares so
-   that collectors seal before any joined member gives up.
+   The store runs beside everything else (a dead replica must not delay the round).
+2. **Gather.** Poll the key in the background and merge what is read into a view (a peer leaves the view only
+   through its withdrawal or expiration, so partial reads don't make it flicker). All peers derive the same plan
+   from the same visible set (`plan_groups`): compatible declarations (same schema) ordered by a hash of the peer
+   id salted with key and round, cut into balanced chunks of about `target_group_size`. In each chunk the
+   **collector** is the member with the lowest peer id that accepts connections. Nobody is appointed: it is a
+   pure function of what everyone sees.
+3. **Join.** A non-collector waits until its view has been quiet for `q` (a few measured DHT reads and stores)
+   and then sends one `avg.mm.join` call to its collector: a long poll answered with the final member list, a
+   redirect, or a rejection.
+4. **Collect and seal.** The collector accepts joins (same key and schema, room left, not sealed) and seals as
+   soon as the group is full, or once every live member of its chunk has joined and the view is quiet, or at the
+   seal deadline (the earliest deadline of its members, so nobody has given up). Chunk members that haven't
+   joined are probed (`avg.mm.ping`): a refused connection (dead) or two probe timeouts (frozen), a peer that
+   follows another collector or collects itself is not waited for; before sealing a group with room left, the
+   followers are asked once more (one turned away by a full collector comes here). Sealing answers every pending
+   join with the same `GroupInfo` (same id, members sorted by peer id): that is how all members agree.
+5. **Converge.** Views can differ (late declarations, withdrawals not yet visible), so plans can differ:
+   - a peer asked to collect while it follows someone answers with a redirect to that collector (always a lower
+     peer id: redirects cannot loop), and the joiner goes there directly;
+   - a joiner whose collector is dead, sealed, full or gone excludes it (and the members a rejection names) and
+     plans again from the rest: the next-lowest peer of its chunk becomes collector, possibly itself;
+   - a collector that nobody joined steps down when it sees a lower peer in its chunk; and a collector probed by a
+     lower collector that counts it in and has room for its members merges into it (its joiners are redirected).
+6. **Patience.** Peers leave their previous round at different times. Peers seen under the key in the last rounds
+   are expected; while some are missing, only full chunks go ahead and the rest waits for the stragglers, for at
+   most `straggler_wait`, which adapts to outcomes (it doubles after running out in vain, shrinks toward the wait
+   that was needed). Dead peers stop being expected after two rounds, or at once when the all-reduce saw them die.
 
-A vanished peer therefore costs its group one connection attempt (refused at once on a dead host) or a few
-RTTs (frozen host), never the whole matchmaking window. The window (`matchmaking_time`) is only an upper bound;
-typical rounds finish after one quiet period `q` plus one RPC. Client-mode peers never collect (nobody can call
+A vanished peer therefore costs its group one connection attempt (refused at once on a dead host) or two probe
+timeouts (frozen host), never the whole matchmaking window. The window (`matchmaking_time`) is only the upper
+bound; typical rounds finish after one quiet period plus one RPC. Client-mode peers never collect (nobody can call
 them): they join, and `plan_groups` puts at least one reachable peer in every chunk.
 """
 
