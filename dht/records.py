@@ -18,8 +18,11 @@ The signature covers (key id, subkey, value, expiration), so an entry cannot be 
 subkey, or kept alive longer than its owner asked.
 
 Plain values written by stock nodes (int, float, bool, str, bytes) read as a `Record` whose key entry has that
-value and `expiration_time == math.inf` (stock values never expire). Conversely a swarmd store with an infinite
-expiration, no subkey and no signature is written as a plain stock value, so stock nodes read it unchanged.
+value and `expiration_time == math.inf` (stock values never expire), with `record.stock == True`. Conversely a
+swarmd store with an infinite expiration, no subkey and no signature is written as a plain stock value, so stock
+nodes read it unchanged. Between a plain value and a swarmd record for the same key the swarmd record wins
+(whatever the expirations): a stock write, or a peer answering a lookup with a bare value, cannot displace
+records with expirations and owners. Between two plain values the incoming one wins (stock last-writer-wins).
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class Record:
 
     entry: Entry | None = None
     subkeys: dict[Subkey, Entry] = field(default_factory=dict)
+    stock: bool = False  # a bare stock value (no envelope): yields to any swarmd record of the key
 
     @property
     def value(self) -> Any:
@@ -94,10 +98,11 @@ class Record:
 
     def pruned(self, now: float) -> "Record":
         entry = self.entry if self.entry is not None and not self.entry.expired(now) else None
-        return Record(entry, {k: e for k, e in self.subkeys.items() if not e.expired(now)})
+        return Record(entry, {k: e for k, e in self.subkeys.items() if not e.expired(now)}, self.stock)
 
     def __repr__(self) -> str:
-        return f"Record(value={self.value!r}, expiration_time={self.expiration_time}, subkeys={self.subkeys!r})"
+        stock = ", stock=True" if self.stock else ""
+        return f"Record(value={self.value!r}, expiration_time={self.expiration_time}, subkeys={self.subkeys!r}{stock})"
 
 
 # ----------------------------------------------------------------------------------------------- keys, signing
@@ -160,8 +165,19 @@ def choose(existing: Entry | None, incoming: Entry | None, now: float) -> Entry 
 
 def merge(existing: Record | None, incoming: Record | None, now: float) -> Record | None:
     """Merge `incoming` into `existing` entry by entry; None when nothing unexpired is left."""
-    existing = existing or Record()
-    incoming = incoming or Record()
+    existing = existing.pruned(now) if existing is not None else None
+    incoming = incoming.pruned(now) if incoming is not None else None
+    existing = None if existing is None or existing.empty() else existing
+    incoming = None if incoming is None or incoming.empty() else incoming
+    if existing is None or incoming is None:
+        only = (existing or incoming or Record()).pruned(now)
+        return None if only.empty() else only
+    if existing.stock != incoming.stock:
+        kept = (incoming if existing.stock else existing).pruned(now)  # the swarmd record wins
+        return None if kept.empty() else kept
+    if existing.stock:
+        kept = incoming.pruned(now)  # plain over plain: the last writer wins, as on stock nodes
+        return None if kept.empty() else kept
     entry = choose(existing.entry, incoming.entry, now)
     subkeys: dict[Subkey, Entry] = {}
     for subkey in existing.subkeys.keys() | incoming.subkeys.keys():
@@ -250,7 +266,7 @@ def decode(key_id: bytes, stored: Any, now: float) -> Record | None:
         record = Record(entry, subkeys).pruned(now)
         return None if record.empty() else record
     if is_stock_value(stored):
-        return Record(Entry(stored, math.inf))
+        return Record(Entry(stored, math.inf), stock=True)
     return None
 
 
@@ -264,6 +280,7 @@ def record_for_store(
     """The one-entry record a `store` call sends; raises ValueTooLarge if it does not fit in a datagram."""
     entry = make_entry(key_id, subkey, value, expiration_time, identity)
     record = Record(entry, {}) if subkey is None else Record(None, {subkey: entry})
+    record.stock = record.is_plain()  # it travels as a bare value, so replicas see it as one
     size = encoded_size(encode(record))
     if size > MAX_RECORD_BYTES:
         raise ValueTooLarge(size, MAX_RECORD_BYTES)

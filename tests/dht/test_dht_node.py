@@ -396,3 +396,59 @@ async def test_largest_records_travel_through_batched_and_stock_paths(autojump_c
         with pytest.raises(ValueTooLarge):
             await writer.store("too-big", biggest + b"x", expiration)
         nursery.cancel_scope.cancel()
+
+
+def _junk(rng: random.Random, depth: int = 0):
+    """Random msgpack-able objects of every shape a hostile peer could send back."""
+    choice = rng.randrange(9 if depth < 3 else 6)
+    if choice == 0:
+        return None
+    if choice == 1:
+        return rng.choice([True, False, 0, -1, 2**63 - 1, 1.5, float("inf")])
+    if choice == 2:
+        return rng.randbytes(rng.choice([0, 5, 20, 32, 64]))
+    if choice == 3:
+        return rng.choice(["", "value", "127.0.0.1", "x" * 300])
+    if choice == 4:
+        return [rng.randbytes(20), rng.choice(["127.0.0.1", "h", ""]), rng.choice([0, 1, 65535, 70000, -5])]
+    if choice == 5:
+        return {"value": rng.randbytes(10)}
+    if choice == 6:
+        return [_junk(rng, depth + 1) for _ in range(rng.choice([0, 3, 25, 500]))]
+    if choice == 7:
+        return {rng.choice(["value", b"value", 7, "id"]): _junk(rng, depth + 1) for _ in range(3)}
+    return [[_junk(rng, depth + 1), _junk(rng, depth + 1)] for _ in range(rng.choice([1, 30]))]
+
+
+async def test_a_peer_answering_garbage_never_breaks_our_node(autojump_clock):
+    rng = random.Random(99)
+    network = MemoryNetwork(latency=0.002, seed=3)
+    async with trio.open_nursery() as nursery:
+        good = await start_node(nursery, "good", network=network.host("good"))
+        liar = await network.host("liar").open_udp("liar", 0)
+
+        async def lie():
+            protocol = proto.DatagramProtocol()
+            while True:
+                data, sender = await liar.recvfrom()
+                event = protocol.receive(data, sender)
+                if isinstance(event, proto.Request):
+                    reply = key_id_of("liar") if event.name == "ping" else _junk(rng)
+                    try:
+                        await liar.sendto(proto.encode_reply(event.msg_id, reply), sender)
+                    except Exception:
+                        continue  # an unencodable junk object: just stay silent this time
+
+        nursery.start_soon(lie)
+        async with DHTNode.open("ours", 0, [liar.address, good.node.address], network=network.host("ours")) as node:
+            for round_ in range(20):
+                assert await node.store(f"k{round_}", round_, node.now() + 60)
+                assert (await node.get(f"k{round_}")).value == round_
+                await node.get_many([f"k{round_}", "missing"])
+                await node.store_many([(f"m{round_}", 1, node.now() + 60), (f"n{round_}", 2, node.now() + 60)])
+            dropped = node.stats()["dropped"]
+            assert not any(reason.startswith("internal_error") for reason in dropped), dropped
+            assert dropped.get("handler_error", 0) == 0
+            assert dropped["bad_reply"] > 0  # the liar was consulted, and its answers were refused
+        nursery.cancel_scope.cancel()
+    liar.close()

@@ -144,3 +144,14 @@ def test_record_that_outgrows_a_datagram_keeps_its_freshest_subkeys():
     kept = sorted(fitted.subkeys)
     assert 10 < len(kept) < 100
     assert kept == list(range(100 - len(kept), 100))  # the soonest-expiring ones were dropped
+
+
+def test_swarmd_record_beats_a_bare_stock_value_in_either_order():
+    ours = stored(KEY, "ours", NOW + 10)
+    bare = decode(KEY, b"a stock write or a lie", NOW)
+    assert bare.stock
+    assert merge(ours, bare, NOW).value == "ours"
+    assert merge(bare, ours, NOW).value == "ours"
+    assert merge(bare, decode(KEY, "newer stock write", NOW), NOW).value == "newer stock write"
+    ours_plain = record_for_store(KEY, 5, math.inf)
+    assert ours_plain.stock and merge(None, ours_plain, NOW).stock
