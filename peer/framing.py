@@ -67,17 +67,38 @@ class ControlFrame:
 Event = Union[MessageReceived, MessageRejected, StreamCancelled, ControlFrame]
 
 
+class ReceiveBudget:
+    """Bytes that partly received messages may hold, shared by every connection of a node: a peer that announces
+    huge messages and then trickles (or sends nothing) gets rejections, not gigabytes of zeroed buffers."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.available = limit
+
+    def take(self, size: int) -> bool:
+        if size > self.available:
+            return False
+        self.available -= size
+        return True
+
+    def give_back(self, size: int) -> None:
+        self.available = min(self.limit, self.available + size)
+
+
 @dataclass
 class _Partial:
     data: bytearray | None  # None while discarding a rejected message
+    budgeted: bool = False
     filled: int = 0
 
 
 class FrameParser:
     """Turns received bytes into events. `max_message_bytes` is checked before anything is allocated."""
 
-    def __init__(self, max_message_bytes: int, chunk_bytes: int = CHUNK_BYTES):
+    def __init__(self, max_message_bytes: int, chunk_bytes: int = CHUNK_BYTES, budget: ReceiveBudget | None = None):
         self.max_message_bytes = max_message_bytes
+        self.budget = budget or ReceiveBudget(2 * max_message_bytes)
+        self._pending = 0  # budgeted bytes held by this connection
         self.max_frame_bytes = max(chunk_bytes, MAX_CONTROL_BYTES) + TOTAL.size + HEADER.size
         self._header = bytearray()
         self._partials: dict[int, _Partial] = {}
@@ -108,6 +129,24 @@ class FrameParser:
                     continue
             view = self._consume(view, events)
         return events
+
+    def _take_budget(self, size: int) -> bool:
+        """A connection holds at most one maximal message's worth; the node's shared budget bounds the rest."""
+        if self._pending + size > self.max_message_bytes or not self.budget.take(size):
+            return False
+        self._pending += size
+        return True
+
+    def _release(self, partial: _Partial | None) -> None:
+        if partial is not None and partial.data is not None and partial.budgeted:
+            self.budget.give_back(len(partial.data))
+            self._pending -= len(partial.data)
+
+    def close(self) -> None:
+        """The connection ended: whatever was half received no longer counts against the budget."""
+        for partial in self._partials.values():
+            self._release(partial)
+        self._partials.clear()
 
     def receive_target(self) -> memoryview | None:
         """Where the next payload bytes belong while a message chunk is arriving, so a driver can read from the
@@ -184,8 +223,12 @@ class FrameParser:
                     MessageRejected(self._stream_id, total, f"message of {total} bytes exceeds the limit of "
                                                             f"{self.max_message_bytes}")
                 )
-            else:
-                self._partials[self._stream_id] = _Partial(bytearray(total))
+            elif not self._kind & LAST and not self._take_budget(total):
+                self._partials[self._stream_id] = _Partial(None)
+                events.append(MessageRejected(self._stream_id, total, f"receiver busy: {total} more bytes in "
+                                                                      f"flight exceed its receive budget"))
+            else:  # single-frame messages skip the budget: one frame at a time per connection bounds them
+                self._partials[self._stream_id] = _Partial(bytearray(total), budgeted=not self._kind & LAST)
             if not self._remaining:
                 self._finish_frame(events)
                 return view
@@ -211,11 +254,12 @@ class FrameParser:
             self._control = None
             return
         if kind == CANCEL:
-            self._partials.pop(stream_id, None)
+            self._release(self._partials.pop(stream_id, None))
             events.append(StreamCancelled(stream_id))
             return
         if kind & LAST:
             partial = self._partials.pop(stream_id)
+            self._release(partial)
             if partial.data is None:
                 return  # already reported as rejected
             if partial.filled != len(partial.data):

@@ -214,6 +214,7 @@ class Connection:
                 nursery.cancel_scope.cancel()
         finally:
             self.closed = True
+            self.parser.close()
             for call in self.calls.values():
                 call.finish(error=ConnectionFailed(f"connection lost: {self.close_reason}", peer=self.peer_id,
                                                    address=self.label))
@@ -455,6 +456,7 @@ class RPCNode:
         self._all_connections: set[Connection] = set()
         self._nursery: trio.Nursery | None = None
         self._lifetime_cm: Any = None
+        self.receive_budget = framing.ReceiveBudget(2 * limits.max_message_bytes)
 
     # ----------------------------------------------------------------------------------- lifetime
 
@@ -505,10 +507,11 @@ class RPCNode:
         return self.announce or self.address
 
     async def _accept(self, stream: trio.abc.Stream) -> None:
-        parser = framing.FrameParser(self.limits.max_message_bytes)
+        parser = framing.FrameParser(self.limits.max_message_bytes, budget=self.receive_budget)
         try:
             peer_id, remote_listen, events = await self._handshake(stream, parser)
         except HandshakeError as error:
+            parser.close()
             self.stats["handshake_failures"] += 1
             logger.debug("rejected incoming connection: %s", error)
             return
@@ -614,9 +617,10 @@ class RPCNode:
             except OSError as error:
                 raise ConnectionFailed(f"cannot connect: {error.strerror or error}", address=address) from None
             try:
-                parser = framing.FrameParser(self.limits.max_message_bytes)
+                parser = framing.FrameParser(self.limits.max_message_bytes, budget=self.receive_budget)
                 peer_id, remote_listen, events = await self._handshake(stream, parser)
             except BaseException:
+                parser.close()
                 await trio.aclose_forcefully(stream)
                 raise
             return stream, parser, peer_id, remote_listen, events

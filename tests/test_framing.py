@@ -97,3 +97,23 @@ def test_random_bytes_only_ever_raise_framing_error():
             parser.receive(data)
         except framing.FramingError:
             pass
+
+
+def test_receive_budget_bounds_memory_held_by_half_received_messages():
+    budget = framing.ReceiveBudget(3000)
+    parsers = [framing.FrameParser(max_message_bytes=2000, chunk_bytes=1000, budget=budget) for _ in range(2)]
+    announce = [framing.HEADER.pack(framing.HEADER.size - 4 + 8, framing.FIRST, sid) + framing.TOTAL.pack(1500)
+                for sid in (1, 3)]
+    # one connection may hold one maximal message's worth: the second announcement is refused
+    events = parsers[0].receive(b"".join(announce))
+    assert [type(e) for e in events] == [framing.MessageRejected] and "budget" in events[0].reason
+    # the node's budget is shared: the other connection gets what is left, then no more
+    assert parsers[1].receive(announce[0]) == [] and budget.available == 0
+    # small single-frame messages are never refused for budget
+    outbox = framing.Outbox(chunk_bytes=1000)
+    outbox.add(7, [b"ping"])
+    events = parsers[1].receive(b"".join(bytes(f) for f in outbox.next_frames()))
+    assert [type(e) for e in events] == [framing.MessageReceived]
+    for parser in parsers:
+        parser.close()  # connections end: the budget comes back whole
+    assert budget.available == 3000

@@ -371,3 +371,28 @@ async def test_bad_messages_get_error_replies_and_the_connection_keeps_working(t
         # the same connection still works for a well-formed call
         reply = await send_raw_request(stream, parser, 9, wire.encode(["echo", 5.0, "fine"]))
         assert reply == [0, "fine"]
+
+
+async def test_announced_but_unsent_messages_cannot_exhaust_memory(transport, clock):
+    limits = wire.Limits(max_message_bytes=1 << 20)
+    swarm = Swarmlet(transport, limits=limits)
+    async with swarm.peer("a") as a, swarm.peer("b") as b:
+        stream = await raw_connect(swarm, b.address)
+        parser = await raw_handshake(stream, Identity.generate())
+        claims = b"".join(framing.HEADER.pack(framing.HEADER.size - 4 + 8, framing.FIRST, sid)
+                          + framing.TOTAL.pack(1 << 20) for sid in range(1, 41, 2))  # 20 MiB announced
+        await stream.send_all(claims)
+        with trio.fail_after(5):
+            rejected = []
+            while len(rejected) < 19:
+                for event in parser.receive(await stream.receive_some(65536)):
+                    if isinstance(event, framing.MessageReceived):
+                        rejected.append(wire.decode(event.data))
+        assert all(reply[1] == BadRequest.code and "budget" in reply[2] for reply in rejected)
+        # this liar holds at most one maximal message's worth of the node's receive budget
+        assert b.receive_budget.available == b.receive_budget.limit - (1 << 20)
+        assert await a.call(b.address, "echo", "small calls still work", timeout=5) == "small calls still work"
+        await stream.aclose()
+        with trio.fail_after(5):
+            while b.receive_budget.available != b.receive_budget.limit:
+                await trio.sleep(0.01)
