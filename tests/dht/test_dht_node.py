@@ -19,7 +19,7 @@ from dht_swarm import start_node, start_swarm
 FAST = DHTConfig(initial_timeout=0.2, bootstrap_attempts=2)
 
 
-async def test_bootstrap_failure_names_the_addresses_tried():
+async def test_bootstrap_failure_names_the_addresses_tried(autojump_clock):
     network = MemoryNetwork(latency=0.001)
     with pytest.raises(BootstrapFailed) as info:
         async with DHTNode.open("lonely", 0, [("ghost1", 4000), ("ghost2", 4001)], network=network.host("lonely"),
@@ -233,10 +233,10 @@ async def test_hostile_datagrams_are_counted_and_the_node_keeps_serving():
         for reason in ("too_short", "unknown_type", "bad_msgpack", "bad_arguments", "invalid_record",
                        "unknown_method", "unsolicited_reply"):
             assert dropped.get(reason, 0) >= 1, reason
-        assert await node.get("k") is None
+        assert node.local_record("k") is None  # the unhashable and the forged envelope were both refused
 
 
-async def test_request_flood_from_one_address_is_rate_limited():
+async def test_request_flood_from_one_address_is_rate_limited(autojump_clock):
     network = MemoryNetwork()
     config = DHTConfig(requests_per_second=10, request_burst=20)
     async with DHTNode.open("victim", 0, network=network.host("victim"), config=config) as node:
@@ -414,7 +414,7 @@ def _junk(rng: random.Random, depth: int = 0):
     if choice == 5:
         return {"value": rng.randbytes(10)}
     if choice == 6:
-        return [_junk(rng, depth + 1) for _ in range(rng.choice([0, 3, 25, 500]))]
+        return [_junk(rng, depth + 1) for _ in range(rng.choice([0, 3, 25, 120]))]
     if choice == 7:
         return {rng.choice(["value", b"value", 7, "id"]): _junk(rng, depth + 1) for _ in range(3)}
     return [[_junk(rng, depth + 1), _junk(rng, depth + 1)] for _ in range(rng.choice([1, 30]))]
@@ -441,7 +441,7 @@ async def test_a_peer_answering_garbage_never_breaks_our_node(autojump_clock):
 
         nursery.start_soon(lie)
         async with DHTNode.open("ours", 0, [liar.address, good.node.address], network=network.host("ours")) as node:
-            for round_ in range(20):
+            for round_ in range(8):
                 assert await node.store(f"k{round_}", round_, node.now() + 60)
                 assert (await node.get(f"k{round_}")).value == round_
                 await node.get_many([f"k{round_}", "missing"])
