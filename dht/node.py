@@ -64,9 +64,9 @@ class DHTConfig:
     # Floor of the adaptive per-peer timeout. It only paces lookups (after it a further query starts; a late
     # answer still counts), so it can sit close to loopback RTTs: a dead peer then costs ~10 ms, not 5 s.
     min_timeout: float = 0.01
-    probe_timeout: float = 0.25  # floor of the wait for a swarmd_hello answer (silence = stock peer, for good)
     max_timeout: float = 2.0  # ceiling of it, and the hard timeout after which a request counts as failed
     initial_timeout: float = 1.0  # for a peer when nothing has been measured yet
+    probe_timeout: float = 0.25  # floor of the wait for a swarmd_hello answer (silence = stock peer)
     failures_to_evict: int = 3  # consecutive unanswered requests before a contact leaves the routing table
     head_check_after: float = 60.0  # a full bucket pings its oldest contact only if silent this long
     lookup_timeout: float = 10.0  # a whole lookup never takes longer
@@ -102,6 +102,8 @@ def key_id_of(key: str | bytes) -> bytes:
 
 
 class DHTNode:
+    """A Kademlia node; create it with `DHTNode.open(...)` (an async context manager owning its tasks)."""
+
     def __init__(self, identity: Identity, endpoint: UDPEndpoint, nursery: trio.Nursery, *, client_mode: bool,
                  clock: Callable[[], float], config: DHTConfig, rng: random.Random,
                  random_bytes: Callable[[int], bytes] = os.urandom):
