@@ -452,3 +452,18 @@ async def test_a_peer_answering_garbage_never_breaks_our_node(autojump_clock):
             assert dropped["bad_reply"] > 0  # the liar was consulted, and its answers were refused
         nursery.cancel_scope.cancel()
     liar.close()
+
+
+async def test_store_reports_failure_when_no_replica_answers(autojump_clock):
+    network = MemoryNetwork(latency=0.002)
+    async with trio.open_nursery() as nursery:
+        server = await start_node(nursery, "server", network=network.host("server"))
+        client = await start_node(nursery, "client", [server.node.address], network=network.host("client"),
+                                  client_mode=True)
+        assert await client.node.store("k", "v", client.node.now() + 60)
+        network.crash("server")
+        server.kill()
+        with trio.fail_after(5):
+            assert not await client.node.store("k2", "v", client.node.now() + 60)
+            assert await client.node.get("k") is None
+        nursery.cancel_scope.cancel()
