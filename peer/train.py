@@ -271,7 +271,7 @@ def _experts_alive(swarm: Any, model: DigitsModel, uids: list[str]) -> int:
 
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 512) -> tuple[float, float]:
     """(accuracy, mean cross-entropy) on a held-out set."""
-    model.eval()
+    model.train(False)  # evaluation mode
     correct, total_loss = 0, 0.0
     with torch.no_grad():
         for start in range(0, len(x), batch_size):
