@@ -86,6 +86,7 @@ class _StorePlan:
     """Records a store lookup carries, and which peers acknowledged each key during the lookup."""
 
     wire: dict[bytes, Any]
+    offers: set[bytes] = field(default_factory=set)  # keys sent as protocol.OFFER items
     stored_on: dict[bytes, set[bytes]] = field(default_factory=dict)
 
 
@@ -291,6 +292,7 @@ class DHTNode:
         """Read repair: peers among a key's k closest that answered without the value get the merged record in
         the background, so a replica set thinned by churn fills up again as the key is read."""
         gifts: dict[tuple[bytes, Address], list[tuple[bytes, Any]]] = {}
+        offers: set[bytes] = set()
         for key, key_id in ids.items():
             record = results.get(key)
             target = targets.get(key_id)
@@ -298,11 +300,13 @@ class DHTNode:
                 continue
             closest = {c.node_id for c in target.answered(self.config.k)}
             wire = records.encode(record)
+            if record.stock:
+                offers.add(key_id)
             for candidate in target.without_value[:READ_REPAIRS]:
                 if candidate.node_id in closest:
                     gifts.setdefault((candidate.node_id, candidate.address), []).append((key_id, wire))
         for (node_id, address), items in gifts.items():
-            self._spawn(self._send_stores, node_id, address, items)
+            self._spawn(self._send_stores, node_id, address, items, offers)
 
     # ------------------------------------------------------------------------------------------------ requests
 
@@ -503,10 +507,10 @@ class DHTNode:
         if name == "swarmd_find_many":
             return self._find_many(args[1], sender, now)
         if name == "swarmd_store_many":
-            return [self._store_local(key_id, value, now) for key_id, value in args[1]]
+            return [self._store_local(item[0], item[1], now, offer=len(item) == 3) for item in args[1]]
         if name == "swarmd_store_find":  # store, and answer like find_node: one round trip does both
-            return [[self._store_local(key_id, value, now), self._contacts_for(key_id, sender)]
-                    for key_id, value in args[1]]
+            return [[self._store_local(item[0], item[1], now, offer=len(item) == 3),
+                     self._contacts_for(item[0], sender)] for item in args[1]]
         return _NO_REPLY
 
     def _note_sender(self, node_id: bytes, address: Address) -> None:
@@ -533,11 +537,13 @@ class DHTNode:
             return self._contacts_for(key_id, sender)
         return {"value": item.wire}
 
-    def _store_local(self, key_id: bytes, value: Any, now: float) -> bool:
+    def _store_local(self, key_id: bytes, value: Any, now: float, offer: bool = False) -> bool:
         record = records.decode(key_id, value, now)
         if record is None:
             self._dropped["invalid_record"] += 1
             return False
+        if offer and record.stock and self._storage.get(key_id, now) is not None:
+            return True  # an offered plain value only fills a gap (see protocol.OFFER)
         outcome = self._storage.store(key_id, record, now, trio.current_time())
         if outcome == "full":
             self._dropped["storage_full"] += 1
@@ -718,7 +724,7 @@ class DHTNode:
             if not (isinstance(reply, list) and len(reply) == len(batch)):
                 self._dropped["bad_reply"] += 1
                 return
-            for (key_id, _), answer in zip(batch, reply):
+            for (key_id, *_), answer in zip(batch, reply):
                 if not (isinstance(answer, list) and len(answer) == 2):
                     self._dropped["bad_reply"] += 1
                     continue
@@ -733,7 +739,8 @@ class DHTNode:
                 return
             answers[key_id] = self._parse_find(raw, False)
 
-        groups, oversized = proto.batches("swarmd_store_find", [(key_id, store.wire[key_id]) for key_id in keys])
+        items = [(k, store.wire[k], proto.OFFER) if k in store.offers else (k, store.wire[k]) for k in keys]
+        groups, oversized = proto.batches("swarmd_store_find", items)
         if len(groups) == 1 and not oversized:
             await one(groups[0])
         else:
@@ -777,20 +784,22 @@ class DHTNode:
             for part in parts:
                 nursery.start_soon(run, part)
 
-    async def _store_in_chunks(self, by_key: dict[bytes, Record]) -> dict[bytes, bool]:
+    async def _store_in_chunks(self, by_key: dict[bytes, Record], offer: bool = False) -> dict[bytes, bool]:
         acknowledged: dict[bytes, bool] = {}
 
         async def chunk(part: list[bytes]) -> None:
-            acknowledged.update(await self._store_records({key_id: by_key[key_id] for key_id in part}))
+            acknowledged.update(await self._store_records({key_id: by_key[key_id] for key_id in part}, offer))
 
         await self._in_chunks(list(by_key), chunk)
         return acknowledged
 
-    async def _store_records(self, by_key: dict[bytes, Record]) -> dict[bytes, bool]:
+    async def _store_records(self, by_key: dict[bytes, Record], offer: bool = False) -> dict[bytes, bool]:
         """Find the k closest peers of each key and store there. Swarmd peers store during the lookup itself
-        (`swarmd_store_find`); stock peers among the k closest get a stock `store` afterwards."""
+        (`swarmd_store_find`); stock peers among the k closest get a stock `store` afterwards. With `offer`
+        (republishing), plain values go as offers to swarmd peers and not at all to stock peers."""
         wire = {key_id: records.encode(record) for key_id, record in by_key.items()}
-        store = _StorePlan(wire)
+        offers = {key_id for key_id, record in by_key.items() if record.stock} if offer else set()
+        store = _StorePlan(wire, offers)
         targets = await self._lookup(set(by_key), want_value=False, store=None if self.client_mode else store)
         now = self.now()
         acknowledged = {key_id: False for key_id in by_key}
@@ -813,7 +822,8 @@ class DHTNode:
                     plan.setdefault((candidate.node_id, candidate.address), []).append(key_id)
 
         async def send(node_id: bytes, address: Address, key_ids: list[bytes]) -> None:
-            for key_id, ok in (await self._send_stores(node_id, address, [(k, wire[k]) for k in key_ids])).items():
+            items = [(k, wire[k]) for k in key_ids]
+            for key_id, ok in (await self._send_stores(node_id, address, items, offers)).items():
                 if ok:
                     acknowledged[key_id] = True
 
@@ -822,21 +832,27 @@ class DHTNode:
                 nursery.start_soon(send, node_id, address, key_ids)
         return acknowledged
 
-    async def _send_stores(self, node_id: bytes, address: Address, items: list[tuple[bytes, Any]]) -> dict[bytes, bool]:
-        """Store items on one peer: batched for swarmd peers, one stock `store` per key otherwise."""
+    async def _send_stores(self, node_id: bytes, address: Address, items: list[tuple[bytes, Any]],
+                           offers: set[bytes] | frozenset[bytes] = frozenset()) -> dict[bytes, bool]:
+        """Store items on one peer: batched for swarmd peers, one stock `store` per key otherwise. Keys in
+        `offers` (plain values re-sent by maintenance) go as offers, and never to stock peers."""
         results: dict[bytes, bool] = {}
-        if len(items) > 1 and await self._probe(address):
-            groups, oversized = proto.batches("swarmd_store_many", items)
+        offered = any(key_id in offers for key_id, _ in items)
+        if (len(items) > 1 or offered) and await self._probe(address):
+            marked = [(k, v, proto.OFFER) if k in offers else (k, v) for k, v in items]
+            groups, oversized = proto.batches("swarmd_store_many", marked)
             for batch in groups:
                 try:
                     reply = await self._request(address, "swarmd_store_many", [self.peer_id, batch], node_id=node_id)
                 except RequestTimeout:
                     return results
                 if isinstance(reply, list) and len(reply) == len(batch):
-                    for (key_id, _), ok in zip(batch, reply):
+                    for (key_id, *_), ok in zip(batch, reply):
                         results[key_id] = ok is True
-            too_large = set(oversized)
+            too_large = set(oversized) - set(offers)
             items = [(key_id, value) for key_id, value in items if key_id in too_large]
+        elif offered:
+            items = [(key_id, value) for key_id, value in items if key_id not in offers]
 
         async def one(key_id: bytes, value: Any) -> None:
             try:
@@ -916,7 +932,7 @@ class DHTNode:
             item = self._storage.get(key_id, now)
             if item is not None:
                 item.refreshed_at = local_now
-        await self._store_in_chunks(due)
+        await self._store_in_chunks(due, offer=True)
         return len(due)
 
     def _queue_welcome(self, node: Node) -> None:
@@ -938,6 +954,7 @@ class DHTNode:
         now = self.now()
         my_long = int.from_bytes(self.peer_id, "big")
         gifts: dict[bytes, list[tuple[bytes, Any]]] = {}
+        offers: set[bytes] = set()
         for key_id, item in self._storage.items():
             if item.refreshed_at >= since:
                 continue  # stored after the newcomers were known: that store's lookup already included them
@@ -953,6 +970,8 @@ class DHTNode:
             if record.empty():
                 continue
             wire = records.encode(record)
+            if record.stock:
+                offers.add(key_id)
             for node in receivers:
                 gifts.setdefault(node.id, []).append((key_id, wire))
         if gifts:
@@ -960,7 +979,7 @@ class DHTNode:
             async with trio.open_nursery() as nursery:
                 for node_id, items in gifts.items():
                     node = by_id[node_id]
-                    nursery.start_soon(self._send_stores, node.id, (node.ip, node.port), items)
+                    nursery.start_soon(self._send_stores, node.id, (node.ip, node.port), items, offers)
 
 
 def _deliver(channel: trio.MemorySendChannel, message: tuple) -> None:

@@ -67,24 +67,24 @@ def swarmd_flags(msg_id: bytes) -> int | None:
     return None
 
 
-def batches(method: str, items: list[tuple[bytes, Any]]) -> tuple[list[list[list]], list[bytes]]:
-    """Split [key, value] items into `method` requests ([node_id, [[key, value], ...]]) that fit the rpcudp size
-    cap and MAX_BATCH_KEYS. Returns (groups, keys of items too large for any such request): those go as stock
+def batches(method: str, items: list[tuple]) -> tuple[list[list[list]], list[bytes]]:
+    """Split (key, value) or (key, value, OFFER) items into `method` requests ([node_id, [item, ...]]) that fit
+    the rpcudp size cap and MAX_BATCH_KEYS. Returns (groups, keys of items too large for any such request): those go as stock
     `store` requests, whose smaller framing always fits a record of at most MAX_RECORD_BYTES."""
     overhead = len(pack([method, [b"\x00" * NODE_ID_BYTES, []]])) + 2  # + array header growth
     room = MAX_REQUEST_PAYLOAD - overhead
     groups: list[list[list]] = [[]]
     oversized: list[bytes] = []
     size = 0
-    for key_id, value in items:
-        item_size = len(pack([key_id, value]))
+    for item in items:
+        item_size = len(pack(list(item)))
         if item_size > room:
-            oversized.append(key_id)
+            oversized.append(item[0])
             continue
         if groups[-1] and (size + item_size > room or len(groups[-1]) >= MAX_BATCH_KEYS):
             groups.append([])
             size = 0
-        groups[-1].append([key_id, value])
+        groups[-1].append(list(item))
         size += item_size
     return (groups if groups[0] else []), oversized
 
@@ -162,6 +162,10 @@ def _valid_key_list(keys: Any, limit: int) -> bool:
 
 
 MAX_BATCH_KEYS = 64
+# A store item marked OFFER carries a plain stock value a node re-sends on its own initiative (republish,
+# welcome, read repair): the receiver keeps whatever it holds for the key and only fills a gap. Plain values have
+# no expiration to compare, so this is what stops a stale copy from overwriting a newer write network-wide.
+OFFER = "offer"
 
 
 KNOWN_METHODS = frozenset(
@@ -186,13 +190,16 @@ def check_request_args(name: str, args: list) -> bool:
         return len(args) == 2 and isinstance(args[1], dict)
     if name == "swarmd_find_many":  # [nodeid, [key, ...]]
         return len(args) == 2 and _valid_key_list(args[1], MAX_BATCH_KEYS)
-    if name in ("swarmd_store_many", "swarmd_store_find"):  # [nodeid, [[key, value], ...]]
+    if name in ("swarmd_store_many", "swarmd_store_find"):  # [nodeid, [[key, value(, "offer")], ...]]
         items = args[1] if len(args) == 2 else None
         return (
             isinstance(items, list)
             and 0 < len(items) <= MAX_BATCH_KEYS
             and all(
-                isinstance(item, list) and len(item) == 2 and _is_key(item[0]) and is_stock_value(item[1])
+                isinstance(item, list)
+                and (len(item) == 2 or (len(item) == 3 and item[2] == OFFER))
+                and _is_key(item[0])
+                and is_stock_value(item[1])
                 for item in items
             )
         )

@@ -467,3 +467,19 @@ async def test_store_reports_failure_when_no_replica_answers(autojump_clock):
             assert not await client.node.store("k2", "v", client.node.now() + 60)
             assert await client.node.get("k") is None
         nursery.cancel_scope.cancel()
+
+
+async def test_republishing_a_stale_plain_value_does_not_undo_a_newer_write(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        network, swarm = await _memory_swarm(nursery, 8)
+        stale_holder = swarm[7]
+        assert await swarm[0].node.store("plain", "v1", math.inf)
+        network.isolate(stale_holder.node.address[0])
+        assert await swarm[1].node.store("plain", "v2", math.inf)
+        network.heal()
+        assert stale_holder.node.local_record("plain").value == "v1"
+        assert await stale_holder.node.republish(force=True) >= 1
+        await trio.sleep(1)  # virtual
+        others = [r.node for r in swarm[:7]]
+        assert all(node.local_record("plain").value == "v2" for node in others)
+        nursery.cancel_scope.cancel()
