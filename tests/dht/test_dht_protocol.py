@@ -163,3 +163,10 @@ def test_batches_fit_the_request_cap_and_set_aside_what_cannot():
     assert sum(len(g) for g in groups) == 5
     for group in groups:
         proto.encode_request(MSG_ID, "swarmd_store_find", [NODE_ID, group])  # never RequestTooLarge
+
+
+def test_store_items_accept_only_the_offer_mark_as_third_element():
+    assert proto.check_request_args("swarmd_store_many", [NODE_ID, [[KEY, b"v"], [KEY, 1, proto.OFFER]]])
+    assert not proto.check_request_args("swarmd_store_many", [NODE_ID, [[KEY, b"v", "overwrite"]]])
+    assert not proto.check_request_args("swarmd_store_find", [NODE_ID, [[KEY, [1]]]])
+    assert not proto.check_request_args("swarmd_store_find", [NODE_ID, [[KEY, 1]] * (proto.MAX_BATCH_KEYS + 1)])
