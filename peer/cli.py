@@ -66,7 +66,7 @@ JOIN_DEFAULTS: dict[str, Any] = {
     "host": "127.0.0.1", "port": 0, "announce": None, "initial_peers": [], "identity": None, "experts": None,
     "num_experts": None, "expert_kind": "ffn", "hidden_dim": 256, "max_batch_size": 4096, "optimizer": "adam",
     "lr": 1e-3, "checkpoint_dir": None, "checkpoint_interval": 300.0, "device": "cpu", "threads": None,
-    "log_level": "info",
+    "replicate": None, "average_every": 30.0, "log_level": "info",
 }
 
 
@@ -96,6 +96,11 @@ def add_join_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=_positive_int,
                         help="torch threads for expert compute (default: torch's choice; use 1 when several "
                              "peers share a machine)")
+    parser.add_argument("--replicate", action="store_true", default=None,
+                        help="serve the pattern's experts even where others already do, and keep these replicas' "
+                             "weights averaged with theirs (hot standby)")
+    parser.add_argument("--average-every", type=_positive_float, metavar="SECONDS",
+                        help="seconds between replica averaging rounds (default 30)")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
 

@@ -1,4 +1,5 @@
-"""`peer join`: one trio program that owns a volunteer's DHT node, expert server and status service.
+"""`peer join`: one trio program that owns a volunteer's DHT node, expert server, replica averager and status
+service.
 
 Why one nursery: cancelling it stops everything — the expert server saves its checkpoints on the way out, the
 DHT node stops answering, connections close — so SIGTERM means "cancel", and nothing is left behind.
@@ -7,6 +8,7 @@ DHT node stops answering, connections close — so SIGTERM means "cancel", and n
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import math
 import time
@@ -19,12 +21,13 @@ import trio
 
 from dht.node import DHTNode
 from moe.experts import OptimizerConfig, make_expert
-from moe.grid import GridPattern
+from moe.grid import GridPattern, expand_pattern
 from moe.server import ExpertServer, choose_uids
 from peer import __version__
 from peer.directory import PeerDirectory
 from peer.identity import Identity
 from peer.net import Address, Network, RealNetwork
+from peer.replicas import ReplicaAverager
 from peer.rpc import CallContext, RPCNode
 from peer.status import STATUS_METHOD
 
@@ -51,6 +54,8 @@ class DaemonConfig:
     threads: int | None = None
     declare_ttl: float = 30.0
     seed: int | None = None
+    replicate: bool = False
+    average_every: float = 30.0
 
 
 @dataclass
@@ -99,6 +104,7 @@ class Daemon:
         self.dht: DHTNode | None = None
         self.expert_server: ExpertServer | None = None
         self.directory: PeerDirectory | None = None
+        self.replicas: ReplicaAverager | None = None
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled. Reports a DaemonInfo through `task_status` once the peer is reachable."""
@@ -131,6 +137,11 @@ class Daemon:
                         self.expert_server = await self._make_expert_server(dht)
                         uids = sorted(self.expert_server.experts)
                         await nursery.start(self.expert_server.run, rpc, dht)
+                        if config.replicate:
+                            self.replicas = ReplicaAverager(rpc, dht, self.expert_server.experts,
+                                                            self.expert_server.runtime.exclusive,
+                                                            interval=config.average_every)
+                            await nursery.start(self.replicas.run)
                     self.directory = PeerDirectory(dht)
                     await nursery.start(self.directory.run, announced, self.identity.peer_id, self._summary)
                     task_status.started(DaemonInfo(str(self.identity.peer_id), announced, uids))
@@ -140,11 +151,21 @@ class Daemon:
         config = self.config
         grid = GridPattern.parse(config.experts)
         count = config.num_experts if config.num_experts is not None else grid.size
-        uids = await choose_uids(config.experts, count, dht=dht, checkpoint_dir=config.checkpoint_dir)
+        if config.replicate:  # serve the pattern's first uids even where others already do: they are replicas
+            uids = expand_pattern(config.experts)[:count]
+        else:
+            uids = await choose_uids(config.experts, count, dht=dht, checkpoint_dir=config.checkpoint_dir)
         optimizer = OptimizerConfig(name=config.optimizer, lr=config.lr)
-        base_seed = config.seed if config.seed is not None else int.from_bytes(self.identity.peer_id[:4], "big")
+
+        def seed_for(index: int, uid: str) -> int:
+            if config.seed is not None:
+                return config.seed + index
+            if config.replicate:  # replicas of one uid start from the same weights
+                return int.from_bytes(hashlib.sha1(uid.encode()).digest()[:4], "big")
+            return int.from_bytes(self.identity.peer_id[:4], "big") + index
+
         experts = [
-            make_expert(uid, config.expert_kind, config.hidden_dim, optimizer=optimizer, seed=base_seed + index,
+            make_expert(uid, config.expert_kind, config.hidden_dim, optimizer=optimizer, seed=seed_for(index, uid),
                         device=config.device)
             for index, uid in enumerate(uids)
         ]
@@ -169,6 +190,7 @@ class Daemon:
             "rpc": dict(self.rpc.stats),
             "experts": self.expert_server.stats() if self.expert_server else None,
             "expert_uids": sorted(self.expert_server.experts) if self.expert_server else [],
+            "averaging": self.replicas.stats() if self.replicas else None,
         }
 
     async def _handle_status(self, context: CallContext, args: Any) -> dict[str, Any]:

@@ -53,6 +53,8 @@ async def gather_status(rpc: RPCNode, dht: Any, *, timeout: float = 3.0,
             "experts": experts,
             "requests_served": served,
             "failures_seen": (reply.get("rpc") or {}).get("calls_failed"),
+            "averaging_rounds": (reply.get("averaging") or {}).get("rounds"),
+            "last_group_size": (reply.get("averaging") or {}).get("last_group_size"),
         })
         for uid in experts:
             prefix = uid.split(".")[0]
@@ -70,14 +72,17 @@ async def gather_status(rpc: RPCNode, dht: Any, *, timeout: float = 3.0,
 
 def format_status(status: dict[str, Any]) -> str:
     lines = [f"peers: {status['peers_reachable']} reachable of {len(status['peers'])} in the directory", ""]
-    header = f"{'PEER':<14}{'ADDRESS':<24}{'STATE':<13}{'UPTIME':>8}{'DHT':>6}{'EXPERTS':>9}{'SERVED':>9}"
+    header = (f"{'PEER':<14}{'ADDRESS':<24}{'STATE':<13}{'UPTIME':>8}{'DHT':>6}{'EXPERTS':>9}{'SERVED':>9}"
+              f"{'FAILED':>8}{'AVG':>6}")
     lines.append(header)
     for peer in status["peers"]:
         state = "ok" if peer["reachable"] else "unreachable"
         uptime = f"{peer['uptime_s']:.0f}s" if peer["uptime_s"] is not None else "-"
         table = peer["dht_table_size"] if peer["dht_table_size"] is not None else "-"
+        failed = peer["failures_seen"] if peer["failures_seen"] is not None else "-"
+        rounds = peer["averaging_rounds"] if peer["averaging_rounds"] is not None else "-"
         lines.append(f"{peer['peer_id'][:12]:<14}{peer['address']:<24}{state:<13}{uptime:>8}{table!s:>6}"
-                     f"{len(peer['experts']):>9}{peer['requests_served']:>9}")
+                     f"{len(peer['experts']):>9}{peer['requests_served']:>9}{failed!s:>8}{rounds!s:>6}")
     lines.append("")
     if status["experts"]:
         lines.append("experts by prefix:")
