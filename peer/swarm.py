@@ -23,6 +23,7 @@ import trio
 from peer.topology import Topology
 
 _LISTENING = re.compile(r"^peer ([0-9a-f]{40}) listening on (\S+)$")
+_SERVING = re.compile(r"^serving (\d+) experts: (.*)$")
 _STOP_GRACE_S = 10.0
 
 
@@ -33,6 +34,7 @@ class Managed:
     args: list[str]
     process: trio.Process | None = None
     address: str | None = None
+    experts: str = ""
     ready: trio.Event = field(default_factory=trio.Event)
     last_line: str = ""
     progress: dict | None = None
@@ -120,6 +122,11 @@ class SwarmLauncher:
         match = _LISTENING.match(line)
         if match and member.role == "volunteer":
             member.address = match.group(2)
+        serving = _SERVING.match(line)
+        if serving and member.role == "volunteer":
+            uids = sorted(serving.group(2).split(", "), key=_grid_order)
+            member.experts = f"{len(uids)} experts ({uids[0]}..{uids[-1]})"
+        if line.startswith("others join with") and member.role == "volunteer":
             member.ready.set()
         if line.startswith("{"):
             try:
@@ -183,7 +190,7 @@ class SwarmLauncher:
             else:
                 state = "running"
             if member.role == "volunteer":
-                detail = f"{member.address or '-':<22} {state}"
+                detail = f"{member.address or '-':<22} {state:<18} {member.experts}"
             else:
                 detail = f"{state:<10} {_progress_text(member)}"
             lines.append(f"  {member.name:<12} {detail}")
@@ -264,6 +271,12 @@ def _progress_text(member: Managed) -> str:
         if isinstance(value, (int, float)) and not (isinstance(value, float) and math.isnan(value)):
             parts.append(f"{label} {fmt.format(value)}")
     return "  ".join(parts)
+
+
+def _grid_order(uid: str) -> tuple:
+    """`ffn.9` before `ffn.10`: uids ordered by their grid coordinates."""
+    name, *coords = uid.split(".")
+    return (name, *(int(c) if c.isdigit() else 0 for c in coords))
 
 
 def _child_env() -> dict[str, str]:
