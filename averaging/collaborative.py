@@ -208,6 +208,9 @@ class CollaborativeOptimizer:
         """Called by the state server under the averaging lock: a consistent (epoch, tensors) pair."""
         return {"epoch": self.epoch, "run_id": self.run_id, "mode": self.mode}, self._state
 
+    async def _note_group(self, peer_ids: list) -> None:
+        self.tracker.note_group(peer_ids)
+
     async def _current(self) -> SwarmProgress:
         return self.tracker.progress()
 
@@ -363,6 +366,8 @@ class CollaborativeOptimizer:
         sizes[result.group_size] = sizes.get(result.group_size, 0) + 1
         me = self.averager.peer_id
         self._stats["peers_averaged_with"].update(str(p) for p in result.group.peer_ids if p != me)
+        group = list(result.group.peer_ids)
+        self.swarm.run(self._note_group, group)
         if not result.finished:
             logger.info("averaging round partial: %s", result.reason)
         return True

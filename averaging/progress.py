@@ -45,6 +45,9 @@ def progress_key(run_id: str) -> str:
     return f"{run_id}.progress"
 
 
+_MAX_GROUP_SHOWN = 8  # keeps each trainer's record small: every trainer of a run shares one 8 KiB DHT value
+
+
 @dataclass(frozen=True)
 class PeerProgress:
     """One trainer's progress as published: `samples` accumulated in `epoch` at DHT time `time`."""
@@ -57,11 +60,12 @@ class PeerProgress:
     client_mode: bool = True
     left: bool = False  # the trainer finished and said goodbye: count it no more
     address: tuple[str, int] | None = None  # where it serves its state to trainers that catch up (None: nowhere)
+    last_group: tuple[str, ...] = ()  # short PeerIDs of its latest averaging group, for `peer status`
 
     def to_wire(self) -> list:
         address = [self.address[0], int(self.address[1])] if self.address is not None else None
         return [_RECORD_VERSION, int(self.epoch), int(self.samples), float(self.samples_per_second),
-                float(self.time), bool(self.client_mode), bool(self.left), address]
+                float(self.time), bool(self.client_mode), bool(self.left), address, list(self.last_group)]
 
     @classmethod
     def from_wire(cls, peer_id: bytes, value: Any) -> "PeerProgress | None":
@@ -81,8 +85,12 @@ class PeerProgress:
         if (isinstance(raw, (list, tuple)) and len(raw) == 2 and isinstance(raw[0], str) and isinstance(raw[1], int)
                 and 0 < raw[1] < 65536):
             address = (raw[0], raw[1])
+        group = value[8] if len(value) > 8 else []
+        if not (isinstance(group, (list, tuple)) and len(group) <= _MAX_GROUP_SHOWN
+                and all(isinstance(member, str) and len(member) <= 40 for member in group)):
+            group = []
         return cls(PeerID(bytes(peer_id)), epoch, samples, float(sps), float(time), bool(client_mode), left,
-                   address)
+                   address, tuple(group))
 
 
 @dataclass(frozen=True)
@@ -233,6 +241,7 @@ class ProgressTracker:
         self.max_refresh = max_refresh
         self.epoch = epoch
         self.samples = 0
+        self.last_group: tuple[str, ...] = ()
         self._rate = _Rate(rate_horizon)
         self._others: dict[PeerID, PeerProgress] = {}
         self._published: PeerProgress | None = None
@@ -246,7 +255,11 @@ class ProgressTracker:
 
     def local(self) -> PeerProgress:
         return PeerProgress(self.peer_id, self.epoch, self.samples, self._rate.value, self.dht.now(),
-                            self.client_mode, address=self.address)
+                            self.client_mode, address=self.address, last_group=self.last_group)
+
+    def note_group(self, peer_ids: list[bytes]) -> None:
+        """Remember the latest averaging group; it travels with the next published record."""
+        self.last_group = tuple(bytes(p).hex()[:12] for p in peer_ids[:_MAX_GROUP_SHOWN])
 
     def report(self, samples: int) -> None:
         """Count `samples` more samples accumulated in the current epoch."""
@@ -382,8 +395,10 @@ async def list_runs(dht: Any) -> list[dict[str, Any]]:
         if not reports:
             continue
         progress = estimate(reports.values(), target=target, now=now)
+        groups = sorted({report.last_group for report in reports.values() if report.last_group})
         runs.append({
             "run_id": run_id,
+            "recent_groups": [list(group) for group in groups],
             "epoch": progress.epoch,
             "trainers": len(reports),
             "trainers_in_epoch": progress.num_peers,

@@ -95,7 +95,11 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append("")
         lines.append("training runs:")
         for run in status["runs"]:
-            lines.append("  " + ", ".join(f"{key}={value}" for key, value in run.items()))
+            lines.append(f"  {run['run_id']}: epoch {run['epoch']}, {run['trainers']} trainers "
+                         f"({run['trainers_in_epoch']} in this epoch), {run['samples']}/{run['target_batch_size']} "
+                         f"samples, {run['samples_per_s']} samples/s")
+            for group in run.get("recent_groups", []):
+                lines.append(f"    averaged together: {', '.join(group)}")
     return "\n".join(lines)
 
 

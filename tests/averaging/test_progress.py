@@ -239,11 +239,14 @@ async def test_status_lists_the_live_runs_and_their_progress(autojump_clock):
         a.report(100)
         b.report(28)
         c.report(7)
+        a.note_group([a.peer_id, b.peer_id])  # a and b averaged together
         for tracker in (a, b, c):
             await tracker.publish()
         observer, _ = await nursery.start(_dht_node, "observer", network, servers, True)
         runs = {run["run_id"]: run for run in await list_runs(observer)}
         assert set(runs) == {"digits", "cifar"}
+        assert runs["digits"]["recent_groups"] == [[a.peer_id.hex()[:12], b.peer_id.hex()[:12]]]
+        assert runs["cifar"]["recent_groups"] == []
         assert runs["digits"]["trainers"] == 2 and runs["digits"]["target_batch_size"] == 512
         assert runs["digits"]["samples"] >= 128 and runs["digits"]["epoch"] == 0
         assert runs["cifar"]["trainers"] == 1 and runs["cifar"]["target_batch_size"] == 4096
