@@ -8,8 +8,9 @@ Protocol (one round, seen from one peer; every peer runs the same code):
    The store runs beside everything else (a dead replica must not delay the round).
 2. **Gather.** Poll the key in the background and merge what is read into a view (a peer leaves the view only
    through its withdrawal or expiration, so partial reads don't make it flicker). All peers derive the same plan
-   from the same visible set (`plan_groups`): compatible declarations (same schema) ordered by a hash of the peer
-   id salted with key and round, cut into balanced chunks of about `target_group_size`. In each chunk the
+   from the same visible set (`plan_groups`): compatible declarations (same schema) ordered by a hash of the key,
+   the peer's own declared round and its peer id (a late arrival never reorders the others), cut into balanced
+   chunks of about `target_group_size`. In each chunk the
    **collector** is the member with the lowest peer id that accepts connections. Nobody is appointed: it is a
    pure function of what everyone sees.
 3. **Join.** A non-collector waits until its view has been quiet for `q` (a few measured DHT reads and stores)
@@ -113,9 +114,16 @@ WITHDRAWN: list = []  # the value that overwrites a declaration when its peer le
 
 
 def _order_key(declaration: Declaration, salt: bytes | None) -> bytes:
+    """A peer's place in the grouping order: sha256 of the salt, ITS OWN declared round and its peer id.
+
+    Each peer's place depends only on its own declaration, never on who else is in view: a late declaration is
+    inserted into the order without moving anyone else, so peers whose views differ by a few arrivals still agree
+    on the relative order of everyone they both see (a salt taken from the view, such as the highest round in
+    it, reshuffled everybody whenever one peer of a round a step ahead appeared, and split rounds into 4+3+1).
+    The round changes every step, so the order, and with it the grouping, changes every round."""
     if salt is None:
         return bytes(declaration.peer_id)
-    return hashlib.sha256(salt + bytes(declaration.peer_id)).digest()
+    return hashlib.sha256(salt + b"|%d|" % declaration.round + bytes(declaration.peer_id)).digest()
 
 
 def _balanced(items: list, count: int) -> list[list]:
@@ -170,12 +178,11 @@ def chunk_of(plan: list[list[Declaration]], peer_id: bytes) -> list[Declaration]
     return []
 
 
-def round_salt(key: str, declarations: Iterable[Declaration]) -> bytes:
-    """Salt of the grouping order: the key and the highest round in view. Peers in phase share the round, so
-    they derive the same order; the order changes every round, so a key holding several groups regroups its
-    peers differently each time (see group_keys.py for why that matters)."""
-    top = max((d.round for d in declarations), default=0)
-    return f"{key}|{top}".encode()
+def round_salt(key: str, declarations: Iterable[Declaration] = ()) -> bytes:
+    """Salt of the grouping order: the key. The round enters through each declaration's own round
+    (`_order_key`), so the order changes every round, and a key holding several groups regroups its peers
+    differently each time (see group_keys.py for why that matters), while the order never depends on the view."""
+    return key.encode()
 
 
 # --------------------------------------------------------------------------------------------- collector
@@ -367,6 +374,7 @@ class _Round:
         self.merging: set[PeerID] = set()  # peers a higher collector is handing over to me
         self.last_drop = -math.inf  # when a probe last found an expected peer following another collector
         self.following_others: set[PeerID] = set()  # those peers (rechecked once before sealing with room left)
+        self.following_since: dict[PeerID, float] = {}  # when a probe first found a chunk member following another
         self.view: dict[PeerID, Declaration] = {}
         self.excluded: set[PeerID] = set()
         self.failed: list[PeerID] = []
@@ -502,6 +510,14 @@ class Matchmaker:
         """A live peer answers a probe in one RTT, but a loaded one may take many: a probe that times out is only
         a suspicion; two in a row (or a refused connection) drop the peer."""
         return min(1.0, max(0.2, 10 * self.rtt.value))
+
+    @property
+    def follow_wait(self) -> float:
+        """How long a collector with room keeps waiting for a member of its chunk that follows another collector:
+        long enough for that collector to answer it (seal, or turn it away) and for it to come here, i.e. a few
+        quiet periods and round trips; bounded, because two collectors could each wait for the other's
+        followers."""
+        return min(self.matchmaking_time / 4, max(8 * self.quiet_period, 2 * self.probe_timeout))
 
     def _grace(self) -> float:
         return self.quiet_period + 4 * self.rtt.value + 0.05
@@ -671,7 +687,7 @@ class Matchmaker:
             quiet_for = now - state.last_change
             full = len(chunk_of(self._plan(state), self.peer_id)) >= self.target
             patient = self._patient(state)
-            settled = (full and quiet_for >= self.quiet_period) or state.join_arrived \
+            settled = (full and not patient and quiet_for >= self.quiet_period) or state.join_arrived \
                 or (not patient and quiet_for >= 3 * self.quiet_period)
             if not settled:
                 await state.wait_changed(min(deadline, now + self.quiet_period / 2))
@@ -752,6 +768,7 @@ class Matchmaker:
                     for peer_id in sorted(assembly.waiting_for):
                         declaration = state.view.get(peer_id)
                         if declaration is None:
+                            logger.debug("matchmaking %s: %s left the view", self.peer_id.short(), peer_id.short())
                             assembly.drop(peer_id)
                         elif declaration.can_collect:
                             if now - probed.get(peer_id, -math.inf) >= self.quiet_period:
@@ -835,6 +852,10 @@ class Matchmaker:
                                          {"key": state.key, "joined": len(assembly.joined)},
                                          timeout=self.probe_timeout, peer_id=declaration.peer_id)
             self.rtt.update(trio.current_time() - t0)
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug("matchmaking %s: probed %s: %s", self.peer_id.short(), declaration.peer_id.short(),
+                             {k: (bytes(v).hex()[:12] if isinstance(v, bytes) else v) for k, v in answer.items()}
+                             if isinstance(answer, dict) else answer)
             merging = answer.get("merging") if isinstance(answer, dict) else None
             if isinstance(merging, list):  # it steps down into my group: wait for it and for its joiners
                 for member in merging:
@@ -845,9 +866,15 @@ class Matchmaker:
             elif not isinstance(answer, dict) or not answer.get("matching") or answer.get("collecting"):
                 assembly.drop(declaration.peer_id)
             elif answer.get("following") is not None and bytes(answer["following"]) != bytes(self.peer_id):
-                assembly.drop(declaration.peer_id)
-                state.last_drop = trio.current_time()
-                state.following_others.add(declaration.peer_id)
+                # It follows another collector, which may be full and turn it away (views differ for a moment):
+                # then it comes here, and sealing without it would strand it (a 4 + 3 + 1 round). Keep waiting
+                # for it (it is probed again every quiet period) until it has followed others for `follow_wait`.
+                now = trio.current_time()
+                since = state.following_since.setdefault(declaration.peer_id, now)
+                if now - since >= self.follow_wait:
+                    assembly.drop(declaration.peer_id)
+                    state.last_drop = now
+                    state.following_others.add(declaration.peer_id)
         except RemoteError:
             assembly.drop(declaration.peer_id)
         except CallTimeout as error:

@@ -9,7 +9,12 @@
 Peers step back to back, as a training loop calling `averager.step()` between batches would. The last line of
 output is one JSON object.
 
-    .venv/bin/python benchmarks/bench_averaging.py [--rounds 20] [--skip-100mb]
+    .venv/bin/python benchmarks/bench_averaging.py [--rounds 20] [--parts abc] [--skip-100mb]
+
+`--parts` picks the scenarios (e.g. `--parts b` runs only the 8-peer one). `BENCH_PROFILE=DIR` writes a cProfile
+of every peer process to DIR/peerN.prof (cProfile costs time: figures from such a run are not comparable);
+`BENCH_DEBUG_DIR=DIR` writes each peer's averaging debug log there. Every step also reports the CPU seconds its
+process spent (`cpu_s`), which with the loopback rate tells how close to the machine's floor a round is.
 """
 
 from __future__ import annotations
@@ -84,10 +89,13 @@ def worker_main(args: argparse.Namespace) -> None:
                         round_index = 0
                         while not stop.is_set():
                             t0 = time.perf_counter()
+                            cpu0 = time.process_time()
                             result = await averager.step()
                             emit({"round": round_index, "step_s": time.perf_counter() - t0,
+                                  "cpu_s": time.process_time() - cpu0,
                                   "matchmaking_s": result.matchmaking_seconds,
                                   "allreduce_s": result.allreduce_seconds, "group_size": result.group_size,
+                                  "group": result.group.group_id.hex()[:8] if result.group is not None else None,
                                   "finished": result.finished, "reason": result.reason,
                                   "failed": len(result.failed_peers)})
                             round_index += 1
@@ -95,7 +103,15 @@ def worker_main(args: argparse.Namespace) -> None:
                                 emit({"done": True, "value": float(tensor[0])})
                         nursery.cancel_scope.cancel()
 
-    trio.run(run)
+    if os.environ.get("BENCH_PROFILE"):
+        import cProfile
+        profiler = cProfile.Profile()
+        try:
+            profiler.runcall(trio.run, run)
+        finally:
+            profiler.dump_stats(os.path.join(os.environ["BENCH_PROFILE"], f"peer{args.index}.prof"))
+    else:
+        trio.run(run)
 
 
 # ------------------------------------------------------------------------------------------------ orchestration
@@ -250,24 +266,39 @@ def main() -> None:
     parser.add_argument("--prefix", default="bench")
     parser.add_argument("--bootstrap", default=None)
     parser.add_argument("--skip-100mb", action="store_true")
+    parser.add_argument("--parts", default="abc", help="which scenarios to run: any of a, b, c")
     args = parser.parse_args()
+    if args.skip_100mb:
+        args.parts = args.parts.replace("a", "")
     if args.worker:
         worker_main(args)
         return
 
     figures: dict = {}
-    if not args.skip_100mb:
+    if "a" in args.parts:
         bandwidth = loopback_throughput()
         size = 25_000_000 * 4
         bound = 2 * (4 - 1) / 4 * size / bandwidth
         peers = run_swarm(4, 25_000_000, 3, 4, "bench100")
         rounds = [s["allreduce_s"] for p in peers for s in p.steps if s["finished"]]
         round_s = statistics.median(rounds) if rounds else float("nan")
+        cpu = [s["cpu_s"] for p in peers for s in p.steps if s["finished"]]
+        cpu_s = statistics.median(cpu) if cpu else float("nan")
         print(f"(a) raw loopback TCP: {bandwidth / 1e9:.2f} GB/s; 4 peers x 100 MB: all-reduce round "
-              f"{round_s:.3f} s (median of {len(rounds)}), bound {bound:.3f} s, ratio {round_s / bound:.2f}")
+              f"{round_s:.3f} s (median of {len(rounds)}, all {sorted(round(r, 3) for r in rounds)}), bound "
+              f"{bound:.3f} s, ratio {round_s / bound:.2f}; CPU per step and process {cpu_s:.3f} s "
+              f"({os.cpu_count()} cores)")
         figures.update(round_s_100mb=round(round_s, 4), bound_s_100mb=round(bound, 4),
-                       loopback_gbps=round(bandwidth / 1e9, 3))
+                       loopback_gbps=round(bandwidth / 1e9, 3), cpu_s_per_step_100mb=round(cpu_s, 4))
 
+    if "b" in args.parts:
+        run_b(args, figures)
+    if "c" in args.parts:
+        run_c(args, figures)
+    print(json.dumps(figures))
+
+
+def run_b(args: argparse.Namespace, figures: dict) -> None:
     peers = run_swarm(8, 2_370_000, args.rounds, 4, "bench8")
     summary = summarize(peers, 4)
     print(f"(b) 8 peers, groups of 4, 9.5 MB, {args.rounds} rounds: median step {summary['median_step_s']:.3f} s "
@@ -280,6 +311,8 @@ def main() -> None:
                    full_group_fraction=round(summary["full_group_fraction"], 4),
                    step_success_fraction=round(summary["success_fraction"], 4))
 
+
+def run_c(args: argparse.Namespace, figures: dict) -> None:
     peers = run_swarm(8, 2_370_000, args.rounds, 4, "bench8k", kill_after=args.rounds // 2)
     summary = summarize(peers, 4)
     print(f"(c) same, one peer SIGKILLed after {args.rounds // 2} rounds: median step of survivors "
@@ -287,7 +320,6 @@ def main() -> None:
           f"{summary['success_fraction']:.1%} {summary['reasons'] or ''}; group sizes {summary['group_sizes']}")
     figures.update(median_step_s_8peers_one_killed=round(summary["median_step_s"], 4),
                    step_success_fraction_one_killed=round(summary["success_fraction"], 4))
-    print(json.dumps(figures))
 
 
 if __name__ == "__main__":
