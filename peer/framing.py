@@ -16,9 +16,10 @@ from __future__ import annotations
 import collections
 import struct
 from dataclasses import dataclass, field
-from typing import Iterator, Union
+from typing import Callable, Iterator, Union
 
 Buffer = Union[bytes, bytearray, memoryview]
+Allocator = Callable[[int], Union[bytearray, memoryview]]
 
 HEADER = struct.Struct("<IBI")
 TOTAL = struct.Struct("<Q")
@@ -41,7 +42,7 @@ class FramingError(Exception):
 @dataclass
 class MessageReceived:
     stream_id: int
-    data: bytearray
+    data: bytearray | memoryview  # writable: the wire codec decodes tensors in place
 
 
 @dataclass
@@ -87,7 +88,7 @@ class ReceiveBudget:
 
 @dataclass
 class _Partial:
-    data: bytearray | None  # None while discarding a rejected message
+    data: bytearray | memoryview | None  # None while discarding a rejected message
     budgeted: bool = False
     filled: int = 0
 
@@ -95,8 +96,13 @@ class _Partial:
 class FrameParser:
     """Turns received bytes into events. `max_message_bytes` is checked before anything is allocated."""
 
-    def __init__(self, max_message_bytes: int, chunk_bytes: int = CHUNK_BYTES, budget: ReceiveBudget | None = None):
+    def __init__(self, max_message_bytes: int, chunk_bytes: int = CHUNK_BYTES, budget: ReceiveBudget | None = None,
+                 allocate: Allocator = bytearray):
+        """`allocate(n)` makes a message's writable n-byte buffer. `bytearray` zero-fills it, which for big
+        tensors costs as much as receiving them; the RPC layer passes `wire.message_buffer` (uninitialised
+        memory: safe, because a message is delivered only once every byte of it has arrived)."""
         self.max_message_bytes = max_message_bytes
+        self.allocate = allocate
         self.budget = budget or ReceiveBudget(2 * max_message_bytes)
         self._pending = 0  # budgeted bytes held by this connection
         self.max_frame_bytes = max(chunk_bytes, MAX_CONTROL_BYTES) + TOTAL.size + HEADER.size
@@ -228,7 +234,7 @@ class FrameParser:
                 events.append(MessageRejected(self._stream_id, total, f"receiver busy: {total} more bytes in "
                                                                       f"flight exceed its receive budget"))
             else:  # single-frame messages skip the budget: one frame at a time per connection bounds them
-                self._partials[self._stream_id] = _Partial(bytearray(total), budgeted=not self._kind & LAST)
+                self._partials[self._stream_id] = _Partial(self.allocate(total), budgeted=not self._kind & LAST)
             if not self._remaining:
                 self._finish_frame(events)
                 return view

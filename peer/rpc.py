@@ -507,7 +507,8 @@ class RPCNode:
         return self.announce or self.address
 
     async def _accept(self, stream: trio.abc.Stream) -> None:
-        parser = framing.FrameParser(self.limits.max_message_bytes, budget=self.receive_budget)
+        parser = framing.FrameParser(self.limits.max_message_bytes, budget=self.receive_budget,
+                                         allocate=wire.message_buffer)
         try:
             peer_id, remote_listen, events = await self._handshake(stream, parser)
         except HandshakeError as error:
@@ -617,7 +618,8 @@ class RPCNode:
             except OSError as error:
                 raise ConnectionFailed(f"cannot connect: {error.strerror or error}", address=address) from None
             try:
-                parser = framing.FrameParser(self.limits.max_message_bytes, budget=self.receive_budget)
+                parser = framing.FrameParser(self.limits.max_message_bytes, budget=self.receive_budget,
+                                             allocate=wire.message_buffer)
                 peer_id, remote_listen, events = await self._handshake(stream, parser)
             except BaseException:
                 parser.close()

@@ -446,6 +446,21 @@ class _TensorReader:
         return data.view(shape)
 
 
+_SMALL_MESSAGE = 64 * 1024
+
+
+def message_buffer(size: int) -> bytearray | memoryview:
+    """A writable buffer for a message of `size` bytes that is about to be received in full.
+
+    `bytearray(size)` zero-fills, which for a tensor message costs about as much CPU as receiving it (measured:
+    an 8 MB bytearray is 1.3-1.9 ms against 0.2-1.0 ms for uninitialised memory). Big messages get an
+    uninitialised torch byte buffer instead (still one buffer, aliased by the decoded tensors); its previous
+    contents are never visible, because the framing delivers a message only when every byte has arrived."""
+    if size <= _SMALL_MESSAGE:
+        return bytearray(size)
+    return memoryview(torch.empty(size, dtype=torch.uint8).numpy())
+
+
 def decode(buffer: bytes | bytearray | memoryview, *, limits: Limits = DEFAULT_LIMITS) -> Any:
     """Decode one whole message (exactly; trailing bytes are an error).
 
