@@ -508,7 +508,7 @@ class RPCNode:
 
     async def _accept(self, stream: trio.abc.Stream) -> None:
         parser = framing.FrameParser(self.limits.max_message_bytes, budget=self.receive_budget,
-                                         allocate=wire.message_buffer)
+                                     allocate=wire.message_buffer)
         try:
             peer_id, remote_listen, events = await self._handshake(stream, parser)
         except HandshakeError as error:
