@@ -244,12 +244,39 @@ class Assembly:
         self.closed = False  # sealed, with or without a group, or merged into another collector's group
         self.merged_into: Declaration | None = None
         self.done = trio.Event()  # set when closed: pending joins get their answer
+        self.handed_over: dict[PeerID, Declaration] = {}  # joiners passed on to a lower collector (hand_over)
+        self._released: dict[PeerID, trio.Event] = {}  # per pending joiner: its answer is ready
 
     def merge_into(self, collector: Declaration) -> None:
         """Hand my joiners to a lower collector (they are answered with a redirect to it)."""
         self.merged_into = collector
         self.closed = True
+        self._release_all()
+
+    def hand_over(self, collector: Declaration, count: int) -> list[PeerID]:
+        """Pass up to `count` joiners (highest peer ids first) to a lower collector with room: they are answered
+        with a redirect to it. Rival collectors whose groups are too big to merge (3 + 3 + 2 out of 8) thus fill
+        the lowest one first, and the rest can merge."""
+        movable = sorted((p for p in self.joined if p != self.me.peer_id), reverse=True)[:max(0, count)]
+        for peer_id in movable:
+            del self.joined[peer_id]
+            self.handed_over[peer_id] = collector
+            event = self._released.get(peer_id)
+            if event is not None:
+                event.set()
+        return movable
+
+    def released(self, joiner: PeerID) -> trio.Event:
+        """Set when the answer for this (accepted) joiner is ready."""
+        event = self._released.setdefault(joiner, trio.Event())
+        if self.closed or joiner in self.handed_over:
+            event.set()
+        return event
+
+    def _release_all(self) -> None:
         self.done.set()
+        for event in self._released.values():
+            event.set()
 
     @property
     def full(self) -> bool:
@@ -263,6 +290,8 @@ class Assembly:
         """A join request: None = accepted (the answer comes at sealing), else an immediate Decision."""
         if self.merged_into is not None:
             return Decision("redirect", redirect=self.merged_into)
+        if joiner.peer_id in self.handed_over:
+            return Decision("redirect", redirect=self.handed_over[joiner.peer_id])
         if self.closed:
             if self.group is not None and joiner.peer_id in self.group:
                 return Decision("group", group=self.group, round=self.round)
@@ -310,13 +339,15 @@ class Assembly:
         self.closed = True
         if len(self.joined) >= self.min_size:
             self.group = GroupInfo.create(group_id, [d.member() for d in self.joined.values()])
-        self.done.set()
+        self._release_all()
         return self.group
 
     def answer(self, joiner: PeerID) -> Decision:
         """The final answer to a joiner whose join was accepted, once `done` is set."""
         if self.merged_into is not None:
             return Decision("redirect", redirect=self.merged_into)
+        if joiner in self.handed_over:
+            return Decision("redirect", redirect=self.handed_over[joiner])
         if self.group is not None and joiner in self.group:
             return Decision("group", group=self.group, round=self.round)
         return Decision("reject", reason="no group assembled")
@@ -382,6 +413,7 @@ class _Round:
         self.following: Declaration | None = None
         self.changed = trio.Event()
         self.join_arrived = False
+        self.stale: dict[PeerID, float] = {}  # peer -> declared_at of a declaration its owner no longer runs
 
     def poke(self) -> None:
         self.changed.set()
@@ -502,6 +534,8 @@ class Matchmaker:
             return False
         if waited < self.straggler_wait:
             return True
+        if waited < self.matchmaking_time / 4 and any(p not in state.view for p in state.stale):
+            return True  # a peer told us it is still averaging its previous round: it is on its way
         state.patience_ran_out = True
         return False
 
@@ -553,7 +587,9 @@ class Matchmaker:
             declaration = Declaration.from_wire(subkey, entry.value)
             fresh = declaration is not None and entry.expiration_time >= now \
                 and declaration.deadline >= state.me.declared_at  # else left over from an earlier round
-            if fresh and declaration.schema == self.schema:
+            if fresh and declaration.declared_at <= state.stale.get(declaration.peer_id, -math.inf):
+                view.pop(declaration.peer_id, None)  # its owner said it is not matching: see _probe
+            elif fresh and declaration.schema == self.schema:
                 view[declaration.peer_id] = declaration
             elif declaration is None or not fresh:
                 view.pop(PeerID(bytes(subkey)), None)  # withdrawn, or only an old round's entry is left
@@ -601,7 +637,7 @@ class Matchmaker:
             self._remember_population(state)
             if state.assembly is not None and not state.assembly.closed:
                 state.assembly.closed = True
-                state.assembly.done.set()
+                state.assembly._release_all()
             await self._withdraw(key, expiration)
 
     async def _declare(self, key: str, me: Declaration, expiration: float) -> None:
@@ -857,13 +893,28 @@ class Matchmaker:
                              {k: (bytes(v).hex()[:12] if isinstance(v, bytes) else v) for k, v in answer.items()}
                              if isinstance(answer, dict) else answer)
             merging = answer.get("merging") if isinstance(answer, dict) else None
-            if isinstance(merging, list):  # it steps down into my group: wait for it and for its joiners
+            handover = answer.get("handover") if isinstance(answer, dict) else None
+            if isinstance(handover, list):  # a rival collector passes some of its joiners to me: wait for them
+                for member in handover:
+                    if isinstance(member, bytes) and len(member) == 20:
+                        assembly.expected.add(PeerID(member))
+                        assembly.dropped.discard(PeerID(member))
+                        state.merging.add(PeerID(member))
+                assembly.drop(declaration.peer_id)
+            elif isinstance(merging, list):  # it steps down into my group: wait for it and for its joiners
                 for member in merging:
                     if isinstance(member, bytes) and len(member) == 20:
                         assembly.expected.add(PeerID(member))
                         assembly.dropped.discard(PeerID(member))
                         state.merging.add(PeerID(member))
             elif not isinstance(answer, dict) or not answer.get("matching") or answer.get("collecting"):
+                if isinstance(answer, dict) and not answer.get("matching"):
+                    # a declaration left over from its previous round (it is averaging, its withdrawal not read
+                    # yet): out of the plan until it declares again, and still expected (it will come back)
+                    state.stale[declaration.peer_id] = declaration.declared_at
+                    if state.view.get(declaration.peer_id) is declaration:
+                        del state.view[declaration.peer_id]
+                        state.last_change = trio.current_time()
                 assembly.drop(declaration.peer_id)
             elif answer.get("following") is not None and bytes(answer["following"]) != bytes(self.peer_id):
                 # It follows another collector, which may be full and turn it away (views differ for a moment):
@@ -914,6 +965,21 @@ class Matchmaker:
             state.poke()
             return {"matching": True, "following": bytes(ctx.peer_id), "collecting": False,
                     "merging": [bytes(p) for p in assembly.joined]}
+        if assembly is not None and ctx.address is not None and ctx.peer_id < self.peer_id \
+                and not assembly.closed and isinstance(their_size, int) and 0 < their_size < self.target \
+                and len(assembly.joined) > 1:
+            # Too many to merge: give the lower collector as many of my joiners as it has room for (they are
+            # redirected to it); with what is left I can still fill up or merge later.
+            prober = state.view.get(ctx.peer_id)
+            if prober is None:
+                me = state.me
+                prober = Declaration(ctx.peer_id, ctx.address, 1.0, False, me.schema, me.round, me.deadline,
+                                     me.declared_at)
+            moved = assembly.hand_over(prober, self.target - their_size)
+            state.poke()
+            logger.debug("matchmaking %s: handing %d joiner(s) over to %s", self.peer_id.short(), len(moved),
+                         ctx.peer_id.short())
+            return {"matching": True, "following": None, "collecting": True, "handover": [bytes(p) for p in moved]}
         following = state.following.peer_id if matching and state.following is not None else None
         return {"matching": matching, "following": bytes(following) if following is not None else None,
                 # a collector nobody joined yet steps down as soon as it sees a lower peer: not a rival yet
@@ -950,5 +1016,5 @@ class Matchmaker:
         state.view.setdefault(joiner.peer_id, joiner)
         state.join_arrived = True
         state.poke()
-        await assembly.done.wait()
+        await assembly.released(joiner.peer_id).wait()
         return assembly.answer(joiner.peer_id).to_wire()
