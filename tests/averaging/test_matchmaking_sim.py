@@ -1,5 +1,6 @@
 """Matchmaking over the real DHT and RPC code on the in-memory network, under MockClock (deterministic)."""
 
+import random
 from collections import Counter
 
 import pytest
@@ -162,4 +163,41 @@ async def test_late_arrivals_still_form_groups(autojump_clock):
         _check_consistent(results, makers)
         assert all(r.group is not None for r in results.values())
         assert Counter(r.group.size for r in results.values()).most_common(1)[0][0] >= 3
+        nursery.cancel_scope.cancel()
+
+
+async def test_back_to_back_rounds_with_jitter_always_form_full_groups(autojump_clock):
+    """8 peers step back to back as training loops do: after each group the members 'average' for a time that
+    differs per group and per peer, so they come back to matchmaking at different moments, over links of different
+    latency. Views then differ (stale declarations of peers still averaging, late arrivals, rival collectors), and
+    the rounds used to split into 4 + 3 + 1 or 3 + 3 + 2; every round must form two full groups."""
+    rng = random.Random(1)
+    async with trio.open_nursery() as nursery:
+        memory, peers, makers = await _matchmakers(nursery, 8, latency=0.002, seed=1)
+        names = [p.name for p in peers]
+        for index, a in enumerate(names):
+            for b in names[index + 1:]:
+                memory.set_link(a, b, latency=rng.uniform(0.0005, 0.02))
+        steps, counted = [0] * 8, 10
+        sizes = Counter()
+
+        async def loop(index):
+            jitter = random.Random(100 + index)
+            round_ = 0
+            while min(steps) < counted:  # keep stepping until everyone has its steps, as the benchmark does
+                result = await makers[index].find_group("run.averaging", round_)
+                if steps[index] < counted:
+                    sizes[result.group.size if result.group is not None else 0] += 1
+                steps[index] += 1
+                if result.group is None:
+                    round_, averaging = round_ + 1, 0.0
+                else:
+                    round_ = max(round_, result.round) + 1
+                    averaging = random.Random(result.group.group_id).uniform(0.03, 0.1)
+                await trio.sleep(averaging + jitter.uniform(0, 0.05))
+
+        async with trio.open_nursery() as inner:
+            for index in range(8):
+                inner.start_soon(loop, index)
+        assert sizes == {4: 8 * counted}
         nursery.cancel_scope.cancel()
