@@ -29,11 +29,18 @@ Protocol (one round, seen from one peer; every peer runs the same code):
    - a joiner whose collector is dead, sealed, full or gone excludes it (and the members a rejection names) and
      plans again from the rest: the next-lowest peer of its chunk becomes collector, possibly itself;
    - a collector that nobody joined steps down when it sees a lower peer in its chunk; and a collector probed by a
-     lower collector that counts it in and has room for its members merges into it (its joiners are redirected).
+     lower collector that counts it in and has room for its members merges into it (its joiners are redirected);
+     when both groups together are too big for that, it hands the lower one as many joiners as it has room for
+     (3 + 3 + 2 out of 8 becomes 4 + 4 instead of sealing three partial groups);
+   - a collector with room keeps waiting for a chunk member that follows another collector (that one may be full
+     and turn it away) for `follow_wait`, re-probing it, rather than sealing without it and stranding it.
 6. **Patience.** Peers leave their previous round at different times. Peers seen under the key in the last rounds
-   are expected; while some are missing, only full chunks go ahead and the rest waits for the stragglers, for at
-   most `straggler_wait`, which adapts to outcomes (it doubles after running out in vain, shrinks toward the wait
-   that was needed). Dead peers stop being expected after two rounds, or at once when the all-reduce saw them die.
+   are expected; while some are missing, nobody acts on a partial view (not even a full chunk: the missing peers
+   would land in it) and the rest waits for the stragglers, for at most `straggler_wait`, which adapts to outcomes
+   (it doubles after running out in vain, shrinks toward the wait that was needed). A probed peer that answers it
+   is not matching has left a stale declaration (it is still averaging its previous round): it leaves the plan,
+   and while it is between rounds the wait extends up to a quarter of the window, since it is on its way. Dead
+   peers stop being expected after two rounds, or at once when the all-reduce saw them die.
 
 A vanished peer therefore costs its group one connection attempt (refused at once on a dead host) or two probe
 timeouts (frozen host), never the whole matchmaking window. The window (`matchmaking_time`) is only the upper
@@ -260,6 +267,7 @@ class Assembly:
         movable = sorted((p for p in self.joined if p != self.me.peer_id), reverse=True)[:max(0, count)]
         for peer_id in movable:
             del self.joined[peer_id]
+            self.dropped.add(peer_id)  # it joins the lower collector now: not worth waiting for here
             self.handed_over[peer_id] = collector
             event = self._released.get(peer_id)
             if event is not None:
@@ -414,6 +422,7 @@ class _Round:
         self.changed = trio.Event()
         self.join_arrived = False
         self.stale: dict[PeerID, float] = {}  # peer -> declared_at of a declaration its owner no longer runs
+        self.returning: set[PeerID] = set()  # stale peers between two rounds (not matching elsewhere): coming back
 
     def poke(self) -> None:
         self.changed.set()
@@ -534,7 +543,7 @@ class Matchmaker:
             return False
         if waited < self.straggler_wait:
             return True
-        if waited < self.matchmaking_time / 4 and any(p not in state.view for p in state.stale):
+        if waited < self.matchmaking_time / 4 and any(p not in state.view for p in state.returning):
             return True  # a peer told us it is still averaging its previous round: it is on its way
         state.patience_ran_out = True
         return False
@@ -912,6 +921,8 @@ class Matchmaker:
                     # a declaration left over from its previous round (it is averaging, its withdrawal not read
                     # yet): out of the plan until it declares again, and still expected (it will come back)
                     state.stale[declaration.peer_id] = declaration.declared_at
+                    if answer.get("between_rounds"):
+                        state.returning.add(declaration.peer_id)
                     if state.view.get(declaration.peer_id) is declaration:
                         del state.view[declaration.peer_id]
                         state.last_change = trio.current_time()
@@ -982,6 +993,7 @@ class Matchmaker:
             return {"matching": True, "following": None, "collecting": True, "handover": [bytes(p) for p in moved]}
         following = state.following.peer_id if matching and state.following is not None else None
         return {"matching": matching, "following": bytes(following) if following is not None else None,
+                "between_rounds": state is None,  # averaging or training: it will declare again
                 # a collector nobody joined yet steps down as soon as it sees a lower peer: not a rival yet
                 "collecting": matching and state.assembly is not None and not state.assembly.closed
                 and len(state.assembly.joined) > 1}
