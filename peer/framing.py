@@ -304,6 +304,11 @@ class Outbox:
     def __bool__(self) -> bool:
         return bool(self._queue) or bool(self._control)
 
+    @property
+    def partly_sent(self) -> int:
+        """Messages whose first chunks left and whose rest is still waiting."""
+        return sum(1 for item in self._queue if item.started)
+
     def add(self, stream_id: int, parts: list[Buffer]) -> None:
         views = [memoryview(p).cast("B") for p in parts if len(p)]
         item = _Outgoing(stream_id, views, sum(len(v) for v in views))
