@@ -36,6 +36,7 @@ class Managed:
     address: str | None = None
     experts: str = ""
     ready: trio.Event = field(default_factory=trio.Event)
+    spawned: trio.Event = field(default_factory=trio.Event)
     last_line: str = ""
     progress: dict | None = None
     result: dict | None = None
@@ -57,6 +58,7 @@ class SwarmLauncher:
         self.members: list[Managed] = []
         self.started_at = time.monotonic()
         self._drawn_lines = 0
+        self._printed_at = -math.inf
 
     # ------------------------------------------------------------------------------------------- lifetime
 
@@ -106,6 +108,7 @@ class SwarmLauncher:
             member.process = await trio.lowlevel.open_process(
                 [self.python, "-m", "peer.cli", *member.args], stdout=subprocess.PIPE, stderr=log,
                 env=_child_env())
+            member.spawned.set()
             buffer = b""
             async for chunk in member.process.stdout:
                 buffer += chunk
@@ -143,8 +146,7 @@ class SwarmLauncher:
             member.last_line = line
 
     async def _wait_exit(self, member: Managed) -> None:
-        while member.process is None:
-            await trio.sleep(0.05)
+        await member.spawned.wait()
         member.exit_code = await member.process.wait()
 
     async def _kill_one_later(self) -> None:
@@ -203,7 +205,8 @@ class SwarmLauncher:
                 self.out.write(f"\x1b[{self._drawn_lines}F\x1b[J")
             self.out.write("\n".join(lines) + "\n")
             self._drawn_lines = len(lines)
-        elif final or int(time.monotonic() - self.started_at) % 10 == 0:
+        elif final or time.monotonic() - self._printed_at >= 10.0:  # a log, not a screen: every 10 s
+            self._printed_at = time.monotonic()
             self.out.write("\n".join(lines) + "\n")
         self.out.flush()
 
