@@ -4,8 +4,11 @@ The server runs in a separate process (a separate peer, as in production), the c
 (a) raw: plain blocking sockets; the client sends N bytes, the server receives them all and sends them back.
 (b) rpc: the same bytes as one float32 tensor through `RPCNode.call("echo")`, result checked; the same
     store-and-forward pattern, so the ratio isolates what our codec, framing and RPC cost.
-(c) echo calls with 1, 16 and 256 concurrent callers on one connection: calls/s, p50 and p99 latency.
-The last line of output is one JSON object with the figures.
+(c) echo calls with 1, 16 and 256 concurrent callers on one connection: calls/s, p50 and p99 latency, each
+    against a baseline measured in the same run: the same number of trio tasks echoing 8 bytes over plain TCP
+    streams (one stream per caller, no codec, framing or RPC), so `echo_ratio_to_raw_N` says what our RPC costs
+    over the bare event loop and socket on whatever machine and day it runs.
+The last line of output is one JSON object with the figures; the `*_ratio_to_raw*` ones compare across days.
 
 Usage: python benchmarks/bench_rpc.py [--mib 64] [--seconds 3]
 """
@@ -49,14 +52,31 @@ def serve_raw(listener: socket.socket) -> None:
             connection.sendall(buffer)
 
 
-async def serve_rpc(raw_port: int) -> None:
+def serve_raw_echo(listener: socket.socket) -> None:
+    """Baseline for (c): every connection echoes 8-byte messages in its own thread."""
+
+    def echo(connection: socket.socket) -> None:
+        with connection:
+            connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while True:
+                message = connection.recv(8, socket.MSG_WAITALL)
+                if len(message) < 8:
+                    return
+                connection.sendall(message)
+
+    while True:
+        connection, _ = listener.accept()
+        threading.Thread(target=echo, args=(connection,), daemon=True).start()
+
+
+async def serve_rpc(raw_port: int, echo_port: int) -> None:
     async with RPCNode(Identity.generate(), RealNetwork()) as node:
         async def echo(ctx, args):
             return args
 
         node.register("echo", echo)
         address = await node.listen("127.0.0.1", 0)
-        print(json.dumps({"rpc_port": address[1], "raw_port": raw_port}), flush=True)
+        print(json.dumps({"rpc_port": address[1], "raw_port": raw_port, "echo_port": echo_port}), flush=True)
         await trio.sleep_forever()
 
 
@@ -66,7 +86,11 @@ def server_main() -> None:
     listener.bind(("127.0.0.1", 0))
     listener.listen()
     threading.Thread(target=serve_raw, args=(listener,), daemon=True).start()
-    trio.run(serve_rpc, listener.getsockname()[1])
+    echo_listener = socket.socket()
+    echo_listener.bind(("127.0.0.1", 0))
+    echo_listener.listen(512)
+    threading.Thread(target=serve_raw_echo, args=(echo_listener,), daemon=True).start()
+    trio.run(serve_rpc, listener.getsockname()[1], echo_listener.getsockname()[1])
 
 
 # -------------------------------------------------------------------------------------------- client
@@ -119,7 +143,36 @@ async def echo_load(node: RPCNode, address, concurrency: int, seconds: float) ->
     }
 
 
-async def client_main(args: argparse.Namespace, rpc_port: int, raw_port: int) -> dict:
+async def raw_echo_load(port: int, concurrency: int, seconds: float) -> float:
+    """Calls/s of `concurrency` trio tasks, each echoing 8 bytes over its own plain TCP stream."""
+    count = 0
+    streams = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(concurrency)]
+    stop_at = time.perf_counter() + seconds
+
+    async def caller(stream: trio.SocketStream) -> None:
+        nonlocal count
+        stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while time.perf_counter() < stop_at:
+            await stream.send_all(b"pingpong")
+            received = b""
+            while len(received) < 8:
+                chunk = await stream.receive_some(8 - len(received))
+                if not chunk:
+                    raise RuntimeError("raw echo server closed the connection")
+                received += chunk
+            count += 1
+
+    start = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for stream in streams:
+            nursery.start_soon(caller, stream)
+    elapsed = time.perf_counter() - start
+    for stream in streams:
+        await stream.aclose()
+    return count / elapsed
+
+
+async def client_main(args: argparse.Namespace, rpc_port: int, raw_port: int, echo_port: int) -> dict:
     size = args.mib * 1024 * 1024
     tensor = torch.rand(size // 4)
     payload = tensor.numpy().tobytes()
@@ -142,9 +195,14 @@ async def client_main(args: argparse.Namespace, rpc_port: int, raw_port: int) ->
         print(f"(b) {args.mib} MiB float32 tensor through RPC echo: {rpc_gbps:.2f} GB/s "
               f"(best of {args.repeats}: {min(rpc_times) * 1e3:.1f} ms) = {rpc_gbps / raw_gbps:.0%} of raw")
         for concurrency in (1, 16, 256):
+            raw_rate = await raw_echo_load(echo_port, concurrency, args.seconds)
             stats = await echo_load(node, address, concurrency, args.seconds)
+            ratio = stats["calls_per_s"] / raw_rate
             print(f"(c) echo, {concurrency:3d} concurrent callers: {stats['calls_per_s']:8.0f} calls/s, "
-                  f"p50 {stats['p50_ms']:.2f} ms, p99 {stats['p99_ms']:.2f} ms")
+                  f"p50 {stats['p50_ms']:.2f} ms, p99 {stats['p99_ms']:.2f} ms; plain TCP echo with as many "
+                  f"trio tasks {raw_rate:8.0f} calls/s: ratio {ratio:.2f}")
+            figures[f"raw_echo_calls_per_s_{concurrency}"] = round(raw_rate)
+            figures[f"echo_ratio_to_raw_{concurrency}"] = round(ratio, 3)
             figures[f"echo_calls_per_s_{concurrency}"] = round(stats["calls_per_s"])
             figures[f"echo_p50_ms_{concurrency}"] = round(stats["p50_ms"], 3)
             figures[f"echo_p99_ms_{concurrency}"] = round(stats["p99_ms"], 3)
@@ -165,7 +223,7 @@ def main() -> None:
     server = subprocess.Popen([sys.executable, __file__, "--serve"], stdout=subprocess.PIPE, text=True)
     try:
         ports = json.loads(server.stdout.readline())
-        figures = trio.run(client_main, args, ports["rpc_port"], ports["raw_port"])
+        figures = trio.run(client_main, args, ports["rpc_port"], ports["raw_port"], ports["echo_port"])
     finally:
         server.kill()
         server.wait()
