@@ -289,12 +289,17 @@ def main() -> None:
               f"{bound:.3f} s, ratio {round_s / bound:.2f}; CPU per step and process {cpu_s:.3f} s "
               f"({os.cpu_count()} cores)")
         figures.update(round_s_100mb=round(round_s, 4), bound_s_100mb=round(bound, 4),
+                       round_ratio_to_bound_100mb=round(round_s / bound, 3),
                        loopback_gbps=round(bandwidth / 1e9, 3), cpu_s_per_step_100mb=round(cpu_s, 4))
 
     if "b" in args.parts:
         run_b(args, figures)
     if "c" in args.parts:
         run_c(args, figures)
+    if "median_step_s_8peers" in figures and "median_step_s_8peers_one_killed" in figures:
+        # the cost of a SIGKILLed member, relative to the healthy run measured minutes earlier on this machine
+        figures["one_killed_ratio_to_healthy"] = round(
+            figures["median_step_s_8peers_one_killed"] / figures["median_step_s_8peers"], 3)
     print(json.dumps(figures))
 
 

@@ -342,6 +342,10 @@ async def main_async(args: argparse.Namespace) -> None:
     log(f"workload done in {time.perf_counter() - started:.1f} s")
     for side in sides:
         figures.update(summary(side.name, side.results))
+    for name in ("store_p50", "get_p50", "get_p95_after_kill", "get_p99_after_kill"):
+        ours_value, stock_value = figures.get(f"ours_{name}_ms"), figures.get(f"stock_{name}_ms")
+        if ours_value is not None and stock_value:  # same-run ratios: comparable across days and machines
+            figures[f"{name}_ratio_ours_to_stock"] = round(ours_value / stock_value, 4)
     results = {side.name: side.results for side in sides}
     print_table(results, log)
     check_targets(figures, log)

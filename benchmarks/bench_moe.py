@@ -193,11 +193,15 @@ def latency(seconds: float) -> dict:
             with torch.no_grad():
                 calls = rate(lambda: expert(x))
             calls_grad = rate(lambda: expert(x))
+            local = make_expert("ffn.0", "ffn", 256, seed=0).module
+            with torch.no_grad():
+                local_calls = rate(lambda: local(x))  # the same-run baseline: the expert computed here
     finally:
         server.kill()
     return {
         "calls_per_s": calls,
         "calls_per_s_autograd": calls_grad,
+        "local_calls_per_s": local_calls,
         "bridge_hop_us": 1e6 / bridge_hops,
         "rpc_info_us": 1e6 * info_s,
         "rpc_forward_us": 1e6 * forward_s,
@@ -290,7 +294,8 @@ def main() -> None:
         remote, local = compare_throughput(256, 64, 4, args.iterations_h256, args.rounds)
         print(f"(b) hidden 256, batch 64, 4 experts, 4 clients, fwd+bwd: {remote:.0f} samples/s (target >= 6,600 "
               f"= 2x hivemind); the same experts locally: {local:.0f} samples/s")
-        result.update(samples_per_s_h256_b64=round(remote, 1), local_samples_per_s_h256_b64=round(local, 1))
+        result.update(samples_per_s_h256_b64=round(remote, 1), local_samples_per_s_h256_b64=round(local, 1),
+                      remote_local_ratio_h256=round(remote / local, 3))
 
     if "latency" not in skip:
         lat = latency(args.seconds)
@@ -299,7 +304,11 @@ def main() -> None:
         print(f"    where the time goes: bridge hop {lat['bridge_hop_us']:.0f} us, RPC round trip (moe.info) "
               f"{lat['rpc_info_us']:.0f} us, moe.forward from the trio thread {lat['rpc_forward_us']:.0f} us, "
               f"RemoteExpert forward from a torch thread {lat['remote_forward_us']:.0f} us")
+        print(f"    the same expert computed in this process: {lat['local_calls_per_s']:.0f} calls/s "
+              f"(remote/local {lat['calls_per_s'] / lat['local_calls_per_s']:.3f})")
         result.update(calls_per_s_batch1=round(lat["calls_per_s"], 1),
+                      local_calls_per_s_batch1=round(lat["local_calls_per_s"], 1),
+                      remote_local_ratio_batch1=round(lat["calls_per_s"] / lat["local_calls_per_s"], 4),
                       **{k: round(v, 1) for k, v in lat.items() if k.endswith("_us")})
 
     if "ft" not in skip:
@@ -313,6 +322,7 @@ def main() -> None:
         if ft["bad"]:
             print(f"    bad steps: {ft['bad']}")
         result.update(ft_median_step_s=round(ft["median_step_s"], 4),
+                      ft_kill_step_ratio_to_median=round(ft["max_step_s_at_kill"] / ft["median_step_s"], 3),
                       ft_max_step_s_at_kill=round(ft["max_step_s_at_kill"], 4), ft_bad_steps=ft["bad_steps"])
 
     load = os.getloadavg()
