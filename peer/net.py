@@ -16,6 +16,7 @@ import errno
 import heapq
 import ipaddress
 import itertools
+import operator
 import random
 import socket as stdlib_socket
 from abc import ABC, abstractmethod
@@ -195,18 +196,45 @@ class _Pipe:
         return self.network.link_up(self.source, self.destination)
 
 
-class MemoryStream(trio.abc.Stream):
+class _Exclusive:
+    """`with guard:` raises `trio.BusyResourceError` when another task is inside (trio's stream contract)."""
+
+    def __init__(self, message: str):
+        self._message = message
+        self._held = False
+
+    def __enter__(self) -> None:
+        if self._held:
+            raise trio.BusyResourceError(self._message)
+        self._held = True
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._held = False
+
+
+class MemoryStream(trio.abc.HalfCloseableStream):
+    """One end of an in-memory TCP connection, behaving as a trio stream must (it passes
+    `trio.testing.check_two_way_stream`): concurrent sends or receives raise `BusyResourceError`,
+    `receive_some(0)` is a `ValueError` rather than an empty read that looks like EOF, use after `aclose` raises
+    `ClosedResourceError`.
+
+    `receive_into(buffer)` mirrors a real socket's `recv_into`: the RPC reader uses `receive_into` on both kinds of
+    stream (see `receiver_into`), so simulated connections run the same zero-copy receive path as real ones."""
+
     def __init__(self, outgoing: _Pipe, incoming: _Pipe):
         self._outgoing = outgoing
         self._incoming = incoming
-        self._send_lock = trio.StrictFIFOLock()
+        self._send_guard = _Exclusive("another task is already sending on this stream")
+        self._receive_guard = _Exclusive("another task is already receiving on this stream")
         self._closed = False
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        async with self._send_lock:
+        with self._send_guard:
             pipe = self._outgoing
             if self._closed:
                 raise trio.ClosedResourceError("stream was closed")
+            if pipe.sender_closed:
+                raise trio.ClosedResourceError("send_eof was called on this stream")
             if pipe.reset or pipe.receiver_closed:
                 raise trio.BrokenResourceError("connection reset by peer")
             data = bytes(data)
@@ -224,9 +252,31 @@ class MemoryStream(trio.abc.Stream):
                 await trio.sleep_until(pipe.busy_until)  # backpressure, like a full socket buffer
 
     async def wait_send_all_might_not_block(self) -> None:
-        await trio.lowlevel.checkpoint()
+        with self._send_guard:
+            if self._closed:
+                raise trio.ClosedResourceError("stream was closed")
+            await trio.lowlevel.checkpoint()
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if max_bytes is not None:
+            max_bytes = operator.index(max_bytes)  # TypeError for 1.5, as a socket stream would raise
+            if max_bytes < 1:
+                raise ValueError("max_bytes must be >= 1")
+        with self._receive_guard:
+            data = await self._next_chunk(max_bytes)
+            return bytes(data)
+
+    async def receive_into(self, buffer: bytearray | memoryview) -> int:
+        """Copy the next available bytes into `buffer` (as `socket.recv_into`); 0 means end of stream."""
+        view = memoryview(buffer).cast("B")
+        if not len(view):
+            raise ValueError("receive_into needs a non-empty buffer")
+        with self._receive_guard:
+            data = await self._next_chunk(len(view))
+            view[: len(data)] = data
+            return len(data)
+
+    async def _next_chunk(self, max_bytes: int | None) -> bytes:
         pipe = self._incoming
         while True:
             if self._closed:
@@ -238,6 +288,8 @@ class MemoryStream(trio.abc.Stream):
                 deliver_at, data = pipe.chunks[0]
                 if deliver_at <= trio.current_time():
                     await trio.lowlevel.checkpoint()
+                    if self._closed:
+                        raise trio.ClosedResourceError("stream was closed")
                     if max_bytes is not None and len(data) > max_bytes:
                         pipe.chunks[0] = (deliver_at, data[max_bytes:])
                         return data[:max_bytes]
@@ -252,9 +304,12 @@ class MemoryStream(trio.abc.Stream):
             await wake.wait()
 
     async def send_eof(self) -> None:
-        self._outgoing.sender_closed = True
-        self._outgoing.waker.notify()
-        await trio.lowlevel.checkpoint()
+        with self._send_guard:
+            if self._closed:
+                raise trio.ClosedResourceError("stream was closed")
+            self._outgoing.sender_closed = True
+            self._outgoing.waker.notify()
+            await trio.lowlevel.checkpoint()
 
     async def aclose(self) -> None:
         if not self._closed:
@@ -264,6 +319,29 @@ class MemoryStream(trio.abc.Stream):
             self._outgoing.waker.notify()
             self._incoming.waker.notify()
         await trio.lowlevel.checkpoint()
+
+
+ReceiveInto = Callable[[memoryview | bytearray], Awaitable[int]]
+
+
+def receiver_into(stream: trio.abc.ReceiveStream) -> ReceiveInto:
+    """The `recv_into`-style receive of a stream: the socket's own for trio socket streams, `receive_into` for
+    in-memory ones, and for any other stream (a wrapper) a copy from `receive_some`. One receive path for the
+    RPC reader, whatever carries the bytes."""
+    sock = getattr(stream, "socket", None)
+    if sock is not None and hasattr(sock, "recv_into"):
+        return sock.recv_into  # type: ignore[no-any-return]
+    receive_into = getattr(stream, "receive_into", None)
+    if receive_into is not None:
+        return receive_into  # type: ignore[no-any-return]
+
+    async def copy_into(buffer: memoryview | bytearray) -> int:
+        view = memoryview(buffer).cast("B")
+        data = await stream.receive_some(len(view))
+        view[: len(data)] = data
+        return len(data)
+
+    return copy_into
 
 
 class _MemoryUDPEndpoint(UDPEndpoint):
@@ -434,13 +512,17 @@ class MemoryNetwork:
         listener = self._listeners.get((host, port))
         if listener is None:
             raise ConnectionRefusedError(errno.ECONNREFUSED, f"connection refused by {host}:{port}")
-        forward = _Pipe(self, source, host)
-        backward = _Pipe(self, host, source)
-        self._pipes.extend((forward, backward))
-        client = MemoryStream(forward, backward)
-        server = MemoryStream(backward, forward)
+        client, server = self.stream_pair(source, host)
         listener.send_channel.send_nowait(server)
         return client
+
+    def stream_pair(self, source: str, destination: str) -> tuple[MemoryStream, MemoryStream]:
+        """Both ends of a new connection from host `source` to host `destination`, under the links' conditions
+        (what `connect_tcp` builds once a listener accepted; tests use it to get a bare pair)."""
+        forward = _Pipe(self, source, destination)
+        backward = _Pipe(self, destination, source)
+        self._pipes.extend((forward, backward))
+        return MemoryStream(forward, backward), MemoryStream(backward, forward)
 
     def prune(self) -> None:
         """Forget pipes whose both ends are closed; long simulations call this now and then."""

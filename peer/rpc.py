@@ -24,14 +24,13 @@ import trio
 
 from peer import framing, wire
 from peer.identity import Identity, PeerID, verify_signature
-from peer.net import Address, Network
+from peer.net import Address, Network, ReceiveInto, receiver_into
 
 logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
 _HANDSHAKE_DOMAIN = b"swarmd-rpc-handshake-v1|"
 _NONCE_BYTES = 32
-_RECEIVE_BYTES = 1 << 20
 _COALESCE_BYTES = 64 * 1024
 _SCRATCH_BYTES = 64 * 1024
 
@@ -232,17 +231,7 @@ class Connection:
     async def _reader(self, first_events: list[framing.Event]) -> None:
         try:
             self._handle_events(first_events)
-            sock = getattr(self.stream, "socket", None)
-            if sock is not None and hasattr(sock, "recv_into"):
-                await self._read_socket_into_messages(sock)
-                return
-            while True:
-                data = await self.stream.receive_some(_RECEIVE_BYTES)
-                if not data:
-                    self.close_reason = "closed by peer"
-                    return
-                self.last_activity = trio.current_time()
-                self._handle_events(self.parser.receive(data))
+            await self._read_into_messages(receiver_into(self.stream))
         except framing.FramingError as error:
             self.node.stats["protocol_errors"] += 1
             logger.warning("closing connection to peer %s: %s", self.peer_id.short(), error)
@@ -250,20 +239,21 @@ class Connection:
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
             self.close_reason = f"reset ({error.__class__.__name__})"
 
-    async def _read_socket_into_messages(self, sock: Any) -> None:
-        """Real sockets: read message payloads straight into their final buffers (one copy, by the kernel)."""
+    async def _read_into_messages(self, receive_into: ReceiveInto) -> None:
+        """Read message payloads straight into their final buffers (one copy, by the kernel on real sockets);
+        in-memory streams take the same path (`MemoryStream.receive_into`)."""
         scratch = bytearray(_SCRATCH_BYTES)
         scratch_view = memoryview(scratch)
         while True:
             target = self.parser.receive_target()
             if target is not None:
-                received = await sock.recv_into(target)
+                received = await receive_into(target)
                 if not received:
                     self.close_reason = "closed by peer"
                     return
                 events = self.parser.advance(received)
             else:
-                received = await sock.recv_into(scratch)
+                received = await receive_into(scratch)
                 if not received:
                     self.close_reason = "closed by peer"
                     return

@@ -1,5 +1,7 @@
 """The transports behave alike: real sockets and the in-memory network under MockClock."""
 
+import itertools
+
 import pytest
 import trio
 import trio.testing
@@ -109,3 +111,52 @@ async def test_memory_partition_stalls_stream_until_healed(autojump_clock):
         with trio.fail_after(1):
             assert await stream.receive_some(10) == b"x"
         nursery.cancel_scope.cancel()
+
+
+async def test_memory_stream_is_a_conforming_trio_stream():
+    """The simulator's streams behave as trio's stream contract says (busy errors, closing, EOF, half-close)."""
+    from trio.testing import check_half_closeable_stream, check_two_way_stream
+
+    network = MemoryNetwork()
+
+    async def pair() -> tuple[trio.abc.Stream, trio.abc.Stream]:
+        return network.stream_pair("a", "b")
+
+    # no clogged-stream maker: in-memory sends never block on a full buffer (only a bandwidth limit slows them)
+    await check_two_way_stream(pair, None)
+    await check_half_closeable_stream(pair, None)
+
+
+async def test_memory_stream_receive_into_matches_receive_some():
+    network = MemoryNetwork()
+    server_host, client_host = network.host("srv"), network.host("cli")
+    received = bytearray()
+    at_eof = trio.Event()
+
+    async def handler(stream: trio.abc.Stream) -> None:
+        buffer = bytearray(7)  # smaller than what arrives: the rest stays for the next call
+        while count := await stream.receive_into(buffer):
+            received.extend(buffer[:count])
+        at_eof.set()
+
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(_serve_once, server_host, handler)
+        stream = await client_host.connect_tcp(("srv", port))
+        await stream.send_all(b"0123456789" * 5)
+        await stream.aclose()
+        with trio.fail_after(5):
+            await at_eof.wait()
+        nursery.cancel_scope.cancel()
+    assert bytes(received) == b"0123456789" * 5
+    with pytest.raises(trio.ClosedResourceError):
+        await stream.receive_into(bytearray(1))
+
+
+_names = itertools.count()
+
+
+async def _serve_once(host, handler, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve `handler` on a free port of `host`; reports the port."""
+    async with trio.open_nursery() as nursery:
+        address = await nursery.start(host.serve_tcp, handler, host.name, 0)
+        task_status.started(address[1])

@@ -398,3 +398,25 @@ async def test_announced_but_unsent_messages_cannot_exhaust_memory(transport, cl
         with trio.fail_after(5):
             while b.receive_budget.available != b.receive_budget.limit:
                 await trio.sleep(0.01)
+
+
+async def test_simulated_connections_take_the_zero_copy_receive_path(autojump_clock, monkeypatch):
+    """On the in-memory network, message payloads are received with `receive_into` straight into the message
+    buffer, as real sockets do with `recv_into` (one receive path for both)."""
+    from peer.net import MemoryStream
+
+    sizes: list[int] = []
+    original = MemoryStream.receive_into
+
+    async def counting(self, buffer):
+        sizes.append(len(memoryview(buffer)))
+        return await original(self, buffer)
+
+    monkeypatch.setattr(MemoryStream, "receive_into", counting)
+    swarm = Swarmlet("memory")
+    async with swarm.peer("a") as a, swarm.peer("b") as b:
+        tensor = torch.arange(3 << 20, dtype=torch.float32)  # 12 MiB: several chunks
+        result = await a.call(b.address, "echo", tensor, timeout=30)
+        assert torch.equal(result, tensor)
+    assert sizes, "the RPC reader never used receive_into on a simulated connection"
+    assert max(sizes) >= 1 << 20  # a payload went straight into a message-sized target, not the scratch buffer
