@@ -169,6 +169,9 @@ class ExpertServer:
         self._declarations = {"rounds": 0, "failures": 0, "unacknowledged": 0, "last_expiration": None}
         self._checkpoints = {"saved": 0, "loaded": 0, "failures": 0}
         self._unsaved: dict[str, str] = {}  # uid -> why its last synchronous save failed
+        # Set when the final checkpoint failed (and raised from `run`): kept so that a caller whose cancellation
+        # unwinds through other nurseries can still tell, after the fact, that weights were lost.
+        self.checkpoint_error: CheckpointError | None = None
         self._saved_steps: dict[str, int] = {}
         self._running = False
 
@@ -244,9 +247,11 @@ class ExpertServer:
                 self.save_checkpoints(only_changed=True)  # the runtime has stopped: weights are final
                 if self._unsaved:  # the training since the last checkpoint is lost: whoever stops us must know
                     uid, error = next(iter(self._unsaved.items()))
-                    raise CheckpointError(str(checkpoint_path(self.checkpoint_dir, uid)),
-                                          f"final checkpoint failed ({error}); what {len(self._unsaved)} of "
-                                          f"the experts learned since their last checkpoint is lost")
+                    self.checkpoint_error = CheckpointError(
+                        str(checkpoint_path(self.checkpoint_dir, uid)),
+                        f"final checkpoint failed ({error}); what {len(self._unsaved)} of the experts learned "
+                        f"since their last checkpoint is lost")
+                    raise self.checkpoint_error
 
     async def declare(self, dht: ExpertDHT, address: Address, peer_id: Any) -> None:
         """Declare every expert once, expiring `declare_ttl` seconds from now in the DHT's clock."""

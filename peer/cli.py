@@ -30,16 +30,8 @@ __all__ = ["EXIT_FAILURE", "EXIT_USAGE", "UsageError", "build_parser", "join_opt
 
 
 def join_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The DaemonConfig fields (and the log level) of a parsed `peer join`; checks that need the expert registry
-    (which imports torch) are made here, when the command runs, rather than at parse time."""
-    options = {name: getattr(args, name) for name in JOIN.defaults()}
-    from moe.experts import UnknownExpertKind, get_expert_kind
-
-    try:
-        get_expert_kind(options["expert_kind"])
-    except (UnknownExpertKind, ValueError, ImportError) as error:
-        raise UsageError(f"--expert-kind {options['expert_kind']!r}: {error}") from None
-    return options
+    """The DaemonConfig fields (and the log level) of a parsed `peer join`."""
+    return {name: getattr(args, name) for name in JOIN.defaults()}
 
 
 def configure_logging(level: str) -> None:
@@ -78,6 +70,9 @@ async def _run_join(options: dict[str, Any]) -> int:
             print(f"others join with: {info.join_command}", flush=True)
             await stop.wait()
         nursery.cancel_scope.cancel()
+    server = daemon.expert_server
+    if server is not None and server.checkpoint_error is not None:
+        raise server.checkpoint_error  # the final checkpoint failed: weights are lost, so not exit 0
     print("peer: stopped", file=sys.stderr, flush=True)
     return 0
 

@@ -10,7 +10,7 @@ into argparse flags, reads config files, and fills in defaults (flags win over t
 
 This module is imported to parse the command line, so it must stay cheap: no torch, no trio (`peer --version`
 and `--help` answer without loading either). Checks that need heavy modules (the expert kind needs torch) are done
-by the command itself once it runs.
+only for values that need them (a custom `package.module:factory` expert kind is imported to be checked).
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
 from peer.topology import Topology
+
+
+EXPERT_KINDS = ("ffn", "transformer", "deep_ffn")  # moe/experts.py registers these (a test compares)
 
 
 class UsageError(Exception):
@@ -197,6 +200,27 @@ class GridSize(Kind):
         return value
 
 
+class ExpertKindName(Kind):
+    """A registered expert kind (known here by name, so checking one needs no torch) or package.module:factory
+    (imported to check it: a custom kind brings its own imports)."""
+
+    what = "an expert kind"
+
+    def check(self, value: str) -> str:
+        if value in EXPERT_KINDS:
+            return value
+        if ":" not in value:
+            raise OptionError(f"unknown expert kind {value!r} (registered: {', '.join(EXPERT_KINDS)}; or "
+                              f"package.module:factory)")
+        from moe.experts import UnknownExpertKind, get_expert_kind
+
+        try:
+            get_expert_kind(value)
+        except (UnknownExpertKind, ValueError, ImportError) as error:
+            raise OptionError(str(error)) from None
+        return value
+
+
 def _wrong_toml_type(value: Any, what: str, from_text: Callable[[str], Any]) -> str:
     message = f"{value!r} is not {what}"
     if isinstance(value, str):
@@ -222,7 +246,6 @@ TEXT = Text()
 PATH = PathKind()
 ADDRESS = Address()
 SWITCH = Switch()
-EXPERT_KINDS = ("ffn", "transformer", "deep_ffn")  # moe/experts.py registers these (a test compares)
 
 
 # ------------------------------------------------------------------------------------------------------- options
@@ -375,12 +398,22 @@ def _metavar(option: Option) -> str:
     return option.name.replace("-", "_").upper()
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's, but lines are not broken at hyphens: paths, patterns and flags in help texts stay whole."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        import textwrap
+
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
 class OptionParser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line (UsageError) and which completes its namespace from its
     `option_set` (config file and defaults) as soon as it has parsed: subcommands' parsers complete theirs too.
     `exits=True` (a standalone program) prints the error and exits 2 instead of raising it."""
 
     def __init__(self, *args: Any, exits: bool = False, **kwargs: Any):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
         super().__init__(*args, **kwargs)
         self.option_set: OptionSet | None = None
         self.exits = exits
@@ -393,6 +426,8 @@ class OptionParser(argparse.ArgumentParser):
         try:
             namespace, extras = super().parse_known_args(args, namespace)
             if self.option_set is not None:
+                if extras:  # a command's own parser: report these before what the config file might lack
+                    self.error(f"unrecognized arguments: {' '.join(extras)}")
                 self.option_set.complete(namespace)
         except UsageError as error:
             if not self.exits:
@@ -418,7 +453,7 @@ JOIN = OptionSet("peer join", [
            metavar="PATTERN"),
     Option("num-experts", POSITIVE_INT, None, "serve this many free uids of the pattern",
            shown_default="all of it"),
-    Option("expert-kind", TEXT, "ffn", f"{', '.join(EXPERT_KINDS)}, or package.module:factory",
+    Option("expert-kind", ExpertKindName(), "ffn", f"{', '.join(EXPERT_KINDS)}, or package.module:factory",
            metavar="KIND"),
     Option("hidden-dim", POSITIVE_INT, 64, "experts' hidden size (trainers use the same)"),
     Option("max-batch-size", POSITIVE_INT, 4096, "largest batch per expert"),
