@@ -1,7 +1,9 @@
-"""The `peer` command line: `join` runs a volunteer daemon, `status` shows the swarm.
+"""The `peer` command line: `join` runs a volunteer daemon, `status` shows the swarm, `train` is the example
+trainer, `swarm up/compose` runs a local swarm or writes its compose file.
 
-Every failure a user can cause (bad option, port in use, unreachable bootstrap peer, bad key file) ends with one
-line on stderr and a non-zero exit code, never a traceback.
+Every failure a user can cause (bad option, port in use, unreachable bootstrap peer, bad key file, unwritable
+checkpoint directory) ends with one line on stderr and a non-zero exit code, never a traceback: 2 for usage
+errors, 1 otherwise. The options themselves (flags, config-file keys, defaults) are defined in peer/options.py.
 """
 
 from __future__ import annotations

@@ -375,7 +375,8 @@ class OptionSet:
         from_file = self.load_config(config) if config is not None else {}
         for option in self.options:
             if option.dest not in vars(namespace):
-                setattr(namespace, option.dest, from_file.get(option.dest, option.default))
+                default = list(option.default) if isinstance(option.default, list) else option.default
+                setattr(namespace, option.dest, from_file.get(option.dest, default))
         for option in self.options:
             if option.required and getattr(namespace, option.dest) in (None, []):
                 raise UsageError(f"{self.command}: {option.flag} is required (as a flag or as `{option.name}` "
