@@ -168,6 +168,10 @@ class ExpertServer:
         self._errors = {"not_found": 0, "bad_input": 0, "expert_failed": 0, "shutting_down": 0}
         self._declarations = {"rounds": 0, "failures": 0, "unacknowledged": 0, "last_expiration": None}
         self._checkpoints = {"saved": 0, "loaded": 0, "failures": 0}
+        self._unsaved: dict[str, str] = {}  # uid -> why its last synchronous save failed
+        # Set when the final checkpoint failed (and raised from `run`): kept so that a caller whose cancellation
+        # unwinds through other nurseries can still tell, after the fact, that weights were lost.
+        self.checkpoint_error: CheckpointError | None = None
         self._saved_steps: dict[str, int] = {}
         self._running = False
 
@@ -241,6 +245,13 @@ class ExpertServer:
             self._running = False
             if self.checkpoint_dir is not None:
                 self.save_checkpoints(only_changed=True)  # the runtime has stopped: weights are final
+                if self._unsaved:  # the training since the last checkpoint is lost: whoever stops us must know
+                    uid, error = next(iter(self._unsaved.items()))
+                    self.checkpoint_error = CheckpointError(
+                        str(checkpoint_path(self.checkpoint_dir, uid)),
+                        f"final checkpoint failed ({error}); what {len(self._unsaved)} of the experts learned "
+                        f"since their last checkpoint is lost")
+                    raise self.checkpoint_error
 
     async def declare(self, dht: ExpertDHT, address: Address, peer_id: Any) -> None:
         """Declare every expert once, expiring `declare_ttl` seconds from now in the DHT's clock."""
@@ -295,8 +306,10 @@ class ExpertServer:
                 save_checkpoint(checkpoint_path(self.checkpoint_dir, uid), expert.state_dict())
             except OSError as error:
                 self._checkpoints["failures"] += 1
+                self._unsaved[uid] = error.strerror or str(error)
                 logger.error("checkpoint of %s failed: %s", uid, error)
                 continue
+            self._unsaved.pop(uid, None)
             self._saved_steps[uid] = expert.steps
             saved += 1
         self._checkpoints["saved"] += saved

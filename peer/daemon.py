@@ -11,6 +11,8 @@ import contextlib
 import hashlib
 import logging
 import math
+import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +29,7 @@ from peer import __version__
 from peer.directory import PeerDirectory
 from peer.identity import Identity
 from peer.net import Address, Network, RealNetwork
+from peer.options import JOIN
 from peer.replicas import ReplicaAverager
 from peer.rpc import CallContext, RPCNode
 from peer.status import STATUS_METHOD
@@ -34,28 +37,35 @@ from peer.status import STATUS_METHOD
 logger = logging.getLogger(__name__)
 
 
+_JOIN = JOIN.defaults()
+
+
 @dataclass
 class DaemonConfig:
-    host: str = "127.0.0.1"
-    port: int = 0
-    announce: Address | None = None
-    initial_peers: list[Address] = field(default_factory=list)
-    identity: Path | None = None
-    experts: str | None = None
-    num_experts: int | None = None
-    expert_kind: str = "ffn"
-    hidden_dim: int = 256
-    max_batch_size: int = 4096
-    optimizer: str = "adam"
-    lr: float = 1e-3
-    checkpoint_dir: Path | None = None
-    checkpoint_interval: float = 300.0
-    device: str = "cpu"
-    threads: int | None = None
+    """What a daemon runs with. The defaults are `peer join`'s, taken from its option table (peer/options.py), so a
+    daemon started from Python and one started from the command line agree; `declare_ttl` and `seed` have no
+    flag (tests and simulations set them)."""
+
+    host: str = _JOIN["host"]
+    port: int = _JOIN["port"]
+    announce: Address | None = _JOIN["announce"]
+    initial_peers: list[Address] = field(default_factory=lambda: list(_JOIN["initial_peers"]))
+    identity: Path | None = _JOIN["identity"]
+    experts: str | None = _JOIN["experts"]
+    num_experts: int | None = _JOIN["num_experts"]
+    expert_kind: str = _JOIN["expert_kind"]
+    hidden_dim: int = _JOIN["hidden_dim"]
+    max_batch_size: int = _JOIN["max_batch_size"]
+    optimizer: str = _JOIN["optimizer"]
+    lr: float = _JOIN["lr"]
+    checkpoint_dir: Path | None = _JOIN["checkpoint_dir"]
+    checkpoint_interval: float = _JOIN["checkpoint_interval"]
+    device: str = _JOIN["device"]
+    threads: int | None = _JOIN["threads"]
     declare_ttl: float = 30.0
     seed: int | None = None
-    replicate: bool = False
-    average_every: float = 30.0
+    replicate: bool = _JOIN["replicate"]
+    average_every: float = _JOIN["average_every"]
 
 
 @dataclass
@@ -73,6 +83,18 @@ class DaemonInfo:
 
 class StartupError(Exception):
     """The daemon could not start (port in use, bad expert configuration); the message says what to change."""
+
+
+def check_checkpoint_dir(directory: Path) -> None:
+    """Create the checkpoint directory and prove it writable (a temporary file is created and removed). Why at
+    start: otherwise the first sign is a failed checkpoint minutes later, or at shutdown, with the weights lost."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        descriptor, name = tempfile.mkstemp(prefix=".write-check-", dir=directory)
+        os.close(descriptor)
+        os.unlink(name)
+    except OSError as error:
+        raise StartupError(f"checkpoint directory {directory} is not writable: {error.strerror or error}") from None
 
 
 def pick_free_port(host: str) -> int:
@@ -109,6 +131,8 @@ class Daemon:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled. Reports a DaemonInfo through `task_status` once the peer is reachable."""
         config = self.config
+        if config.checkpoint_dir is not None:
+            check_checkpoint_dir(Path(config.checkpoint_dir))
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         async with RPCNode(self.identity, self.network, announce=config.announce) as rpc:

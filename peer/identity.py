@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
@@ -68,6 +69,19 @@ def verify_signature(public_key: bytes, signature: bytes, data: bytes) -> bool:
     return True
 
 
+def _check_private(path: Path) -> None:
+    """Refuse a key file that group or others may read (as ssh does): whoever can read it can act as this peer.
+    Files this module writes are 0600, so this fires only for a file copied or made by hand, or loosened later;
+    fixing it is one command, losing the identity to another user is not undoable."""
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError as error:
+        raise IdentityError(f"cannot read identity file {path}: {error.strerror}") from error
+    if mode & 0o077:
+        raise IdentityError(f"identity file {path} is accessible by group or others (mode {mode:04o}); "
+                            f"run `chmod 600 {path}`")
+
+
 class Identity:
     """A peer's private key, its raw public key and the PeerID derived from it."""
 
@@ -119,9 +133,11 @@ class Identity:
             raw = bytes.fromhex(content[len(_KEY_FILE_MAGIC):].decode("ascii").strip())
             if len(raw) != 32:
                 raise ValueError("wrong key length")
-            return cls(Ed25519PrivateKey.from_private_bytes(raw))
+            identity = cls(Ed25519PrivateKey.from_private_bytes(raw))
         except (ValueError, UnicodeDecodeError) as error:
             raise IdentityError(f"{path} is corrupt: {error}") from error
+        _check_private(path)
+        return identity
 
     @classmethod
     def load_or_create(cls, path: str | os.PathLike) -> "Identity":

@@ -30,6 +30,10 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from peer.options import TRAIN, OptionParser, parse_grid_size
+
+parse_grid = parse_grid_size  # '12' -> (12,), '4x4' -> (4, 4)
+
 DIGITS_SPLIT_SEED = 20240607  # the held-out set is the same for every trainer of every run
 HELD_OUT_FRACTION = 0.2
 
@@ -70,17 +74,6 @@ class BatchStream:
 
 
 # ------------------------------------------------------------------------------------------------ model
-
-
-def parse_grid(text: str) -> tuple[int, ...]:
-    """'12' -> (12,), '4x4' -> (4, 4)."""
-    try:
-        grid = tuple(int(part) for part in str(text).lower().split("x"))
-    except ValueError:
-        raise ValueError(f"grid size {text!r} is not N or AxB (positive integers)") from None
-    if not grid or any(g < 1 for g in grid):
-        raise ValueError(f"grid size {text!r} is not N or AxB (positive integers)")
-    return grid
 
 
 def grid_uids(prefix: str, grid: Sequence[int]) -> list[str]:
@@ -168,71 +161,15 @@ def build_model(args: argparse.Namespace, swarm: Any | None) -> DigitsModel:
 # ------------------------------------------------------------------------------------------------ options
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
-    return value
-
-
-def _grid(text: str) -> str:
-    try:
-        parse_grid(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    return text
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `peer train` options."""
-    parser.add_argument("--initial-peers", nargs="+", metavar="HOST:PORT",
-                        help="any running peers of the swarm (required unless --local-experts)")
-    parser.add_argument("--run-id", default="digits", help="trainers with the same run id train one model together")
-    parser.add_argument("--steps", type=_positive_int, default=400, help="local training steps")
-    parser.add_argument("--batch-size", type=_positive_int, default=32, help="samples per local step")
-    parser.add_argument("--target-batch-size", type=_positive_int, default=128,
-                        help="samples the whole swarm processes per collective epoch (one averaged update)")
-    parser.add_argument("--expert-prefix", default="ffn", help="uid prefix of the experts the daemons serve")
-    parser.add_argument("--grid-size", type=_grid, default="12",
-                        help="expert grid, N or AxB (e.g. 12 for ffn.[0:12] spread over the daemons)")
-    parser.add_argument("--hidden-dim", type=_positive_int, default=64, help="must equal the daemons' --hidden-dim")
-    parser.add_argument("--k-best", type=_positive_int, default=4, help="experts per sample")
-    parser.add_argument("--lr", type=_positive_float, default=3e-3, help="learning rate of the trainer's layers")
-    parser.add_argument("--average", choices=["gradients", "parameters"], default="gradients",
-                        help="what trainers average at the end of each collective epoch")
-    parser.add_argument("--group-size", type=_positive_int, default=4, help="target averaging group size")
-    parser.add_argument("--matchmaking-time", type=_positive_float, default=3.0,
-                        help="seconds to wait for averaging partners")
-    parser.add_argument("--client-mode", action="store_true",
-                        help="accept no connections (then this trainer averages only in groups holding a "
-                             "reachable trainer)")
-    parser.add_argument("--expert-timeout", type=_positive_float, default=5.0, help="seconds per expert call")
-    parser.add_argument("--expert-grace", type=float, default=0.2,
-                        help="seconds to wait for more experts once every sample has one answer")
-    parser.add_argument("--seed", type=int, default=0, help="order of the batches")
-    parser.add_argument("--checkpoint", type=Path, metavar="PATH", help="save the trained model here")
-    parser.add_argument("--log-every", type=_positive_int, default=20, help="steps between progress lines")
-    parser.add_argument("--local-experts", action="store_true",
-                        help="no swarm: the same model with its experts in this process (a baseline)")
-    parser.add_argument("--expert-lr", type=_positive_float, default=1e-3,
-                        help="with --local-experts: the experts' learning rate (as `peer join --lr`, default "
-                             "the same)")
-    parser.add_argument("--threads", type=_positive_int, default=1,
-                        help="torch threads (the model is small: more threads mostly spin on a busy machine)")
-    parser.add_argument("--max-failed-steps", type=_positive_int, default=50,
-                        help="give up after this many consecutive attempts without enough experts (retried with "
-                             "a growing pause, up to 1 s: about 45 s in all with the default)")
+    """The `peer train` options (defined in peer/options.py, with their config-file keys and defaults)."""
+    TRAIN.add_to(parser)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="peer train", description=__doc__.split("\n")[0])
+def build_parser() -> OptionParser:
+    """`python -m peer.train`'s parser: the same options as `peer train`, `--config` included; a usage error
+    prints one line and exits 2."""
+    parser = OptionParser(prog="peer train", description=__doc__.split("\n")[0], exits=True)
     add_arguments(parser)
     return parser
 

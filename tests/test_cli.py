@@ -105,3 +105,52 @@ def test_sigterm_checkpoints_exits_zero_and_restart_resumes_identity_and_weights
     reloaded = torch.load(tmp_path / "ckpt" / "ffn.0.pt", weights_only=True)
     for name, tensor in saved["model"].items():
         assert torch.equal(tensor, reloaded["model"][name]), name
+
+
+def _one_line(result) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert lines[0].startswith("peer: error:")
+    return lines[0]
+
+
+def test_an_unwritable_checkpoint_dir_is_refused_at_start(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")  # a directory under a regular file cannot be made, even by root
+    result = run_peer("join", "--experts", "ffn.[0:1]", "--hidden-dim", "8", "--checkpoint-dir",
+                      str(blocker / "ckpt"), timeout=60)
+    assert result.returncode == 1
+    line = _one_line(result)
+    assert f"checkpoint directory {blocker / 'ckpt'} is not writable" in line
+
+
+def test_a_checkpoint_that_fails_at_shutdown_exits_nonzero_and_says_where(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    process, _, _ = start_daemon("--experts", "ffn.[0:2]", "--hidden-dim", "8", "--checkpoint-dir", str(ckpt))
+    try:
+        ckpt.rename(tmp_path / "moved")
+        ckpt.write_text("now a file: the final checkpoint cannot be written")
+        process.signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 1
+        stderr = process.process.stderr.read()
+    finally:
+        process.kill()
+    assert "Traceback" not in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("peer: error:") and "final checkpoint failed" in last
+    assert str(ckpt / "ffn.") in last
+
+
+def test_an_identity_file_others_can_read_is_refused_with_the_fix(tmp_path):
+    from peer.identity import Identity
+
+    key = tmp_path / "id.key"
+    Identity.generate().save(key)
+    key.chmod(0o644)
+    result = run_peer("join", "--identity", str(key))
+    assert result.returncode == 1
+    line = _one_line(result)
+    assert str(key) in line and f"chmod 600 {key}" in line
+    key.chmod(0o600)
+    process, _, _ = start_daemon("--identity", str(key))
+    process.kill()

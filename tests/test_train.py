@@ -146,6 +146,6 @@ def test_a_swarm_without_the_experts_ends_the_run_with_a_clear_error():
     with Bridge.start() as bridge:
         host, port = bridge.start_and_wait(_bootstrap_dht)
         args = _args("--initial-peers", f"{host}:{port}", "--steps", "5", "--max-failed-steps", "3",
-                     "--expert-prefix", "nobody_serves_this")
+                     "--expert-prefix", "nobody_serves_this", "--grid-size", "12", "--hidden-dim", "64")
         with pytest.raises(RuntimeError, match="3 steps in a row without enough experts"):
             train.run_training(args)

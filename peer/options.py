@@ -1,0 +1,560 @@
+"""Every option of every `peer` command, defined once: its name, how a value is read and checked, its default and
+its help.
+
+Why one table: the same option reaches a program three ways — as a flag, as a key of a `--config` TOML file, and
+as a field default of `peer.daemon.DaemonConfig` — and when each way had its own parser they drifted (a port of
+70000 in a config file was silently taken modulo 65536, a string where a number belongs ended in a traceback,
+and the daemon's defaults differed from the CLI's). Here a `Kind` reads a flag's text and a TOML value into the
+same type, checks the same range and says what is wrong in the same words; `OptionSet` turns a list of `Option`s
+into argparse flags, reads config files, and fills in defaults (flags win over the file, the file over defaults).
+
+This module is imported to parse the command line, so it must stay cheap: no torch, no trio (`peer --version`
+and `--help` answer without loading either). Checks that need heavy modules (the expert kind needs torch) are done
+only for values that need them (a custom `package.module:factory` expert kind is imported to be checked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import math
+import sys
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Callable, NoReturn, Sequence
+
+from peer.topology import Topology
+
+
+EXPERT_KINDS = ("ffn", "transformer", "deep_ffn")  # moe/experts.py registers these (a test compares)
+
+
+class UsageError(Exception):
+    """Bad command-line or config-file input; the message is one line and is shown as is (exit code 2)."""
+
+
+class OptionError(ValueError):
+    """A value that an option does not accept; the message says what is wrong with the value, not where it was
+    given (the flag or the config file and key is added by whoever read it)."""
+
+
+# ------------------------------------------------------------------------------------------------------- kinds
+
+
+class Kind:
+    """How one option's values are read: `from_text` for a flag's argument, `from_config` for a TOML value.
+    Both end in the same `check`, so a flag and a config key accept the same values with the same messages."""
+
+    what = "a value"
+
+    def from_text(self, text: str) -> Any:
+        return self.check(text)
+
+    def from_config(self, value: Any) -> Any:
+        if not isinstance(value, str):
+            raise OptionError(f"{value!r} is not {self.what}")
+        return self.check(value)
+
+    def check(self, value: Any) -> Any:
+        return value
+
+
+class Integer(Kind):
+    def __init__(self, minimum: int | None = None, maximum: int | None = None, what: str = "a whole number"):
+        self.minimum, self.maximum, self.what = minimum, maximum, what
+
+    def from_text(self, text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise OptionError(f"{text!r} is not {self.what}") from None
+        return self.check(value)
+
+    def from_config(self, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise OptionError(_wrong_toml_type(value, self.what, self.from_text))
+        return self.check(value)
+
+    def check(self, value: int) -> int:
+        low, high = self.minimum, self.maximum
+        if low is not None and high is not None and not low <= value <= high:
+            raise OptionError(f"{value} is outside {low}..{high}")
+        if low is not None and value < low:
+            raise OptionError(f"{value} must be positive" if low == 1 else f"{value} must be at least {low}")
+        if high is not None and value > high:
+            raise OptionError(f"{value} must be at most {high}")
+        return value
+
+
+class Number(Kind):
+    """A finite float above `minimum` (or at least `minimum` when `inclusive`)."""
+
+    what = "a number"
+
+    def __init__(self, minimum: float = 0.0, *, inclusive: bool = False):
+        self.minimum, self.inclusive = minimum, inclusive
+
+    def from_text(self, text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise OptionError(f"{text!r} is not a number") from None
+        return self.check(value)
+
+    def from_config(self, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise OptionError(_wrong_toml_type(value, self.what, self.from_text))
+        return self.check(float(value))
+
+    def check(self, value: float) -> float:
+        if not math.isfinite(value):
+            raise OptionError(f"{value} is not a finite number")
+        if self.inclusive and value < self.minimum:
+            raise OptionError(f"{value:g} must not be negative" if self.minimum == 0
+                              else f"{value:g} must be at least {self.minimum:g}")
+        if not self.inclusive and value <= self.minimum:
+            raise OptionError(f"{value:g} must be positive" if self.minimum == 0
+                              else f"{value:g} must be above {self.minimum:g}")
+        return value
+
+
+class Text(Kind):
+    """A string, optionally one of `choices` or accepted by `validate` (which raises ValueError with a message)."""
+
+    def __init__(self, choices: Sequence[str] | None = None, validate: Callable[[str], Any] | None = None,
+                 what: str = "a string"):
+        self.choices = tuple(choices) if choices else None
+        self.validate = validate
+        self.what = f"one of {', '.join(self.choices)}" if self.choices else what
+
+    def check(self, value: str) -> str:
+        if self.choices is not None and value not in self.choices:
+            raise OptionError(f"{value!r} is not {self.what}")
+        if self.validate is not None:
+            try:
+                self.validate(value)
+            except ValueError as error:
+                raise OptionError(str(error)) from None
+        return value
+
+
+class PathKind(Kind):
+    what = "a path"
+
+    def check(self, value: str) -> Path:
+        if not value:
+            raise OptionError("an empty path")
+        return Path(value)
+
+
+class Address(Kind):
+    what = "HOST:PORT"
+
+    def check(self, value: str) -> tuple[str, int]:
+        from peer.net import parse_address  # only when an address is given: peer.net brings trio
+
+        try:
+            return parse_address(value)
+        except ValueError as error:
+            raise OptionError(str(error)) from None
+
+
+class Switch(Kind):
+    """An on/off option: a flag without argument, `true`/`false` in a config file."""
+
+    what = "true or false"
+
+    def from_config(self, value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise OptionError(f"{value!r} is not true or false")
+        return value
+
+
+def parse_grid_size(text: str | int) -> tuple[int, ...]:
+    """'12' -> (12,), '4x4' -> (4, 4): the shape of a trainer's expert grid."""
+    try:
+        grid = tuple(int(part) for part in str(text).lower().split("x"))
+    except ValueError:
+        raise ValueError(f"grid size {text!r} is not N or AxB (positive integers)") from None
+    if not grid or any(g < 1 for g in grid):
+        raise ValueError(f"grid size {text!r} is not N or AxB (positive integers)")
+    return grid
+
+
+class GridSize(Kind):
+    """N or AxB; kept as the text (`peer train` parses it when it builds the model); an integer in a config."""
+
+    what = "N or AxB"
+
+    def from_config(self, value: Any) -> str:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise OptionError(f"{value!r} is not {self.what}")
+        return self.check(str(value))
+
+    def check(self, value: str) -> str:
+        try:
+            parse_grid_size(value)
+        except ValueError as error:
+            raise OptionError(str(error)) from None
+        return value
+
+
+class ExpertKindName(Kind):
+    """A registered expert kind (known here by name, so checking one needs no torch) or package.module:factory
+    (imported to check it: a custom kind brings its own imports)."""
+
+    what = "an expert kind"
+
+    def check(self, value: str) -> str:
+        if value in EXPERT_KINDS:
+            return value
+        if ":" not in value:
+            raise OptionError(f"unknown expert kind {value!r} (registered: {', '.join(EXPERT_KINDS)}; or "
+                              f"package.module:factory)")
+        from moe.experts import UnknownExpertKind, get_expert_kind
+
+        try:
+            get_expert_kind(value)
+        except (UnknownExpertKind, ValueError, ImportError) as error:
+            raise OptionError(str(error)) from None
+        return value
+
+
+def _wrong_toml_type(value: Any, what: str, from_text: Callable[[str], Any]) -> str:
+    message = f"{value!r} is not {what}"
+    if isinstance(value, str):
+        try:
+            from_text(value)
+        except OptionError:
+            return message
+        return message + " (write it without quotes in TOML)"
+    return message
+
+
+def _grid_pattern(text: str) -> None:
+    from moe.grid import GridPattern  # moe.grid is plain Python: cheap, and only when --experts is given
+
+    GridPattern.parse(text)
+
+
+POSITIVE_INT = Integer(minimum=1)
+PORT = Integer(0, 65535, what="a port number")
+POSITIVE = Number()
+NOT_NEGATIVE = Number(inclusive=True)
+TEXT = Text()
+PATH = PathKind()
+ADDRESS = Address()
+SWITCH = Switch()
+
+
+# ------------------------------------------------------------------------------------------------------- options
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option: `--NAME` on the command line, `NAME` (or with underscores) in a config file, `dest` in the
+    parsed namespace and in `DaemonConfig`."""
+
+    name: str
+    kind: Kind
+    default: Any
+    help: str
+    shown_default: str | None = None  # what --help says the default is, where the value alone would not say it
+    metavar: str | None = None
+    many: bool = False  # several values after the flag; a list (or one string) in a config file
+    in_config: bool = True
+    required: bool = False
+
+    @property
+    def dest(self) -> str:
+        return self.name.replace("-", "_")
+
+    @property
+    def flag(self) -> str:
+        return f"--{self.name}"
+
+    def help_text(self) -> str:
+        if self.shown_default is not None:
+            shown = self.shown_default
+        elif isinstance(self.default, bool):
+            shown = "on" if self.default else "off"
+        else:
+            shown = str(self.default)
+        return f"{self.help} (default: {shown})".replace("%", "%%")
+
+    def from_config(self, value: Any) -> Any:
+        if self.many:
+            values = [value] if isinstance(value, str) else value
+            if not isinstance(values, list):
+                raise OptionError(f"{value!r} is not {self.kind.what} or a list of them")
+            return [self.kind.from_config(item) for item in values]
+        return self.kind.from_config(value)
+
+    def argparse_type(self) -> Callable[[str], Any]:
+        def parse(text: str) -> Any:
+            try:
+                return self.kind.from_text(text)
+            except OptionError as error:
+                raise argparse.ArgumentTypeError(str(error)) from None
+
+        parse.__name__ = self.name  # argparse names the type in some messages
+        return parse
+
+
+CONFIG = Option("config", PATH, None, "TOML file with any of these options as keys, e.g. `hidden-dim = 64`; "
+                "flags win over it", shown_default="none", metavar="FILE", in_config=False)
+
+
+class OptionSet:
+    """The options of one command: adds them to a parser, reads its config files, completes a parsed namespace.
+    `finish` runs on the completed namespace (derived defaults that depend on other options)."""
+
+    def __init__(self, command: str, options: Sequence[Option],
+                 finish: Callable[[argparse.Namespace], None] | None = None):
+        self.command = command
+        self.options = [CONFIG, *options]
+        self.finish = finish
+        self.by_key = {option.name: option for option in self.options if option.in_config}
+        names = [option.name for option in self.options]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{command}: an option is defined twice")
+
+    def __getitem__(self, name: str) -> Option:
+        for option in self.options:
+            if option.name == name or option.dest == name:
+                return option
+        raise KeyError(name)
+
+    def defaults(self) -> dict[str, Any]:
+        """dest -> default, for everything but --config (DaemonConfig takes its defaults from here)."""
+        return {option.dest: option.default for option in self.options if option is not CONFIG}
+
+    def add_to(self, parser: argparse.ArgumentParser) -> None:
+        """Add the flags. Their argparse default is SUPPRESS: an absent flag leaves the namespace without the name,
+        so `complete` can tell "not given" (the config file or the default applies) from "given"."""
+        for option in self.options:
+            kwargs: dict[str, Any] = {"help": option.help_text(), "default": argparse.SUPPRESS}
+            if isinstance(option.kind, Switch):
+                kwargs["action"] = "store_true"
+            else:
+                kwargs["type"] = option.argparse_type()
+                kwargs["metavar"] = option.metavar or _metavar(option)
+                if option.many:
+                    kwargs["nargs"] = "+"
+            parser.add_argument(option.flag, **kwargs)
+        if isinstance(parser, OptionParser):
+            parser.option_set = self
+
+    def load_config(self, path: Path) -> dict[str, Any]:
+        """dest -> checked value for every key of the TOML file; UsageError (one line, file and key) otherwise."""
+        try:
+            with open(path, "rb") as file:
+                raw = tomllib.load(file)
+        except OSError as error:
+            raise UsageError(f"cannot read config file {path}: {error.strerror}") from None
+        except tomllib.TOMLDecodeError as error:
+            raise UsageError(f"config file {path} is not valid TOML: {error}") from None
+        values: dict[str, Any] = {}
+        for key, value in raw.items():
+            option = self.by_key.get(key.replace("_", "-"))
+            if option is None:
+                close = difflib.get_close_matches(key.replace("_", "-"), list(self.by_key), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else f" ({self.command} takes: " \
+                                                                      f"{', '.join(self.by_key)})"
+                raise UsageError(f"config file {path}: unknown option {key!r}{hint}")
+            try:
+                values[option.dest] = option.from_config(value)
+            except OptionError as error:
+                raise UsageError(f"config file {path}: {key}: {error}") from None
+        return values
+
+    def complete(self, namespace: argparse.Namespace) -> argparse.Namespace:
+        """Defaults, overridden by the config file, overridden by flags; then the required options and `finish`."""
+        config = getattr(namespace, "config", None)
+        from_file = self.load_config(config) if config is not None else {}
+        for option in self.options:
+            if option.dest not in vars(namespace):
+                default = list(option.default) if isinstance(option.default, list) else option.default
+                setattr(namespace, option.dest, from_file.get(option.dest, default))
+        for option in self.options:
+            if option.required and getattr(namespace, option.dest) in (None, []):
+                raise UsageError(f"{self.command}: {option.flag} is required (as a flag or as `{option.name}` "
+                                 f"in --config)")
+        if self.finish is not None:
+            self.finish(namespace)
+        return namespace
+
+
+def _metavar(option: Option) -> str:
+    kind = option.kind
+    if isinstance(kind, Text) and kind.choices:
+        return "{" + ",".join(kind.choices) + "}"
+    if isinstance(kind, Address):
+        return "HOST:PORT"
+    if isinstance(kind, (Number, Integer)):
+        return "N"
+    if isinstance(kind, PathKind):
+        return "PATH"
+    return option.name.replace("-", "_").upper()
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's, but lines are not broken at hyphens: paths, patterns and flags in help texts stay whole."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        import textwrap
+
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
+class OptionParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (UsageError) and which completes its namespace from its
+    `option_set` (config file and defaults) as soon as it has parsed: subcommands' parsers complete theirs too.
+    `exits=True` (a standalone program) prints the error and exits 2 instead of raising it."""
+
+    def __init__(self, *args: Any, exits: bool = False, **kwargs: Any):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+        self.option_set: OptionSet | None = None
+        self.exits = exits
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message} (see `{self.prog} --help`)")
+
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+                         ) -> tuple[argparse.Namespace, list[str]]:
+        try:
+            namespace, extras = super().parse_known_args(args, namespace)
+            if self.option_set is not None:
+                if extras:  # a command's own parser: report these before what the config file might lack
+                    self.error(f"unrecognized arguments: {' '.join(extras)}")
+                self.option_set.complete(namespace)
+        except UsageError as error:
+            if not self.exits:
+                raise
+            print(f"{self.prog.split()[0]}: error: {error}", file=sys.stderr)  # as the `peer` command prints it
+            raise SystemExit(2) from None
+        return namespace, extras
+
+
+# ------------------------------------------------------------------------------------------------------- join
+
+JOIN = OptionSet("peer join", [
+    Option("host", TEXT, "127.0.0.1", "address to listen on, TCP and UDP"),
+    Option("port", PORT, 0, "port to listen on, TCP (RPC) and UDP (DHT)", shown_default="0: any free port"),
+    Option("announce", ADDRESS, None, "address other peers should use to reach this one (NAT, containers)",
+           shown_default="the listen address"),
+    Option("initial-peers", ADDRESS, [], "any running peers to join through", many=True,
+           shown_default="none: start a new swarm"),
+    Option("identity", PATH, None, "Ed25519 key file, created (mode 0600) on first run, so a restarted peer keeps "
+           "its PeerID; refused when group or others may read it", shown_default="a new PeerID every run"),
+    Option("experts", Text(validate=_grid_pattern), None, "experts to serve, e.g. 'ffn.[0:4].[0:4]' (half-open "
+           "ranges)", shown_default="free uids of the swarm's grid, or ffn.[0:12] in a new swarm",
+           metavar="PATTERN"),
+    Option("num-experts", POSITIVE_INT, None, "serve this many free uids of the pattern",
+           shown_default="all of it"),
+    Option("expert-kind", ExpertKindName(), "ffn", f"{', '.join(EXPERT_KINDS)}, or package.module:factory",
+           metavar="KIND"),
+    Option("hidden-dim", POSITIVE_INT, 64, "experts' hidden size (trainers use the same)"),
+    Option("max-batch-size", POSITIVE_INT, 4096, "largest batch per expert"),
+    Option("optimizer", Text(["sgd", "adam", "adamw"]), "adam", "experts' optimizer, stepped after every backward"),
+    Option("lr", POSITIVE, 1e-3, "experts' learning rate"),
+    Option("checkpoint-dir", PATH, None, "save experts here periodically and on shutdown, reload them on start "
+           "(created and checked for writing at start)", shown_default="none: nothing saved", metavar="DIR"),
+    Option("checkpoint-interval", POSITIVE, 300.0, "seconds between checkpoints", metavar="SECONDS"),
+    Option("device", TEXT, "cpu", "torch device for the experts"),
+    Option("threads", POSITIVE_INT, None, "torch threads for expert compute (use 1 when several peers share a "
+           "machine)", shown_default="torch's choice"),
+    Option("replicate", SWITCH, False, "serve the pattern's experts even where others already do, and keep these "
+           "replicas' weights averaged with theirs (hot standby)"),
+    Option("average-every", POSITIVE, 30.0, "seconds between replica averaging rounds", metavar="SECONDS"),
+    Option("log-level", Text(["debug", "info", "warning", "error"]), "info", "what goes to stderr"),
+])
+
+# ------------------------------------------------------------------------------------------------------- status
+
+STATUS = OptionSet("peer status", [
+    Option("initial-peers", ADDRESS, [], "any running peer of the swarm", many=True, required=True,
+           shown_default="none: required"),
+    Option("json", SWITCH, False, "machine-readable output"),
+    Option("timeout", POSITIVE, 3.0, "seconds to wait for each peer", metavar="SECONDS"),
+])
+
+# ------------------------------------------------------------------------------------------------------- train
+
+LOCAL_FALLBACKS: dict[str, Any] = {"hidden_dim": 64, "expert_prefix": "ffn", "grid_size": "12"}
+
+
+def resolve_local_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """With --local-experts there is no swarm to take the experts' size, prefix and grid from: the options left
+    unset get the values a default `peer join` swarm has (the only place these fallbacks are applied)."""
+    if getattr(args, "local_experts", False):
+        for name, value in LOCAL_FALLBACKS.items():
+            if getattr(args, name, None) is None:
+                setattr(args, name, value)
+    return args
+
+
+TRAIN = OptionSet("peer train", [
+    Option("initial-peers", ADDRESS, [], "any running peers of the swarm", many=True,
+           shown_default="none: required unless --local-experts"),
+    Option("run-id", TEXT, "digits", "trainers with the same run id train one model together"),
+    Option("steps", POSITIVE_INT, 400, "local training steps"),
+    Option("batch-size", POSITIVE_INT, 32, "samples per local step"),
+    Option("target-batch-size", POSITIVE_INT, 128, "samples the whole swarm processes per collective epoch (one "
+           "averaged update)"),
+    Option("expert-prefix", TEXT, None, "uid prefix of the experts the daemons serve",
+           shown_default="taken from the experts declared in the swarm; ffn with --local-experts", metavar="NAME"),
+    Option("grid-size", GridSize(), None, "expert grid, N or AxB (e.g. 12 for ffn.[0:12])",
+           shown_default="taken from the swarm; 12 with --local-experts", metavar="N|AxB"),
+    Option("hidden-dim", POSITIVE_INT, None, "hidden size; must equal the experts'",
+           shown_default="taken from the experts declared in the swarm; 64 with --local-experts"),
+    Option("k-best", POSITIVE_INT, 4, "experts per sample"),
+    Option("lr", POSITIVE, 3e-3, "learning rate of the trainer's layers"),
+    Option("average", Text(["gradients", "parameters"]), "gradients", "what trainers average at the end of each "
+           "collective epoch"),
+    Option("group-size", POSITIVE_INT, 4, "target averaging group size"),
+    Option("matchmaking-time", POSITIVE, 3.0, "seconds to wait for averaging partners", metavar="SECONDS"),
+    Option("client-mode", SWITCH, False, "accept no connections (then this trainer averages only in groups holding a "
+           "reachable trainer)"),
+    Option("expert-timeout", POSITIVE, 5.0, "seconds per expert call", metavar="SECONDS"),
+    Option("expert-grace", NOT_NEGATIVE, 0.2, "seconds to wait for more experts once every sample has one answer",
+           metavar="SECONDS"),
+    Option("seed", Integer(), 0, "order of the batches"),
+    Option("checkpoint", PATH, None, "save the trained model here", shown_default="none: not saved"),
+    Option("log-every", POSITIVE_INT, 20, "steps between progress lines"),
+    Option("local-experts", SWITCH, False, "no swarm: the same model with its experts in this process (a baseline)"),
+    Option("expert-lr", POSITIVE, 1e-3, "with --local-experts: the experts' learning rate (as `peer join --lr`)"),
+    Option("threads", POSITIVE_INT, 1, "torch threads (the model is small: more threads mostly spin on a busy "
+           "machine)"),
+    Option("max-failed-steps", POSITIVE_INT, 50, "give up after this many consecutive attempts without enough "
+           "experts (retried with a growing pause, up to 1 s: about 45 s in all with the default)"),
+], finish=resolve_local_defaults)
+
+# ------------------------------------------------------------------------------------------------------- swarm
+
+_TOPOLOGY = {f.name: f.default for f in fields(Topology)}
+_SHAPE = [
+    Option("volunteers", POSITIVE_INT, _TOPOLOGY["volunteers"], "volunteer daemons (the first is the bootstrap "
+           "peer)"),
+    Option("trainers", POSITIVE_INT, _TOPOLOGY["trainers"], "`peer train` processes"),
+    Option("experts-per-volunteer", POSITIVE_INT, _TOPOLOGY["experts_per_volunteer"], "experts each volunteer "
+           "serves; the grid is volunteers x this many"),
+    Option("hidden-dim", POSITIVE_INT, _TOPOLOGY["hidden_dim"], "experts' and trainers' hidden size"),
+    Option("steps", POSITIVE_INT, _TOPOLOGY["steps"], "training steps of each trainer"),
+    Option("batch-size", POSITIVE_INT, _TOPOLOGY["batch_size"], "samples per trainer step"),
+    Option("target-batch-size", POSITIVE_INT, _TOPOLOGY["target_batch_size"], "samples the swarm processes per "
+           "collective epoch"),
+]
+SWARM_UP = OptionSet("peer swarm up", [
+    *_SHAPE,
+    Option("kill-one-at", POSITIVE, None, "SIGKILL one volunteer this many seconds after the trainers start "
+           "(fault-tolerance demo)", shown_default="never", metavar="SECONDS"),
+    Option("log-dir", PATH, None, "where each process's output goes", shown_default="runs/swarm-TIME",
+           metavar="DIR"),
+])
+SWARM_COMPOSE = OptionSet("peer swarm compose", _SHAPE)
+
+COMMANDS: dict[str, OptionSet] = {"join": JOIN, "status": STATUS, "train": TRAIN, "swarm up": SWARM_UP,
+                                  "swarm compose": SWARM_COMPOSE}
