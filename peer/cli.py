@@ -64,7 +64,7 @@ _positive_float = _number(float, "a number", lambda v: v > 0, "must be positive"
 
 JOIN_DEFAULTS: dict[str, Any] = {
     "host": "127.0.0.1", "port": 0, "announce": None, "initial_peers": [], "identity": None, "experts": None,
-    "num_experts": None, "expert_kind": "ffn", "hidden_dim": 256, "max_batch_size": 4096, "optimizer": "adam",
+    "num_experts": None, "expert_kind": "ffn", "hidden_dim": 64, "max_batch_size": 4096, "optimizer": "adam",
     "lr": 1e-3, "checkpoint_dir": None, "checkpoint_interval": 300.0, "device": "cpu", "threads": None,
     "replicate": None, "average_every": 30.0, "log_level": "info",
 }
@@ -81,11 +81,13 @@ def add_join_arguments(parser: argparse.ArgumentParser) -> None:
                         help="any running peers to join through; none starts a new swarm")
     parser.add_argument("--identity", type=Path, metavar="PATH",
                         help="key file (created on first run) so a restarted peer keeps its PeerID")
-    parser.add_argument("--experts", metavar="PATTERN", help="experts to serve, e.g. 'ffn.[0:4].[0:4]'")
+    parser.add_argument("--experts", metavar="PATTERN",
+                        help="experts to serve, e.g. 'ffn.[0:4].[0:4]' (default: free uids of the swarm's largest "
+                             "family of this --hidden-dim; ffn.[0:12] in a new swarm)")
     parser.add_argument("--num-experts", type=_positive_int,
-                        help="serve this many free uids of the pattern (default: all of it)")
+                        help="serve this many free uids of the pattern (default: all of it; 4 without --experts)")
     parser.add_argument("--expert-kind", help="ffn, transformer, or package.module:factory (default ffn)")
-    parser.add_argument("--hidden-dim", type=_positive_int, help="experts' hidden size (default 256)")
+    parser.add_argument("--hidden-dim", type=_positive_int, help="experts' hidden size (default 64, as `peer train`)")
     parser.add_argument("--max-batch-size", type=_positive_int, help="largest batch per expert (default 4096)")
     parser.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], help="experts' optimizer (default adam)")
     parser.add_argument("--lr", type=_positive_float, help="experts' learning rate (default 0.001)")
@@ -187,7 +189,8 @@ async def _run_join(options: dict[str, Any]) -> int:
             info = await nursery.start(daemon.run)
             print(f"peer {info.peer_id} listening on {info.address[0]}:{info.address[1]}", flush=True)
             if info.experts:
-                print(f"serving {len(info.experts)} experts: {', '.join(info.experts)}", flush=True)
+                print(f"serving {len(info.experts)} experts: {', '.join(info.experts)} "
+                      f"(of {info.pattern}, hidden {info.hidden_dim})", flush=True)
             print(f"others join with: {info.join_command}", flush=True)
             await stop.wait()
         nursery.cancel_scope.cancel()
