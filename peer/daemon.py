@@ -243,6 +243,8 @@ class Daemon:
             "rpc": dict(self.rpc.stats),
             "experts": self.expert_server.stats() if self.expert_server else None,
             "expert_uids": sorted(self.expert_server.experts) if self.expert_server else [],
+            "expert_pattern": self.pattern,
+            "hidden_dim": self.config.hidden_dim,
             "averaging": self.replicas.stats() if self.replicas else None,
         }
 

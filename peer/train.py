@@ -4,8 +4,8 @@ The model classifies scikit-learn's handwritten digits (8x8 images, shipped insi
 downloaded): Linear(64 -> hidden) -> ReLU -> residual RemoteMixtureOfExperts over the swarm's `ffn` experts ->
 Linear(hidden -> 10). The experts live on `peer join` daemons and learn from every backward pass; their prefix,
 grid and hidden size are read from the swarm's peer directory unless given (`peer.discover`: a given value that
-no daemon serves is an error at once, naming what the swarm declares); the trainer's own layers (input, gate, output) are trained with a
-`CollaborativeOptimizer`, so several trainers of one `--run-id` average with each other.
+no daemon serves is an error at once, naming what the swarm declares). The trainer's own layers (input, gate,
+output) are trained with a `CollaborativeOptimizer`, so several trainers of one `--run-id` average with each other.
 
 Output (stdout), made for both people and scripts:
 - every `--log-every` steps a JSON line `{"event": "progress", "step", "steps", "loss", "accuracy",
