@@ -125,6 +125,33 @@ async def get_prefix_entries(dht: ExpertDHT, prefix: str) -> dict[int, tuple[str
     return (await get_prefixes(dht, [prefix]))[prefix]
 
 
+def _peer_hex(peer_id: Any) -> str | None:
+    if peer_id is None:
+        return None
+    return peer_id if isinstance(peer_id, str) else bytes(peer_id).hex()
+
+
+# Grids up to this many uids are looked up whole (one batched lookup) to find free uids and a restarted server's
+# own declarations; in a larger grid only the uids that random probes meet are recognised.
+OWN_SCAN_LIMIT = 1024
+
+
+async def find_own_uids(dht: ExpertDHT, pattern: str | GridPattern, peer_id: Any, *,
+                        limit: int = OWN_SCAN_LIMIT) -> list[str]:
+    """The uids of `pattern` whose live declaration carries `peer_id`, in grid order.
+
+    Why: a server killed and restarted with the same identity finds its previous incarnation's declarations still
+    live (they expire only after their TTL). They are its own, so it takes them back instead of treating its own
+    uids as taken (which fails outright when the pattern is exactly what it served)."""
+    grid = pattern if isinstance(pattern, GridPattern) else GridPattern.parse(pattern)
+    own = _peer_hex(peer_id)
+    if own is None or grid.size > limit:
+        return []
+    uids = list(grid.uids())
+    locations = await get_experts(dht, uids)
+    return [uid for uid in uids if (location := locations.get(uid)) is not None and location.peer_id_hex == own]
+
+
 async def find_free_uids(
     dht: ExpertDHT,
     pattern: str | GridPattern,
@@ -133,14 +160,26 @@ async def find_free_uids(
     taken: Iterable[str] = (),
     rng: random.Random | None = None,
     rounds: int = 8,
+    peer_id: Any = None,
 ) -> list[str]:
-    """`count` uids of `pattern` that no live expert in the DHT uses (nor any in `taken`), checked in batches.
+    """`count` uids of `pattern` that no live expert in the DHT uses (nor any in `taken`), in random order. A
+    grid of up to `OWN_SCAN_LIMIT` uids is looked up whole (exact); a larger one is probed in random batches.
+    A uid declared by `peer_id` itself (this server's previous run) counts as free: it is ours.
 
     Two servers starting at the same moment can still pick the same uid (the DHT is not a lock); the later
     declaration then simply wins the uid key, and both keep serving under their own address."""
     grid = pattern if isinstance(pattern, GridPattern) else GridPattern.parse(pattern)
     rng = rng or random.Random()
+    own = _peer_hex(peer_id)
     known_taken = set(taken)
+    if grid.size <= OWN_SCAN_LIMIT:  # small grid: one batched lookup of every uid is exact, even when nearly full
+        uids = [uid for uid in grid.uids() if uid not in known_taken]
+        locations = await get_experts(dht, uids)
+        free = [uid for uid in uids if (location := locations.get(uid)) is None or location.peer_id_hex == own]
+        if len(free) < count:
+            raise InvalidUID(f"grid {grid.name} has {len(free)} free uids, {count} requested "
+                             f"({grid.size - len(free)} taken)")
+        return rng.sample(free, count)
     chosen: list[str] = []
     for _ in range(rounds):
         need = count - len(chosen)
@@ -149,7 +188,8 @@ async def find_free_uids(
         candidates = choose_free_uids(grid, need, known_taken | set(chosen), rng)
         locations = await get_experts(dht, candidates)
         for uid in candidates:
-            if locations.get(uid) is None:
+            location = locations.get(uid)
+            if location is None or location.peer_id_hex == own:
                 chosen.append(uid)
             else:
                 known_taken.add(uid)

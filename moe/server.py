@@ -15,7 +15,8 @@ How a peer composes it (the daemon does this):
 `run` loads checkpoints, starts the runtime, registers `moe.info` / `moe.forward` / `moe.backward`, declares the
 experts every `declare_interval` seconds with expiration `dht.now() + declare_ttl`, saves checkpoints every
 `checkpoint_interval` seconds, and on cancellation unregisters the handlers, waits for running batches and saves
-a final checkpoint. Use `choose_uids` first to pick uids: checkpointed ones come back, new ones avoid the DHT's.
+a final checkpoint. Use `choose_uids` first to pick uids: checkpointed ones and those the same PeerID still declares
+come back, new ones avoid the DHT's.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import trio
 
-from moe.declare import ExpertDHT, declare_experts, find_free_uids
+from moe.declare import ExpertDHT, declare_experts, find_free_uids, find_own_uids
 from moe.errors import BadExpertInput, CheckpointError, ExpertFailed, ExpertNotFound, ServerShuttingDown
 from moe.experts import Expert, OptimizerConfig, make_expert
 from moe.grid import GridPattern, InvalidUID, choose_free_uids, is_valid_uid
@@ -109,16 +110,22 @@ async def choose_uids(
     dht: ExpertDHT | None = None,
     checkpoint_dir: str | Path | None = None,
     rng: random.Random | None = None,
+    peer_id: Any = None,
 ) -> list[str]:
-    """The uids a starting server should serve: its checkpointed uids of this pattern first (a restarted server
-    keeps its experts), then fresh uids not declared by anyone in the DHT (any free ones without a DHT)."""
+    """The uids a starting server should serve, in this order of preference:
+    1. its checkpointed uids of this pattern (a restarted server keeps its experts' weights);
+    2. uids of the pattern still declared in the DHT by `peer_id` itself (a server restarted with the same
+       identity and no checkpoints takes back what it served: its previous declarations are not someone else's);
+    3. fresh uids not declared by anyone in the DHT (any free ones without a DHT)."""
     grid = GridPattern.parse(pattern)
     kept = [uid for uid in checkpointed_uids(checkpoint_dir) if uid in grid][:count] if checkpoint_dir else []
+    if dht is not None and peer_id is not None and len(kept) < count:
+        kept += [uid for uid in await find_own_uids(dht, grid, peer_id) if uid not in kept][:count - len(kept)]
     need = count - len(kept)
     if need <= 0:
         return kept
     if dht is not None:
-        fresh = await find_free_uids(dht, grid, need, taken=kept, rng=rng)
+        fresh = await find_free_uids(dht, grid, need, taken=kept, rng=rng, peer_id=peer_id)
     else:
         fresh = choose_free_uids(grid, need, kept, rng)
     return kept + fresh

@@ -68,7 +68,8 @@ async def _run_join(options: dict[str, Any]) -> int:
             info = await nursery.start(daemon.run)
             print(f"peer {info.peer_id} listening on {info.address[0]}:{info.address[1]}", flush=True)
             if info.experts:
-                print(f"serving {len(info.experts)} experts: {', '.join(info.experts)}", flush=True)
+                print(f"serving {len(info.experts)} experts: {', '.join(info.experts)} "
+                      f"(of {info.pattern}, hidden {info.hidden_dim})", flush=True)
             print(f"others join with: {info.join_command}", flush=True)
             await stop.wait()
         nursery.cancel_scope.cancel()

@@ -3,11 +3,23 @@ service.
 
 Why one nursery: cancelling it stops everything — the expert server saves its checkpoints on the way out, the
 DHT node stops answering, connections close — so SIGTERM means "cancel", and nothing is left behind.
+
+Which experts a daemon serves, so that `peer join --initial-peers X` alone is useful to the swarm:
+- `--experts PATTERN`: `--num-experts` uids of the pattern (default all of it);
+- no `--experts`: it reads the swarm's expert families from the peer directory (`peer.discover`) and joins the
+  largest family of its own `--hidden-dim` (default 64, as `peer train`'s), serving `--num-experts` (default 4)
+  free uids of that family's grid; when the grid has fewer free uids than that, its first dimension grows by just
+  enough. In a new swarm it serves 4 uids of `ffn.[0:12]`. A swarm that declares experts of other hidden sizes
+  only is a startup error naming them (pass their `--hidden-dim`, or `--experts` for a family of your own).
+Either way checkpointed uids come back first, then the uids this PeerID still declares (a daemon restarted
+with the same `--identity` takes back what it served), then free ones. The directory summary publishes the
+pattern, the count and the hidden size, which is how trainers and later volunteers find the family.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import math
@@ -23,10 +35,11 @@ import trio
 
 from dht.node import DHTNode
 from moe.experts import OptimizerConfig, make_expert
-from moe.grid import GridPattern, expand_pattern
+from moe.grid import GridPattern, InvalidUID, expand_pattern
 from moe.server import ExpertServer, choose_uids
 from peer import __version__
 from peer.directory import PeerDirectory
+from peer.discover import SwarmMismatch, choose_family, discover_families, summary_fields
 from peer.identity import Identity
 from peer.net import Address, Network, RealNetwork
 from peer.options import JOIN
@@ -75,10 +88,17 @@ class DaemonInfo:
     peer_id: str
     address: Address
     experts: list[str]
+    pattern: str | None = None  # the grid the experts were chosen from
+    hidden_dim: int | None = None
 
     @property
     def join_command(self) -> str:
         return f"peer join --initial-peers {self.address[0]}:{self.address[1]}"
+
+
+DEFAULT_PATTERN = "ffn.[0:12]"  # the family a daemon without --experts starts in a new swarm
+DEFAULT_COUNT = 4  # experts a daemon without --experts (nor --num-experts) serves
+DISCOVERY_TIMEOUT = 10.0  # seconds for reading the peer directory at startup
 
 
 class StartupError(Exception):
@@ -127,6 +147,7 @@ class Daemon:
         self.expert_server: ExpertServer | None = None
         self.directory: PeerDirectory | None = None
         self.replicas: ReplicaAverager | None = None
+        self.pattern: str | None = None  # the grid pattern the served experts come from
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled. Reports a DaemonInfo through `task_status` once the peer is reachable."""
@@ -155,30 +176,57 @@ class Daemon:
                                        f"{error.strerror or error}") from None
                 self.dht = dht
                 rpc.register(STATUS_METHOD, self._handle_status)
+                self.expert_server = await self._make_expert_server(dht)  # before the nursery: plain errors
                 async with trio.open_nursery() as nursery:
-                    uids: list[str] = []
-                    if config.experts:
-                        self.expert_server = await self._make_expert_server(dht)
-                        uids = sorted(self.expert_server.experts)
-                        await nursery.start(self.expert_server.run, rpc, dht)
-                        if config.replicate:
-                            self.replicas = ReplicaAverager(rpc, dht, self.expert_server.experts,
-                                                            self.expert_server.runtime.exclusive,
-                                                            interval=config.average_every)
-                            await nursery.start(self.replicas.run)
+                    uids = sorted(self.expert_server.experts)
+                    await nursery.start(self.expert_server.run, rpc, dht)
+                    if config.replicate:
+                        self.replicas = ReplicaAverager(rpc, dht, self.expert_server.experts,
+                                                        self.expert_server.runtime.exclusive,
+                                                        interval=config.average_every)
+                        await nursery.start(self.replicas.run)
                     self.directory = PeerDirectory(dht)
                     await nursery.start(self.directory.run, announced, self.identity.peer_id, self._summary)
-                    task_status.started(DaemonInfo(str(self.identity.peer_id), announced, uids))
+                    task_status.started(DaemonInfo(str(self.identity.peer_id), announced, uids, self.pattern,
+                                                   config.hidden_dim))
                     await trio.sleep_forever()
+
+    async def _swarm_pattern(self, dht: DHTNode, count: int) -> str:
+        """With no --experts: the grid of the swarm's largest family of this daemon's hidden size, grown when it
+        has fewer than `count` free uids; `DEFAULT_PATTERN` in a new swarm (see the module docstring)."""
+        families = []
+        with trio.move_on_after(DISCOVERY_TIMEOUT):  # an unreadable directory looks like a new swarm
+            families = await discover_families(dht, exclude_peer=self.identity.peer_id.hex())
+        if not families:
+            return DEFAULT_PATTERN
+        try:
+            family = choose_family(families, hidden_dim=self.config.hidden_dim)
+        except SwarmMismatch as error:
+            raise StartupError(f"{error}; pass --hidden-dim to join a family, or --experts PATTERN to start "
+                               "one") from None
+        free = math.prod(family.grid) - family.experts
+        if free < count and not self.config.replicate:
+            rows = -(-(count - max(free, 0)) // math.prod(family.grid[1:]))  # ceiling: whole rows of the grid
+            family = dataclasses.replace(family, grid=(family.grid[0] + rows, *family.grid[1:]))
+        return family.pattern
 
     async def _make_expert_server(self, dht: DHTNode) -> ExpertServer:
         config = self.config
-        grid = GridPattern.parse(config.experts)
-        count = config.num_experts if config.num_experts is not None else grid.size
-        if config.replicate:  # serve the pattern's first uids even where others already do: they are replicas
-            uids = expand_pattern(config.experts)[:count]
+        if config.experts:
+            pattern = config.experts
+            count = config.num_experts if config.num_experts is not None else GridPattern.parse(pattern).size
         else:
-            uids = await choose_uids(config.experts, count, dht=dht, checkpoint_dir=config.checkpoint_dir)
+            count = config.num_experts if config.num_experts is not None else DEFAULT_COUNT
+            pattern = await self._swarm_pattern(dht, count)
+        self.pattern = pattern
+        if config.replicate:  # serve the pattern's first uids even where others already do: they are replicas
+            uids = expand_pattern(pattern)[:count]
+        else:
+            try:
+                uids = await choose_uids(pattern, count, dht=dht, checkpoint_dir=config.checkpoint_dir,
+                                         peer_id=self.identity.peer_id)
+            except InvalidUID as error:
+                raise StartupError(f"cannot choose {count} experts from {pattern}: {error}") from None
         optimizer = OptimizerConfig(name=config.optimizer, lr=config.lr)
 
         def seed_for(index: int, uid: str) -> int:
@@ -200,8 +248,13 @@ class Daemon:
         )
 
     def _summary(self) -> dict[str, Any]:
-        """The short description published in the peer directory (read by `peer status` without a call)."""
-        return {"experts": len(self.expert_server.experts) if self.expert_server else 0, "version": __version__}
+        """The short description published in the peer directory: read by `peer status` without a call, and by
+        trainers and starting daemons to find the swarm's expert families (`peer.discover`)."""
+        served = len(self.expert_server.experts) if self.expert_server else 0
+        summary = {"experts": served, "version": __version__}
+        if served and self.pattern is not None:
+            summary.update(summary_fields(self.pattern, served, self.config.hidden_dim))
+        return summary
 
     def status(self) -> dict[str, Any]:
         assert self.rpc is not None and self.dht is not None
@@ -214,6 +267,8 @@ class Daemon:
             "rpc": dict(self.rpc.stats),
             "experts": self.expert_server.stats() if self.expert_server else None,
             "expert_uids": sorted(self.expert_server.experts) if self.expert_server else [],
+            "expert_pattern": self.pattern,
+            "hidden_dim": self.config.hidden_dim,
             "averaging": self.replicas.stats() if self.replicas else None,
         }
 

@@ -3,7 +3,11 @@
 Why: `peer status` and launchers need the list of live peers without crawling the DHT. Each peer writes a subkey
 (its PeerID) under one of `SHARDS` keys, signed so nobody else can overwrite it, and re-declares it before it
 expires; a peer that dies simply disappears after `ttl`. Sharding keeps each record far under the DHT's 8 KiB
-value limit (about 60 bytes per entry, so a few hundred peers per shard).
+value limit: an entry's value is the address and a small summary (about 70 bytes; the subkey and signature come
+on top), so several dozen peers fit in each shard.
+
+The summary is what others read without calling the peer: `peer status` shows it, and `peer.discover` finds the
+swarm's expert families in it (the daemon's grid pattern, expert count and hidden size).
 """
 
 from __future__ import annotations

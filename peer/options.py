@@ -453,7 +453,7 @@ JOIN = OptionSet("peer join", [
            "ranges)", shown_default="free uids of the swarm's grid, or ffn.[0:12] in a new swarm",
            metavar="PATTERN"),
     Option("num-experts", POSITIVE_INT, None, "serve this many free uids of the pattern",
-           shown_default="all of it"),
+           shown_default="all of it; 4 without --experts"),
     Option("expert-kind", ExpertKindName(), "ffn", f"{', '.join(EXPERT_KINDS)}, or package.module:factory",
            metavar="KIND"),
     Option("hidden-dim", POSITIVE_INT, 64, "experts' hidden size (trainers use the same)"),

@@ -2,9 +2,10 @@
 
 The model classifies scikit-learn's handwritten digits (8x8 images, shipped inside scikit-learn: nothing is
 downloaded): Linear(64 -> hidden) -> ReLU -> residual RemoteMixtureOfExperts over the swarm's `ffn` experts ->
-Linear(hidden -> 10). The experts live on `peer join` daemons (their `--hidden-dim` must equal `--hidden-dim`
-here) and learn from every backward pass; the trainer's own layers (input, gate, output) are trained with a
-`CollaborativeOptimizer`, so several trainers of one `--run-id` average with each other.
+Linear(hidden -> 10). The experts live on `peer join` daemons and learn from every backward pass; their prefix,
+grid and hidden size are read from the swarm's peer directory unless given (`peer.discover`: a given value that
+no daemon serves is an error at once, naming what the swarm declares). The trainer's own layers (input, gate,
+output) are trained with a `CollaborativeOptimizer`, so several trainers of one `--run-id` average with each other.
 
 Output (stdout), made for both people and scripts:
 - every `--log-every` steps a JSON line `{"event": "progress", "step", "steps", "loss", "accuracy",
@@ -137,25 +138,57 @@ def run_seed(run_id: str) -> int:
     return int.from_bytes(hashlib.sha256(run_id.encode()).digest()[:4], "big")
 
 
+LOCAL_EXPERT_DEFAULTS = {"hidden_dim": 64, "expert_prefix": "ffn", "grid_size": "12"}
+SWARM_WAIT = 15.0  # seconds to wait for a swarm whose daemons have not declared experts yet
+
+
+def expert_settings(args: argparse.Namespace) -> tuple[int, str, tuple[int, ...]]:
+    """(hidden_dim, expert_prefix, grid) of the model: as given, else `LOCAL_EXPERT_DEFAULTS` (on a swarm,
+    `run_training` fills the missing ones from the swarm before the model is built)."""
+    values = {name: default if getattr(args, name, None) is None else getattr(args, name)
+              for name, default in LOCAL_EXPERT_DEFAULTS.items()}
+    return values["hidden_dim"], values["expert_prefix"], parse_grid(values["grid_size"])
+
+
+def discover_swarm_experts(args: argparse.Namespace, swarm: Any) -> argparse.Namespace:
+    """A copy of `args` whose --hidden-dim, --expert-prefix and --grid-size left out (None) are the swarm's,
+    checked against what the daemons declare (see `peer.discover`): a mismatch fails here, in seconds, with
+    one line naming both sides, instead of after the whole retry budget of failed steps."""
+    from peer.discover import discover_experts
+
+    def waiting(waited: float, wait: float) -> None:
+        print(f"peer train: no experts declared in the swarm yet, waiting ({waited:.0f} s of {wait:g} s)",
+              file=sys.stderr, flush=True)
+
+    async def discover() -> Any:
+        return await discover_experts(swarm.dht, hidden_dim=args.hidden_dim, prefix=args.expert_prefix,
+                                      grid_size=args.grid_size, wait=SWARM_WAIT, on_wait=waiting)
+
+    found = swarm.run(discover)
+    resolved = argparse.Namespace(**vars(args))
+    resolved.hidden_dim, resolved.expert_prefix, resolved.grid_size = found.hidden_dim, found.prefix, found.grid_size
+    return resolved
+
+
 def build_model(args: argparse.Namespace, swarm: Any | None) -> DigitsModel:
-    grid = parse_grid(args.grid_size)
+    hidden_dim, prefix, grid = expert_settings(args)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(run_seed(args.run_id))
         if swarm is None:
             from moe.experts import make_expert
 
-            experts = [make_expert(uid, "ffn", args.hidden_dim, seed=run_seed(uid)).module
-                       for uid in grid_uids(args.expert_prefix, grid)]
-            mixture: nn.Module = LocalMixtureOfExperts(args.hidden_dim, grid, experts, args.k_best)
+            experts = [make_expert(uid, "ffn", hidden_dim, seed=run_seed(uid)).module
+                       for uid in grid_uids(prefix, grid)]
+            mixture: nn.Module = LocalMixtureOfExperts(hidden_dim, grid, experts, args.k_best)
         else:
             from moe.mixture import RemoteMixtureOfExperts
 
             mixture = RemoteMixtureOfExperts(
-                args.hidden_dim, grid, args.expert_prefix, k_best=args.k_best, k_min=1,
+                hidden_dim, grid, prefix, k_best=args.k_best, k_min=1,
                 timeout_after_k_min=args.expert_grace, forward_timeout=args.expert_timeout,
                 backward_timeout=args.expert_timeout, swarm=swarm,
             )
-        return DigitsModel(args.hidden_dim, mixture)
+        return DigitsModel(hidden_dim, mixture)
 
 
 # ------------------------------------------------------------------------------------------------ options
@@ -249,7 +282,6 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
     torch.manual_seed(args.seed)
     x_train, y_train, x_test, y_test = load_digits_split()
     batches = BatchStream(x_train, y_train, args.batch_size, seed=args.seed)
-    uids = grid_uids(args.expert_prefix, parse_grid(args.grid_size))
 
     swarm = None
     optimizer: Any = None
@@ -261,6 +293,9 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
 
             peers = normalize_peers(args.initial_peers)
             swarm = Swarm(initial_peers=peers, host=local_host_towards(peers[0]))
+            args = discover_swarm_experts(args, swarm)
+        _, prefix, grid = expert_settings(args)
+        uids = grid_uids(prefix, grid)
         model = build_model(args, swarm)
         if swarm is None:  # the experts learn at the daemons' rate, as they would on the swarm
             expert_params = {id(p) for p in model.moe.experts.parameters()}

@@ -14,6 +14,7 @@ import trio
 from peer import train
 from peer.bridge import Bridge
 from peer.daemon import Daemon, DaemonConfig
+from peer.discover import NoExpertsDeclared
 
 
 def _args(*extra: str):
@@ -142,10 +143,11 @@ async def _bootstrap_dht(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
         await trio.sleep_forever()
 
 
-def test_a_swarm_without_the_experts_ends_the_run_with_a_clear_error():
+def test_a_swarm_without_the_experts_ends_the_run_with_a_clear_error(monkeypatch):
+    monkeypatch.setattr(train, "SWARM_WAIT", 1.0)  # the bounded wait for daemons still starting up
     with Bridge.start() as bridge:
         host, port = bridge.start_and_wait(_bootstrap_dht)
         args = _args("--initial-peers", f"{host}:{port}", "--steps", "5", "--max-failed-steps", "3",
-                     "--expert-prefix", "nobody_serves_this", "--grid-size", "12", "--hidden-dim", "64")
-        with pytest.raises(RuntimeError, match="3 steps in a row without enough experts"):
+                     "--expert-prefix", "nobody_serves_this")
+        with pytest.raises(NoExpertsDeclared, match="no experts declared in the swarm after waiting 1 s"):
             train.run_training(args)

@@ -1,14 +1,18 @@
 """Experts are findable in the DHT by uid and through grid prefixes, stay findable while served, expire after."""
 
 import random
+
+import pytest
 from contextlib import asynccontextmanager
 
 import trio
 import trio.testing
 
 from dht import DHTNode
-from moe.declare import declaration_items, find_free_uids, get_experts, get_prefix_entries, get_prefixes
+from moe.declare import (declaration_items, find_free_uids, find_own_uids, get_experts, get_prefix_entries,
+                         get_prefixes)
 from moe.experts import make_expert
+from moe.grid import InvalidUID
 from moe.server import ExpertServer, choose_uids
 from peer.identity import Identity
 from peer.net import MemoryNetwork, RealNetwork
@@ -92,6 +96,29 @@ async def test_free_uids_avoid_experts_declared_by_others(autojump_clock):
         assert await find_free_uids(nodes[1], "ffn.[0:2].[0:2]", 1, rng=rng) == ["ffn.1.1"]
         uids = await choose_uids("ffn.[0:2].[0:2]", 1, dht=nodes[1], rng=rng)
         assert uids == ["ffn.1.1"]
+
+
+async def test_uids_declared_by_our_own_peer_id_are_ours(autojump_clock, tmp_path):
+    """A server restarted with the same identity (no checkpoints) takes back what its PeerID still declares."""
+    network = MemoryNetwork(latency=0.005, seed=7)
+    async with memory_swarm(network, ["d0", "d1"]) as nodes:
+        me, other = "ab" * 20, "cd" * 20
+        expiration = nodes[0].now() + 60
+        assert all(await nodes[0].store_many(declaration_items(["ffn.0", "ffn.1"], ("old", 1), me, expiration)))
+        assert all(await nodes[0].store_many(declaration_items(["ffn.2"], ("x", 1), other, expiration)))
+        with pytest.raises(InvalidUID, match="0 free uids, 2 requested"):  # without the rule we block ourselves
+            await choose_uids("ffn.[0:3]", 2, dht=nodes[1])
+        assert await find_own_uids(nodes[1], "ffn.[0:3]", bytes.fromhex(me)) == ["ffn.0", "ffn.1"]
+        assert await choose_uids("ffn.[0:3]", 2, dht=nodes[1], peer_id=bytes.fromhex(me)) == ["ffn.0", "ffn.1"]
+        # our own first, then free ones, never someone else's
+        assert await choose_uids("ffn.[0:4]", 3, dht=nodes[1], peer_id=me) == ["ffn.0", "ffn.1", "ffn.3"]
+        assert sorted(await find_free_uids(nodes[1], "ffn.[0:4]", 3, peer_id=me)) == ["ffn.0", "ffn.1", "ffn.3"]
+        with pytest.raises(InvalidUID, match="3 requested"):
+            await find_free_uids(nodes[1], "ffn.[0:4]", 3, peer_id=other)
+        # checkpoints still come before our declarations
+        (tmp_path / "ffn.3.pt").write_bytes(b"")
+        assert await choose_uids("ffn.[0:4]", 2, dht=nodes[1], checkpoint_dir=tmp_path, peer_id=me) == [
+            "ffn.3", "ffn.0"]
 
 
 async def test_malformed_records_are_ignored(autojump_clock):
