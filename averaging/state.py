@@ -36,13 +36,6 @@ CLOSE = "averaging.state.close"
 
 StateGetter = Callable[[], tuple[Any, Sequence[torch.Tensor]]]
 
-_DTYPES = {
-    str(dtype).removeprefix("torch."): dtype
-    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-                  torch.int16, torch.int8, torch.uint8, torch.bool)
-}
-
-
 class ProviderBusy(RemoteError):
     """The provider already serves as many downloads as it keeps snapshots for; ask another peer."""
 
@@ -119,7 +112,7 @@ class StateServer:
             metadata, tensors = self.get_state()
             copies = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
         for index, tensor in enumerate(copies):
-            if str(tensor.dtype).removeprefix("torch.") not in _DTYPES:
+            if wire.dtype_name(tensor.dtype) is None:
                 raise NoState(f"tensor {index} has a dtype that cannot be sent ({tensor.dtype})")
         snapshot = _Snapshot(metadata, copies, self.config.chunk_bytes, trio.current_time())
         snapshot_id = next(self._ids)
@@ -128,7 +121,7 @@ class StateServer:
         return {
             "id": snapshot_id,
             "metadata": metadata,
-            "tensors": [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in copies],
+            "tensors": [[wire.dtype_name(t.dtype), list(t.shape)] for t in copies],
             "chunk_bytes": self.config.chunk_bytes,
         }
 
@@ -228,7 +221,7 @@ async def _download(rpc: RPCNode, peer_id: PeerID, address: Address, deadline: f
     try:
         snapshot_id, metadata, layout, chunk_bytes = (header["id"], header["metadata"], header["tensors"],
                                                       int(header["chunk_bytes"]))
-        tensors = [torch.empty([int(d) for d in shape], dtype=_DTYPES[name]) for name, shape in layout]
+        tensors = [torch.empty([int(d) for d in shape], dtype=wire.DTYPES[name]) for name, shape in layout]
     except (KeyError, TypeError, ValueError) as error:
         raise StateDownloadFailed(f"malformed state header: {error}", peer=peer, operation="state.open") from None
     if chunk_bytes <= 0:

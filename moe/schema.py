@@ -13,38 +13,25 @@ from typing import Any, Sequence
 
 import torch
 
-# dtypes an expert may declare; names are the wire names (`str(torch.float32)` without the "torch." prefix)
-_DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "bool": torch.bool,
-}
-_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
-
+from peer import wire
 
 class SchemaError(ValueError):
     """Tensors do not match the schema they were checked against (the message says how)."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    try:
-        return _DTYPE_NAMES[dtype]
-    except KeyError:
-        raise SchemaError(f"unsupported dtype {dtype}") from None
+    """The wire name of an expert's dtype (the one table is `peer.wire.DTYPES`)."""
+    name = wire.dtype_name(dtype)
+    if name is None:
+        raise SchemaError(f"unsupported dtype {dtype}")
+    return name
 
 
 def dtype_from_name(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except (KeyError, TypeError):
-        raise SchemaError(f"unsupported dtype {name!r}") from None
+    dtype = wire.dtype_from_name(name)
+    if dtype is None:
+        raise SchemaError(f"unsupported dtype {name!r}")
+    return dtype
 
 
 @dataclass(frozen=True)

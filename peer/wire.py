@@ -133,7 +133,9 @@ class Compression(IntEnum):
 
 
 _FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-_DTYPES: dict[str, torch.dtype] = {
+# The one table of dtypes that may cross the wire (tensors, expert schemas, averaged state): name -> dtype.
+# Names are `str(dtype)` without the "torch." prefix.
+DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float64": torch.float64,
     "float16": torch.float16,
@@ -145,8 +147,20 @@ _DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8,
     "bool": torch.bool,
 }
-_DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
-_ITEMSIZE: dict[torch.dtype, int] = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in _DTYPES.values()}
+_DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str | None:
+    """The wire name of `dtype`, or None when it cannot be sent."""
+    return _DTYPE_NAMES.get(dtype)
+
+
+def dtype_from_name(name: object) -> torch.dtype | None:
+    """The dtype a wire name stands for, or None for an unknown name (or a non-string from a hostile peer)."""
+    return DTYPES.get(name) if type(name) is str else None
+
+
+_ITEMSIZE: dict[torch.dtype, int] = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in DTYPES.values()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,7 +240,7 @@ def _tensor_payload(
     """Pack one tensor's ext header; return (ext payload, its bytes or None if empty, the next cursor)."""
     name = _DTYPE_NAMES.get(tensor.dtype)
     if name is None:
-        raise WireError(f"dtype {tensor.dtype} cannot be sent (allowed: {', '.join(_DTYPES)})")
+        raise WireError(f"dtype {tensor.dtype} cannot be sent (allowed: {', '.join(DTYPES)})")
     if tensor.layout != torch.strided:
         raise WireError(f"only dense (strided) tensors can be sent, got layout {tensor.layout}")
     tensor = tensor.detach()
@@ -395,7 +409,7 @@ class _TensorReader:
         if type(header) is not list or len(header) != 6:
             raise WireError("malformed tensor header")
         name, shape, codec_id, offset, nbytes, params = header
-        dtype = _DTYPES.get(name) if type(name) is str else None
+        dtype = dtype_from_name(name)
         if dtype is None:
             raise WireError(f"unknown tensor dtype {name!r}")
         if type(shape) is not list or not all(type(d) is int and 0 <= d < 1 << 63 for d in shape):
