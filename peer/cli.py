@@ -248,13 +248,12 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from peer.train import run_training
+    from peer.train import run_command
 
     configure_logging("warning")
     if not args.local_experts and not args.initial_peers:
         raise UsageError("peer train: --initial-peers HOST:PORT is required (or --local-experts for a baseline)")
-    run_training(args)
-    return 0
+    return run_command(args)  # 0, or 130 / 143 after SIGINT / SIGTERM (the result line is written first)
 
 
 # ------------------------------------------------------------------------------------------------------- swarm
@@ -267,7 +266,11 @@ def add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="swarm_command", metavar="ACTION", parser_class=_Parser, required=True)
     up = actions.add_parser("up", help="start volunteers and trainers on this machine and train",
                             description="Start a local swarm (separate processes on 127.0.0.1), show it live, "
-                                        "and print a summary when the trainers finish. Ctrl-C stops everything.")
+                                        "and print a summary when the trainers finish. Ctrl-C stops everything.",
+                            epilog="Ctrl-C (SIGINT) or SIGTERM stops every process it started: the trainers "
+                                   "finish their step and report (a second Ctrl-C kills at once), then the "
+                                   "summary and its JSON line are printed. Exit status: 0 when every trainer "
+                                   "finished, 1 when one failed, 130 after Ctrl-C (SIGINT), 143 after SIGTERM.")
     compose = actions.add_parser("compose", help="print docker/compose.yaml for the same topology")
     for sub in (up, compose):
         sub.add_argument("--volunteers", type=_positive_int, default=defaults.volunteers)
@@ -278,8 +281,8 @@ def add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
         sub.add_argument("--batch-size", type=_positive_int, default=defaults.batch_size)
         sub.add_argument("--target-batch-size", type=_positive_int, default=defaults.target_batch_size)
     up.add_argument("--kill-one-at", type=_positive_float, metavar="SECONDS",
-                    help="SIGKILL one volunteer this many seconds after the trainers start (fault-tolerance "
-                         "demo)")
+                    help="SIGKILL one volunteer this many seconds after the trainers start training (their "
+                         "first progress line; fault-tolerance demo)")
     up.add_argument("--log-dir", type=Path, help="where each process's output goes (default runs/swarm-TIME)")
     up.set_defaults(swarm_handler=_swarm_up)
     compose.set_defaults(swarm_handler=_swarm_compose)
@@ -300,8 +303,8 @@ def _swarm_up(args: argparse.Namespace) -> int:
 
     log_dir = args.log_dir or Path("runs") / time_module.strftime("swarm-%Y%m%d-%H%M%S")
     launcher = SwarmLauncher(_topology(args), kill_one_at=args.kill_one_at, log_dir=log_dir)
-    summary = trio.run(launcher.run)
-    return 0 if summary["all_trainers_finished"] else EXIT_FAILURE
+    trio.run(launcher.run)
+    return launcher.exit_code()  # 0 finished, 1 a trainer failed, 128 + N after signal N (130 for Ctrl-C)
 
 
 def _swarm_compose(args: argparse.Namespace) -> int:
