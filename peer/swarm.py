@@ -29,6 +29,7 @@ from typing import Any, TextIO
 
 import trio
 
+from peer.status import plural
 from peer.topology import Topology
 
 _LISTENING = re.compile(r"^peer ([0-9a-f]{40}) listening on (\S+)$")
@@ -263,8 +264,8 @@ class SwarmLauncher:
 
     def _lines(self) -> list[str]:
         elapsed = time.monotonic() - self.started_at
-        lines = [f"swarmd local swarm: {_plural(self.topology.volunteers, 'volunteer')}, "
-                 f"{_plural(self.topology.trainers, 'trainer')}, {_plural(self.topology.grid_size, 'expert')} — "
+        lines = [f"swarmd local swarm: {plural(self.topology.volunteers, 'volunteer')}, "
+                 f"{plural(self.topology.trainers, 'trainer')}, {plural(self.topology.grid_size, 'expert')} — "
                  f"{elapsed:6.1f} s"]
         for member in self.members:
             if member.killed_at is not None:
@@ -366,10 +367,6 @@ class SwarmLauncher:
         self.out.write(f"  daemons killed and survived: {summary['daemons_killed']}; logs in {summary['logs']}\n")
         self.out.write(json.dumps(summary) + "\n")
         self.out.flush()
-
-
-def _plural(count: int, noun: str) -> str:
-    return f"{count} {noun}" + ("" if count == 1 else "s")
 
 
 def _progress_text(member: Managed) -> str:

@@ -515,9 +515,15 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
                     on_progress(line)
         out.end_bar()
         train_seconds = time.monotonic() - train_started
-        accuracy, test_loss = evaluate(model, x_test, y_test)
+        evaluation_error: NotEnoughExperts | None = None
+        try:
+            accuracy, test_loss = evaluate(model, x_test, y_test)
+        except NotEnoughExperts as error:  # the swarm is gone: the result line still says what was done
+            evaluation_error = error
+            accuracy = test_loss = math.nan
         result: dict[str, Any] = {
-            "event": "result", "accuracy": round(accuracy, 4), "loss": round(test_loss, 4), "steps": step,
+            "event": "result", "accuracy": None if evaluation_error else round(accuracy, 4),
+            "loss": None if evaluation_error else round(test_loss, 4), "steps": step,
             "steps_planned": args.steps, "interrupted": stop.requested, "signal": stop.name,
             "failed_steps": failed_steps, "samples_per_s": round(samples / max(train_seconds, 1e-9), 1),
             "train_seconds": round(train_seconds, 3), "wall_seconds": round(time.monotonic() - started, 3),
@@ -535,9 +541,14 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
         if args.checkpoint is not None:
             args.checkpoint.parent.mkdir(parents=True, exist_ok=True)
             torch.save({"model": model.state_dict(), "optimizer": base.state_dict(), "args": _plain_args(args),
-                        "accuracy": accuracy, "epoch": result.get("epoch")}, args.checkpoint)
+                        "accuracy": None if evaluation_error else accuracy, "epoch": result.get("epoch")},
+                       args.checkpoint)
             result["checkpoint"] = str(args.checkpoint)
+        if evaluation_error is not None:
+            result["evaluation_error"] = str(evaluation_error)
         out.emit(result)
+        if evaluation_error is not None and not stop.requested:
+            raise RuntimeError(f"held-out evaluation failed: {evaluation_error}")
         return result
     finally:
         if optimizer is not None:

@@ -248,18 +248,34 @@ def test_peer_train_in_a_background_job_of_a_script_stops_on_sigint(tmp_path):
 
 
 @pytest.mark.slow
-def test_peer_train_on_a_swarm_reports_when_sigtermed(tmp_path):
+@pytest.mark.parametrize("hang", [False, True], ids=["daemon-up", "daemon-stopped"])
+def test_peer_train_on_a_swarm_reports_when_sigtermed(hang):
+    """With `hang`, the daemon is SIGSTOPped first: the step in progress is stuck in expert calls, and the
+    signal still ends the run once those calls time out (--expert-timeout), not never."""
     daemon, _, address = start_daemon("--experts", "ffn.[0:4]", "--hidden-dim", "64", "--threads", "1")
     try:
         process = _start_trainer("--initial-peers", address, "--grid-size", "4", "--steps", "100000",
-                                 "--log-every", "5", "--run-id", "signals")
-        status, lines, err = _signal_after_progress(process, signal.SIGTERM, timeout=240)
+                                 "--log-every", "5", "--run-id", "signals", "--expert-timeout", "1",
+                                 "--max-failed-steps", "1000")
+        if hang:
+            first = process.stdout.readline()
+            daemon.signal(signal.SIGSTOP)
+            process.send_signal(signal.SIGTERM)
+            rest, err = process.communicate(timeout=240)
+            status, lines = process.returncode, [json.loads(line) for line in [first, *rest.splitlines()]]
+        else:
+            status, lines, err = _signal_after_progress(process, signal.SIGTERM, timeout=240)
     finally:
+        if process.poll() is None:
+            process.kill()
+        daemon.signal(signal.SIGCONT)
         daemon.kill()
     assert status == 143, err
     result = lines[-1]
     assert result["event"] == "result" and result["interrupted"] is True and result["steps"] >= 5
     assert "failed_expert_calls" in result and "Traceback" not in err
+    if hang:  # nothing answers the held-out evaluation either: the result says so instead of going missing
+        assert result["accuracy"] is None and "evaluation_error" in result
 
 
 def test_a_stop_request_ends_the_run_after_the_current_step_with_an_interrupted_result(capsys):
@@ -346,3 +362,43 @@ def test_on_one_terminal_json_lines_never_share_a_line_with_the_progress_bar():
     bars = [line for line in screen if line.startswith("[")]
     assert bars and bars[-1].startswith("[" + "#" * 24 + "] 60/60")
     assert all(line.startswith(("{", "[")) for line in screen), screen
+
+
+# ------------------------------------------------------------------------------------ the real swarm
+
+
+def _processes_in_session(session_id: int) -> list[str]:
+    listing = subprocess.run(["ps", "-e", "-o", "sid=,pid=,stat=,args="], capture_output=True, text=True).stdout
+    return [line for line in listing.splitlines()
+            if line.split() and line.split()[0] == str(session_id) and "Z" not in line.split()[2]]
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_swarm_up_prints_the_summary_exits_130_and_leaves_no_process(tmp_path):
+    launcher = subprocess.Popen(
+        [*PEER, "swarm", "up", "--volunteers", "1", "--trainers", "1", "--steps", "1000000",
+         "--log-dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
+    try:
+        trainer_log = tmp_path / "trainer-1.log"
+        deadline = time.monotonic() + 300
+        while '"event": "progress"' not in (trainer_log.read_text() if trainer_log.exists() else ""):
+            assert time.monotonic() < deadline and launcher.poll() is None, "the trainer never trained"
+            time.sleep(0.1)
+        launcher.send_signal(signal.SIGINT)
+        out, err = launcher.communicate(timeout=180)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert "summary:" in out and "interrupted at step" in out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["interrupted"] == "SIGINT" and summary["leftover_processes"] == 0
+    (trainer,) = summary["trainers"]
+    assert trainer["exit_code"] == 130 and trainer["reported"] and trainer["steps"] >= 1, trainer
+    result = json.loads(trainer_log.read_text().strip().splitlines()[-1])
+    assert result["event"] == "result" and result["interrupted"] is True
+    assert set(summary["pids"]) == {"bootstrap", "trainer-1"}
+    assert not any(_alive(pid) for pid in summary["pids"].values())
+    assert _processes_in_session(launcher.pid) == []
