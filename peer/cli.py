@@ -338,12 +338,13 @@ def build_parser() -> argparse.ArgumentParser:
                                  description="Attach in client mode and show every live peer of the swarm.")
     add_status_arguments(status)
     status.set_defaults(handler=cmd_status)
+    from peer.train import SIGNALS_EPILOG, add_arguments as add_train_arguments
+
     train = commands.add_parser("train", help="train a model with MoE layers served by the swarm (digits)",
                                 description="Example trainer: a model whose mixture-of-experts layer is served by "
                                             "the swarm, trained on scikit-learn's handwritten digits with a "
-                                            "collaborative optimizer; prints JSON progress lines and a result.")
-    from peer.train import add_arguments as add_train_arguments
-
+                                            "collaborative optimizer; prints JSON progress lines and a result.",
+                                epilog=SIGNALS_EPILOG)
     add_train_arguments(train)
     train.set_defaults(handler=cmd_train)
     swarm = commands.add_parser("swarm", help="run a whole local swarm (volunteers + trainers) on this machine",
