@@ -13,7 +13,7 @@ import signal
 import sys
 import tomllib
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import trio
 
@@ -29,8 +29,33 @@ class UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
+    _deferred: Callable[[argparse.ArgumentParser], None] | None = None
+
     def error(self, message: str) -> None:  # one line instead of argparse's usage dump
         raise UsageError(f"{self.prog}: {message} (see `{self.prog} --help`)")
+
+    def defer(self, add_options: Callable[[argparse.ArgumentParser], None]) -> None:
+        """Add this (sub)command's options only when it is used (parsed, or its help shown). Why: `peer train`'s
+        options live in peer.train, which imports torch (1 s idle, several on a busy machine) that the other
+        commands do not need."""
+        self._deferred = add_options
+
+    def _add_deferred(self) -> None:
+        add_options, self._deferred = self._deferred, None
+        if add_options is not None:
+            add_options(self)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._add_deferred()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self._add_deferred()
+        return super().format_help()
+
+    def format_usage(self) -> str:
+        self._add_deferred()
+        return super().format_usage()
 
 
 def _address(text: str) -> tuple[str, int]:
@@ -247,6 +272,18 @@ def cmd_status(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------------- train
 
 
+TRAIN_SIGNALS_EPILOG = (
+    "SIGINT (Ctrl-C) or SIGTERM ends the run after the current step: it is evaluated and the result line written "
+    "with \"interrupted\": true; exit status 0 for a finished run, 130 after SIGINT, 143 after SIGTERM, 1 on an "
+    "error. A second signal exits at once.")
+
+
+def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    from peer.train import add_arguments
+
+    add_arguments(parser)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from peer.train import run_command
 
@@ -338,14 +375,12 @@ def build_parser() -> argparse.ArgumentParser:
                                  description="Attach in client mode and show every live peer of the swarm.")
     add_status_arguments(status)
     status.set_defaults(handler=cmd_status)
-    from peer.train import SIGNALS_EPILOG, add_arguments as add_train_arguments
-
     train = commands.add_parser("train", help="train a model with MoE layers served by the swarm (digits)",
                                 description="Example trainer: a model whose mixture-of-experts layer is served by "
                                             "the swarm, trained on scikit-learn's handwritten digits with a "
                                             "collaborative optimizer; prints JSON progress lines and a result.",
-                                epilog=SIGNALS_EPILOG)
-    add_train_arguments(train)
+                                epilog=TRAIN_SIGNALS_EPILOG)
+    train.defer(_add_train_arguments)
     train.set_defaults(handler=cmd_train)
     swarm = commands.add_parser("swarm", help="run a whole local swarm (volunteers + trainers) on this machine",
                                 description="Local swarms for demos and tests.")

@@ -240,13 +240,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "a growing pause, up to 1 s: about 45 s in all with the default)")
 
 
-SIGNALS_EPILOG = ("SIGINT (Ctrl-C) or SIGTERM ends the run after the current step: it is evaluated and the result "
-                  "line written with \"interrupted\": true; exit status 0 for a finished run, 130 after SIGINT, "
-                  "143 after SIGTERM, 1 on an error. A second signal exits at once.")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="peer train", description=__doc__.split("\n")[0], epilog=SIGNALS_EPILOG)
+    from peer.cli import TRAIN_SIGNALS_EPILOG
+
+    parser = argparse.ArgumentParser(prog="peer train", description=__doc__.split("\n")[0],
+                                     epilog=TRAIN_SIGNALS_EPILOG)
     add_arguments(parser)
     return parser
 
