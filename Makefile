@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The main job: a local swarm (3 volunteer daemons, 2 trainers) training on handwritten digits; one daemon is
-# SIGKILLed mid-run to show the trainers carrying on.
+# SIGKILLed 10 s after both trainers report training progress, to show them carrying on. Ctrl-C stops everything
+# (the trainers still report; exit status 130).
 run: $(STAMP)
 	$(BIN)/peer swarm up --kill-one-at 10
 

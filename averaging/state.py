@@ -221,7 +221,10 @@ async def _download(rpc: RPCNode, peer_id: PeerID, address: Address, deadline: f
     try:
         snapshot_id, metadata, layout, chunk_bytes = (header["id"], header["metadata"], header["tensors"],
                                                       int(header["chunk_bytes"]))
-        tensors = [torch.empty([int(d) for d in shape], dtype=wire.DTYPES[name]) for name, shape in layout]
+        dtypes = [wire.dtype_from_name(name) for name, _ in layout]
+        if None in dtypes:
+            raise ValueError(f"unknown dtype among {[name for name, _ in layout]}")
+        tensors = [torch.empty([int(d) for d in shape], dtype=dtype) for (_, shape), dtype in zip(layout, dtypes)]
     except (KeyError, TypeError, ValueError) as error:
         raise StateDownloadFailed(f"malformed state header: {error}", peer=peer, operation="state.open") from None
     if chunk_bytes <= 0:

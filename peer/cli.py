@@ -129,14 +129,19 @@ def cmd_status(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------------- train
 
 
+TRAIN_SIGNALS_EPILOG = (
+    "SIGINT (Ctrl-C) or SIGTERM ends the run after the current step: it is evaluated and the result line written "
+    "with \"interrupted\": true; exit status 0 for a finished run, 130 after SIGINT, 143 after SIGTERM, 1 on an "
+    "error. A second signal exits at once.")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
-    from peer.train import run_training
+    from peer.train import run_command
 
     configure_logging("warning")
     if not args.local_experts and not args.initial_peers:
         raise UsageError("peer train: --initial-peers HOST:PORT is required (or --local-experts for a baseline)")
-    run_training(args)
-    return 0
+    return run_command(args)  # 0, or 130 / 143 after SIGINT / SIGTERM (the result line is written first)
 
 
 # ------------------------------------------------------------------------------------------------------- swarm
@@ -146,7 +151,11 @@ def add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="swarm_command", metavar="ACTION", parser_class=OptionParser, required=True)
     up = actions.add_parser("up", help="start volunteers and trainers on this machine and train",
                             description="Start a local swarm (separate processes on 127.0.0.1), show it live, "
-                                        "and print a summary when the trainers finish. Ctrl-C stops everything.")
+                                        "and print a summary when the trainers finish. Ctrl-C stops everything.",
+                            epilog="Ctrl-C (SIGINT) or SIGTERM stops every process it started: the trainers "
+                                   "finish their step and report (a second Ctrl-C kills at once), then the "
+                                   "summary and its JSON line are printed. Exit status: 0 when every trainer "
+                                   "finished, 1 when one failed, 130 after Ctrl-C (SIGINT), 143 after SIGTERM.")
     SWARM_UP.add_to(up)
     up.set_defaults(swarm_handler=_swarm_up)
     compose = actions.add_parser("compose", help="print docker/compose.yaml for the same topology",
@@ -173,8 +182,8 @@ def _swarm_up(args: argparse.Namespace) -> int:
 
     log_dir = args.log_dir or Path("runs") / time_module.strftime("swarm-%Y%m%d-%H%M%S")
     launcher = SwarmLauncher(_topology(args), kill_one_at=args.kill_one_at, log_dir=log_dir)
-    summary = trio.run(launcher.run)
-    return 0 if summary["all_trainers_finished"] else EXIT_FAILURE
+    trio.run(launcher.run)
+    return launcher.exit_code()  # 0 finished, 1 a trainer failed, 128 + N after signal N (130 for Ctrl-C)
 
 
 def _swarm_compose(args: argparse.Namespace) -> int:
@@ -211,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train a model with MoE layers served by the swarm (digits)",
                                 description="Example trainer: a model whose mixture-of-experts layer is served by "
                                             "the swarm, trained on scikit-learn's handwritten digits with a "
-                                            "collaborative optimizer; prints JSON progress lines and a result.")
+                                            "collaborative optimizer; prints JSON progress lines and a result.",
+                                epilog=TRAIN_SIGNALS_EPILOG)
     TRAIN.add_to(train)
     train.set_defaults(handler=cmd_train)
     swarm = commands.add_parser("swarm", help="run a whole local swarm (volunteers + trainers) on this machine",

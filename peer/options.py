@@ -550,7 +550,7 @@ _SHAPE = [
 SWARM_UP = OptionSet("peer swarm up", [
     *_SHAPE,
     Option("kill-one-at", POSITIVE, None, "SIGKILL one volunteer this many seconds after the trainers start "
-           "(fault-tolerance demo)", shown_default="never", metavar="SECONDS"),
+           "training (once each printed a progress line; fault-tolerance demo)", shown_default="never", metavar="SECONDS"),
     Option("log-dir", PATH, None, "where each process's output goes", shown_default="runs/swarm-TIME",
            metavar="DIR"),
 ])

@@ -383,9 +383,11 @@ class Connection:
                 try:
                     result = await handler(context, args)
                     parts = wire.encode([0, result])
-                except RemoteError as error:
+                except RemoteError as error:  # a typed refusal (bad input, no such expert...): still a failed call
+                    self.node.stats["handler_errors"] += 1
                     parts = wire.encode([1, error.code, error.message])
                 except wire.WireError as error:
+                    self.node.stats["handler_failures"] += 1
                     logger.error("%s handler returned an unencodable result: %s", method, error)
                     parts = wire.encode([1, HandlerFailed.code, f"unencodable result: {error}"])
                 except Exception as error:  # a bug in a handler must not take the connection down
@@ -394,6 +396,8 @@ class Connection:
                     parts = wire.encode([1, HandlerFailed.code, f"{error.__class__.__name__}: {error}"])
                 self.enqueue(stream_id, parts)
                 self.node.stats["calls_served"] += 1
+            if scope.cancelled_caught:  # past the caller's deadline, or the caller cancelled it
+                self.node.stats["handlers_cancelled"] += 1
         finally:
             self.handlers.pop(stream_id, None)
 
@@ -432,11 +436,15 @@ class RPCNode:
         self.idle_timeout = idle_timeout
         self.address: Address | None = None
         self.announce = announce
+        # Failed calls, as `peer status` counts them: served ones refused before a handler ran (error_replies),
+        # answered with a typed error (handler_errors), crashed (handler_failures) or cut short by the caller's
+        # deadline or cancellation (handlers_cancelled); and this node's own calls that failed (calls_failed).
         self.stats: dict[str, int] = {
             key: 0
             for key in (
                 "calls_sent", "calls_failed", "calls_received", "calls_served", "error_replies",
-                "handler_failures", "handshake_failures", "protocol_errors", "rejected_messages",
+                "handler_errors", "handler_failures", "handlers_cancelled", "handshake_failures",
+                "protocol_errors", "rejected_messages",
                 "connections_opened", "connections_accepted",
             )
         }

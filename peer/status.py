@@ -18,6 +18,29 @@ from peer.rpc import RPCError, RPCNode
 
 STATUS_METHOD = "peer.status"
 RunsReader = Callable[[Any], Awaitable[list[dict]]]
+# RPCNode.stats counters of calls this peer served that failed, and of its own calls that failed
+SERVED_FAILURES = ("error_replies", "handler_errors", "handler_failures", "handlers_cancelled")
+SENT_FAILURES = ("calls_failed",)
+
+
+def failed_calls(rpc_stats: dict[str, Any] | None) -> dict[str, int] | None:
+    """{"served": ..., "sent": ..., "total": ...} from a peer's RPC stats (None when it did not answer).
+
+    Why both directions: a volunteer mostly serves (expert calls from trainers: a bad input, a missing expert, a
+    caller's deadline passing during a slow forward all fail there), and rarely calls out itself."""
+    if not isinstance(rpc_stats, dict):
+        return None
+
+    def count(keys: tuple[str, ...]) -> int:
+        return sum(int(rpc_stats.get(key) or 0) for key in keys)
+
+    served, sent = count(SERVED_FAILURES), count(SENT_FAILURES)
+    return {"served": served, "sent": sent, "total": served + sent}
+
+
+def plural(count: int, noun: str, plural_noun: str | None = None) -> str:
+    """'1 peer', '2 peers', '0 peers'."""
+    return f"{count} {noun if count == 1 else plural_noun or noun + 's'}"
 
 
 async def gather_status(rpc: RPCNode, dht: Any, *, timeout: float = 3.0,
@@ -52,7 +75,8 @@ async def gather_status(rpc: RPCNode, dht: Any, *, timeout: float = 3.0,
             "dht_table_size": (reply.get("dht") or {}).get("routing_table_size"),
             "experts": experts,
             "requests_served": served,
-            "failures_seen": (reply.get("rpc") or {}).get("calls_failed"),
+            "failures_seen": (failed_calls(reply.get("rpc")) or {}).get("total"),
+            "failed_calls": failed_calls(reply.get("rpc")),
             "averaging_rounds": (reply.get("averaging") or {}).get("rounds"),
             "last_group_size": (reply.get("averaging") or {}).get("last_group_size"),
         })
@@ -88,14 +112,15 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append("experts by prefix:")
         for prefix, items in status["experts"].items():
             hosts = sorted({item["address"] for item in items})
-            lines.append(f"  {prefix}: {len(items)} experts on {len(hosts)} peers ({', '.join(hosts)})")
+            lines.append(f"  {prefix}: {plural(len(items), 'expert')} on {plural(len(hosts), 'peer')} "
+                         f"({', '.join(hosts)})")
     else:
         lines.append("experts: none declared")
     if status["runs"]:
         lines.append("")
         lines.append("training runs:")
         for run in status["runs"]:
-            lines.append(f"  {run['run_id']}: epoch {run['epoch']}, {run['trainers']} trainers "
+            lines.append(f"  {run['run_id']}: epoch {run['epoch']}, {plural(run['trainers'], 'trainer')} "
                          f"({run['trainers_in_epoch']} in this epoch), {run['samples']}/{run['target_batch_size']} "
                          f"samples, {run['samples_per_s']} samples/s")
             for group in run.get("recent_groups", []):

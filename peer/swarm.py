@@ -1,14 +1,23 @@
 """`peer swarm up`: a whole swarm on this machine — volunteer daemons and trainers as separate processes.
 
 Why separate processes: that is how the swarm runs for real, and it lets `--kill-one-at` SIGKILL a daemon in the
-middle of training to show the trainers carrying on. The launcher owns every process it starts: on exit, Ctrl-C
-included, each one is stopped (SIGTERM, then SIGKILL after a grace period), so none is left behind.
+middle of training to show the trainers carrying on (the delay counts from the moment every trainer reports
+training progress, so the kill lands mid-training however long the start-up takes).
+
+The launcher owns every process it starts, and stops each one on every way out. Each child runs in its own
+process group, so a Ctrl-C on the terminal reaches only the launcher, which forwards exactly one signal: the
+trainers get the launcher's signal (SIGINT or SIGTERM; SIGTERM after SIGHUP) and up to `_TRAINER_GRACE_S` to
+finish their step and write their result line (two signals would make them exit at once, without one), then
+the daemons get SIGTERM (they checkpoint and exit). Whatever is still running after its grace period is
+SIGKILLed; a second signal to the launcher SIGKILLs everything at once. The summary and its JSON line are
+printed in every case, with what each trainer reported.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import signal
 import subprocess
@@ -20,11 +29,16 @@ from typing import Any, TextIO
 
 import trio
 
+from peer.status import plural
 from peer.topology import Topology
 
 _LISTENING = re.compile(r"^peer ([0-9a-f]{40}) listening on (\S+)$")
 _SERVING = re.compile(r"^serving (\d+) experts: (.*)$")
-_STOP_GRACE_S = 10.0
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# A trainer stopping mid-step may be blocked in an averaging round (30 s timeout) or expert calls (5 s each).
+_TRAINER_GRACE_S = 40.0
+_STOP_GRACE_S = 10.0  # daemons: checkpoint and leave
+_DRAIN_S = 5.0  # after a process exits (or is killed), for the rest of its output
 
 
 @dataclass
@@ -36,18 +50,22 @@ class Managed:
     address: str | None = None
     experts: str = ""
     ready: trio.Event = field(default_factory=trio.Event)
-    spawned: trio.Event = field(default_factory=trio.Event)
+    spawned: trio.Event = field(default_factory=trio.Event)  # also set when the process could not be started
+    done: trio.Event = field(default_factory=trio.Event)  # exited and its output read to the end
     last_line: str = ""
     progress: dict | None = None
     result: dict | None = None
-    killed_at: float | None = None
+    killed_at: float | None = None  # the --kill-one-at victim
+    stopped_with: str | None = None  # the signal the launcher stopped it with, when it was still running
+    force_killed: bool = False  # still running after its grace period: SIGKILLed
     exit_code: int | None = None
     log_path: Path | None = None
 
 
 class SwarmLauncher:
     def __init__(self, topology: Topology, *, host: str = "127.0.0.1", kill_one_at: float | None = None,
-                 log_dir: Path, out: TextIO = sys.stdout, python: str = sys.executable, refresh_s: float = 1.0):
+                 log_dir: Path, out: TextIO = sys.stdout, python: str = sys.executable, refresh_s: float = 1.0,
+                 trainer_grace_s: float = _TRAINER_GRACE_S):
         self.topology = topology
         self.host = host
         self.kill_one_at = kill_one_at
@@ -55,8 +73,16 @@ class SwarmLauncher:
         self.out = out
         self.python = python
         self.refresh_s = refresh_s
+        self.trainer_grace_s = trainer_grace_s
         self.members: list[Managed] = []
         self.started_at = time.monotonic()
+        self.training_at: float | None = None  # when every trainer had reported progress (s since start)
+        self.interrupted: int | None = None  # the first signal received
+        self._training = trio.Event()
+        self._hurry = False  # a second signal: no more grace periods
+        self._stop_scope: trio.CancelScope | None = None
+        self._main_scope = trio.CancelScope()
+        self._nursery: trio.Nursery | None = None
         self._drawn_lines = 0
         self._printed_at = -math.inf
 
@@ -65,61 +91,97 @@ class SwarmLauncher:
     async def run(self) -> dict[str, Any]:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.started_at = time.monotonic()
-        try:
+        with trio.open_signal_receiver(*_STOP_SIGNALS) as signals:
             async with trio.open_nursery() as nursery:
-                bootstrap = await self._start_volunteer(nursery, 0, None)
-                for index in range(1, self.topology.volunteers):
-                    await self._start_volunteer(nursery, index, bootstrap.address)
-                for i in range(self.topology.trainers):
-                    args = self.topology.trainer_args(i, bootstrap=bootstrap.address)
-                    self._start(nursery, Managed(self.topology.trainer_name(i), "trainer", args))
+                self._nursery = nursery
+                nursery.start_soon(self._watch_signals, signals)
                 nursery.start_soon(self._live_view)
-                if self.kill_one_at is not None:
-                    nursery.start_soon(self._kill_one_later)
-                for trainer in self.members:
-                    if trainer.role == "trainer":
-                        await self._wait_exit(trainer)
+                try:
+                    with self._main_scope:
+                        await self._train()
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await self._stop_all()
                 nursery.cancel_scope.cancel()
-        finally:
-            with trio.CancelScope(shield=True):
-                await self._stop_all()
         self._draw(final=True)
         summary = self.summary()
         self._print_summary(summary)
         return summary
 
-    async def _start_volunteer(self, nursery: trio.Nursery, index: int, bootstrap: str | None) -> Managed:
+    async def _train(self) -> None:
+        """Start the volunteers (one after the other: each joins through the first), then the trainers, and wait
+        for the trainers to finish."""
+        async with trio.open_nursery() as timers:
+            bootstrap = await self._start_volunteer(0, None)
+            for index in range(1, self.topology.volunteers):
+                await self._start_volunteer(index, bootstrap.address)
+            for i in range(self.topology.trainers):
+                args = self.topology.trainer_args(i, bootstrap=bootstrap.address)
+                self._start(Managed(self.topology.trainer_name(i), "trainer", args))
+            self._check_training()
+            if self.kill_one_at is not None:
+                timers.start_soon(self._kill_one_later)
+            for trainer in self._trainers():
+                await trainer.done.wait()
+            timers.cancel_scope.cancel()
+
+    async def _watch_signals(self, signals: Any) -> None:
+        async for signum in signals:
+            name = signal.Signals(signum).name
+            if self.interrupted is None:
+                self.interrupted = signum
+                self._print(f"*** {name}: stopping the swarm; trainers finish their step and report "
+                            f"({name} again kills everything at once) ***")
+                self._main_scope.cancel()
+            else:
+                self._hurry = True
+                self._print(f"*** {name} again: killing every process now ***")
+                if self._stop_scope is not None:
+                    self._stop_scope.cancel()
+
+    async def _start_volunteer(self, index: int, bootstrap: str | None) -> Managed:
         args = self.topology.volunteer_args(index, host=self.host, port=0, bootstrap=bootstrap)
-        member = self._start(nursery, Managed(self.topology.volunteer_name(index), "volunteer", args))
+        member = self._start(Managed(self.topology.volunteer_name(index), "volunteer", args))
         with trio.move_on_after(120) as scope:
             await member.ready.wait()
         if scope.cancelled_caught or member.address is None:
             raise RuntimeError(f"{member.name} did not start; see {member.log_path}")
         return member
 
-    def _start(self, nursery: trio.Nursery, member: Managed) -> Managed:
+    def _start(self, member: Managed) -> Managed:
+        assert self._nursery is not None
         member.log_path = self.log_dir / f"{member.name}.log"
         self.members.append(member)
-        nursery.start_soon(self._supervise, member)
+        self._nursery.start_soon(self._supervise, member)
         return member
 
+    def _trainers(self) -> list[Managed]:
+        return [m for m in self.members if m.role == "trainer"]
+
     async def _supervise(self, member: Managed) -> None:
-        with open(member.log_path, "w") as log:
-            member.process = await trio.lowlevel.open_process(
-                [self.python, "-m", "peer.cli", *member.args], stdout=subprocess.PIPE, stderr=log,
-                env=_child_env())
+        try:
+            with open(member.log_path, "w") as log:
+                # process_group=0: its own group, so the terminal's Ctrl-C reaches only the launcher (which
+                # forwards one signal; a trainer that got two would exit without its result line)
+                member.process = await trio.lowlevel.open_process(
+                    [self.python, "-m", "peer.cli", *member.args], stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE, stderr=log, env=_child_env(), process_group=0)
+                member.spawned.set()
+                buffer = b""
+                async for chunk in member.process.stdout:
+                    buffer += chunk
+                    *lines, buffer = buffer.split(b"\n")
+                    for raw in lines:
+                        line = raw.decode("utf-8", "replace").rstrip()
+                        log.write(line + "\n")
+                        log.flush()
+                        self._on_line(member, line)
+                member.exit_code = await member.process.wait()
+        finally:
             member.spawned.set()
-            buffer = b""
-            async for chunk in member.process.stdout:
-                buffer += chunk
-                *lines, buffer = buffer.split(b"\n")
-                for raw in lines:
-                    line = raw.decode("utf-8", "replace").rstrip()
-                    log.write(line + "\n")
-                    log.flush()
-                    self._on_line(member, line)
-            member.exit_code = await member.process.wait()
             member.ready.set()
+            member.done.set()
+            self._check_training()
 
     def _on_line(self, member: Managed, line: str) -> None:
         match = _LISTENING.match(line)
@@ -139,37 +201,59 @@ class SwarmLauncher:
             if isinstance(data, dict):
                 if data.get("event") == "progress":
                     member.progress = data
+                    self._check_training()
                 else:
                     member.result = data
                 return
         if line:
             member.last_line = line
 
-    async def _wait_exit(self, member: Managed) -> None:
-        await member.spawned.wait()
-        member.exit_code = await member.process.wait()
+    def _check_training(self) -> None:
+        """Training has started once every trainer reported progress (or ended: a trainer that failed at start
+        must not hold the kill back forever)."""
+        trainers = self._trainers()
+        if (not self._training.is_set() and len(trainers) == self.topology.trainers
+                and all(t.progress is not None or t.done.is_set() for t in trainers)):
+            self.training_at = time.monotonic() - self.started_at
+            self._training.set()
 
     async def _kill_one_later(self) -> None:
-        await trio.sleep(self.kill_one_at)  # counted from the trainers' start, so it lands mid-training
+        await self._training.wait()
+        await trio.sleep(self.kill_one_at)  # counted from the trainers' first progress, so it lands mid-training
         volunteers = [m for m in self.members if m.role == "volunteer" and m.killed_at is None]
         victim = volunteers[-1] if len(volunteers) > 1 else None
         if victim is not None and victim.process is not None and victim.process.returncode is None:
             victim.process.send_signal(signal.SIGKILL)
             victim.killed_at = time.monotonic() - self.started_at
-            self._print(f"*** SIGKILLed {victim.name} ({victim.address}) at {victim.killed_at:.1f} s ***")
+            self._print(f"*** SIGKILLed {victim.name} ({victim.address}) at {victim.killed_at:.1f} s, "
+                        f"{victim.killed_at - (self.training_at or 0):.1f} s into training ***")
 
     async def _stop_all(self) -> None:
-        running = [m for m in self.members if m.process is not None and m.process.returncode is None]
-        for member in running:
-            member.process.send_signal(signal.SIGTERM)
-        with trio.move_on_after(_STOP_GRACE_S):
-            for member in running:
-                await member.process.wait()
-        for member in running:
-            if member.process.returncode is None:
+        """Trainers first (they need the experts to finish their step), then the daemons."""
+        signum = signal.SIGTERM if self.interrupted in (None, signal.SIGHUP) else self.interrupted
+        await self._stop(self._trainers(), signum, self.trainer_grace_s)
+        await self._stop([m for m in self.members if m.role != "trainer"], signal.SIGTERM, _STOP_GRACE_S)
+
+    async def _stop(self, members: list[Managed], signum: int, grace: float) -> None:
+        with trio.move_on_after(0 if self._hurry else grace) as scope:
+            self._stop_scope = scope
+            for member in members:
+                await member.spawned.wait()
+                if member.process is not None and member.process.returncode is None and not member.done.is_set():
+                    member.stopped_with = signal.Signals(signum).name
+                    member.process.send_signal(signum)
+            for member in members:
+                await member.done.wait()
+        self._stop_scope = None
+        for member in members:
+            if member.process is not None and member.process.returncode is None:
+                member.force_killed = True
                 member.process.kill()
-                await member.process.wait()
-            member.exit_code = member.process.returncode
+        with trio.move_on_after(_DRAIN_S):
+            for member in members:
+                if member.process is not None:
+                    member.exit_code = await member.process.wait()
+                await member.done.wait()
 
     # ------------------------------------------------------------------------------------------- view
 
@@ -180,8 +264,9 @@ class SwarmLauncher:
 
     def _lines(self) -> list[str]:
         elapsed = time.monotonic() - self.started_at
-        lines = [f"swarmd local swarm: {self.topology.volunteers} volunteers, {self.topology.trainers} trainers, "
-                 f"{self.topology.grid_size} experts — {elapsed:6.1f} s"]
+        lines = [f"swarmd local swarm: {plural(self.topology.volunteers, 'volunteer')}, "
+                 f"{plural(self.topology.trainers, 'trainer')}, {plural(self.topology.grid_size, 'expert')} — "
+                 f"{elapsed:6.1f} s"]
         for member in self.members:
             if member.killed_at is not None:
                 state = f"KILLED at {member.killed_at:.1f} s"
@@ -189,6 +274,10 @@ class SwarmLauncher:
                 state = "starting"
             elif member.process.returncode is not None:
                 state = f"exited ({member.process.returncode})"
+            elif member.stopped_with is not None:
+                state = "stopping"
+            elif member.role == "trainer" and member.progress is None:
+                state = "starting"
             else:
                 state = "running"
             if member.role == "volunteer":
@@ -226,8 +315,12 @@ class SwarmLauncher:
                 continue
             result = member.result or {}
             trainers.append({"name": member.name, "exit_code": member.exit_code,
+                             "interrupted": bool(result.get("interrupted")) or member.stopped_with is not None,
+                             "stopped_with": member.stopped_with, "force_killed": member.force_killed,
+                             "reported": bool(result),
                              "accuracy": result.get("accuracy"), "samples_per_s": result.get("samples_per_s"),
-                             "steps": result.get("steps"), "averaging_rounds": result.get("averaging_rounds"),
+                             "steps": result.get("steps"), "steps_planned": result.get("steps_planned"),
+                             "averaging_rounds": result.get("averaging_rounds"),
                              "failed_expert_calls": result.get("failed_expert_calls"), "log": str(member.log_path)})
         accuracies = [t["accuracy"] for t in trainers if isinstance(t["accuracy"], (int, float))]
         return {
@@ -235,20 +328,37 @@ class SwarmLauncher:
             "final_accuracy": min(accuracies) if len(accuracies) == len(trainers) and trainers else None,
             "samples_per_s": sum(t["samples_per_s"] or 0 for t in trainers),
             "daemons_killed": sum(m.killed_at is not None for m in self.members),
-            "all_trainers_finished": all(t["exit_code"] == 0 for t in trainers),
+            "interrupted": signal.Signals(self.interrupted).name if self.interrupted is not None else None,
+            "all_trainers_finished": bool(trainers) and all(t["exit_code"] == 0 and not t["interrupted"]
+                                                            for t in trainers),
+            "training_started_at_s": None if self.training_at is None else round(self.training_at, 1),
             "leftover_processes": sum(m.process is not None and m.process.returncode is None for m in self.members),
+            "pids": {m.name: m.process.pid for m in self.members if m.process is not None},
             "logs": str(self.log_dir),
         }
 
+    def exit_code(self) -> int:
+        """128 + the signal that stopped the swarm (130 for Ctrl-C); else 0 when every trainer finished."""
+        if self.interrupted is not None:
+            return 128 + self.interrupted
+        return 0 if self.summary()["all_trainers_finished"] else 1
+
     def _print_summary(self, summary: dict[str, Any]) -> None:
         self.out.write("\nsummary:\n")
+        if summary["interrupted"]:
+            self.out.write(f"  stopped by {summary['interrupted']}\n")
         for trainer in summary["trainers"]:
             accuracy = trainer["accuracy"]
             speed = trainer["samples_per_s"]
+            self.out.write(f"  {trainer['name']}: ")
+            if trainer["interrupted"] and trainer["reported"]:
+                self.out.write(f"interrupted at step {trainer['steps']}/{trainer['steps_planned']}, ")
+            elif trainer["force_killed"]:
+                self.out.write("did not report within its grace period, killed; ")
             if isinstance(accuracy, (int, float)):
-                self.out.write(f"  {trainer['name']}: held-out accuracy {accuracy:.3f}")
+                self.out.write(f"held-out accuracy {accuracy:.3f}")
             else:
-                self.out.write(f"  {trainer['name']}: no result")
+                self.out.write("no result")
             if isinstance(speed, (int, float)):
                 self.out.write(f", {speed:.0f} samples/s")
             if trainer["averaging_rounds"] is not None:
@@ -268,7 +378,8 @@ def _progress_text(member: Managed) -> str:
         total = progress.get("steps")
         parts.append(f"step {progress['step']}" + (f"/{total}" if total else ""))
     for key, label, fmt in (("loss", "loss", "{:.3f}"), ("accuracy", "acc", "{:.3f}"),
-                            ("samples_per_s", "samples/s", "{:.0f}"), ("experts_alive", "experts", "{}"),
+                            ("samples_per_s", "samples/s", "{:.0f}"), ("step_s", "s/step", "{:.2f}"),
+                            ("experts_alive", "experts", "{}"), ("failed_calls", "failed calls", "{}"),
                             ("epoch", "epoch", "{}")):
         value = progress.get(key)
         if isinstance(value, (int, float)) and not (isinstance(value, float) and math.isnan(value)):
@@ -283,8 +394,6 @@ def _grid_order(uid: str) -> tuple:
 
 
 def _child_env() -> dict[str, str]:
-    import os
-
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("OMP_NUM_THREADS", "1")  # several peers share this machine's cores

@@ -8,10 +8,15 @@ no daemon serves is an error at once, naming what the swarm declares). The train
 output) are trained with a `CollaborativeOptimizer`, so several trainers of one `--run-id` average with each other.
 
 Output (stdout), made for both people and scripts:
-- every `--log-every` steps a JSON line `{"event": "progress", "step", "steps", "loss", "accuracy",
-  "samples_per_s", "experts_alive", "epoch", ...}` (a progress bar is drawn on stderr when it is a terminal);
-- last line: a JSON object with the held-out `accuracy`, `loss`, `steps`, `samples_per_s`, `averaging_rounds`,
-  `peers_averaged_with`, `failed_expert_calls`, `checkpoint`...
+- every `--log-every` steps a JSON line `{"event": "progress", "step", "steps", "time" (ISO 8601, UTC),
+  "elapsed_s" (since start), "step_s" (mean step time since the previous line), "loss", "accuracy",
+  "samples_per_s", "experts_alive", "failed_calls" (failed expert calls so far), and on a swarm "epoch",
+  "averaging_rounds", "swarm_trainers"}` (a progress bar is drawn on stderr when it is a terminal);
+- last line: a JSON object with the held-out `accuracy`, `loss`, `steps` (done), `interrupted`, `samples_per_s`,
+  `averaging_rounds`, `peers_averaged_with`, `failed_expert_calls`, `checkpoint`...
+
+SIGINT or SIGTERM ends the run after the current step: it is evaluated, the result line is written with
+`"interrupted": true`, and the exit status is 130 (SIGINT) or 143 (SIGTERM); a second signal exits at once.
 
 `--local-experts` trains the same model with the experts in this process (no swarm): the baseline of
 `benchmarks/bench_train.py`.
@@ -20,13 +25,17 @@ Output (stdout), made for both people and scripts:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime
 import hashlib
 import json
 import math
+import os
+import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence, TextIO
 
 import torch
 from torch import nn
@@ -202,7 +211,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> OptionParser:
     """`python -m peer.train`'s parser: the same options as `peer train`, `--config` included; a usage error
     prints one line and exits 2."""
-    parser = OptionParser(prog="peer train", description=__doc__.split("\n")[0], exits=True)
+    from peer.cli import TRAIN_SIGNALS_EPILOG
+
+    parser = OptionParser(prog="peer train", description=__doc__.split("\n")[0], exits=True,
+                          epilog=TRAIN_SIGNALS_EPILOG)
     add_arguments(parser)
     return parser
 
@@ -253,27 +265,135 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int
     return correct / len(x), total_loss / len(x)
 
 
-def _emit(line: dict[str, Any]) -> None:
-    print(json.dumps(line), flush=True)
+class StopSignal:
+    """SIGINT/SIGTERM for `peer train`: finish the current step, evaluate, write the result line, then exit.
+
+    Why a flag instead of Python's KeyboardInterrupt: the loop is synchronous torch code that spends much of a
+    step blocked in a bridge call to the swarm's trio thread; an exception raised there loses the step, the
+    evaluation and the result line. The handler only records the signal; the loop checks `requested` between
+    steps, and a step blocked in the swarm is bounded by the call timeouts (`--expert-timeout`, the averaging
+    timeout). Installing our own handler also overrides SIG_IGN, which non-interactive shells give SIGINT in
+    background jobs (Python then never raises KeyboardInterrupt). A second signal exits at once.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def name(self) -> str | None:
+        return signal.Signals(self.signum).name if self.signum is not None else None
+
+    def exit_code(self) -> int:
+        """0 after a normal run; 128 + the signal number after a signal (130 SIGINT, 143 SIGTERM)."""
+        return 0 if self.signum is None else 128 + self.signum
+
+    def request(self, signum: int) -> None:
+        """What the handler does; also callable directly (tests, embedding code)."""
+        self.signum = signum
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        # os.write, not print: a signal handler may run in the middle of a buffered write to the same stream
+        clear = b"\r\x1b[K" if sys.stderr.isatty() else b""
+        name = signal.Signals(signum).name.encode()
+        if self.signum is not None:
+            os.write(2, clear + b"peer train: " + name + b" again, exiting now\n")
+            os._exit(128 + signum)
+        self.request(signum)
+        os.write(2, clear + b"peer train: " + name + b" received: finishing the current step, then evaluating "
+                 b"(send it again to exit at once)\n")
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator["StopSignal"]:
+        """Handle SIGINT and SIGTERM inside the block (main thread only), restoring the previous handlers after."""
+        previous = {signum: signal.signal(signum, self._handle) for signum in self.SIGNALS}
+        try:
+            yield self
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
 
-def _draw_bar(step: int, steps: int, line: dict[str, Any]) -> None:
-    if not sys.stderr.isatty():
-        return
+def _same_terminal(first: TextIO, second: TextIO) -> bool:
+    try:
+        if not (first.isatty() and second.isatty()):
+            return False
+        a, b = os.fstat(first.fileno()), os.fstat(second.fileno())
+    except (OSError, ValueError, AttributeError):  # closed, or a stream without a file descriptor
+        return False
+    return (a.st_rdev, a.st_ino) == (b.st_rdev, b.st_ino)
+
+
+class _Output:
+    """JSON lines on stdout (for scripts) and a progress bar on stderr when stderr is a terminal (for people).
+
+    The bar is redrawn in place with a carriage return, so on a terminal that shows both streams a JSON line
+    would be appended to the half-drawn bar line: when stdout and stderr are the same terminal, the bar line is
+    cleared before each JSON line and drawn again after it.
+    """
+
+    def __init__(self, stdout: TextIO | None = None, stderr: TextIO | None = None):
+        self.stdout = stdout or sys.stdout
+        self.stderr = stderr or sys.stderr
+        self.bar = self.stderr.isatty()
+        self.shared = self.bar and _same_terminal(self.stdout, self.stderr)
+        self._bar_open = False  # the cursor is on a drawn bar line
+
+    def emit(self, line: dict[str, Any]) -> None:
+        if self._bar_open and self.shared:
+            self.stderr.write("\r\x1b[K")
+            self.stderr.flush()
+            self._bar_open = False
+        self.stdout.write(json.dumps(line) + "\n")
+        self.stdout.flush()
+
+    def draw_bar(self, line: dict[str, Any]) -> None:
+        if not self.bar:
+            return
+        self.stderr.write("\r" + _bar_text(line) + "\x1b[K")
+        self._bar_open = True
+        if line["step"] == line["steps"]:
+            self.end_bar()
+        self.stderr.flush()
+
+    def end_bar(self) -> None:
+        """Leave the bar on its own line (the end of the run, or a signal before the last step)."""
+        if self._bar_open:
+            self.stderr.write("\n")
+            self.stderr.flush()
+            self._bar_open = False
+
+
+def _bar_text(line: dict[str, Any]) -> str:
     width = 24
+    step, steps = line["step"], line["steps"]
     filled = int(width * step / steps)
-    sys.stderr.write(
-        f"\r[{'#' * filled}{'.' * (width - filled)}] {step}/{steps} loss {line['loss']:.3f} "
-        f"acc {line['accuracy']:.3f} {line['samples_per_s']:.0f} samples/s experts {line['experts_alive']} "
-        f"epoch {line['epoch']}" + ("\n" if step == steps else "")
-    )
-    sys.stderr.flush()
+    text = (f"[{'#' * filled}{'.' * (width - filled)}] {step}/{steps} {line['elapsed_s']:.0f}s "
+            f"{line['step_s']:.2f} s/step loss {line['loss']:.3f} acc {line['accuracy']:.3f} "
+            f"{line['samples_per_s']:.0f} samples/s experts {line['experts_alive']} failed {line['failed_calls']}")
+    if "epoch" in line:
+        text += f" epoch {line['epoch']}"
+    return text
 
 
-def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]], None] | None = None
-                 ) -> dict[str, Any]:
+def _failed_expert_calls(model: DigitsModel, swarm: Any | None) -> int:
+    if swarm is None:
+        return 0  # local experts cannot fail a call
+    stats = model.moe.client.stats
+    return int(stats["forward_failures"] + stats["backward_failures"])
+
+
+def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]], None] | None = None,
+                 stop: StopSignal | None = None) -> dict[str, Any]:
     """Train as configured by `args` (see `add_arguments`); print progress and the result; return the result.
-    `on_progress` (optional) receives every progress line as a dict, in the training thread."""
+    `on_progress` (optional) receives every progress line as a dict, in the training thread. Once `stop` is
+    requested (`peer train` installs it for SIGINT/SIGTERM) the run ends after the current step: it is
+    evaluated and its result (`"interrupted": true`, `"steps"` done) written as usual."""
     from moe.errors import NotEnoughExperts
 
     if not args.local_experts and not args.initial_peers:
@@ -283,6 +403,7 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
     x_train, y_train, x_test, y_test = load_digits_split()
     batches = BatchStream(x_train, y_train, args.batch_size, seed=args.seed)
 
+    stop = stop or StopSignal()
     swarm = None
     optimizer: Any = None
     started = time.monotonic()
@@ -314,11 +435,12 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
                 matchmaking_time=args.matchmaking_time, listen=not args.client_mode,
             )
         meter = _Meter()
+        out = _Output()
         failed_steps = consecutive_failures = 0
         samples = 0
-        train_started = time.monotonic()
-        step = 0
-        while step < args.steps:
+        train_started = last_line_at = time.monotonic()
+        step = last_line_step = 0
+        while step < args.steps and not stop.requested:
             x, y = batches.next()
             try:
                 logits = model(x)
@@ -344,25 +466,40 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
             samples += len(x)
             meter.update(loss.item(), (logits.argmax(1) == y).float().mean().item())
             if step % args.log_every == 0 or step == args.steps:
-                elapsed = time.monotonic() - train_started
+                now = time.monotonic()
+                elapsed = now - train_started
                 line = {
-                    "event": "progress", "step": step, "steps": args.steps, "loss": round(meter.loss, 4),
+                    "event": "progress", "step": step, "steps": args.steps,
+                    "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"),
+                    "elapsed_s": round(now - started, 3),
+                    "step_s": round((now - last_line_at) / (step - last_line_step), 4),  # mean since last line
+                    "loss": round(meter.loss, 4),
                     "accuracy": round(meter.accuracy, 4), "samples_per_s": round(samples / max(elapsed, 1e-9), 1),
                     "experts_alive": len(uids) if swarm is None else _experts_alive(swarm, model, uids),
-                    "epoch": optimizer.epoch if optimizer is not None else None,
+                    "failed_calls": _failed_expert_calls(model, swarm),
                 }
+                last_line_at, last_line_step = now, step
                 if optimizer is not None:
                     stats = optimizer.stats()
+                    line["epoch"] = optimizer.epoch
                     line["averaging_rounds"] = stats["averaging_rounds"]
                     line["swarm_trainers"] = stats.get("swarm_trainers")
-                _emit(line)
-                _draw_bar(step, args.steps, line)
+                out.emit(line)
+                out.draw_bar(line)
                 if on_progress is not None:
                     on_progress(line)
+        out.end_bar()
         train_seconds = time.monotonic() - train_started
-        accuracy, test_loss = evaluate(model, x_test, y_test)
+        evaluation_error: NotEnoughExperts | None = None
+        try:
+            accuracy, test_loss = evaluate(model, x_test, y_test)
+        except NotEnoughExperts as error:  # the swarm is gone: the result line still says what was done
+            evaluation_error = error
+            accuracy = test_loss = math.nan
         result: dict[str, Any] = {
-            "event": "result", "accuracy": round(accuracy, 4), "loss": round(test_loss, 4), "steps": args.steps,
+            "event": "result", "accuracy": None if evaluation_error else round(accuracy, 4),
+            "loss": None if evaluation_error else round(test_loss, 4), "steps": step,
+            "steps_planned": args.steps, "interrupted": stop.requested, "signal": stop.name,
             "failed_steps": failed_steps, "samples_per_s": round(samples / max(train_seconds, 1e-9), 1),
             "train_seconds": round(train_seconds, 3), "wall_seconds": round(time.monotonic() - started, 3),
             "run_id": args.run_id, "local_experts": bool(args.local_experts),
@@ -375,14 +512,18 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
                 "peers_averaged_with": stats["peers_averaged_with"], "state_loads": stats["state_loads"],
                 "peer_id": stats["peer_id"],
             })
-            mixture_stats = model.moe.client.stats
-            result["failed_expert_calls"] = int(mixture_stats["forward_failures"] + mixture_stats["backward_failures"])
+            result["failed_expert_calls"] = _failed_expert_calls(model, swarm)
         if args.checkpoint is not None:
             args.checkpoint.parent.mkdir(parents=True, exist_ok=True)
             torch.save({"model": model.state_dict(), "optimizer": base.state_dict(), "args": _plain_args(args),
-                        "accuracy": accuracy, "epoch": result.get("epoch")}, args.checkpoint)
+                        "accuracy": None if evaluation_error else accuracy, "epoch": result.get("epoch")},
+                       args.checkpoint)
             result["checkpoint"] = str(args.checkpoint)
-        _emit(result)
+        if evaluation_error is not None:
+            result["evaluation_error"] = str(evaluation_error)
+        out.emit(result)
+        if evaluation_error is not None and not stop.requested:
+            raise RuntimeError(f"held-out evaluation failed: {evaluation_error}")
         return result
     finally:
         if optimizer is not None:
@@ -397,16 +538,24 @@ def _plain_args(args: argparse.Namespace) -> dict[str, Any]:
             if isinstance(v, (str, int, float, bool, list, Path, type(None)))}
 
 
+def run_command(args: argparse.Namespace) -> int:
+    """`peer train` as a command: train with SIGINT/SIGTERM handled (see `StopSignal`); the exit status is 0 for
+    a finished run, 130 after SIGINT and 143 after SIGTERM (the result line is written in every case)."""
+    stop = StopSignal()
+    with stop.installed():
+        run_training(args, stop=stop)
+    return stop.exit_code()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        run_training(args)
-    except KeyboardInterrupt:
+        return run_command(args)
+    except KeyboardInterrupt:  # Ctrl-C before the handlers were installed (while parsing, importing)
         return 130
     except Exception as error:  # one line, like the other `peer` commands
         print(f"peer train: error: {error}", file=sys.stderr)
         return 1
-    return 0
 
 
 if __name__ == "__main__":

@@ -35,10 +35,12 @@ import math
 import struct
 import sys
 from enum import IntEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 if sys.byteorder != "little":  # tensors are sent in native byte order; the wire format is little-endian
     raise ImportError("peer.wire supports little-endian hosts only")
@@ -132,35 +134,46 @@ class Compression(IntEnum):
     UINT8 = 2
 
 
-_FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-# The one table of dtypes that may cross the wire (tensors, expert schemas, averaged state): name -> dtype.
-# Names are `str(dtype)` without the "torch." prefix.
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-_DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+# torch is imported on first use, not with this module: `peer status` and the DHT speak this codec without ever
+# handling a tensor, and importing torch is most of their start-up time (about 1 s idle, 6 s on a busy machine).
+# No message can hold a tensor before torch is imported: a sender made it, or a decoded tensor header imports it.
+_FLOATING: tuple = ()
+# The one table of dtypes that may cross the wire (tensors, expert schemas, averaged state): name -> dtype, names
+# being `str(dtype)` without the "torch." prefix. Filled when torch is first needed: use `dtype_name` and
+# `dtype_from_name`, which load it.
+DTYPES: dict[str, torch.dtype] = {}
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+_ITEMSIZE: dict[torch.dtype, int] = {}
+
+
+def _load_torch() -> None:
+    """Import torch and build the dtype tables (and let tensors pass the decoded-message type check)."""
+    global torch, _FLOATING, _PLAIN_TYPES, _ALLOWED_TYPES
+    import torch
+
+    _FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+    names = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+             "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
+             "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool}
+    _ITEMSIZE.update({dtype: torch.empty((), dtype=dtype).element_size() for dtype in names.values()})
+    _DTYPE_NAMES.update({dtype: name for name, dtype in names.items()})
+    _PLAIN_TYPES = _PLAIN_TYPES | {torch.Tensor}
+    _ALLOWED_TYPES = _PLAIN_TYPES | _CONTAINER_TYPES
+    DTYPES.update(names)  # last: a non-empty DTYPES means everything above is in place
 
 
 def dtype_name(dtype: torch.dtype) -> str | None:
     """The wire name of `dtype`, or None when it cannot be sent."""
+    if not DTYPES:
+        _load_torch()
     return _DTYPE_NAMES.get(dtype)
 
 
 def dtype_from_name(name: object) -> torch.dtype | None:
     """The dtype a wire name stands for, or None for an unknown name (or a non-string from a hostile peer)."""
+    if not DTYPES:
+        _load_torch()
     return DTYPES.get(name) if type(name) is str else None
-
-
-_ITEMSIZE: dict[torch.dtype, int] = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in DTYPES.values()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +186,8 @@ class Compressed:
 
 def compressed(tensor: torch.Tensor, compression: Compression) -> Compressed:
     """Mark one tensor to be sent with ``compression`` (decoded back as a tensor of its original dtype)."""
+    if not DTYPES:
+        _load_torch()
     if not isinstance(tensor, torch.Tensor):
         raise WireError(f"compressed() expects a torch.Tensor, got {type(tensor).__name__}")
     try:
@@ -297,6 +312,8 @@ def encode(obj: Any, *, compression: Compression = Compression.NONE) -> list[byt
 
     def default(value: Any) -> msgpack.ExtType:
         nonlocal cursor
+        if not DTYPES:
+            _load_torch()
         if isinstance(value, Compressed):
             tensor, codec = value.tensor, value.compression
         elif isinstance(value, torch.Tensor):
@@ -341,7 +358,7 @@ def encode_bytes(obj: Any, *, compression: Compression = Compression.NONE) -> by
 
 # ----------------------------------------------------------------------------------------------------------- decode
 
-_PLAIN_TYPES = frozenset({type(None), bool, int, float, str, bytes, torch.Tensor})
+_PLAIN_TYPES = frozenset({type(None), bool, int, float, str, bytes})  # and torch.Tensor, see _load_torch
 _CONTAINER_TYPES = frozenset({list, dict})
 _ALLOWED_TYPES = _PLAIN_TYPES | _CONTAINER_TYPES
 _ALLOWED_KEY_TYPES = frozenset({type(None), bool, int, float, str, bytes})
@@ -393,6 +410,8 @@ class _TensorReader:
     def __call__(self, code: int, payload: bytes) -> torch.Tensor:
         if code != TENSOR_EXT_CODE:
             raise WireError(f"unknown msgpack extension type {code}")
+        if not DTYPES:
+            _load_torch()
         try:
             header = msgpack.unpackb(
                 payload,
@@ -472,6 +491,8 @@ def message_buffer(size: int) -> bytearray | memoryview:
     contents are never visible, because the framing delivers a message only when every byte has arrived."""
     if size <= _SMALL_MESSAGE:
         return bytearray(size)
+    if not DTYPES:
+        _load_torch()
     return memoryview(torch.empty(size, dtype=torch.uint8).numpy())
 
 

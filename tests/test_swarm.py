@@ -1,13 +1,23 @@
-"""The local launcher and the docker files describe the same swarm, and the launcher cleans up after itself."""
+"""The local launcher and the docker files describe the same swarm, the launcher cleans up after itself, and
+`peer status` reports the swarm."""
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
+import trio
 
+from moe.errors import ExpertNotFound
+from peer import wire
+from peer.daemon import Daemon, DaemonConfig
+from peer.rpc import UnknownMethod
+from peer.status import format_status, gather_status
 from peer.topology import Topology, render_compose
 from tests.peer_processes import ROOT, run_peer
 
@@ -48,3 +58,71 @@ def test_topology_spreads_experts_without_overlap():
     patterns = [topology.volunteer_args(i, host="h", port=1, bootstrap="b:1")[6] for i in range(3)]
     assert patterns == ["ffn.[0:4]", "ffn.[4:8]", "ffn.[8:12]"]
     assert "--grid-size" in topology.trainer_args(0, bootstrap="b:1")
+
+
+# ------------------------------------------------------------------------------------------- peer status
+
+
+async def test_status_counts_failed_calls_served_and_sent():
+    import trio
+
+    from moe.errors import ExpertNotFound
+    from peer.rpc import UnknownMethod
+    from peer.status import format_status, gather_status
+
+    async with trio.open_nursery() as nursery:
+        first = Daemon(DaemonConfig(experts="ffn.[0:2]", hidden_dim=8))
+        await nursery.start(first.run)
+        second = Daemon(DaemonConfig(experts="ffn.[2:3]", hidden_dim=8, initial_peers=[first.rpc.address]))
+        await nursery.start(second.run)
+
+        def failed(status: dict, daemon: Daemon) -> int:
+            return next(p["failures_seen"] for p in status["peers"] if p["peer_id"] == str(daemon.identity.peer_id))
+
+        before = await gather_status(second.rpc, second.dht)
+        assert failed(before, first) == 0
+        with pytest.raises(ExpertNotFound):  # a typed refusal from the expert server
+            await second.rpc.call(first.rpc.address, "moe.forward", {"uid": "ffn.99"}, timeout=10)
+        with pytest.raises(UnknownMethod):  # refused before any handler ran
+            await second.rpc.call(first.rpc.address, "no.such.method", timeout=10)
+        after = await gather_status(second.rpc, second.dht)
+        assert failed(after, first) == 2
+        assert failed(after, second) == 2 + failed(before, second)  # its own two calls failed
+        me = next(p for p in after["peers"] if p["peer_id"] == str(first.identity.peer_id))
+        assert me["failed_calls"]["served"] == 2
+        row = next(line for line in format_status(after).splitlines() if line.startswith(me["peer_id"][:12]))
+        assert row.split()[7] == "2"  # the FAILED column
+        nursery.cancel_scope.cancel()
+
+
+def test_status_table_pluralizes():
+    peer = {"peer_id": "a" * 40, "address": "127.0.0.1:1", "reachable": True, "uptime_s": 5.0, "dht_table_size": 0,
+            "experts": ["ffn.0"], "requests_served": 1, "failures_seen": 0, "averaging_rounds": None}
+    run = {"run_id": "digits", "epoch": 3, "trainers": 1, "trainers_in_epoch": 1, "samples": 10,
+           "target_batch_size": 128, "samples_per_s": 50.0}
+    text = format_status({"peers": [peer], "peers_reachable": 1, "runs": [run],
+                          "experts": {"ffn": [{"uid": "ffn.0", "peer_id": "a" * 40, "address": "127.0.0.1:1"}]}})
+    assert "ffn: 1 expert on 1 peer (127.0.0.1:1)" in text and "epoch 3, 1 trainer (" in text
+    assert " peers " not in text.replace("peers:", "")
+
+
+def test_peer_status_does_not_import_torch_and_tensors_still_decode_in_a_fresh_process(tmp_path):
+    """Importing torch was most of `peer status`'s time (6 s of 7-10 s on a busy machine): the command line and the
+    codec import it only when a tensor is built or a train option is needed."""
+    check = ("import sys\n"
+             "from peer.cli import build_parser\n"
+             "import peer.status, peer.rpc, dht.node\n"
+             "from peer import wire\n"
+             "build_parser().parse_args(['status', '--initial-peers', '127.0.0.1:1'])\n"
+             "assert wire.decode(wire.encode_bytes({'a': [1, 2.5, b'x']})) == {'a': [1, 2.5, b'x']}\n"
+             "assert 'torch' not in sys.modules, 'torch imported'\n"
+             "message = wire.decode(bytearray(open(sys.argv[1], 'rb').read()))\n"
+             "assert 'torch' in sys.modules\n"
+             "print(message['t'].tolist(), message['q'].dtype)\n")
+    message = tmp_path / "message.bin"
+    message.write_bytes(wire.encode_bytes({"t": torch.arange(4, dtype=torch.int16),
+                                           "q": wire.compressed(torch.ones(3), wire.Compression.UINT8)}))
+    result = subprocess.run([sys.executable, "-c", check, str(message)], capture_output=True, text=True, cwd=ROOT,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[0, 1, 2, 3] torch.float32"
