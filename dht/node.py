@@ -14,6 +14,13 @@ Client mode: the node sends requests but answers only `swarmd_hello`; its msg id
 never add it to their routing tables. Stock nodes add any sender they hear from; they will try to contact the
 client later and get no answer, which costs them a timeout (documented limitation).
 
+Healing: a peer that stops answering may only be frozen (SIGSTOP, a GC pause, a suspended laptop). After
+`failures_to_evict` unanswered requests it leaves the routing table, but its address is retried after a backoff
+(doubling, capped) and servers that ever answered are remembered, so the healing task re-probes them and they come
+back. A node with nobody to ask (empty table, or a lookup where nobody answered) logs it once and rejoins through
+its initial peers and remembered servers, with capped, jittered exponential backoff. Maintenance and healing run
+through one periodic-task runner (`_every`) in the node's nursery; `stats()` counts what healing did.
+
 Timing: every expiration is absolute on the DHT clock (`clock`, default `time.time`); scheduling (timeouts,
 refresh, republish) runs on trio's clock. Under `trio.testing.MockClock` pass `clock=trio.current_time` so records
 expire in virtual time too.

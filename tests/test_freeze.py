@@ -87,6 +87,7 @@ def test_training_survives_each_daemon_frozen_in_turn():
         assert status.returncode == 0, status.stderr
         listed = json.loads(status.stdout)
         assert [e["uid"] for e in listed["experts"]["ffn"]] == sorted(UIDS)
+        assert all(isinstance(peer["dht_rebootstraps"], int) for peer in listed["peers"]), listed["peers"]
     finally:
         for process in processes:
             process.kill()
