@@ -14,6 +14,13 @@ Client mode: the node sends requests but answers only `swarmd_hello`; its msg id
 never add it to their routing tables. Stock nodes add any sender they hear from; they will try to contact the
 client later and get no answer, which costs them a timeout (documented limitation).
 
+Healing: a peer that stops answering may only be frozen (SIGSTOP, a GC pause, a suspended laptop). After
+`failures_to_evict` unanswered requests it leaves the routing table, but its address is retried after a backoff
+(doubling, capped) and servers that ever answered are remembered, so the healing task re-probes them and they come
+back. A node with nobody to ask (empty table, or a lookup where nobody answered) logs it once and rejoins through
+its initial peers and remembered servers, with capped, jittered exponential backoff. Maintenance and healing run
+through one periodic-task runner (`_every`) in the node's nursery; `stats()` counts what healing did.
+
 Timing: every expiration is absolute on the DHT clock (`clock`, default `time.time`); scheduling (timeouts,
 refresh, republish) runs on trio's clock. Under `trio.testing.MockClock` pass `clock=trio.current_time` so records
 expire in virtual time too.
@@ -29,7 +36,7 @@ import time
 from collections import Counter
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Iterable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 
 import trio
 from kademlia.node import Node
@@ -53,6 +60,8 @@ WELCOME_BATCH_DELAY = 0.05
 LOOKUP_CHUNK = 48  # keys per multi-key lookup
 PARALLEL_CHUNKS = 4
 READ_REPAIRS = 2  # per key and read: close replicas found without the value get it
+HEALING_COUNTERS = ("rebootstraps", "rebootstrap_attempts", "lookups_without_peers", "evictions",
+                    "contacts_restored", "reprobes")
 
 
 @dataclass
@@ -68,6 +77,16 @@ class DHTConfig:
     initial_timeout: float = 1.0  # for a peer when nothing has been measured yet
     probe_timeout: float = 0.25  # floor of the wait for a swarmd_hello answer (silence = stock peer)
     failures_to_evict: int = 3  # consecutive unanswered requests before a contact leaves the routing table
+    # ... but a frozen peer is not dead: a failing address is asked again after this backoff, doubling with each
+    # further failure up to the cap (see dht/peers.py); if it answers, it is back in the table
+    retry_backoff: float = 1.0
+    retry_backoff_max: float = 6.0
+    forget_after: float = 600.0  # a remembered server failing and silent this long is no longer retried
+    # A node with nobody to ask (empty table, or a lookup where nobody answered) rejoins through its initial peers
+    # and every server it remembers, retrying after this backoff (doubling, capped, jittered)
+    rejoin_backoff: float = 0.5
+    rejoin_backoff_max: float = 5.0
+    heal_interval: float = 1.0  # how often the healing task re-probes failing contacts whose backoff passed
     head_check_after: float = 60.0  # a full bucket pings its oldest contact only if silent this long
     lookup_timeout: float = 10.0  # a whole lookup never takes longer
     get_quorum: int = 3  # get(latest=False) stops after this many replicas answered with a value
@@ -122,7 +141,8 @@ class DHTNode:
         self._table = RoutingTable(self.peer_id, config.k, trio.current_time())
         self._peers = PeerBook(min_timeout=config.min_timeout, max_timeout=config.max_timeout,
                                initial_timeout=config.initial_timeout, rate=config.requests_per_second,
-                               burst=config.request_burst)
+                               burst=config.request_burst, failures_to_evict=config.failures_to_evict,
+                               retry_backoff=config.retry_backoff, retry_backoff_max=config.retry_backoff_max)
         self._storage = Storage(config.max_records)
         self._dropped: Counter[str] = Counter()
         self._served: Counter[str] = Counter()
@@ -130,6 +150,12 @@ class DHTNode:
         self._welcome_queue: dict[bytes, Node] = {}
         self._checking: set[bytes] = set()  # bucket heads being pinged
         self._welcome_scheduled = False
+        self._initial_peers: list[Address] = []
+        self._healing: Counter[str] = Counter()  # rebootstraps, evictions, contacts restored... (see stats())
+        self._starved = False  # nobody to ask: the healing task rejoins (with backoff) until someone answers
+        self._rejoin_failures = 0
+        self._rejoin_at = -math.inf  # trio time before which no new rejoin attempt starts
+        self._heal_wakeup = trio.Event()
 
     # ------------------------------------------------------------------------------------------------ lifecycle
 
@@ -158,7 +184,8 @@ class DHTNode:
                 nursery.start_soon(node._receive_loop)
                 try:
                     await node._bootstrap([(h, p) for h, p in initial_peers])
-                    nursery.start_soon(node._maintenance_loop)
+                    nursery.start_soon(node._every, node._maintain, node._maintenance_delay())
+                    nursery.start_soon(node._every, node._heal, config.heal_interval, node._heal_wakeup_event)
                     yield node
                 except BaseException as error:  # re-raised below, outside the nursery: no ExceptionGroup wrap
                     failure = error
@@ -191,7 +218,10 @@ class DHTNode:
         return self._clock()
 
     def stats(self) -> dict[str, Any]:
-        """Counters for `peer status`: table size, records held, dropped datagrams by reason, requests served."""
+        """Counters for `peer status`: table size, records held, dropped datagrams by reason, requests served,
+        and how the node healed: `rebootstraps` (rejoins that found someone), `rebootstrap_attempts`,
+        `lookups_without_peers`, `evictions`, `contacts_restored` (evicted contacts that answered again),
+        `reprobes` (pings to failing contacts whose backoff passed)."""
         return {
             "peer_id": str(self.peer_id),
             "address": list(self.address),
@@ -204,6 +234,9 @@ class DHTNode:
             "outstanding_requests": self._protocol.outstanding,
             "dropped": dict(self._dropped),
             "requests_served": dict(self._served),
+            "remembered_servers": len(self._peers.remembered()),
+            "cut_off": self._starved,
+            **{name: self._healing[name] for name in HEALING_COUNTERS},
         }
 
     def local_record(self, key: str | bytes) -> Record | None:
@@ -314,7 +347,6 @@ class DHTNode:
                        timeout: float | None = None) -> Any:
         """Send one request and wait for its reply (matched by msg id and address); RequestTimeout after
         `timeout` (default: the hard timeout). A reply refreshes the peer's RTT and its routing-table entry."""
-        info = self._peers.get(address)
         msg_id, datagram = self._protocol.request(address, name, args)
         waiter = _Waiter(trio.Event())
         self._waiters[msg_id] = waiter
@@ -327,16 +359,18 @@ class DHTNode:
             self._waiters.pop(msg_id, None)
             self._protocol.forget(msg_id)
         if not waiter.answered:
-            info.failures += 1
-            if node_id is not None and info.failures >= self.config.failures_to_evict:
-                self._table.remove(node_id)
+            if self._peers.record_failure(address, trio.current_time(), self._rng.random()) and node_id is not None:
+                if self._table.remove(node_id):
+                    self._healing["evictions"] += 1
+                    if not len(self._table):
+                        self._note_cut_off("every contact in the routing table stopped answering")
             raise RequestTimeout(f"{name} to {address[0]}:{address[1]} got no answer", operation=name,
                                  peer=address)
         self._peers.observe_rtt(address, trio.current_time() - sent_at)
-        info.failures = 0
-        info.last_seen = trio.current_time()
         if name == "ping" and isinstance(waiter.result, bytes) and len(waiter.result) == proto.NODE_ID_BYTES:
             node_id = waiter.result
+        if self._peers.record_answer(address, trio.current_time(), node_id):
+            self._healing["contacts_restored"] += 1
         if node_id is not None:
             self._saw_server(node_id, address)
         return waiter.result
@@ -515,8 +549,7 @@ class DHTNode:
 
     def _note_sender(self, node_id: bytes, address: Address) -> None:
         info = self._peers.get(address)
-        info.failures = 0
-        info.last_seen = trio.current_time()
+        self._peers.heard_from(address, trio.current_time())
         if info.node_id is not None and info.node_id != node_id:
             self._table.remove(info.node_id)  # another node (a restart with a new identity) lives there now
             info.node_id = None
@@ -613,13 +646,19 @@ class DHTNode:
                         del soft_deadlines[query_id]
                         for key_id in keys:
                             targets[key_id].on_slow(node_id)
+        if targets and not any(t.answered(1) for t in targets.values()) and self._rejoin_sources():
+            self._healing["lookups_without_peers"] += 1
+            self._note_cut_off("a lookup found no peer that answers" if len(self._table) else
+                               "the routing table is empty")
         return targets
 
     def _usable(self, node_id: bytes, address: Address) -> bool:
+        """Worth asking in a lookup: not ourselves, not a client, and not failing within its backoff (a failing
+        peer is asked again once its backoff passed, so one that was only frozen is found again)."""
         if node_id == self.peer_id or address == self.address:
             return False
         info = self._peers.known(address)
-        return info is None or (not info.client and info.failures < self.config.failures_to_evict)
+        return info is None or (not info.client and not self._peers.suspended(address, trio.current_time()))
 
     def _plan(self, targets: dict[bytes, Target]) -> list[tuple[bytes, Address, list[bytes]]]:
         """Pick the next peers to ask; a swarmd peer asked about one key is also asked about every other key
@@ -871,28 +910,40 @@ class DHTNode:
     async def _bootstrap(self, initial_peers: list[Address]) -> None:
         """Ping the initial peers (with retries); look ourselves up; refresh every bucket. Doing both lookups
         is what makes peers that joined through the same initial peers find each other (one DHT, not two)."""
+        self._initial_peers = list(dict.fromkeys(initial_peers))
         if not initial_peers:
             return
         answered: list[Address] = []
-
-        async def ping(address: Address, timeout: float) -> None:
-            try:
-                await self._request(address, "ping", [self.peer_id], timeout=timeout)
-                answered.append(address)
-            except RequestTimeout:
-                pass
-
         timeout = self.config.initial_timeout
         for _ in range(self.config.bootstrap_attempts):
-            async with trio.open_nursery() as nursery:
-                for address in initial_peers:
-                    if address not in answered:
-                        nursery.start_soon(ping, address, timeout)
+            answered += await self._ping_all([a for a in self._initial_peers if a not in answered], timeout)
             if answered:
                 break
             timeout = min(self.config.max_timeout, timeout * 2)
         if not answered:
             raise BootstrapFailed(initial_peers, self.config.bootstrap_attempts)
+        await self._settle()
+
+    async def _ping_all(self, addresses: list[Address], timeout: float,
+                        node_ids: dict[Address, bytes] | None = None) -> list[Address]:
+        """Ping every address at once; returns those that answered (each answering server enters the table).
+        With a known node id a failure counts against that contact (it may be evicted)."""
+        answered: list[Address] = []
+
+        async def ping(address: Address) -> None:
+            try:
+                await self._request(address, "ping", [self.peer_id], timeout=timeout,
+                                    node_id=(node_ids or {}).get(address))
+                answered.append(address)
+            except RequestTimeout:
+                pass
+
+        async with trio.open_nursery() as nursery:
+            for address in addresses:
+                nursery.start_soon(ping, address)
+        return answered
+
+    async def _settle(self) -> None:
         await self._lookup({bytes(self.peer_id)}, want_value=False)
         await self.refresh(all_buckets=True)
 
@@ -908,13 +959,114 @@ class DHTNode:
 
     # ---------------------------------------------------------------------------------------------- maintenance
 
-    async def _maintenance_loop(self) -> None:
+    async def _every(self, step: Callable[[], Awaitable[float]], first_delay: float,
+                     wakeup: Callable[[], trio.Event] | None = None) -> None:
+        """The one way the node runs periodic work: `step` runs, and returns the seconds until it should run
+        again; `wakeup` (optional) names an event that starts the next run early. A step that fails is counted
+        like a failed background task and the schedule goes on: maintenance must outlive a bug in one round."""
+        delay = first_delay
         while True:
-            await trio.sleep(self.config.maintenance_interval * (0.5 + self._rng.random()))
-            self._storage.expire(self.now())
-            await self.refresh()
-            if not self.client_mode:
-                await self.republish()
+            with trio.move_on_after(delay):
+                if wakeup is None:
+                    await trio.sleep_forever()
+                else:
+                    await wakeup().wait()
+            try:
+                delay = await step()
+            except Exception as error:  # Cancelled is a BaseException and passes through
+                kind = f"internal_error:{type(error).__name__}"
+                if not self._dropped[kind]:
+                    logger.exception("DHT periodic task %s failed", getattr(step, "__name__", step))
+                self._dropped[kind] += 1
+                delay = self.config.maintenance_interval
+
+    def _maintenance_delay(self) -> float:
+        return self.config.maintenance_interval * (0.5 + self._rng.random())
+
+    async def _maintain(self) -> float:
+        """Expire records, refresh stale buckets, republish (servers)."""
+        self._storage.expire(self.now())
+        await self.refresh()
+        if not self.client_mode:
+            await self.republish()
+        return self._maintenance_delay()
+
+    def _heal_wakeup_event(self) -> trio.Event:
+        return self._heal_wakeup
+
+    def _rejoin_sources(self) -> list[Address]:
+        """Where a node cut off from the DHT asks again: its initial peers, then every server it remembers
+        (most recently answered first), bounded so that a rejoin round stays one burst of pings."""
+        sources = list(self._initial_peers)
+        for address, _ in self._peers.remembered():
+            if len(sources) >= len(self._initial_peers) + 2 * self.config.k:
+                break
+            if address not in sources and address != self.address:
+                sources.append(address)
+        return sources
+
+    def _note_cut_off(self, reason: str) -> None:
+        """Nobody answers: say so once (one log line per episode, no traceback) and wake the healing task."""
+        if self._starved or not self._rejoin_sources():
+            return  # already rejoining, or a DHT of one (no one was ever there to ask)
+        self._starved = True
+        logger.warning("DHT node %s (%s mode) is cut off: %s; rejoining through %d known peer(s) with backoff",
+                       self.peer_id, "client" if self.client_mode else "server", reason,
+                       len(self._rejoin_sources()))
+        self._heal_wakeup.set()
+
+    async def _heal(self) -> float:
+        """The healing task's round: rejoin when cut off (exponential backoff, capped, jittered), otherwise
+        ask failing contacts again once their backoff passed, so peers that were frozen come back."""
+        self._heal_wakeup = trio.Event()
+        now = trio.current_time()
+        if not len(self._table) and self._rejoin_sources():
+            self._note_cut_off("the routing table is empty")
+        if self._starved:
+            if now < self._rejoin_at:
+                return self._rejoin_at - now
+            return await self._rejoin()
+        await self._reprobe(now)
+        return self.config.heal_interval * (0.5 + self._rng.random())
+
+    async def _rejoin(self) -> float:
+        self._healing["rebootstrap_attempts"] += 1
+        sources = self._rejoin_sources()
+        remembered = dict(self._peers.remembered())
+        answered = await self._ping_all(sources, self.config.initial_timeout, remembered)
+        if not answered:
+            self._rejoin_failures += 1
+            exponent = min(self._rejoin_failures - 1, 30)
+            delay = min(self.config.rejoin_backoff_max, self.config.rejoin_backoff * 2 ** exponent)
+            delay *= 0.5 + 0.5 * self._rng.random()
+            self._rejoin_at = trio.current_time() + delay
+            return delay
+        self._healing["rebootstraps"] += 1
+        logger.info("DHT node %s rejoined through %d peer(s) after %d failed attempt(s)", self.peer_id,
+                    len(answered), self._rejoin_failures)
+        self._starved = False
+        self._rejoin_failures = 0
+        self._rejoin_at = -math.inf
+        await self._settle()
+        return self.config.heal_interval * (0.5 + self._rng.random())
+
+    async def _reprobe(self, now: float) -> None:
+        """Ping remembered servers that left the table after failing and whose backoff passed (at most k per
+        round); an answer puts them back. Ones failing and silent for `forget_after` are let go."""
+        due: dict[Address, bytes] = {}
+        for address, node_id in self._peers.remembered():
+            if not self._peers.failing(address) or node_id in self._table:
+                continue
+            info = self._peers.known(address)
+            if info is not None and info.answered_at is not None and now - info.answered_at > self.config.forget_after:
+                if address not in self._initial_peers:
+                    self._peers.forget(address)
+                continue
+            if not self._peers.suspended(address, now) and len(due) < self.config.k:
+                due[address] = node_id
+        if due:
+            self._healing["reprobes"] += len(due)
+            await self._ping_all(list(due), self.config.max_timeout, due)
 
     async def republish(self, force: bool = False) -> int:
         """Re-store held records that no other replica refreshed within `republish_interval` (so about one

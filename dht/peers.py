@@ -3,10 +3,17 @@
 Timeouts follow TCP's retransmission timer (RFC 6298): SRTT and RTTVAR per peer, timeout = SRTT + 4 * RTTVAR,
 clamped. A peer never measured starts from what the node measured across all peers (times a safety factor), so
 on a fast network a dead newcomer costs tens of milliseconds, not the stock package's fixed 5 seconds.
+
+Failures are not a verdict: a peer that stopped answering may be frozen (SIGSTOP, a long GC pause, a laptop lid)
+rather than dead. After `failures_to_evict` unanswered requests an address is suspended, not banned: it becomes
+usable again after a backoff that doubles with every further failure (capped), and the book keeps remembering
+the servers that ever answered us (`remembered`), so the node can ask them again once they run again.
 """
 
 from __future__ import annotations
 
+import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 Address = tuple[str, int]
@@ -33,6 +40,8 @@ class RTTEstimator:
 class PeerInfo:
     rtt: RTTEstimator = field(default_factory=RTTEstimator)
     failures: int = 0  # consecutive requests that got no answer at all
+    retry_at: float = -math.inf  # trio time before which a suspended address is left out of lookups
+    answered_at: float | None = None  # trio time of its last answer to one of our requests
     swarmd: bool | None = None  # speaks the swarmd_* extension RPCs; None = not probed yet
     client: bool = False  # a client-mode node: never enters a routing table
     node_id: bytes | None = None
@@ -43,7 +52,8 @@ class PeerInfo:
 
 class PeerBook:
     def __init__(self, *, min_timeout: float, max_timeout: float, initial_timeout: float, unknown_factor: float = 3.0,
-                 rate: float, burst: float, max_peers: int = 100_000):
+                 rate: float, burst: float, max_peers: int = 100_000, failures_to_evict: int = 3,
+                 retry_backoff: float = 1.0, retry_backoff_max: float = 6.0, max_remembered: int = 1024):
         self.min_timeout = min_timeout
         self.max_timeout = max_timeout
         self.initial_timeout = initial_timeout
@@ -51,8 +61,15 @@ class PeerBook:
         self.rate = rate
         self.burst = burst
         self.max_peers = max_peers
+        self.failures_to_evict = failures_to_evict
+        self.retry_backoff = retry_backoff
+        self.retry_backoff_max = retry_backoff_max
+        self.max_remembered = max_remembered
         self.overall = RTTEstimator()
         self._peers: dict[Address, PeerInfo] = {}
+        # servers that answered one of our requests, most recent last: (address -> node id). Kept apart from
+        # `_peers`, which a flood of spoofed source addresses may trim, and bounded itself.
+        self._remembered: OrderedDict[Address, bytes] = OrderedDict()
 
     def get(self, address: Address) -> PeerInfo:
         info = self._peers.get(address)
@@ -97,6 +114,58 @@ class PeerBook:
             return False
         info.tokens -= 1.0
         return True
+
+    # ------------------------------------------------------------------------------------- failures and healing
+
+    def record_failure(self, address: Address, now: float, jitter: float) -> bool:
+        """A request to `address` got no answer. Returns True once the address counts as failing (then it is
+        suspended until a backoff passed: `retry_backoff`, doubling per further failure, capped at
+        `retry_backoff_max`; `jitter` in [0, 1) from the node's seeded rng spreads retries over [d/2, d])."""
+        info = self.get(address)
+        info.failures += 1
+        if info.failures < self.failures_to_evict:
+            return False
+        exponent = min(info.failures - self.failures_to_evict, 30)
+        delay = min(self.retry_backoff_max, self.retry_backoff * 2 ** exponent)
+        info.retry_at = now + delay * (0.5 + 0.5 * jitter)
+        return True
+
+    def record_answer(self, address: Address, now: float, node_id: bytes | None) -> bool:
+        """`address` answered a request: its failures are forgiven and, when it is a server, it is remembered.
+        Returns True when it was failing until now (a contact that came back)."""
+        info = self.get(address)
+        came_back = self.failing(address)
+        self.heard_from(address, now)
+        info.answered_at = now
+        if node_id is not None and not info.client:
+            self._remembered[address] = node_id
+            self._remembered.move_to_end(address)
+            while len(self._remembered) > self.max_remembered:
+                self._remembered.popitem(last=False)
+        return came_back
+
+    def heard_from(self, address: Address, now: float) -> None:
+        """Any request or reply from `address` shows it runs: nothing it failed before counts any more."""
+        info = self.get(address)
+        info.failures = 0
+        info.retry_at = -math.inf
+        info.last_seen = now
+
+    def failing(self, address: Address) -> bool:
+        info = self._peers.get(address)
+        return info is not None and info.failures >= self.failures_to_evict
+
+    def suspended(self, address: Address, now: float) -> bool:
+        """Failing, and its backoff has not passed yet: lookups leave it out for now."""
+        info = self._peers.get(address)
+        return info is not None and info.failures >= self.failures_to_evict and now < info.retry_at
+
+    def remembered(self) -> list[tuple[Address, bytes]]:
+        """Servers that answered us, most recently answered first (candidates to rejoin through)."""
+        return [(address, node_id) for address, node_id in reversed(self._remembered.items())]
+
+    def forget(self, address: Address) -> None:
+        self._remembered.pop(address, None)
 
     def __len__(self) -> int:
         return len(self._peers)

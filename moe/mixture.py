@@ -161,11 +161,14 @@ class _Progress:
         return new_calls
 
     def finish(self, call: ExpertCall) -> None:
-        if call.error is None and self.first_answer_at is None:
+        # an answer is a call with outputs: one cut by the deadline or grace period ends with neither outputs
+        # nor (yet) an error, and must not count, or a sample could be left with no expert at all
+        answered = call.outputs is not None
+        if answered and self.first_answer_at is None:
             self.first_answer_at = trio.current_time()
         for sample, slot in zip(call.samples, call.slots):
             self.in_flight[sample] -= 1
-            if call.error is None:
+            if answered:
                 self.answered[sample] += 1
             else:
                 self.free_slots[sample].append(slot)

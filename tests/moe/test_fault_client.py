@@ -272,3 +272,14 @@ async def test_backward_stops_waiting_for_a_hung_peer_after_the_grace_period(aut
                 expected += inputs.grad
         torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6)
         assert s.blacklist.is_banned("ffn.1.0", s.table["ffn.1.0"])
+
+
+async def test_calls_cut_by_the_forward_deadline_are_not_counted_as_answers(autojump_clock, three_servers):
+    """Every peer hangs until the deadline: the forward must fail, not return samples with no expert at all
+    (their softmax over nothing is NaN, and one NaN step ruins the trainer's layers)."""
+    async with three_servers() as s:
+        for host in ("s0", "s1", "s2"):
+            s.network.freeze(host)
+        with pytest.raises(NotEnoughExperts):
+            await s.client.forward(torch.randn(2, HIDDEN), scores(MIXED, ALL_ON_S1), k_best=2, k_min=1,
+                                   forward_timeout=3.0, timeout_after_k_min=1.0)
