@@ -51,6 +51,7 @@ from dht.records import Record, Subkey
 from dht.routing import RoutingTable
 from dht.storage import Storage
 from peer.identity import Identity
+from peer.lifetime import owned_nursery
 from peer.net import Address, Network, RealNetwork, UDPEndpoint
 
 logger = logging.getLogger(__name__)
@@ -176,23 +177,14 @@ class DHTNode:
         rng = random.Random(seed if seed is not None else bytes(identity.peer_id))
         random_bytes = os.urandom if seed is None else (lambda n: rng.getrandbits(8 * n).to_bytes(n, "big"))
         endpoint = await network.open_udp(host, port)
-        failure: BaseException | None = None
-        async with endpoint:
-            async with trio.open_nursery() as nursery:
-                node = cls(identity, endpoint, nursery, client_mode=client_mode, clock=clock, config=config, rng=rng,
-                           random_bytes=random_bytes)
-                nursery.start_soon(node._receive_loop)
-                try:
-                    await node._bootstrap([(h, p) for h, p in initial_peers])
-                    nursery.start_soon(node._every, node._maintain, node._maintenance_delay())
-                    nursery.start_soon(node._every, node._heal, config.heal_interval, node._heal_wakeup_event)
-                    yield node
-                except BaseException as error:  # re-raised below, outside the nursery: no ExceptionGroup wrap
-                    failure = error
-                finally:
-                    nursery.cancel_scope.cancel()
-        if failure is not None:
-            raise failure
+        async with endpoint, owned_nursery() as nursery:
+            node = cls(identity, endpoint, nursery, client_mode=client_mode, clock=clock, config=config, rng=rng,
+                       random_bytes=random_bytes)
+            nursery.start_soon(node._receive_loop)
+            await node._bootstrap([(h, p) for h, p in initial_peers])
+            nursery.start_soon(node._every, node._maintain, node._maintenance_delay())
+            nursery.start_soon(node._every, node._heal, config.heal_interval, node._heal_wakeup_event)
+            yield node
 
     def _spawn(self, function: Callable[..., Any], *args: Any) -> None:
         """Start a background task in the node's nursery. A bug in one must not take the node down (a DHT node

@@ -24,6 +24,7 @@ import trio
 
 from peer import framing, wire
 from peer.identity import Identity, PeerID, verify_signature
+from peer.lifetime import owned_nursery
 from peer.net import Address, Network, ReceiveInto, receiver_into
 
 logger = logging.getLogger(__name__)
@@ -460,18 +461,12 @@ class RPCNode:
 
     @asynccontextmanager
     async def _lifetime(self) -> AsyncIterator["RPCNode"]:
-        failure: BaseException | None = None
-        async with trio.open_nursery() as nursery:
+        async with owned_nursery() as nursery:
             self._nursery = nursery
             try:
                 yield self
-            except BaseException as error:  # re-raised below, outside the nursery: no ExceptionGroup wrapping
-                failure = error
             finally:
-                nursery.cancel_scope.cancel()
                 self._nursery = None
-        if failure is not None:
-            raise failure
 
     async def __aenter__(self) -> "RPCNode":
         self._lifetime_cm = self._lifetime()
