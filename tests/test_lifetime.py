@@ -33,7 +33,8 @@ async def test_body_error_during_outer_cancellation_is_not_replaced_by_cancelled
     cleanup) fails; the failure must reach whoever ran the daemon."""
     with pytest.raises(CheckpointLost):
         with trio.CancelScope() as scope:
-            async with owned_nursery():
+            async with owned_nursery() as nursery:
+                nursery.start_soon(trio.sleep_forever)  # a background task: its Cancelled ends the nursery
                 try:
                     scope.cancel()
                     await trio.sleep_forever()
