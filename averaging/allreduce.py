@@ -38,7 +38,7 @@ the contribution a mix of old and new values, never a crash), and the averaged v
 part UNDER the lock (`averaging.locking`), so the lock is held only for short copies.
 
 The protocol state is a plain object, `PartReducer` (no I/O, no clock: time is passed in); `AllReduceServer` is
-the trio driver that moves it over `peer.rpc`.
+the trio driver that moves it over `peer.p2p.rpc`.
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ from averaging.errors import BadChunk, GroupMismatch, RoundNotFound, SenderExclu
 from averaging.group import GroupInfo
 from averaging.locking import TensorLock, check_lock, hold
 from averaging.partition import DEFAULT_CHUNK_BYTES, Part, Partition, chunk_views, segment_view
-from peer import wire
-from peer.identity import PeerID
-from peer.rpc import CallContext, ConnectionFailed, RPCError, RPCNode
+from peer.p2p import wire
+from peer.p2p.identity import PeerID
+from peer.p2p.rpc import CallContext, ConnectionFailed, RPCError, RPCNode
 
 logger = logging.getLogger(__name__)
 

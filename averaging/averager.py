@@ -38,9 +38,9 @@ from averaging.group_keys import GroupKeyManager
 from averaging.locking import TensorLock, check_lock
 from averaging.matchmaking import Matchmaker, MatchmakingDHT
 from averaging.schema import schema_hash
-from peer import wire
-from peer.identity import PeerID
-from peer.rpc import RPCNode
+from peer.p2p import wire
+from peer.p2p.identity import PeerID
+from peer.p2p.rpc import RPCNode
 
 logger = logging.getLogger(__name__)
 

@@ -50,7 +50,7 @@ import trio
 from averaging.averager import Averager
 from averaging.progress import ProgressTracker, SwarmProgress
 from averaging.state import install_state_server, load_state_from_peers
-from peer import wire
+from peer.p2p import wire
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class CollaborativeOptimizer:
     `target_batch_size`: samples the whole swarm processes per epoch (one averaged update per epoch in gradients
     mode). `batch_size_per_step`: samples behind one `step()` unless `step(batch_size=...)` says otherwise.
     Averaging options: `target_group_size`, `min_group_size`, `matchmaking_time`, `averaging_timeout`,
-    `compression` (a `peer.wire.Compression`). Progress options: `progress_ttl`, `min_refresh`, `max_refresh`.
+    `compression` (a `peer.p2p.wire.Compression`). Progress options: `progress_ttl`, `min_refresh`, `max_refresh`.
     """
 
     def __init__(

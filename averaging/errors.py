@@ -5,8 +5,8 @@ Shared by the all-reduce, state download and matchmaking modules (matchmaking ap
 
 from __future__ import annotations
 
-from peer.identity import PeerID
-from peer.rpc import BadRequest, RemoteError, register_error_code
+from peer.p2p.identity import PeerID
+from peer.p2p.rpc import BadRequest, RemoteError, register_error_code
 
 
 class AveragingError(Exception):

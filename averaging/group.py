@@ -15,8 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from peer.identity import PeerID
-from peer.net import Address
+from peer.p2p.identity import PeerID
+from peer.p2p.net import Address
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Taking the training code's tensor lock from trio.
 
-Training loops are ordinary threads (through `peer.bridge`), the averager is trio: the lock they share must be a
+Training loops are ordinary threads (through `peer.p2p.bridge`), the averager is trio: the lock they share must be a
 `threading.Lock` (training writes `with lock:`). Trio code takes it with `async with hold(lock)`, which never blocks
 the event loop: an uncontended lock is taken at once, a contended one is waited for in a worker thread. A plain
 `threading.Lock` (not an RLock) is required because the worker thread that acquires it is not the thread that

@@ -59,9 +59,9 @@ from typing import Any, Iterable, Protocol, Sequence
 import trio
 
 from averaging.group import GroupInfo, Member
-from peer.identity import PeerID
-from peer.net import Address
-from peer.rpc import CallContext, CallTimeout, RemoteError, RPCError, RPCNode
+from peer.p2p.identity import PeerID
+from peer.p2p.net import Address
+from peer.p2p.rpc import CallContext, CallTimeout, RemoteError, RPCError, RPCNode
 
 logger = logging.getLogger(__name__)
 

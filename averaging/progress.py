@@ -28,7 +28,7 @@ from typing import Any, Iterable, Protocol
 
 import trio
 
-from peer.identity import PeerID
+from peer.p2p.identity import PeerID
 
 logger = logging.getLogger(__name__)
 

@@ -25,10 +25,10 @@ from averaging.allreduce import ThroughputEstimator, run_workers
 from averaging.errors import BadChunk, StateDownloadFailed
 from averaging.locking import TensorLock, check_lock, hold
 from averaging.partition import DEFAULT_CHUNK_BYTES, Partition, chunk_views
-from peer import wire
-from peer.identity import PeerID
-from peer.net import Address
-from peer.rpc import CallContext, RemoteError, RPCError, RPCNode, register_error_code
+from peer.p2p import wire
+from peer.p2p.identity import PeerID
+from peer.p2p.net import Address
+from peer.p2p.rpc import CallContext, RemoteError, RPCError, RPCNode, register_error_code
 
 OPEN = "averaging.state.open"
 CHUNK = "averaging.state.chunk"

@@ -45,9 +45,9 @@ def worker_main(args: argparse.Namespace) -> None:
 
     from averaging.averager import Averager
     from dht import DHTNode
-    from peer.identity import Identity
-    from peer.net import RealNetwork
-    from peer.rpc import RPCNode
+    from peer.p2p.identity import Identity
+    from peer.p2p.net import RealNetwork
+    from peer.p2p.rpc import RPCNode
 
     torch.set_num_threads(1)
     if os.environ.get("BENCH_DEBUG_DIR"):

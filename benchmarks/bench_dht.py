@@ -42,8 +42,8 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from peer.identity import Identity  # noqa: E402
-from peer.net import RealNetwork  # noqa: E402
+from peer.p2p.identity import Identity  # noqa: E402
+from peer.p2p.net import RealNetwork  # noqa: E402
 
 PHASES = ("store", "get", "get_after_kill", "get_after_half_killed")
 HOST = "127.0.0.1"

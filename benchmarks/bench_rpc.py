@@ -27,9 +27,9 @@ import time
 import torch
 import trio
 
-from peer.identity import Identity
-from peer.net import RealNetwork
-from peer.rpc import RPCNode
+from peer.p2p.identity import Identity
+from peer.p2p.net import RealNetwork
+from peer.p2p.rpc import RPCNode
 
 
 # -------------------------------------------------------------------------------------------- server process

@@ -1,6 +1,6 @@
 """DHTNode: the trio driver around the datagram protocol, routing table, lookups and record storage.
 
-One node owns one UDP endpoint (from any `peer.net.Network`, so the same code runs on real sockets and on the
+One node owns one UDP endpoint (from any `peer.p2p.net.Network`, so the same code runs on real sockets and on the
 in-memory simulator) and one nursery holding its receive loop and maintenance tasks; leaving
 `DHTNode.open(...)` cancels them all and closes the socket.
 
@@ -50,9 +50,9 @@ from dht.peers import PeerBook
 from dht.records import Record, Subkey
 from dht.routing import RoutingTable
 from dht.storage import Storage
-from peer.identity import Identity
-from peer.lifetime import owned_nursery
-from peer.net import Address, Network, RealNetwork, UDPEndpoint
+from peer.p2p.identity import Identity
+from peer.p2p.lifetime import owned_nursery
+from peer.p2p.net import Address, Network, RealNetwork, UDPEndpoint
 
 logger = logging.getLogger(__name__)
 

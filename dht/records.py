@@ -33,7 +33,7 @@ from typing import Any, Union
 
 from dht.errors import InvalidKey, InvalidValue, ValueTooLarge
 from dht.protocol import is_stock_value, pack, unpack
-from peer.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, verify_signature
+from peer.p2p.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, verify_signature
 
 MAGIC = b"\xc1swarmd\x01"  # 0xc1 is never a msgpack type byte: no msgpack-ish plain value starts like this
 # The largest value a store request can carry: 8192 (rpcudp request cap) minus the framing of

@@ -1,11 +1,11 @@
-"""Typed MoE errors. Those an expert server sends are `peer.rpc.RemoteError` subclasses registered with their
+"""Typed MoE errors. Those an expert server sends are `peer.p2p.rpc.RemoteError` subclasses registered with their
 wire code, so a caller catches `ExpertNotFound` or `BadExpertInput` exactly as the server raised it (carrying
 the peer, address and method like every RPC error), and can tell "this expert is gone" (try another) from "my
 request was wrong" (a bug to report) from "the server broke" (avoid it for a while)."""
 
 from __future__ import annotations
 
-from peer.rpc import RemoteError, register_error_code
+from peer.p2p.rpc import RemoteError, register_error_code
 
 
 class ExpertNotFound(RemoteError):

@@ -39,9 +39,9 @@ from torch import nn
 
 from moe.beam_search import DHTGridOracle, ExpertChoice, ExpertLocation, find_best_experts, normalize_prefix
 from moe.errors import BadExpertOutput, NotEnoughExperts
-from peer import wire
-from peer.identity import PeerID
-from peer.rpc import ConnectionFailed, RPCError
+from peer.p2p import wire
+from peer.p2p.identity import PeerID
+from peer.p2p.rpc import ConnectionFailed, RPCError
 
 logger = logging.getLogger(__name__)
 

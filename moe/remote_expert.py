@@ -7,7 +7,7 @@ calls backward costs the server nothing.
 
 Calls cross from the caller's thread (a training loop, or autograd's backward) into the trio thread that owns
 the RPC node through the bridge (`swarm.bridge.run`), one hop per call. There is no fault tolerance here: a
-failure raises (`peer.rpc.RPCError` subclasses, e.g. `moe.errors.ExpertNotFound`); `RemoteMixtureOfExperts` is
+failure raises (`peer.p2p.rpc.RPCError` subclasses, e.g. `moe.errors.ExpertNotFound`); `RemoteMixtureOfExperts` is
 the layer that survives dead experts.
 """
 
@@ -21,14 +21,14 @@ from torch import nn
 
 from moe.beam_search import ExpertLocation
 from moe.errors import BadExpertOutput
-from peer import wire
-from peer.identity import PeerID
+from peer.p2p import wire
+from peer.p2p.identity import PeerID
 
 Address = tuple[str, int]
 
 
 class RemoteExpert(nn.Module):
-    """An expert served elsewhere. `swarm` is anything with `.bridge` (peer.bridge.Bridge) and `.rpc` (an
+    """An expert served elsewhere. `swarm` is anything with `.bridge` (peer.p2p.bridge.Bridge) and `.rpc` (an
     RPCNode running in that bridge's trio thread), e.g. the trainer's `Swarm`."""
 
     def __init__(

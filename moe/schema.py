@@ -13,14 +13,14 @@ from typing import Any, Sequence
 
 import torch
 
-from peer import wire
+from peer.p2p import wire
 
 class SchemaError(ValueError):
     """Tensors do not match the schema they were checked against (the message says how)."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """The wire name of an expert's dtype (the one table is `peer.wire.DTYPES`)."""
+    """The wire name of an expert's dtype (the one table is `peer.p2p.wire.DTYPES`)."""
     name = wire.dtype_name(dtype)
     if name is None:
         raise SchemaError(f"unsupported dtype {dtype}")

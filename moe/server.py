@@ -39,8 +39,8 @@ from moe.experts import Expert, OptimizerConfig, make_expert
 from moe.grid import GridPattern, InvalidUID, choose_free_uids, is_valid_uid
 from moe.runtime import ExpertComputeError, ExpertRuntime, RuntimeNotRunning
 from moe.schema import SchemaError, validate_batch
-from peer import wire
-from peer.rpc import CallContext, RPCNode
+from peer.p2p import wire
+from peer.p2p.rpc import CallContext, RPCNode
 
 logger = logging.getLogger(__name__)
 Address = tuple[str, int]

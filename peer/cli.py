@@ -93,9 +93,9 @@ def cmd_join(args: argparse.Namespace) -> int:
 
 async def _run_status(args: argparse.Namespace) -> int:
     from dht.node import DHTNode
-    from peer.identity import Identity
-    from peer.net import RealNetwork
-    from peer.rpc import RPCNode
+    from peer.p2p.identity import Identity
+    from peer.p2p.net import RealNetwork
+    from peer.p2p.rpc import RPCNode
     from peer.status import format_status, gather_status, to_json
 
     identity = Identity.generate()
@@ -264,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from dht.errors import BootstrapFailed
         from moe.errors import CheckpointError
         from peer.daemon import StartupError
-        from peer.identity import IdentityError
+        from peer.p2p.identity import IdentityError
 
         expected = (OSError, BootstrapFailed, IdentityError, ValueError, StartupError, CheckpointError)
         if not all(isinstance(leaf, expected) for leaf in _leaves(error)):

@@ -12,10 +12,10 @@ from typing import Any, Awaitable, Callable, Sequence, TypeVar
 import trio
 
 from dht.node import DHTNode
-from peer.bridge import Bridge
-from peer.identity import Identity, PeerID
-from peer.net import Address, Network, RealNetwork, parse_address
-from peer.rpc import RPCNode
+from peer.p2p.bridge import Bridge
+from peer.p2p.identity import Identity, PeerID
+from peer.p2p.net import Address, Network, RealNetwork, parse_address
+from peer.p2p.rpc import RPCNode
 
 T = TypeVar("T")
 

@@ -18,8 +18,8 @@ from typing import Any, Callable
 
 import trio
 
-from peer.identity import PeerID
-from peer.net import Address
+from peer.p2p.identity import PeerID
+from peer.p2p.net import Address
 
 logger = logging.getLogger(__name__)
 

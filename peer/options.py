@@ -152,7 +152,7 @@ class Address(Kind):
     what = "HOST:PORT"
 
     def check(self, value: str) -> tuple[str, int]:
-        from peer.net import parse_address  # only when an address is given: peer.net brings trio
+        from peer.p2p.net import parse_address  # only when an address is given: peer.p2p.net brings trio
 
         try:
             return parse_address(value)

@@ -13,8 +13,8 @@ from typing import Any, Callable, Awaitable
 import trio
 
 from peer.directory import list_peers
-from peer.identity import PeerID
-from peer.rpc import RPCError, RPCNode
+from peer.p2p.identity import PeerID
+from peer.p2p.rpc import RPCError, RPCNode
 
 STATUS_METHOD = "peer.status"
 RunsReader = Callable[[Any], Awaitable[list[dict]]]

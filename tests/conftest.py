@@ -2,7 +2,7 @@
 
 import pytest
 
-from peer.net import MemoryNetwork
+from peer.p2p.net import MemoryNetwork
 
 
 @pytest.fixture

@@ -5,10 +5,10 @@ import threading
 import pytest
 import trio
 
-from peer.bridge import Bridge, BridgeClosed
-from peer.identity import Identity
-from peer.net import RealNetwork
-from peer.rpc import RPCNode
+from peer.p2p.bridge import Bridge, BridgeClosed
+from peer.p2p.identity import Identity
+from peer.p2p.net import RealNetwork
+from peer.p2p.rpc import RPCNode
 
 
 def test_run_returns_results_and_raises_errors():

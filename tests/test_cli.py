@@ -142,7 +142,7 @@ def test_a_checkpoint_that_fails_at_shutdown_exits_nonzero_and_says_where(tmp_pa
 
 
 def test_an_identity_file_others_can_read_is_refused_with_the_fix(tmp_path):
-    from peer.identity import Identity
+    from peer.p2p.identity import Identity
 
     key = tmp_path / "id.key"
     Identity.generate().save(key)

@@ -5,9 +5,9 @@ import trio
 
 from dht.errors import BootstrapFailed
 from dht.node import DHTNode
-from peer.bridge import Bridge
+from peer.p2p.bridge import Bridge
 from peer.client import Swarm
-from peer.net import parse_address
+from peer.p2p.net import parse_address
 
 
 def test_parse_address_accepts_host_port_and_explains_mistakes():

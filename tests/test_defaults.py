@@ -19,7 +19,7 @@ from peer.daemon import DEFAULT_PATTERN, Daemon, DaemonConfig, StartupError
 from peer.directory import PeerDirectory, PeerEntry
 from peer.discover import (ExpertFamily, NoExpertsDeclared, SwarmMismatch, choose_family, discover_experts,
                            families_from_entries, summary_fields)
-from peer.net import MemoryNetwork
+from peer.p2p.net import MemoryNetwork
 from tests.peer_processes import PeerProcess, run_peer, start_daemon
 
 

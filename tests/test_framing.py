@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from peer import framing
+from peer.p2p import framing
 
 
 def drain(outbox: framing.Outbox) -> bytes:

@@ -3,7 +3,7 @@ import stat
 
 import pytest
 
-from peer.identity import Identity, IdentityError, PeerID, verify_signature
+from peer.p2p.identity import Identity, IdentityError, PeerID, verify_signature
 
 
 def test_peer_id_is_sha1_of_public_key():

@@ -4,7 +4,7 @@ import pytest
 import trio.testing
 import trio
 
-from peer.lifetime import owned_nursery
+from peer.p2p.lifetime import owned_nursery
 
 
 class CheckpointLost(Exception):

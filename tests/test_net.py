@@ -6,7 +6,7 @@ import pytest
 import trio
 import trio.testing
 
-from peer.net import MemoryNetwork, RealNetwork
+from peer.p2p.net import MemoryNetwork, RealNetwork
 
 
 async def echo_handler(stream):

@@ -12,10 +12,10 @@ import torch
 import trio
 import trio.testing
 
-from peer import framing, wire
-from peer.identity import Identity
-from peer.net import MemoryNetwork, RealNetwork
-from peer.rpc import (
+from peer.p2p import framing, wire
+from peer.p2p.identity import Identity
+from peer.p2p.net import MemoryNetwork, RealNetwork
+from peer.p2p.rpc import (
     BadRequest,
     CallTimeout,
     ConnectionFailed,
@@ -403,7 +403,7 @@ async def test_announced_but_unsent_messages_cannot_exhaust_memory(transport, cl
 async def test_simulated_connections_take_the_zero_copy_receive_path(autojump_clock, monkeypatch):
     """On the in-memory network, message payloads are received with `receive_into` straight into the message
     buffer, as real sockets do with `recv_into` (one receive path for both)."""
-    from peer.net import MemoryStream
+    from peer.p2p.net import MemoryStream
 
     sizes: list[int] = []
     original = MemoryStream.receive_into

@@ -14,9 +14,9 @@ import torch
 import trio
 
 from moe.errors import ExpertNotFound
-from peer import wire
+from peer.p2p import wire
 from peer.daemon import Daemon, DaemonConfig
-from peer.rpc import UnknownMethod
+from peer.p2p.rpc import UnknownMethod
 from peer.status import format_status, gather_status
 from peer.topology import Topology, render_compose
 from tests.peer_processes import ROOT, run_peer
@@ -67,7 +67,7 @@ async def test_status_counts_failed_calls_served_and_sent():
     import trio
 
     from moe.errors import ExpertNotFound
-    from peer.rpc import UnknownMethod
+    from peer.p2p.rpc import UnknownMethod
     from peer.status import format_status, gather_status
 
     async with trio.open_nursery() as nursery:
@@ -111,7 +111,7 @@ def test_peer_status_does_not_import_torch_and_tensors_still_decode_in_a_fresh_p
     codec import it only when a tensor is built or a train option is needed."""
     check = ("import sys\n"
              "from peer.cli import build_parser\n"
-             "import peer.status, peer.rpc, dht.node\n"
+             "import peer.status, peer.p2p.rpc, dht.node\n"
              "from peer import wire\n"
              "build_parser().parse_args(['status', '--initial-peers', '127.0.0.1:1'])\n"
              "assert wire.decode(wire.encode_bytes({'a': [1, 2.5, b'x']})) == {'a': [1, 2.5, b'x']}\n"

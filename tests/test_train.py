@@ -12,7 +12,7 @@ import torch
 import trio
 
 from peer import train
-from peer.bridge import Bridge
+from peer.p2p.bridge import Bridge
 from peer.daemon import Daemon, DaemonConfig
 from peer.discover import NoExpertsDeclared
 

@@ -9,8 +9,8 @@ import msgpack
 import pytest
 import torch
 
-from peer.identity import Identity
-from peer.wire import (
+from peer.p2p.identity import Identity
+from peer.p2p.wire import (
     ALIGNMENT,
     DEFAULT_LIMITS,
     TENSOR_EXT_CODE,

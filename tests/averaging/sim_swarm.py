@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import trio
 
 from dht import DHTNode
-from peer.identity import Identity
-from peer.net import MemoryNetwork, Network, RealNetwork
-from peer.rpc import RPCNode
+from peer.p2p.identity import Identity
+from peer.p2p.net import MemoryNetwork, Network, RealNetwork
+from peer.p2p.rpc import RPCNode
 
 
 @dataclass

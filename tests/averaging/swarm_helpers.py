@@ -10,9 +10,9 @@ import trio
 
 from averaging.allreduce import AllReduceConfig, AllReduceResult, AllReduceServer, install_allreduce
 from averaging.group import GroupInfo, Member
-from peer.identity import Identity
-from peer.net import MemoryNetwork, RealNetwork
-from peer.rpc import RPCNode
+from peer.p2p.identity import Identity
+from peer.p2p.net import MemoryNetwork, RealNetwork
+from peer.p2p.rpc import RPCNode
 
 
 class SimPeer:

@@ -10,7 +10,7 @@ import trio.testing
 from averaging.allreduce import AllReduceConfig, run_allreduce
 from averaging.errors import GroupMismatch
 from averaging.partition import Partition
-from peer import wire
+from peer.p2p import wire
 
 from swarm_helpers import Swarm, flat, random_tensors
 

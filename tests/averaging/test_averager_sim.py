@@ -4,7 +4,7 @@ import torch
 import trio
 
 from averaging.averager import Averager
-from peer.net import MemoryNetwork
+from peer.p2p.net import MemoryNetwork
 from sim_swarm import start_peers
 
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from averaging.collaborative import CollaborativeOptimizer, initialize_optimizer_state, state_tensors
 from dht import DHTNode
-from peer.bridge import Bridge
+from peer.p2p.bridge import Bridge
 from peer.client import Swarm
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from averaging.group_keys import GroupKeyManager, bits_for_group_size
 from averaging.matchmaking import Declaration, plan_groups, round_salt
-from peer.identity import PeerID
+from peer.p2p.identity import PeerID
 
 
 def _declaration(peer_id: bytes, round: int) -> Declaration:

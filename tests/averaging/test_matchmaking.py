@@ -3,7 +3,7 @@
 import pytest
 
 from averaging.matchmaking import WITHDRAWN, Assembly, Declaration, Decision, chunk_of, collector_of, plan_groups
-from peer.identity import PeerID
+from peer.p2p.identity import PeerID
 
 SCHEMA = b"s" * 8
 

@@ -7,7 +7,7 @@ import pytest
 import trio
 
 from averaging.matchmaking import Matchmaker
-from peer.net import MemoryNetwork
+from peer.p2p.net import MemoryNetwork
 from sim_swarm import start_peers
 
 SCHEMA = b"schema01"

@@ -12,8 +12,8 @@ from averaging.progress import (
     PeerProgress, ProgressTracker, SwarmProgress, estimate, list_runs, parse_records, progress_key,
 )
 from dht import DHTNode
-from peer.identity import Identity, PeerID
-from peer.net import MemoryNetwork
+from peer.p2p.identity import Identity, PeerID
+from peer.p2p.net import MemoryNetwork
 
 
 def _pid(n: int) -> PeerID:

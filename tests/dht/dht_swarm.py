@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import trio
 
 from dht import DHTNode
-from peer.identity import Identity
+from peer.p2p.identity import Identity
 
 
 @dataclass

@@ -21,8 +21,8 @@ import trio
 
 from dht import DHTConfig
 from dht_swarm import RunningNode, start_node
-from peer.identity import Identity
-from peer.net import MemoryNetwork
+from peer.p2p.identity import Identity
+from peer.p2p.net import MemoryNetwork
 
 CONFIG = DHTConfig(k=5, republish_interval=60.0, refresh_interval=60.0, maintenance_interval=20.0, max_timeout=1.0,
                    lookup_timeout=5.0)

@@ -16,8 +16,8 @@ import trio
 
 from dht import DHTConfig
 from dht_swarm import RunningNode, start_node, start_swarm
-from peer.identity import Identity
-from peer.net import MemoryNetwork
+from peer.p2p.identity import Identity
+from peer.p2p.net import MemoryNetwork
 
 FAR = 1e9  # expiration far in the future (virtual DHT clock)
 

@@ -11,8 +11,8 @@ import umsgpack
 
 from dht import BootstrapFailed, DHTConfig, DHTNode, ValueTooLarge, key_id_of
 from dht import protocol as proto
-from peer.identity import Identity
-from peer.net import MemoryNetwork, RealNetwork
+from peer.p2p.identity import Identity
+from peer.p2p.net import MemoryNetwork, RealNetwork
 
 from dht_swarm import start_node, start_swarm
 

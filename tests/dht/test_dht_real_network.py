@@ -6,7 +6,7 @@ import random
 
 import trio
 
-from peer.net import RealNetwork
+from peer.p2p.net import RealNetwork
 
 from dht_swarm import start_swarm
 

@@ -9,7 +9,7 @@ import pytest
 from dht import records
 from dht.errors import ValueTooLarge
 from dht.records import MAGIC, Entry, Record, choose, decode, encode, merge, record_for_store
-from peer.identity import Identity
+from peer.p2p.identity import Identity
 
 KEY = b"\x11" * 20
 OTHER_KEY = b"\x22" * 20

@@ -8,8 +8,8 @@ import pytest
 import trio
 
 from dht import DHTConfig
-from peer.identity import Identity
-from peer.net import MemoryNetwork
+from peer.p2p.identity import Identity
+from peer.p2p.net import MemoryNetwork
 
 from dht_swarm import start_node, start_swarm
 

@@ -20,10 +20,10 @@ from dht import DHTNode
 from moe.beam_search import ExpertLocation
 from moe.experts import Expert
 from moe.server import ExpertServer
-from peer.bridge import Bridge
-from peer.identity import Identity, PeerID
-from peer.net import MemoryNetwork, Network, RealNetwork
-from peer.rpc import RPCNode
+from peer.p2p.bridge import Bridge
+from peer.p2p.identity import Identity, PeerID
+from peer.p2p.net import MemoryNetwork, Network, RealNetwork
+from peer.p2p.rpc import RPCNode
 
 
 @dataclass

@@ -23,9 +23,9 @@ import trio  # noqa: E402
 from dht import DHTNode  # noqa: E402
 from moe.experts import OptimizerConfig, make_expert  # noqa: E402
 from moe.server import ExpertServer  # noqa: E402
-from peer.identity import Identity  # noqa: E402
-from peer.net import RealNetwork  # noqa: E402
-from peer.rpc import RPCNode  # noqa: E402
+from peer.p2p.identity import Identity  # noqa: E402
+from peer.p2p.net import RealNetwork  # noqa: E402
+from peer.p2p.rpc import RPCNode  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

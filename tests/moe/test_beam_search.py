@@ -199,7 +199,7 @@ async def test_dht_oracle_finds_the_true_top_k_caches_and_forgets_expired_expert
     from dht import DHTNode
     from moe.beam_search import DHTGridOracle
     from moe.declare import declaration_items
-    from peer.net import MemoryNetwork
+    from peer.p2p.net import MemoryNetwork
 
     network = MemoryNetwork(seed=5)
     rng = random.Random(11)
@@ -249,7 +249,7 @@ async def test_dht_oracle_serves_the_previous_answer_when_a_refresh_hangs(autoju
     from dht import DHTNode
     from moe.beam_search import DHTGridOracle
     from moe.declare import declaration_items
-    from peer.net import MemoryNetwork
+    from peer.p2p.net import MemoryNetwork
 
     network = MemoryNetwork(seed=6)
     rng = random.Random(2)

@@ -10,8 +10,8 @@ import torch
 from moe.errors import BadExpertInput, ExpertNotFound
 from moe.experts import OptimizerConfig, make_expert
 from moe.remote_expert import RemoteExpert
-from peer.identity import Identity
-from peer.rpc import HandshakeError
+from peer.p2p.identity import Identity
+from peer.p2p.rpc import HandshakeError
 
 
 @pytest.mark.parametrize("kind, shape", [("ffn", (6, 32)), ("transformer", (2, 16, 32))])
@@ -76,7 +76,7 @@ def test_wrong_peer_at_the_address_is_refused(harness):
 
 
 def test_float16_compression_both_ways(harness):
-    from peer.wire import Compression
+    from peer.p2p.wire import Compression
 
     expert = make_expert("ffn.4", "ffn", 32, seed=5, optimizer=OptimizerConfig("sgd", lr=0.0))
     server = harness.server([expert])

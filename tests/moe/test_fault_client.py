@@ -19,9 +19,9 @@ from moe.errors import NotEnoughExperts
 from moe.experts import ExpertKind, OptimizerConfig, make_expert, register_expert_kind
 from moe.mixture import ExpertBlacklist, MixtureClient
 from moe.schema import TensorSpec
-from peer.identity import Identity
-from peer.net import MemoryNetwork
-from peer.rpc import RPCNode
+from peer.p2p.identity import Identity
+from peer.p2p.net import MemoryNetwork
+from peer.p2p.rpc import RPCNode
 
 HIDDEN = 8
 GRID = (3, 4)

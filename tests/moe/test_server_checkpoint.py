@@ -16,9 +16,9 @@ from moe.server import (
     load_checkpoint,
     save_checkpoint,
 )
-from peer.identity import Identity
-from peer.net import RealNetwork
-from peer.rpc import RPCNode
+from peer.p2p.identity import Identity
+from peer.p2p.net import RealNetwork
+from peer.p2p.rpc import RPCNode
 
 TIMEOUT = 30.0
 CONFIG = OptimizerConfig("adam", lr=0.05, warmup_steps=3)

@@ -14,9 +14,9 @@ from moe.declare import (declaration_items, find_free_uids, find_own_uids, get_e
 from moe.experts import make_expert
 from moe.grid import InvalidUID
 from moe.server import ExpertServer, choose_uids
-from peer.identity import Identity
-from peer.net import MemoryNetwork, RealNetwork
-from peer.rpc import RPCNode
+from peer.p2p.identity import Identity
+from peer.p2p.net import MemoryNetwork, RealNetwork
+from peer.p2p.rpc import RPCNode
 
 
 @asynccontextmanager

@@ -9,9 +9,9 @@ import trio
 from moe.errors import ServerShuttingDown
 from moe.experts import make_expert
 from moe.server import ExpertServer
-from peer.identity import Identity
-from peer.net import MemoryNetwork
-from peer.rpc import RPCNode, UnknownMethod
+from peer.p2p.identity import Identity
+from peer.p2p.net import MemoryNetwork
+from peer.p2p.rpc import RPCNode, UnknownMethod
 
 
 async def test_stopping_fails_queued_requests_with_a_typed_error_then_unregisters(autojump_clock):

@@ -12,10 +12,10 @@ from moe.errors import BadExpertInput, ExpertFailed, ExpertNotFound
 from moe.experts import ExpertKind, OptimizerConfig, make_expert, register_expert_kind
 from moe.schema import TensorSpec
 from moe.server import ExpertServer
-from peer.identity import Identity
-from peer.net import RealNetwork
-from peer.rpc import RPCNode
-from peer.wire import Compression
+from peer.p2p.identity import Identity
+from peer.p2p.net import RealNetwork
+from peer.p2p.rpc import RPCNode
+from peer.p2p.wire import Compression
 
 TIMEOUT = 30.0
 

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     import torch
 
 if sys.byteorder != "little":  # tensors are sent in native byte order; the wire format is little-endian
-    raise ImportError("peer.wire supports little-endian hosts only")
+    raise ImportError("peer.p2p.wire supports little-endian hosts only")
 
 __all__ = [
     "ALIGNMENT",

@@ -1,10 +1,10 @@
-"""Authenticated request/response RPC over any `peer.net.Network`, multiplexed on one connection per peer pair.
+"""Authenticated request/response RPC over any `peer.p2p.net.Network`, multiplexed on one connection per peer pair.
 
 Why this shape:
 - Every TCP connection starts with a handshake in which each side signs the other's fresh nonce, so a call is
   attributed to the PeerID that holds the key, never to a claimed one (`CallContext.peer_id`).
-- Calls are multiplexed by stream id on one pooled connection; the framing layer (`peer.framing`) interleaves
-  chunks, so a 100 MB tensor never holds up a small call, and tensors travel without copies (`peer.wire`).
+- Calls are multiplexed by stream id on one pooled connection; the framing layer (`peer.p2p.framing`) interleaves
+  chunks, so a 100 MB tensor never holds up a small call, and tensors travel without copies (`peer.p2p.wire`).
 - Every call has a deadline that also bounds the remote handler; cancelling a caller cancels the handler.
 - Errors come back as typed frames and are raised as `RemoteError` subclasses; an unknown method is answered at
   once. Nothing a remote peer sends can crash the node: bad frames close that connection, bad messages get an
@@ -22,10 +22,10 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import msgpack
 import trio
 
-from peer import framing, wire
-from peer.identity import Identity, PeerID, verify_signature
-from peer.lifetime import owned_nursery
-from peer.net import Address, Network, ReceiveInto, receiver_into
+from peer.p2p import framing, wire
+from peer.p2p.identity import Identity, PeerID, verify_signature
+from peer.p2p.lifetime import owned_nursery
+from peer.p2p.net import Address, Network, ReceiveInto, receiver_into
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,13 @@
+"""The network foundation: everything a peer needs to talk to other peers, and nothing about what they say.
+
+- `identity`: Ed25519 identities; PeerID = SHA-1 of the raw public key.
+- `wire`: the one msgpack codec (zero-copy tensors, compression codecs, hard limits, the dtype table).
+- `framing`: sans-I/O framing of messages into interleaved chunks.
+- `rpc`: authenticated RPC over framed streams (handshake, multiplexed calls, deadlines, typed errors).
+- `net`: transports — real trio sockets, or the in-memory network for deterministic simulation.
+- `bridge`: a background trio thread that synchronous (PyTorch) code calls into.
+- `lifetime`: the nursery an object owns its background tasks in.
+
+Rule (tests/test_layers.py enforces it): nothing here imports `dht`, `moe`, `averaging` or the application
+modules of `peer`.
+"""
