@@ -42,6 +42,7 @@ instead of all k. Expirations and deadlines are on the DHT clock (`now`).
 
 from __future__ import annotations
 
+import functools
 import heapq
 import ipaddress
 import itertools
@@ -76,6 +77,7 @@ class Sender:
 LOCAL = Sender((("local", None),))  # this node's own client
 
 
+@functools.lru_cache(maxsize=4096)  # parsing an address costs more than the rest of a refused store
 def _ip_account(host: str) -> str:
     try:
         address = ipaddress.ip_address(host)
