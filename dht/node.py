@@ -77,8 +77,9 @@ class DHTConfig:
     maintenance_interval: float = 30.0
     # Storage bounds and fairness (dht/storage.py): records and bytes held as a replica (bytes include ~1 KiB of
     # bookkeeping per record, so max_bytes bounds the memory), how long a never-expiring value (stock) is kept
-    # after its last store, and the share of a full store one sender IP (or IPv6 /64), one first byte of sender
-    # node ids, or this node's own client may hold before its new keys are refused.
+    # after its last store, and the share of a full store one sender IP (or IPv6 /64) or this node's own client
+    # may hold before its new keys are refused, and one first byte of sender node ids before its new keys only
+    # replace its own records.
     max_records: int = 100_000
     max_bytes: int = DEFAULT_MAX_BYTES
     stock_ttl: float = DEFAULT_STOCK_TTL
@@ -233,7 +234,8 @@ class DHTNode:
         True only if at least one replica acknowledged (this node counts when it is one of the k closest).
         `signed=True` makes this node's identity the entry's owner: replicas then refuse values for the same
         (key, subkey) not signed by it. An infinite expiration with no subkey and no signature writes a plain
-        stock value (readable by stock kademlia nodes as is)."""
+        stock value (readable by stock kademlia nodes as is). Replicas keep an entry that never expires for
+        `DHTConfig.stock_ttl` (24 h) after its last store: store it again to keep it longer."""
         return (await self.store_many([(key, value, expiration_time, subkey)], signed=signed))[0]
 
     async def store_many(self, items: Iterable[tuple], *, signed: bool = False) -> list[bool]:

@@ -151,8 +151,9 @@ class Storage:
     # ------------------------------------------------------------------------------------------------ public
 
     def store(self, key_id: bytes, incoming: Record, now: float, local_time: float, sender: Sender = LOCAL) -> str:
-        """Merge `incoming`; returns "accepted", "rejected" (an entry of it lost the merge: older, or owned by
-        someone else) or "full" (the store is full and `sender` is at its share)."""
+        """Merge `incoming`, charging a new key to `sender`; returns "accepted", "rejected" (an entry of it lost
+        the merge: older, or owned by someone else) or "full" (the store is full and the sender's host is at
+        its share, or nothing could be evicted to make room)."""
         self.expire(now)
         item = self._items.get(key_id)
         existing = item.record.pruned(now) if item is not None else None

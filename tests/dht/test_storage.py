@@ -9,6 +9,7 @@ import math
 import random
 
 import pytest
+import trio
 
 from dht import records
 from dht.storage import LOCAL, RECORD_OVERHEAD, Sender, Storage
@@ -293,3 +294,26 @@ def test_a_growing_record_is_charged_its_new_size():
     assert storage.bytes == sum(item.size for item in dict.values(storage._items))
     storage.get(k, 0.0)
     assert math.isclose(storage.account_usage(LOCAL)[0][1], storage.bytes)
+
+
+# ------------------------------------------------------------------------------------------------ in a node
+
+
+async def test_a_node_renews_a_stock_ttl_on_stores_but_not_on_its_own_republishing(autojump_clock):
+    from dht import DHTConfig, DHTNode
+    from peer.net import MemoryNetwork
+
+    network = MemoryNetwork(latency=0.001)
+    config = DHTConfig(stock_ttl=100.0)
+    async with DHTNode.open("solo", 0, network=network.host("solo"), clock=trio.current_time, config=config) as node:
+        start = node.now()
+        assert await node.store("kept", "v", math.inf) and await node.store("dropped", "v", math.inf)
+        await trio.sleep(60)
+        assert await node.republish(force=True) == 2  # re-offers both: renews neither
+        assert await node.store("kept", "v2", math.inf)  # a store does renew
+        await trio.sleep(start + 101 - node.now())
+        assert node.local_record("dropped") is None
+        assert node.local_record("kept").value == "v2"
+        await trio.sleep(start + 161 - node.now())
+        assert node.local_record("kept") is None
+        assert node.stats()["storage"]["records_held"] == 0
