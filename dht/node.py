@@ -558,7 +558,7 @@ class DHTNode:
             self._dropped["invalid_record"] += 1
             return False
         if offer and record.stock and self._storage.get(key_id, now) is not None:
-            return True  # an offered plain value only fills a gap (see protocol.OFFER), nor refreshes its TTL
+            return True  # an offered plain value only fills a gap (see protocol.OFFER) and renews no TTL
         outcome = self._storage.store(key_id, record, now, trio.current_time(), origin)
         if outcome == "full":
             self._dropped["storage_full"] += 1
