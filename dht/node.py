@@ -49,7 +49,7 @@ from dht.lookup import State, Target
 from dht.peers import PeerBook
 from dht.records import Record, Subkey
 from dht.routing import RoutingTable
-from dht.storage import Storage
+from dht.storage import DEFAULT_MAX_BYTES, DEFAULT_SHARE, DEFAULT_STOCK_TTL, LOCAL, Sender, Storage
 from peer.p2p.identity import Identity
 from peer.p2p.lifetime import owned_nursery
 from peer.p2p.net import Address, Network, RealNetwork, UDPEndpoint
@@ -95,7 +95,16 @@ class DHTConfig:
     refresh_interval: float = 600.0  # look up a random id in buckets untouched this long
     republish_interval: float = 1800.0  # replicas re-store held records nobody refreshed this long
     maintenance_interval: float = 30.0
+    # Storage bounds and fairness (dht/storage.py): records and bytes held as a replica (bytes include ~1 KiB of
+    # bookkeeping per record, so max_bytes bounds the memory), how long a never-expiring value (stock) is kept
+    # after its last store, and the share of a full store one sender IP (or IPv6 /64) or this node's own client
+    # may hold before its new keys are refused, and one first byte of sender node ids before its new keys only
+    # replace its own records.
     max_records: int = 100_000
+    max_bytes: int = DEFAULT_MAX_BYTES
+    stock_ttl: float = DEFAULT_STOCK_TTL
+    storage_share_per_ip: float = DEFAULT_SHARE
+    storage_share_per_prefix: float = DEFAULT_SHARE
     requests_per_second: float = 500.0  # per source address
     request_burst: float = 1000.0
     max_concurrent_probes: int = 256
@@ -144,7 +153,8 @@ class DHTNode:
                                initial_timeout=config.initial_timeout, rate=config.requests_per_second,
                                burst=config.request_burst, failures_to_evict=config.failures_to_evict,
                                retry_backoff=config.retry_backoff, retry_backoff_max=config.retry_backoff_max)
-        self._storage = Storage(config.max_records)
+        self._storage = Storage(config.max_records, config.max_bytes, stock_ttl=config.stock_ttl,
+                                ip_share=config.storage_share_per_ip, prefix_share=config.storage_share_per_prefix)
         self._dropped: Counter[str] = Counter()
         self._served: Counter[str] = Counter()
         self._probes: dict[Address, trio.Event] = {}  # swarmd_hello in flight, per address
@@ -221,6 +231,7 @@ class DHTNode:
             "routing_table_size": len(self._table),
             "buckets": len(self._table.buckets),
             "records_held": len(self._storage),
+            "storage": self._storage.stats(),
             "peers_known": len(self._peers),
             "peers_speaking_swarmd": self._peers.count_swarmd(),
             "outstanding_requests": self._protocol.outstanding,
@@ -248,7 +259,8 @@ class DHTNode:
         True only if at least one replica acknowledged (this node counts when it is one of the k closest).
         `signed=True` makes this node's identity the entry's owner: replicas then refuse values for the same
         (key, subkey) not signed by it. An infinite expiration with no subkey and no signature writes a plain
-        stock value (readable by stock kademlia nodes as is)."""
+        stock value (readable by stock kademlia nodes as is). Replicas keep an entry that never expires for
+        `DHTConfig.stock_ttl` (24 h) after its last store: store it again to keep it longer."""
         return (await self.store_many([(key, value, expiration_time, subkey)], signed=signed))[0]
 
     async def store_many(self, items: Iterable[tuple], *, signed: bool = False) -> list[bool]:
@@ -529,13 +541,15 @@ class DHTNode:
         if name == "find_value":
             return self._find_value(args[1], sender, now)
         if name == "store":
-            return self._store_local(args[1], args[2], now)
+            return self._store_local(args[1], args[2], now, Sender.remote(address[0], sender))
         if name == "swarmd_find_many":
             return self._find_many(args[1], sender, now)
         if name == "swarmd_store_many":
-            return [self._store_local(item[0], item[1], now, offer=len(item) == 3) for item in args[1]]
+            origin = Sender.remote(address[0], sender)
+            return [self._store_local(item[0], item[1], now, origin, offer=len(item) == 3) for item in args[1]]
         if name == "swarmd_store_find":  # store, and answer like find_node: one round trip does both
-            return [[self._store_local(item[0], item[1], now, offer=len(item) == 3),
+            origin = Sender.remote(address[0], sender)
+            return [[self._store_local(item[0], item[1], now, origin, offer=len(item) == 3),
                      self._contacts_for(item[0], sender)] for item in args[1]]
         return _NO_REPLY
 
@@ -562,14 +576,15 @@ class DHTNode:
             return self._contacts_for(key_id, sender)
         return {"value": item.wire}
 
-    def _store_local(self, key_id: bytes, value: Any, now: float, offer: bool = False) -> bool:
+    def _store_local(self, key_id: bytes, value: Any, now: float, origin: Sender, offer: bool = False) -> bool:
+        """Store a value a peer sent; `origin` (its IP and node id) is what the record is charged to."""
         record = records.decode(key_id, value, now)
         if record is None:
             self._dropped["invalid_record"] += 1
             return False
         if offer and record.stock and self._storage.get(key_id, now) is not None:
-            return True  # an offered plain value only fills a gap (see protocol.OFFER)
-        outcome = self._storage.store(key_id, record, now, trio.current_time())
+            return True  # an offered plain value only fills a gap (see protocol.OFFER) and renews no TTL
+        outcome = self._storage.store(key_id, record, now, trio.current_time(), origin)
         if outcome == "full":
             self._dropped["storage_full"] += 1
         return outcome == "accepted"
@@ -841,10 +856,13 @@ class DHTNode:
             if not self.client_mode:
                 mine = my_long ^ target.long_id
                 if len(closest) < self.config.k or mine < closest[-1].distance:
-                    outcome = self._storage.store(key_id, by_key[key_id], now, trio.current_time())
-                    if outcome == "full":
-                        self._dropped["storage_full"] += 1
-                    acknowledged[key_id] = outcome == "accepted"
+                    if key_id in offers and self._storage.get(key_id, now) is not None:
+                        acknowledged[key_id] = True  # republishing our own copy must not renew its stock TTL
+                    else:
+                        outcome = self._storage.store(key_id, by_key[key_id], now, trio.current_time(), LOCAL)
+                        if outcome == "full":
+                            self._dropped["storage_full"] += 1
+                        acknowledged[key_id] = outcome == "accepted"
             stored_on = store.stored_on.get(key_id, set())
             if stored_on:
                 acknowledged[key_id] = True

@@ -18,7 +18,8 @@ The signature covers (key id, subkey, value, expiration), so an entry cannot be 
 subkey, or kept alive longer than its owner asked.
 
 Plain values written by stock nodes (int, float, bool, str, bytes) read as a `Record` whose key entry has that
-value and `expiration_time == math.inf` (stock values never expire), with `record.stock == True`. Conversely a
+value and `expiration_time == math.inf` (stock values never expire on the wire; holders keep them for a local
+TTL after their last store, see dht/storage.py), with `record.stock == True`. Conversely a
 swarmd store with an infinite expiration, no subkey and no signature is written as a plain stock value, so stock
 nodes read it unchanged. Between a plain value and a swarmd record for the same key the swarmd record wins
 (whatever the expirations): a stock write, or a peer answering a lookup with a bare value, cannot displace

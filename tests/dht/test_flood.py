@@ -1,0 +1,94 @@
+"""A store flood on real sockets: one host sends 100,000 stock `store` datagrams for unique keys as fast as it
+can, from many source ports; an honest client on another loopback address stores new keys meanwhile. The
+honest keys must get in and be readable, the victim's store must stay within its bounds, and serving an honest
+request must cost the victim's storage a bounded amount of work (counted, not timed: a full scan of the 2,000
+records held would show up as thousands of heap entries touched)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import trio
+
+from dht import DHTConfig, DHTNode
+from dht import protocol as proto
+from dht.storage import Sender
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FLOODER = os.path.join(ROOT, "benchmarks", "bench_flood.py")
+HONEST_HOST = "127.0.0.2"
+VICTIM_CONFIG = DHTConfig(max_records=2000, max_bytes=3 * 2**20)
+# The honest client retries quickly and never gives up on the victim: datagrams the kernel drops at the
+# flooded socket are not what this test is about.
+HONEST_CONFIG = DHTConfig(max_timeout=0.25, initial_timeout=0.25, failures_to_evict=10**9)
+FLOOD_KEYS = 100_000
+HONEST_KEYS = 30
+
+
+class StorageWorkMeter:
+    """Heap entries the victim's storage touches while serving each store request from the honest host."""
+
+    def __init__(self, node: DHTNode, host: str):
+        self.work: list[int] = []
+        serve, storage = node._serve, node._storage
+
+        def measured(request: proto.Request):
+            if request.address[0] != host or "store" not in request.name:
+                return serve(request)
+            before = storage.work
+            try:
+                return serve(request)
+            finally:
+                self.work.append(storage.work - before)
+
+        node._serve = measured
+
+
+async def test_a_flood_of_new_keys_from_one_host_leaves_room_and_cheap_service_for_honest_peers():
+    async with DHTNode.open("127.0.0.1", 0, config=VICTIM_CONFIG) as victim:
+        meter = StorageWorkMeter(victim, HONEST_HOST)
+        async with DHTNode.open(HONEST_HOST, 0, [victim.address], client_mode=True, config=HONEST_CONFIG) as honest:
+            flooder = await trio.lowlevel.open_process(
+                [sys.executable, FLOODER, "--flooder", f"127.0.0.1:{victim.address[1]}", "--count", str(FLOOD_KEYS),
+                 "--ports", "64", "--rate", "0"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT)
+            try:
+                with trio.fail_after(120):
+                    while not victim.stats()["storage"]["stores_refused_full"]:
+                        await trio.sleep(0.01)  # polling the condition: the flood has filled the store
+                held_at_full = dict(victim.stats()["storage"])
+                await flooder.stdin.aclose()  # the flooder stops once it sent FLOOD_KEYS
+                for i in range(HONEST_KEYS):
+                    with trio.fail_after(60):
+                        while not await honest.store(f"honest-{i}", i, honest.now() + 600):
+                            pass  # lost in the flood: try again
+                    storage = victim.stats()["storage"]
+                    assert storage["records_held"] <= VICTIM_CONFIG.max_records
+                    assert storage["bytes_held"] <= VICTIM_CONFIG.max_bytes
+                output = b""
+                with trio.fail_after(120):
+                    while chunk := await flooder.stdout.receive_some():
+                        output += chunk
+                    await flooder.wait()
+            finally:
+                if flooder.returncode is None:
+                    flooder.kill()
+            assert json.loads(output.decode().splitlines()[-1])["sent"] >= FLOOD_KEYS
+
+            for i in range(HONEST_KEYS):
+                assert victim.local_record(f"honest-{i}").value == i
+                assert (await honest.get(f"honest-{i}")).value == i
+    storage = victim.stats()["storage"]
+    assert held_at_full["records_held"] == VICTIM_CONFIG.max_records
+    assert storage["records_held"] == VICTIM_CONFIG.max_records  # still full: the flood was refused, not let in
+    assert storage["stores_refused_full"] > 0 and storage["records_evicted"] >= HONEST_KEYS
+    # the flooder (any id, any port of 127.0.0.1) holds the rest; the honest host holds exactly its keys
+    assert victim._storage.account_usage(Sender.remote("127.0.0.1", b"\x00" * 20))[0][0] \
+        == VICTIM_CONFIG.max_records - HONEST_KEYS
+    assert victim._storage.account_usage(Sender.remote(HONEST_HOST, b"\x00" * 20))[0][0] == HONEST_KEYS
+    assert len(meter.work) >= HONEST_KEYS
+    assert sum(meter.work) / len(meter.work) <= 16, meter.work  # O(1) heap work: no walk over 2,000 records
+    assert max(meter.work) <= 64, meter.work
