@@ -58,6 +58,13 @@ logger = logging.getLogger(__name__)
 
 MAX_REPLY_BYTES = 60000
 WELCOME_BATCH_DELAY = 0.05
+# A welcome pass costs one neighbour search per held record, plus a check per record and newcomer: passes are at
+# least this far apart and take at most WELCOME_PER_PASS newcomers (the rest wait for the next pass; past
+# WELCOME_QUEUE_LIMIT waiting, newcomers are skipped), so a flood of made-up sender ids (each one a "newcomer")
+# costs about what ordinary churn costs. Skipped newcomers still get records through republish and read repair.
+WELCOME_MIN_INTERVAL = 1.0
+WELCOME_PER_PASS = 64
+WELCOME_QUEUE_LIMIT = 1024
 LOOKUP_CHUNK = 48  # keys per multi-key lookup
 PARALLEL_CHUNKS = 4
 READ_REPAIRS = 2  # per key and read: close replicas found without the value get it
@@ -158,9 +165,10 @@ class DHTNode:
         self._dropped: Counter[str] = Counter()
         self._served: Counter[str] = Counter()
         self._probes: dict[Address, trio.Event] = {}  # swarmd_hello in flight, per address
-        self._welcome_queue: dict[bytes, Node] = {}
+        self._welcome_queue: dict[bytes, tuple[Node, float]] = {}  # newcomer id -> (contact, when first seen)
         self._checking: set[bytes] = set()  # bucket heads being pinged
         self._welcome_scheduled = False
+        self._last_welcome = -math.inf
         self._initial_peers: list[Address] = []
         self._healing: Counter[str] = Counter()  # rebootstraps, evictions, contacts restored... (see stats())
         self._starved = False  # nobody to ask: the healing task rejoins (with backoff) until someone answers
@@ -1098,34 +1106,43 @@ class DHTNode:
         return len(due)
 
     def _queue_welcome(self, node: Node) -> None:
-        self._welcome_queue[node.id] = node
+        if len(self._welcome_queue) >= WELCOME_QUEUE_LIMIT and node.id not in self._welcome_queue:
+            self._dropped["welcome_skipped"] += 1
+            return
+        self._welcome_queue.setdefault(node.id, (node, trio.current_time()))
         if not self._welcome_scheduled:
             self._welcome_scheduled = True
-            self._spawn(self._welcome, trio.current_time())
+            self._spawn(self._welcome)
 
-    async def _welcome(self, since: float) -> None:
+    async def _welcome(self) -> None:
         """New servers appeared: hand each the records it should hold (the stock rule, section 2.5 of the
         paper: it is closer to the key than our k-th closest other contact, and we are closer than all of
         them). Newcomers arriving in a burst are handled together, one neighbour search per held key."""
-        await trio.sleep(WELCOME_BATCH_DELAY)
-        newcomers = list(self._welcome_queue.values())
-        self._welcome_queue.clear()
-        self._welcome_scheduled = False
-        newcomer_ids = {node.id for node in newcomers}
+        await trio.sleep_until(max(trio.current_time() + WELCOME_BATCH_DELAY, self._last_welcome + WELCOME_MIN_INTERVAL))
+        self._last_welcome = trio.current_time()
+        batch = [self._welcome_queue.pop(node_id) for node_id in list(self._welcome_queue)[:WELCOME_PER_PASS]]
+        seen_at = {node.id: at for node, at in batch}
+        newcomers = [node for node, _ in batch]
+        self._welcome_scheduled = bool(self._welcome_queue)
+        if self._welcome_scheduled:  # the rest of a burst: the next pass, WELCOME_MIN_INTERVAL later
+            self._spawn(self._welcome)
+        newcomer_ids = set(seen_at)
+        known_since = max(seen_at.values())
         k = self.config.k
         now = self.now()
         my_long = int.from_bytes(self.peer_id, "big")
         gifts: dict[bytes, list[tuple[bytes, Any]]] = {}
         offers: set[bytes] = set()
         for key_id, item in self._storage.items():
-            if item.refreshed_at >= since:
+            if item.refreshed_at >= known_since:
                 continue  # stored after the newcomers were known: that store's lookup already included them
             key_long = int.from_bytes(key_id, "big")  # key ids are digests already: never hash them again
             others = [n for n in self._table.neighbors(key_id, k + len(newcomers)) if n.id not in newcomer_ids][:k]
             if others and (my_long ^ key_long) >= (others[0].long_id ^ key_long):
                 continue  # a closer holder exists and will do it
             farthest = (others[-1].long_id ^ key_long) if len(others) >= k else math.inf
-            receivers = [node for node in newcomers if (node.long_id ^ key_long) < farthest and node.id in self._table]
+            receivers = [node for node in newcomers if (node.long_id ^ key_long) < farthest and node.id in self._table
+                         and item.refreshed_at < seen_at[node.id]]
             if not receivers:
                 continue
             record = item.record.pruned(now)

@@ -287,7 +287,9 @@ async def test_newcomer_closest_to_a_key_is_handed_its_record(autojump_clock):
         assert int.from_bytes(identity.peer_id, "big") ^ key < closest_existing
         newcomer = await start_node(nursery, "newcomer", [swarm[5].node.address], network=network.host("newcomer"),
                                     identity=identity, config=config)
-        await trio.sleep(1)  # virtual: welcome stores are sent in the background
+        with trio.fail_after(10):  # virtual time: welcome stores are sent in the background, passes are spaced
+            while newcomer.node.local_record("wanted") is None:
+                await trio.sleep(0.05)
         assert newcomer.node.local_record("wanted").value == "payload"
         nursery.cancel_scope.cancel()
 
