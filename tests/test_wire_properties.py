@@ -456,3 +456,36 @@ def test_tensor_element_limit_is_checked_before_any_tensor_is_made(shape, name):
     finally:
         torch.empty, torch.frombuffer = originals
     assert made == []
+
+
+# ------------------------------------------------------------------------------ the generation goes deep
+
+
+def test_mutated_messages_reach_the_tensor_header_checks(monkeypatch):
+    """The mutation property is only worth something if its messages get past the length prefix and the msgpack
+    body to the tensor header checks (random bytes almost never do): count the cases in which the tensor reader
+    runs on the mutated header, and those that still decode (valid readings exist, e.g. a reshape)."""
+    reached = {"cases": 0, "reader": 0, "decoded": 0}
+    original = wire._TensorReader.__call__
+
+    def counting(self, code, payload):
+        reached["reader"] += 1
+        return original(self, code, payload)
+
+    @given(mutated_messages())
+    def run(case):
+        message, _header, _target, _surely = case
+        reached["cases"] += 1
+        before = reached["reader"]
+        try:
+            wire.decode(message)
+            reached["decoded"] += 1
+        except WireError:
+            pass
+        reached["reader"] = before + (reached["reader"] > before)  # count cases, not tensors
+
+    monkeypatch.setattr(wire._TensorReader, "__call__", counting)
+    run()
+    assert reached["cases"] >= 20
+    assert reached["reader"] == reached["cases"], reached
+    assert 0 < reached["decoded"] < reached["cases"], reached
