@@ -1,8 +1,37 @@
-"""Shared fixtures: an in-memory network for simulated tests."""
+"""Shared fixtures: an in-memory network for simulated tests; the hypothesis profiles of the property tests.
+
+Property tests run under the `ci` profile unless HYPOTHESIS_PROFILE names another: derandomized (the same examples
+on every run, so a failure in CI reproduces locally and a green run means the same thing twice), a modest number
+of examples, no per-example deadline (the machines running the suite are shared and loaded, so timing says
+nothing) and no example database (nothing written into the checkout). `HYPOTHESIS_PROFILE=thorough` runs many
+more random examples when hunting bugs by hand.
+"""
+
+import os
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from peer.p2p.net import MemoryNetwork
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    max_examples=40,
+    deadline=None,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "thorough",
+    max_examples=2000,
+    deadline=None,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture

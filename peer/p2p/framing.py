@@ -164,6 +164,10 @@ class FrameParser:
         partial = self._partials.get(self._stream_id)
         if partial is None or partial.data is None:
             return None
+        if partial.filled + self._remaining > len(partial.data):
+            # the frame carries more than the message announced: let `receive` raise FramingError (a short or
+            # empty target would have the driver read nothing, or into the next message's place)
+            return None
         return memoryview(partial.data)[partial.filled:partial.filled + self._remaining]
 
     def advance(self, n: int) -> list[Event]:

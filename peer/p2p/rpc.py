@@ -688,7 +688,7 @@ class RPCNode:
             raise HandshakeError(f"unreadable hello: {error.__class__.__name__}") from None
         if not isinstance(hello, dict):
             raise HandshakeError("unreadable hello")
-        if hello.get("v") != PROTOCOL_VERSION:
+        if type(hello.get("v")) is not int or hello["v"] != PROTOCOL_VERSION:  # True and 1.0 equal 1 in Python
             raise HandshakeError(f"protocol version {hello.get('v')!r}, expected {PROTOCOL_VERSION}")
         public_key, nonce, listen = hello.get("pk"), hello.get("nonce"), hello.get("listen")
         if not isinstance(public_key, bytes) or len(public_key) != 32:
@@ -698,7 +698,7 @@ class RPCNode:
         address: Address | None = None
         if listen is not None:
             if (not isinstance(listen, list) or len(listen) != 2 or not isinstance(listen[0], str)
-                    or not isinstance(listen[1], int) or not 0 < listen[1] < 65536):
+                    or type(listen[1]) is not int or not 0 < listen[1] < 65536):  # a bool is no port
                 raise HandshakeError("hello with a malformed listen address")
             address = (listen[0], listen[1])
         return public_key, nonce, address

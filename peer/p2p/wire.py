@@ -219,7 +219,10 @@ def _align(n: int) -> int:
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor as a flat memoryview over its storage (no copy)."""
-    flat = tensor.reshape(-1).view(torch.uint8)  # uint8 view: works for bfloat16/bool, which numpy lacks
+    flat = tensor.reshape(-1)
+    if flat.stride(0) != 1:  # one element counts as contiguous with any stride (e.g. `x[::2]` of 2 elements)
+        flat = flat.as_strided((flat.numel(),), (1,))
+    flat = flat.view(torch.uint8)  # uint8 view: works for bfloat16/bool, which numpy lacks
     return memoryview(flat.numpy())
 
 
@@ -235,6 +238,8 @@ def _quantize_uint8(tensor: torch.Tensor) -> tuple[torch.Tensor, list[float]] | 
     if not math.isfinite(span):
         return None
     scale = span / 255.0
+    if not math.isfinite(lo + 255.0 * scale):  # the decoder's top value: 255 * (span / 255) may round past max
+        return None
     if scale == 0.0:
         return torch.zeros(tensor.numel(), dtype=torch.uint8), [lo, 0.0]
     # float32 arithmetic is enough (and half the memory traffic) unless the range or the step leaves its
@@ -474,7 +479,10 @@ class _TensorReader:
             data = data.to(dtype)
         elif codec == Compression.UINT8:
             low, scale = float(params[0]), float(params[1])
-            work = torch.float64 if dtype == torch.float64 else torch.float32
+            # the same working precision as the encoder chose: in float32, q * scale overflows to inf for a range
+            # wider than float32's (e.g. [-3e38, 3e38]) and a step among subnormals loses its precision
+            wide = dtype == torch.float64 or scale * 255.0 > 1e37 or 0.0 < scale < 1e-30
+            work = torch.float64 if wide else torch.float32
             data = data.to(work).mul_(scale).add_(low).to(dtype)
         return data.view(shape)
 
