@@ -1,4 +1,4 @@
-"""Property tests of the sans-I/O framing (peer/framing.py) on structured byte streams.
+"""Property tests of the sans-I/O framing (peer/p2p/framing.py) on structured byte streams.
 
 Messages (and control frames) are cut into chunks by the `Outbox` and interleaved; the resulting byte stream is
 fed to a `FrameParser` split at every byte boundary, in random pieces, and through the zero-copy
@@ -20,8 +20,8 @@ import pytest
 from hypothesis import assume, example, given, note
 from hypothesis import strategies as st
 
-from peer import framing
-from peer.framing import CANCEL, ERROR, FIRST, HELLO, LAST, PROOF, FramingError
+from peer.p2p import framing
+from peer.p2p.framing import CANCEL, ERROR, FIRST, HELLO, LAST, PROOF, FramingError
 
 MAX_MESSAGE = 4096
 KNOWN_KINDS = {0, FIRST, LAST, FIRST | LAST, CANCEL, HELLO, PROOF, ERROR}
@@ -172,7 +172,7 @@ def open_streams_before(frames: list[bytes], index: int) -> set[int]:
 @st.composite
 def broken_conversations(draw):
     """A valid conversation with one field of one frame header changed: (stream, surely_invalid, chunk size).
-    `surely_invalid` is True when the framing rules (module docstring of peer.framing) leave no valid reading
+    `surely_invalid` is True when the framing rules (module docstring of peer.p2p.framing) leave no valid reading
     of the changed frame, whatever follows."""
     frames, _sent, _control, chunk_bytes = draw(conversations())
     assume(frames)

@@ -1,4 +1,4 @@
-"""Property tests of the RPC handshake and error frames (peer/rpc.py), driven over in-memory streams.
+"""Property tests of the RPC handshake and error frames (peer/p2p/rpc.py), driven over in-memory streams.
 
 The handshake only exists on trio streams, so each example runs its own `trio.run` under
 `trio.testing.MockClock(autojump_threshold=0)` (virtual time: timeouts cost nothing) over
@@ -24,10 +24,10 @@ import trio.testing
 from hypothesis import example, given, note, settings
 from hypothesis import strategies as st
 
-from peer import framing, rpc, wire
-from peer.identity import Identity
-from peer.net import MemoryNetwork
-from peer.rpc import HandshakeError, RemoteError, ResponseRejected, RPCNode
+from peer.p2p import framing, rpc, wire
+from peer.p2p.identity import Identity
+from peer.p2p.net import MemoryNetwork
+from peer.p2p.rpc import HandshakeError, RemoteError, ResponseRejected, RPCNode
 
 DOMAIN = b"swarmd-rpc-handshake-v1|"
 SERVER = Identity.from_seed(b"server")

@@ -1,4 +1,4 @@
-"""Property tests of the wire codec (peer/wire.py) on structured inputs random bytes never reach.
+"""Property tests of the wire codec (peer/p2p/wire.py) on structured inputs random bytes never reach.
 
 Random bytes almost never get past the 4-byte length prefix; these tests generate *valid* messages (arbitrary
 nested values, tensors of every dtype in `wire.DTYPES` and every kind of shape and layout) and check exact or
@@ -21,10 +21,11 @@ import torch
 from hypothesis import assume, example, given, note, settings
 from hypothesis import strategies as st
 
-from peer import wire
-from peer.wire import ALIGNMENT, Compression, LimitExceeded, Limits, WireError
+from peer.p2p import wire
+from peer.p2p.wire import ALIGNMENT, Compression, LimitExceeded, Limits, WireError
 
 FLOATING = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
+wire.dtype_from_name("float32")  # the codec imports torch lazily: fill its dtype table before reading it
 ITEMSIZE = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in wire.DTYPES.items()}
 
 # ------------------------------------------------------------------------------------------------- strategies
@@ -280,7 +281,7 @@ junk = st.sampled_from([None, True, 1.5, "x", b"\x00", [], {}, -1, 2**63, 2**64 
 @st.composite
 def mutations(draw, header):
     """(field index, new value, surely_invalid) for one field of `header`; `surely_invalid` is True when the
-    format rules (module docstring of peer.wire) leave no valid reading, False when the header may still be
+    format rules (module docstring of peer.p2p.wire) leave no valid reading, False when the header may still be
     consistent (e.g. a reshape keeping the element count), in which case the decoded tensor is checked instead."""
     name, shape, codec, offset, nbytes, params = header
     field = draw(st.sampled_from(FIELDS))
