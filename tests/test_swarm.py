@@ -112,7 +112,7 @@ def test_peer_status_does_not_import_torch_and_tensors_still_decode_in_a_fresh_p
     check = ("import sys\n"
              "from peer.cli import build_parser\n"
              "import peer.status, peer.p2p.rpc, dht.node\n"
-             "from peer import wire\n"
+             "from peer.p2p import wire\n"
              "build_parser().parse_args(['status', '--initial-peers', '127.0.0.1:1'])\n"
              "assert wire.decode(wire.encode_bytes({'a': [1, 2.5, b'x']})) == {'a': [1, 2.5, b'x']}\n"
              "assert 'torch' not in sys.modules, 'torch imported'\n"

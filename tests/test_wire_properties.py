@@ -25,7 +25,6 @@ from peer.p2p import wire
 from peer.p2p.wire import ALIGNMENT, Compression, LimitExceeded, Limits, WireError
 
 FLOATING = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
-wire.dtype_from_name("float32")  # the codec imports torch lazily: fill its dtype table before reading it
 ITEMSIZE = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in wire.DTYPES.items()}
 
 # ------------------------------------------------------------------------------------------------- strategies

@@ -35,6 +35,7 @@ import math
 import struct
 import sys
 from enum import IntEnum
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgpack
@@ -141,7 +142,29 @@ _FLOATING: tuple = ()
 # The one table of dtypes that may cross the wire (tensors, expert schemas, averaged state): name -> dtype, names
 # being `str(dtype)` without the "torch." prefix. Filled when torch is first needed: use `dtype_name` and
 # `dtype_from_name`, which load it.
-DTYPES: dict[str, torch.dtype] = {}
+_TABLE: dict[str, torch.dtype] = {}
+
+
+class _DtypeTable(Mapping[str, "torch.dtype"]):
+    """`DTYPES`: a read-only mapping that imports torch the first time anyone reads it, so code that reads the
+    table never sees it empty (the codec itself checks `_TABLE` to stay torch-free until a tensor appears)."""
+
+    def _loaded(self) -> dict[str, torch.dtype]:
+        if not _TABLE:
+            _load_torch()
+        return _TABLE
+
+    def __getitem__(self, name: str) -> torch.dtype:
+        return self._loaded()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._loaded())
+
+    def __len__(self) -> int:
+        return len(self._loaded())
+
+
+DTYPES: Mapping[str, torch.dtype] = _DtypeTable()
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 _ITEMSIZE: dict[torch.dtype, int] = {}
 
@@ -159,21 +182,21 @@ def _load_torch() -> None:
     _DTYPE_NAMES.update({dtype: name for name, dtype in names.items()})
     _PLAIN_TYPES = _PLAIN_TYPES | {torch.Tensor}
     _ALLOWED_TYPES = _PLAIN_TYPES | _CONTAINER_TYPES
-    DTYPES.update(names)  # last: a non-empty DTYPES means everything above is in place
+    _TABLE.update(names)  # last: a non-empty _TABLE means everything above is in place
 
 
 def dtype_name(dtype: torch.dtype) -> str | None:
     """The wire name of `dtype`, or None when it cannot be sent."""
-    if not DTYPES:
+    if not _TABLE:
         _load_torch()
     return _DTYPE_NAMES.get(dtype)
 
 
 def dtype_from_name(name: object) -> torch.dtype | None:
     """The dtype a wire name stands for, or None for an unknown name (or a non-string from a hostile peer)."""
-    if not DTYPES:
+    if not _TABLE:
         _load_torch()
-    return DTYPES.get(name) if type(name) is str else None
+    return _TABLE.get(name) if type(name) is str else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +209,7 @@ class Compressed:
 
 def compressed(tensor: torch.Tensor, compression: Compression) -> Compressed:
     """Mark one tensor to be sent with ``compression`` (decoded back as a tensor of its original dtype)."""
-    if not DTYPES:
+    if not _TABLE:
         _load_torch()
     if not isinstance(tensor, torch.Tensor):
         raise WireError(f"compressed() expects a torch.Tensor, got {type(tensor).__name__}")
@@ -317,7 +340,7 @@ def encode(obj: Any, *, compression: Compression = Compression.NONE) -> list[byt
 
     def default(value: Any) -> msgpack.ExtType:
         nonlocal cursor
-        if not DTYPES:
+        if not _TABLE:
             _load_torch()
         if isinstance(value, Compressed):
             tensor, codec = value.tensor, value.compression
@@ -415,7 +438,7 @@ class _TensorReader:
     def __call__(self, code: int, payload: bytes) -> torch.Tensor:
         if code != TENSOR_EXT_CODE:
             raise WireError(f"unknown msgpack extension type {code}")
-        if not DTYPES:
+        if not _TABLE:
             _load_torch()
         try:
             header = msgpack.unpackb(
@@ -499,7 +522,7 @@ def message_buffer(size: int) -> bytearray | memoryview:
     contents are never visible, because the framing delivers a message only when every byte has arrived."""
     if size <= _SMALL_MESSAGE:
         return bytearray(size)
-    if not DTYPES:
+    if not _TABLE:
         _load_torch()
     return memoryview(torch.empty(size, dtype=torch.uint8).numpy())
 
