@@ -301,9 +301,9 @@ class Outbox:
     """Messages waiting to be sent, interleaved chunk by chunk so small messages never wait behind big ones."""
 
     chunk_bytes: int = CHUNK_BYTES
-    _queue: collections.deque = field(default_factory=collections.deque)
-    _by_stream: dict = field(default_factory=dict)
-    _control: list = field(default_factory=list)
+    _queue: collections.deque[_Outgoing] = field(default_factory=collections.deque)
+    _by_stream: dict[int, _Outgoing] = field(default_factory=dict)
+    _control: list[bytes] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self._queue) or bool(self._control)
@@ -335,7 +335,7 @@ class Outbox:
     def next_frames(self, budget: int = 4 * CHUNK_BYTES) -> list[Buffer]:
         """Frames to write now: control frames first, then one chunk per waiting message in turn, up to `budget`
         bytes. The returned buffers are written in order; big chunks are zero-copy views of the message."""
-        out: list[Buffer] = self._control
+        out: list[Buffer] = list(self._control)
         self._control = []
         size = sum(len(f) for f in out)
         while self._queue and size < budget:

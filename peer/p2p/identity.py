@@ -109,7 +109,7 @@ class Identity:
             serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
         )
 
-    def save(self, path: str | os.PathLike) -> None:
+    def save(self, path: str | os.PathLike[str]) -> None:
         """Write the key file readable by the owner only (0600), replacing any old file atomically."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -121,7 +121,7 @@ class Identity:
         os.replace(temporary, path)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Identity":
+    def load(cls, path: str | os.PathLike[str]) -> "Identity":
         path = Path(path)
         try:
             content = path.read_bytes()
@@ -140,7 +140,7 @@ class Identity:
         return identity
 
     @classmethod
-    def load_or_create(cls, path: str | os.PathLike) -> "Identity":
+    def load_or_create(cls, path: str | os.PathLike[str]) -> "Identity":
         """The peer's persistent identity: loaded when the file exists, generated and saved on first run."""
         if Path(path).exists():
             return cls.load(path)

@@ -58,7 +58,7 @@ class Network(ABC):
 
     @abstractmethod
     async def serve_tcp(
-        self, handler: StreamHandler, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED
+        self, handler: StreamHandler, host: str, port: int, *, task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Listen on host:port (0 = any free port), report the bound Address through `task_status`, then run
         `handler(stream)` for each incoming connection in its own task until cancelled. The stream is closed
@@ -124,14 +124,14 @@ class RealNetwork(Network):
         except stdlib_socket.gaierror as error:
             raise OSError(error.errno, f"cannot resolve host {host!r}: {error.strerror}") from None
         preferred = sorted(infos, key=lambda info: info[0] != stdlib_socket.AF_INET)
-        return (preferred[0][4][0], port)
+        return (str(preferred[0][4][0]), port)
 
     async def connect_tcp(self, address: Address) -> trio.abc.Stream:
         host, port = address
         return await trio.open_tcp_stream(host, port)
 
     async def serve_tcp(
-        self, handler: StreamHandler, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED
+        self, handler: StreamHandler, host: str, port: int, *, task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED
     ) -> None:
         listeners = await trio.open_tcp_listeners(port, host=host)
         bound = listeners[0].socket.getsockname()
@@ -540,7 +540,7 @@ class MemoryHost(Network):
         return await self.network._connect(self.name, address)
 
     async def serve_tcp(
-        self, handler: StreamHandler, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED
+        self, handler: StreamHandler, host: str, port: int, *, task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED
     ) -> None:
         host = self.name if host in ("", "0.0.0.0", self.name) else host
         if host != self.name:

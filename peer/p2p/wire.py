@@ -35,7 +35,7 @@ import math
 import struct
 import sys
 from enum import IntEnum
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgpack
@@ -138,7 +138,7 @@ class Compression(IntEnum):
 # torch is imported on first use, not with this module: `peer status` and the DHT speak this codec without ever
 # handling a tensor, and importing torch is most of their start-up time (about 1 s idle, 6 s on a busy machine).
 # No message can hold a tensor before torch is imported: a sender made it, or a decoded tensor header imports it.
-_FLOATING: tuple = ()
+_FLOATING: tuple[torch.dtype, ...] = ()
 # The one table of dtypes that may cross the wire (tensors, expert schemas, averaged state): name -> dtype, names
 # being `str(dtype)` without the "torch." prefix. Filled when torch is first needed: use `dtype_name` and
 # `dtype_from_name`, which load it.
@@ -246,7 +246,7 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
     if flat.stride(0) != 1:  # one element counts as contiguous with any stride (e.g. `x[::2]` of 2 elements)
         flat = flat.as_strided((flat.numel(),), (1,))
     flat = flat.view(torch.uint8)  # uint8 view: works for bfloat16/bool, which numpy lacks
-    return memoryview(flat.numpy())
+    return memoryview(flat.numpy())  # type: ignore[arg-type]  # numpy arrays export the buffer protocol
 
 
 def _quantize_uint8(tensor: torch.Tensor) -> tuple[torch.Tensor, list[float]] | None:
@@ -406,7 +406,7 @@ def _check_tree(obj: Any, max_depth: int) -> None:
                 key_kinds = set(map(type, value))
                 if not key_kinds <= _ALLOWED_KEY_TYPES:
                     raise WireError(f"unsupported map key type(s): {sorted(k.__name__ for k in key_kinds)}")
-                items = value.values()
+                items: Iterable[Any] = value.values()
             elif type(value) is list:
                 items = value
             else:
@@ -492,7 +492,7 @@ class _TensorReader:
         self.end = offset + nbytes
         start = self.data_start + offset
         raw: memoryview | bytearray = self.view[start : start + nbytes]
-        if raw.readonly:
+        if isinstance(raw, memoryview) and raw.readonly:
             raw = bytearray(raw)  # the one copy; a writable buffer is used in place
         data = torch.frombuffer(raw, dtype=torch.uint8)
         if stored == torch.bool and bool((data > 1).any()):
@@ -524,7 +524,7 @@ def message_buffer(size: int) -> bytearray | memoryview:
         return bytearray(size)
     if not _TABLE:
         _load_torch()
-    return memoryview(torch.empty(size, dtype=torch.uint8).numpy())
+    return memoryview(torch.empty(size, dtype=torch.uint8).numpy())  # type: ignore[arg-type]  # buffer protocol
 
 
 def decode(buffer: bytes | bytearray | memoryview, *, limits: Limits = DEFAULT_LIMITS) -> Any:
