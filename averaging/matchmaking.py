@@ -46,6 +46,12 @@ A vanished peer therefore costs its group one connection attempt (refused at onc
 timeouts (frozen host), never the whole matchmaking window. The window (`matchmaking_time`) is only the upper
 bound; typical rounds finish after one quiet period plus one RPC. Client-mode peers never collect (nobody can call
 them): they join, and `plan_groups` puts at least one reachable peer in every chunk.
+
+Layout: the decisions that need no I/O live in `averaging.assembly` (declarations, `plan_groups`, the collector's
+`Assembly`: joins in, answers and seal / step-down verdicts out, probe answers read by `read_probe_answer`),
+with no trio and no clock inside, so they are tested message by message (tests/averaging/test_assembly_core.py).
+This module is the driver: DHT reads and writes, the join and ping calls and handlers, the long polls it holds
+until the assembly's answer is final, and the adaptive waits (quiet period, straggler and follow waits).
 """
 
 from __future__ import annotations
@@ -53,312 +59,49 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Protocol, Sequence
+from typing import Any, Protocol
 
 import trio
 
-from averaging.group import GroupInfo, Member
+from averaging.assembly import (
+    WITHDRAWN,
+    Assembly,
+    Decision,
+    Declaration,
+    chunk_of,
+    collector_of,
+    plan_groups,
+    read_probe_answer,
+    round_salt,
+)
+from averaging.group import GroupInfo
 from peer.p2p.identity import PeerID
 from peer.p2p.net import Address
 from peer.p2p.rpc import CallContext, CallTimeout, RemoteError, RPCError, RPCNode
+
+__all__ = [
+    "JOIN_METHOD",
+    "PING_METHOD",
+    "WITHDRAWN",
+    "Assembly",
+    "Decision",
+    "Declaration",
+    "MatchResult",
+    "Matchmaker",
+    "MatchmakingDHT",
+    "chunk_of",
+    "collector_of",
+    "plan_groups",
+    "round_salt",
+]
 
 logger = logging.getLogger(__name__)
 
 JOIN_METHOD = "avg.mm.join"
 PING_METHOD = "avg.mm.ping"
-_DECLARATION_VERSION = 1
 
-
-# --------------------------------------------------------------------------------------------- declarations
-
-
-@dataclass(frozen=True)
-class Declaration:
-    """One peer's readiness to average under a key, as read back from the DHT (or from a join request)."""
-
-    peer_id: PeerID
-    address: Address | None
-    bandwidth: float
-    client_mode: bool
-    schema: bytes
-    round: int
-    deadline: float
-    declared_at: float
-
-    @property
-    def can_collect(self) -> bool:
-        """Only a peer others can call can collect a group."""
-        return self.address is not None and not self.client_mode
-
-    def member(self) -> Member:
-        return Member(self.peer_id, self.address, self.bandwidth, self.client_mode)
-
-    def to_wire(self) -> list:
-        host, port = self.address if self.address is not None else (None, None)
-        return [_DECLARATION_VERSION, host, port, float(self.bandwidth), bool(self.client_mode), bytes(self.schema),
-                int(self.round), float(self.deadline), float(self.declared_at)]
-
-    @classmethod
-    def from_wire(cls, peer_id: bytes, value: Any) -> "Declaration | None":
-        """Parse a DHT entry; None for a withdrawal or anything malformed (a hostile or newer peer's entry must
-        not break everyone's matchmaking)."""
-        try:
-            if not isinstance(value, (list, tuple)) or len(value) != 9 or value[0] != _DECLARATION_VERSION:
-                return None
-            _, host, port, bandwidth, client_mode, schema, round_, deadline, declared_at = value
-            address = None if host is None else (str(host), int(port))
-            bandwidth = float(bandwidth)
-            if not math.isfinite(bandwidth) or bandwidth < 0:
-                return None
-            return cls(PeerID(bytes(peer_id)), address, bandwidth, bool(client_mode) or address is None,
-                       bytes(schema), int(round_), float(deadline), float(declared_at))
-        except (TypeError, ValueError):
-            return None
-
-
-WITHDRAWN: list = []  # the value that overwrites a declaration when its peer leaves matchmaking
-
-
-def _order_key(declaration: Declaration, salt: bytes | None) -> bytes:
-    """A peer's place in the grouping order: sha256 of the salt, ITS OWN declared round and its peer id.
-
-    Each peer's place depends only on its own declaration, never on who else is in view: a late declaration is
-    inserted into the order without moving anyone else, so peers whose views differ by a few arrivals still agree
-    on the relative order of everyone they both see (a salt taken from the view, such as the highest round in
-    it, reshuffled everybody whenever one peer of a round a step ahead appeared, and split rounds into 4+3+1).
-    The round changes every step, so the order, and with it the grouping, changes every round."""
-    if salt is None:
-        return bytes(declaration.peer_id)
-    return hashlib.sha256(salt + b"|%d|" % declaration.round + bytes(declaration.peer_id)).digest()
-
-
-def _balanced(items: list, count: int) -> list[list]:
-    """Cut `items` into `count` contiguous runs whose lengths differ by at most one (longer ones first)."""
-    base, extra = divmod(len(items), count)
-    runs, start = [], 0
-    for index in range(count):
-        stop = start + base + (1 if index < extra else 0)
-        runs.append(items[start:stop])
-        start = stop
-    return runs
-
-
-def plan_groups(declarations: Iterable[Declaration], target_group_size: int, *,
-                salt: bytes | None = None, full_only: bool = False) -> list[list[Declaration]]:
-    """The deterministic grouping every peer computes from the same visible set.
-
-    Peers are ordered by peer id (or by sha256(salt + peer id) when `salt` is given) and cut into
-    ceil(n / target) balanced chunks, so 8 peers with target 4 give 4 + 4 and 9 give 3 + 3 + 3 rather than
-    4 + 4 + 1. Client-mode peers are spread separately from reachable peers and there are never more chunks than
-    reachable peers, so every chunk has a collector. Without client-mode peers this is exactly "sort, then cut".
-
-    `full_only` (used while more peers are expected): cut into full chunks of exactly `target` and leave the rest
-    as one partial chunk that waits for the stragglers, instead of spreading everyone over smaller groups.
-    """
-    unique = {d.peer_id: d for d in declarations}
-    ordered = sorted(unique.values(), key=lambda d: _order_key(d, salt))
-    servers = [d for d in ordered if d.can_collect]
-    clients = [d for d in ordered if not d.can_collect]
-    if full_only and not clients and servers:
-        size = max(1, target_group_size)
-        return [servers[i:i + size] for i in range(0, len(servers), size)]
-    count = min(len(servers), math.ceil(len(ordered) / max(1, target_group_size)))
-    if count == 0:
-        return []
-    if not clients:
-        return _balanced(servers, count)
-    chunks = [s + c for s, c in zip(_balanced(servers, count), _balanced(clients, count))]
-    return [sorted(chunk, key=lambda d: _order_key(d, salt)) for chunk in chunks]
-
-
-def collector_of(chunk: Sequence[Declaration]) -> Declaration | None:
-    """The lowest peer id among the chunk's reachable members: the only rule everyone needs to agree on."""
-    candidates = [d for d in chunk if d.can_collect]
-    return min(candidates, key=lambda d: d.peer_id) if candidates else None
-
-
-def chunk_of(plan: list[list[Declaration]], peer_id: bytes) -> list[Declaration]:
-    for chunk in plan:
-        if any(d.peer_id == peer_id for d in chunk):
-            return chunk
-    return []
-
-
-def round_salt(key: str, declarations: Iterable[Declaration] = ()) -> bytes:
-    """Salt of the grouping order: the key. The round enters through each declaration's own round
-    (`_order_key`), so the order changes every round, and a key holding several groups regroups its peers
-    differently each time (see group_keys.py for why that matters), while the order never depends on the view."""
-    return key.encode()
-
-
-# --------------------------------------------------------------------------------------------- collector
-
-
-@dataclass
-class Decision:
-    """The collector's answer to a join, sent back as the reply of the long-poll call."""
-
-    kind: str  # "group" | "redirect" | "reject"
-    group: GroupInfo | None = None
-    round: int = 0  # with "group": the group's round (max of the members' rounds), the same for every member
-    redirect: Declaration | None = None
-    reason: str = ""
-    busy: tuple[PeerID, ...] = ()  # with "reject": peers known to be taken (a sealed group), to skip at once
-
-    def to_wire(self) -> dict:
-        return {
-            "kind": self.kind,
-            "group": self.group.to_wire() if self.group is not None else None,
-            "round": self.round,
-            "redirect": [bytes(self.redirect.peer_id), self.redirect.to_wire()] if self.redirect else None,
-            "reason": self.reason,
-            "busy": [bytes(p) for p in self.busy],
-        }
-
-    @classmethod
-    def from_wire(cls, obj: Any) -> "Decision":
-        if not isinstance(obj, dict) or obj.get("kind") not in ("group", "redirect", "reject"):
-            raise ValueError("malformed matchmaking answer")
-        redirect = None
-        if obj.get("redirect") is not None:
-            peer_id, value = obj["redirect"]
-            redirect = Declaration.from_wire(peer_id, value)
-        group = GroupInfo.from_wire(obj["group"]) if obj.get("group") is not None else None
-        if obj["kind"] == "group" and group is None:
-            raise ValueError("a group answer without a group")
-        return cls(obj["kind"], group, int(obj.get("round", 0)), redirect, str(obj.get("reason", "")),
-                   tuple(PeerID(bytes(p)) for p in obj.get("busy", ())))
-
-
-class Assembly:
-    """The collector's side of one group, without I/O: who joined, whom we still wait for, when to seal.
-
-    The driver feeds it joins, view updates, probe results and the time (DHT clock); it answers what to tell each
-    joiner and whether to seal. Sealing is final: later joins are rejected with the sealed member list, so the
-    joiner can skip all of them at once.
-    """
-
-    def __init__(self, me: Declaration, *, key: str, target_group_size: int, min_group_size: int):
-        self.me = me
-        self.key = key
-        self.target = target_group_size
-        self.min_size = min_group_size
-        self.joined: dict[PeerID, Declaration] = {me.peer_id: me}
-        self.expected: set[PeerID] = set()
-        self.dropped: set[PeerID] = set()
-        self.group: GroupInfo | None = None
-        self.closed = False  # sealed, with or without a group, or merged into another collector's group
-        self.merged_into: Declaration | None = None
-        self.done = trio.Event()  # set when closed: pending joins get their answer
-        self.handed_over: dict[PeerID, Declaration] = {}  # joiners passed on to a lower collector (hand_over)
-        self._released: dict[PeerID, trio.Event] = {}  # per pending joiner: its answer is ready
-
-    def merge_into(self, collector: Declaration) -> None:
-        """Hand my joiners to a lower collector (they are answered with a redirect to it)."""
-        self.merged_into = collector
-        self.closed = True
-        self._release_all()
-
-    def hand_over(self, collector: Declaration, count: int) -> list[PeerID]:
-        """Pass up to `count` joiners (highest peer ids first) to a lower collector with room: they are answered
-        with a redirect to it. Rival collectors whose groups are too big to merge (3 + 3 + 2 out of 8) thus fill
-        the lowest one first, and the rest can merge."""
-        movable = sorted((p for p in self.joined if p != self.me.peer_id), reverse=True)[:max(0, count)]
-        for peer_id in movable:
-            del self.joined[peer_id]
-            self.dropped.add(peer_id)  # it joins the lower collector now: not worth waiting for here
-            self.handed_over[peer_id] = collector
-            event = self._released.get(peer_id)
-            if event is not None:
-                event.set()
-        return movable
-
-    def released(self, joiner: PeerID) -> trio.Event:
-        """Set when the answer for this (accepted) joiner is ready."""
-        event = self._released.setdefault(joiner, trio.Event())
-        if self.closed or joiner in self.handed_over:
-            event.set()
-        return event
-
-    def _release_all(self) -> None:
-        self.done.set()
-        for event in self._released.values():
-            event.set()
-
-    @property
-    def full(self) -> bool:
-        return len(self.joined) >= self.target
-
-    @property
-    def round(self) -> int:
-        return max(d.round for d in self.joined.values())
-
-    def offer(self, joiner: Declaration, key: str) -> Decision | None:
-        """A join request: None = accepted (the answer comes at sealing), else an immediate Decision."""
-        if self.merged_into is not None:
-            return Decision("redirect", redirect=self.merged_into)
-        if joiner.peer_id in self.handed_over:
-            return Decision("redirect", redirect=self.handed_over[joiner.peer_id])
-        if self.closed:
-            if self.group is not None and joiner.peer_id in self.group:
-                return Decision("group", group=self.group, round=self.round)
-            busy = tuple(self.group.peer_ids) if self.group is not None else ()
-            return Decision("reject", reason="sealed", busy=busy)
-        if key != self.key:
-            return Decision("reject", reason="different key")
-        if joiner.schema != self.me.schema:
-            return Decision("reject", reason="different schema")
-        if joiner.peer_id not in self.joined and self.full:
-            return Decision("reject", reason="full", busy=tuple(self.joined))
-        self.joined[joiner.peer_id] = joiner
-        self.dropped.discard(joiner.peer_id)
-        return None
-
-    def set_expected(self, chunk: Iterable[Declaration], extra: Iterable[PeerID] = ()) -> None:
-        """The members of my chunk in the newest view (and peers merging into my group): worth waiting for."""
-        self.expected = ({d.peer_id for d in chunk} | set(extra)) - {self.me.peer_id}
-
-    def drop(self, peer_id: PeerID) -> None:
-        """An expected peer is dead or follows someone else: stop waiting for it."""
-        if peer_id not in self.joined:
-            self.dropped.add(peer_id)
-
-    @property
-    def waiting_for(self) -> set[PeerID]:
-        return self.expected - set(self.joined) - self.dropped
-
-    @property
-    def seal_deadline(self) -> float:
-        """The earliest deadline among me and the joined members: sealing then, nobody has given up yet."""
-        return min(d.deadline for d in self.joined.values())
-
-    def should_seal(self, now: float, quiet: bool) -> bool:
-        """Full; or everyone still alive in my chunk joined and the view is quiet (the driver passes quiet=False
-        while it still expects stragglers); or the seal deadline."""
-        if self.full:
-            return True
-        if quiet and not self.waiting_for and len(self.joined) >= self.min_size:
-            return True
-        return now >= self.seal_deadline
-
-    def seal(self, group_id: bytes) -> GroupInfo | None:
-        """Fix the member list (None when too few joined: no group this round)."""
-        self.closed = True
-        if len(self.joined) >= self.min_size:
-            self.group = GroupInfo.create(group_id, [d.member() for d in self.joined.values()])
-        self._release_all()
-        return self.group
-
-    def answer(self, joiner: PeerID) -> Decision:
-        """The final answer to a joiner whose join was accepted, once `done` is set."""
-        if self.merged_into is not None:
-            return Decision("redirect", redirect=self.merged_into)
-        if joiner in self.handed_over:
-            return Decision("redirect", redirect=self.handed_over[joiner])
-        if self.group is not None and joiner in self.group:
-            return Decision("group", group=self.group, round=self.round)
-        return Decision("reject", reason="no group assembled")
 
 
 # --------------------------------------------------------------------------------------------- the driver
@@ -420,12 +163,29 @@ class _Round:
         self.assembly: Assembly | None = None
         self.following: Declaration | None = None
         self.changed = trio.Event()
+        self.answered: dict[PeerID, tuple[Assembly, trio.Event]] = {}  # joins held in a long poll
         self.join_arrived = False
         self.stale: dict[PeerID, float] = {}  # peer -> declared_at of a declaration its owner no longer runs
         self.returning: set[PeerID] = set()  # stale peers between two rounds (not matching elsewhere): coming back
 
     def poke(self) -> None:
+        """Something changed: wake the matchmaking loop, and every held join whose answer became final."""
         self.changed.set()
+        for joiner, (assembly, event) in self.answered.items():
+            if assembly.answer_ready(joiner):
+                event.set()
+
+    async def answer_of(self, assembly: Assembly, joiner: PeerID) -> Decision:
+        """Hold a joiner's long poll until the assembly's answer for it is final (every poke checks)."""
+        entry = self.answered.setdefault(joiner, (assembly, trio.Event()))
+        if assembly.answer_ready(joiner):
+            entry[1].set()
+        try:
+            await entry[1].wait()
+        finally:
+            if self.answered.get(joiner) is entry:
+                del self.answered[joiner]
+        return assembly.answer(joiner)
 
     async def wait_changed(self, until_trio_time: float) -> None:
         self.changed = trio.Event()
@@ -645,8 +405,8 @@ class Matchmaker:
             self._round = None
             self._remember_population(state)
             if state.assembly is not None and not state.assembly.closed:
-                state.assembly.closed = True
-                state.assembly._release_all()
+                state.assembly.abandon()
+            state.poke()  # every held join gets its final answer
             await self._withdraw(key, expiration)
 
     async def _declare(self, key: str, me: Declaration, expiration: float) -> None:
@@ -827,6 +587,7 @@ class Matchmaker:
                     # a lower collector counts me in and has room for my joiners too: merge into it (_handle_ping)
                     assembly.merge_into(state.invited_by)
                     state.assembly = None
+                    state.poke()
                     nursery.cancel_scope.cancel()
                     logger.debug("matchmaking %s: merging %d member(s) into %s", self.peer_id.short(),
                                  len(assembly.joined), state.invited_by.peer_id.short())
@@ -845,6 +606,7 @@ class Matchmaker:
                                   + repr(state.me.declared_at).encode()
                                   + b"".join(sorted(bytes(p) for p in assembly.joined))).digest()[:16]
         group = assembly.seal(group_id)
+        state.poke()
         logger.debug("matchmaking %s: sealed %d member(s) (waiting for %d, dropped %d, view %d)", self.peer_id.short(),
                      len(assembly.joined), len(assembly.waiting_for), len(assembly.dropped), len(state.view))
         if group is None:
@@ -901,33 +663,26 @@ class Matchmaker:
                 logger.debug("matchmaking %s: probed %s: %s", self.peer_id.short(), declaration.peer_id.short(),
                              {k: (bytes(v).hex()[:12] if isinstance(v, bytes) else v) for k, v in answer.items()}
                              if isinstance(answer, dict) else answer)
-            merging = answer.get("merging") if isinstance(answer, dict) else None
-            handover = answer.get("handover") if isinstance(answer, dict) else None
-            if isinstance(handover, list):  # a rival collector passes some of its joiners to me: wait for them
-                for member in handover:
-                    if isinstance(member, bytes) and len(member) == 20:
-                        assembly.expected.add(PeerID(member))
-                        assembly.dropped.discard(PeerID(member))
-                        state.merging.add(PeerID(member))
+            verdict = read_probe_answer(answer, self.peer_id)
+            if verdict.kind == "handover":  # a rival collector passes some of its joiners to me: wait for them
+                assembly.expect(verdict.members)
+                state.merging.update(verdict.members)
                 assembly.drop(declaration.peer_id)
-            elif isinstance(merging, list):  # it steps down into my group: wait for it and for its joiners
-                for member in merging:
-                    if isinstance(member, bytes) and len(member) == 20:
-                        assembly.expected.add(PeerID(member))
-                        assembly.dropped.discard(PeerID(member))
-                        state.merging.add(PeerID(member))
-            elif not isinstance(answer, dict) or not answer.get("matching") or answer.get("collecting"):
-                if isinstance(answer, dict) and not answer.get("matching"):
+            elif verdict.kind == "merging":  # it steps down into my group: wait for it and for its joiners
+                assembly.expect(verdict.members)
+                state.merging.update(verdict.members)
+            elif verdict.kind in ("stale", "busy"):
+                if verdict.kind == "stale":
                     # a declaration left over from its previous round (it is averaging, its withdrawal not read
                     # yet): out of the plan until it declares again, and still expected (it will come back)
                     state.stale[declaration.peer_id] = declaration.declared_at
-                    if answer.get("between_rounds"):
+                    if verdict.between_rounds:
                         state.returning.add(declaration.peer_id)
                     if state.view.get(declaration.peer_id) is declaration:
                         del state.view[declaration.peer_id]
                         state.last_change = trio.current_time()
                 assembly.drop(declaration.peer_id)
-            elif answer.get("following") is not None and bytes(answer["following"]) != bytes(self.peer_id):
+            elif verdict.kind == "follows_other":
                 # It follows another collector, which may be full and turn it away (views differ for a moment):
                 # then it comes here, and sealing without it would strand it (a 4 + 3 + 1 round). Keep waiting
                 # for it (it is probed again every quiet period) until it has followed others for `follow_wait`.
@@ -961,31 +716,19 @@ class Matchmaker:
         matching = state is not None and key == state.key
         their_size = args.get("joined", 1) if isinstance(args, dict) else 1
         assembly = state.assembly if matching else None
-        if assembly is not None and ctx.address is not None and ctx.peer_id < self.peer_id \
-                and not assembly.closed and isinstance(their_size, int) \
-                and their_size + len(assembly.joined) <= self.target:
-            # Collectors whose views differed can split what should be one group (or wait for each other until
-            # the deadline). The rule that merges them: a lower collector that counts me in its chunk and has
-            # room for my members wins; I step down, my joiners are redirected to it, and I join it too.
+        verdict = assembly.probed_by(ctx.peer_id, their_size, reachable=ctx.address is not None) \
+            if assembly is not None else None
+        if verdict is not None:
             prober = state.view.get(ctx.peer_id)
             if prober is None:  # not in my view yet: the authenticated caller is enough to join it
                 me = state.me
                 prober = Declaration(ctx.peer_id, ctx.address, 1.0, False, me.schema, me.round, me.deadline,
                                      me.declared_at)
-            state.invited_by = prober
-            state.poke()
-            return {"matching": True, "following": bytes(ctx.peer_id), "collecting": False,
-                    "merging": [bytes(p) for p in assembly.joined]}
-        if assembly is not None and ctx.address is not None and ctx.peer_id < self.peer_id \
-                and not assembly.closed and isinstance(their_size, int) and 0 < their_size < self.target \
-                and len(assembly.joined) > 1:
-            # Too many to merge: give the lower collector as many of my joiners as it has room for (they are
-            # redirected to it); with what is left I can still fill up or merge later.
-            prober = state.view.get(ctx.peer_id)
-            if prober is None:
-                me = state.me
-                prober = Declaration(ctx.peer_id, ctx.address, 1.0, False, me.schema, me.round, me.deadline,
-                                     me.declared_at)
+            if verdict == "merge":  # I step down into it (my loop notices), taking my joiners along
+                state.invited_by = prober
+                state.poke()
+                return {"matching": True, "following": bytes(ctx.peer_id), "collecting": False,
+                        "merging": [bytes(p) for p in assembly.joined]}
             moved = assembly.hand_over(prober, self.target - their_size)
             state.poke()
             logger.debug("matchmaking %s: handing %d joiner(s) over to %s", self.peer_id.short(), len(moved),
@@ -1028,5 +771,4 @@ class Matchmaker:
         state.view.setdefault(joiner.peer_id, joiner)
         state.join_arrived = True
         state.poke()
-        await assembly.released(joiner.peer_id).wait()
-        return assembly.answer(joiner.peer_id).to_wire()
+        return (await state.answer_of(assembly, joiner.peer_id)).to_wire()

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from averaging.allreduce import NOTHING, ChunkRejected, Excluded, PartReducer, ThroughputEstimator
+from averaging.allreduce_core import NOTHING, ChunkRejected, Excluded, PartReducer, ThroughputEstimator
 from averaging.partition import Partition, chunk_views
 
 

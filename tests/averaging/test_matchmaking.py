@@ -88,7 +88,7 @@ def test_assembly_with_too_few_members_seals_without_a_group_and_merging_redirec
     merging = Assembly(_decl(5), key="k", target_group_size=4, min_group_size=2)
     merging.offer(a, "k")
     merging.merge_into(me)
-    assert merging.done.is_set()
+    assert merging.answer_ready(a.peer_id)
     assert merging.answer(a.peer_id).kind == "redirect" and merging.answer(a.peer_id).redirect == me
     assert merging.offer(_decl(6), "k").redirect == me
 
