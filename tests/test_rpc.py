@@ -269,7 +269,7 @@ async def test_large_transfer_does_not_block_small_calls(transport, clock):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(big_call)
             with trio.fail_after(10):  # wait until the big transfer is really under way
-                while not any(c.outbox.partly_sent for c in a._all_connections):
+                while not any(c.protocol.partly_sent for c in a._all_connections):
                     await trio.sleep(0.0005)  # a poll (lets virtual time advance), not a head start
             start = trio.current_time()
             assert await a.call(b.address, "echo", "small", timeout=30) == "small"
