@@ -286,7 +286,7 @@ class RPCConnection:
         if stream_id in self.calls:
             raise LocalProtocolError(f"stream id {stream_id} is still in use: 2**31 calls in flight")
         self.calls[stream_id] = _Call(method, deadline, timeout)
-        heapq.heappush(self._deadlines, (deadline, stream_id))
+        self._push_deadline(deadline, stream_id)
         self.outbox.add(stream_id, parts)
         return stream_id
 
@@ -436,7 +436,7 @@ class RPCConnection:
         deadline = None if timeout is None else now + max(0.0, float(timeout))
         self.requests[stream_id] = _Request(deadline)
         if deadline is not None:
-            heapq.heappush(self._deadlines, (deadline, stream_id))
+            self._push_deadline(deadline, stream_id)
         return RequestReceived(stream_id, method, args, deadline)
 
     # ---------------------------------------------------------------------------------------- sending
@@ -466,6 +466,15 @@ class RPCConnection:
         return writes
 
     # ---------------------------------------------------------------------------------------- time
+
+    def _push_deadline(self, deadline: float, stream_id: int) -> None:
+        """Answered calls leave their entries behind (deleting from a heap is dear); once stale ones outnumber
+        live ones the heap is rebuilt, so it stays within twice the calls in flight (plus a constant)."""
+        heap = self._deadlines
+        heapq.heappush(heap, (deadline, stream_id))
+        if len(heap) > 2 * (len(self.calls) + len(self.requests)) + 1024:
+            self._deadlines = [entry for entry in heap if self._live(*entry)]
+            heapq.heapify(self._deadlines)
 
     def next_deadline(self) -> float | None:
         """When `timeouts` has something to do (a call's or request's deadline, or the idle check); None: never."""
