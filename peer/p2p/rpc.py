@@ -442,9 +442,11 @@ class RPCNode:
         deadline = trio.current_time() + timeout
         self.stats["calls_sent"] += 1
         try:
-            connection: Connection | None = None
-            with trio.move_on_at(deadline):
-                connection = await self._get_connection(address, peer_id, method)
+            connection = self._connections.get(address)
+            if connection is None or connection.closed or (peer_id is not None and connection.peer_id != peer_id):
+                connection = None  # connect first (or explain the mismatch), within the deadline
+                with trio.move_on_at(deadline):
+                    connection = await self._get_connection(address, peer_id, method)
             if connection is None:
                 raise CallTimeout(f"no answer within {timeout:.3g} s", address=address, method=method, peer=peer_id)
             return await connection.call(method, args, deadline=deadline, compression=compression)
