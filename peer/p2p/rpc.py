@@ -198,7 +198,9 @@ class Connection:
         except RemoteProtocolError as error:
             self._deliver(error.events)
             self.node.stats["protocol_errors"] += 1
-            logger.warning("closing connection to peer %s: %s", self.peer_id.short(), error)
+            where = f" at {self.label[0]}:{self.label[1]}" if self.label else ""
+            logger.warning("closing connection to peer %s%s: protocol error while receiving: %s",
+                           self.peer_id.short(), where, error)
             self.close_reason = f"protocol error: {error}"
         except _TRANSPORT_ERRORS as error:
             self.close_reason = f"reset ({error.__class__.__name__})"
