@@ -25,9 +25,11 @@ from hypothesis import example, given, note, settings
 from hypothesis import strategies as st
 
 from peer.p2p import framing, rpc, wire
+from peer.p2p.handshake import HandshakeFailed, Role, parse_hello
 from peer.p2p.identity import Identity
 from peer.p2p.net import MemoryNetwork
 from peer.p2p.rpc import HandshakeError, RemoteError, ResponseRejected, RPCNode
+from peer.p2p.rpc_protocol import CallCompleted, CallFailed, RPCConnection
 
 DOMAIN = b"swarmd-rpc-handshake-v1|"
 SERVER = Identity.from_seed(b"server")
@@ -91,7 +93,7 @@ def mutated_hello(identity: Identity, nonce: bytes, mutation) -> bytes:
 def test_valid_hello_parses(public_key, nonce, listen):
     hello = msgpack.packb({"v": rpc.PROTOCOL_VERSION, "pk": public_key, "nonce": nonce, "listen": listen},
                           use_bin_type=True)
-    assert RPCNode._parse_hello(hello) == (public_key, nonce, tuple(listen) if listen else None)
+    assert tuple(parse_hello(hello)) == (public_key, nonce, tuple(listen) if listen else None)
 
 
 @given(hello_mutations())
@@ -99,8 +101,8 @@ def test_valid_hello_parses(public_key, nonce, listen):
 @example(("v", 1.0))
 @example(("listen", ["h", True]))  # a bool port was accepted as port 1 (fixed)
 def test_one_wrong_hello_field_is_a_handshake_error(mutation):
-    with pytest.raises(HandshakeError):
-        RPCNode._parse_hello(mutated_hello(CLIENT, os.urandom(32), mutation))
+    with pytest.raises(HandshakeFailed):
+        parse_hello(mutated_hello(CLIENT, os.urandom(32), mutation))
 
 
 @given(st.binary(max_size=200) | st.builds(lambda v: msgpack.packb(v, use_bin_type=True),
@@ -109,8 +111,8 @@ def test_one_wrong_hello_field_is_a_handshake_error(mutation):
                                                            k, list)), c, max_size=3), max_leaves=8)))
 def test_any_hello_bytes_give_a_result_or_a_handshake_error(payload):
     try:
-        public_key, nonce, listen = RPCNode._parse_hello(payload)
-    except HandshakeError:
+        public_key, nonce, listen = parse_hello(payload)
+    except HandshakeFailed:
         return
     assert len(public_key) == 32 and len(nonce) == 32 and (listen is None or 0 < listen[1] < 65536)
 
@@ -215,9 +217,8 @@ def test_a_handshake_with_one_thing_wrong_is_a_handshake_error(fault):
         outcome: dict = {}
 
         async def server():
-            parser = framing.FrameParser(1 << 20)
             try:
-                outcome["peer"] = (await node._handshake(server_end, parser))[0]
+                outcome["peer"] = (await node._handshake(server_end, Role.RESPONDER)).peer_id
             except HandshakeError as error:
                 outcome["error"] = error
             await server_end.aclose()
@@ -349,23 +350,25 @@ def test_responses_decode_to_results_typed_errors_or_response_rejected(case):
     note(repr(message))
 
     async def main():
-        network = MemoryNetwork()
-        node = RPCNode(CLIENT, network.host("client"))
-        connection = rpc.Connection(node, None, framing.FrameParser(1 << 20), initiator=True,
-                                    peer_id=SERVER.peer_id, remote_listen=None, dialed=("server", 1))
-        pending = rpc._PendingCall()
-        connection.calls[1] = pending
-        connection._on_response(1, bytearray(wire.encode_bytes(message)))
-        assert pending.done.is_set()
-        return pending
+        connection = RPCConnection(initiator=True, peer_id=SERVER.peer_id, address=("server", 1), idle_timeout=None,
+                                   stats={"calls_received": 0, "error_replies": 0, "rejected_messages": 0})
+        stream_id = connection.start_call("echo", None, deadline=10.0, now=0.0)
+        connection.data_to_send(0.0)
+        outbox = framing.Outbox()
+        outbox.add(stream_id, [wire.encode_bytes(message)])
+        reply = b"".join(bytes(f) for f in outbox.next_frames(budget=1 << 30))
+        (event,) = connection.receive_data(reply, 0.0)
+        assert event.stream_id == stream_id
+        return event
 
-    pending = run_trio(main)
+    event = run_trio(main)
     if expected == "result":
-        assert pending.error is None and pending.result == message[1]
+        assert isinstance(event, CallCompleted) and event.result == message[1]
     elif expected == "rejected":
-        assert isinstance(pending.error, ResponseRejected)
+        assert isinstance(event, CallFailed) and isinstance(event.error, ResponseRejected)
     else:
         code, text = message[1], message[2]
         cls = REGISTERED.get(code, RemoteError)
-        assert type(pending.error) is cls and pending.error.code == code and pending.error.message == text
-        assert pending.error.peer == SERVER.peer_id
+        assert isinstance(event, CallFailed)
+        assert type(event.error) is cls and event.error.code == code and event.error.message == text
+        assert event.error.peer == SERVER.peer_id

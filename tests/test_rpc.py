@@ -269,7 +269,7 @@ async def test_large_transfer_does_not_block_small_calls(transport, clock):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(big_call)
             with trio.fail_after(10):  # wait until the big transfer is really under way
-                while not any(c.outbox.partly_sent for c in a._all_connections):
+                while not any(c.protocol.partly_sent for c in a._all_connections):
                     await trio.sleep(0.0005)  # a poll (lets virtual time advance), not a head start
             start = trio.current_time()
             assert await a.call(b.address, "echo", "small", timeout=30) == "small"
@@ -420,3 +420,43 @@ async def test_simulated_connections_take_the_zero_copy_receive_path(autojump_cl
         assert torch.equal(result, tensor)
     assert sizes, "the RPC reader never used receive_into on a simulated connection"
     assert max(sizes) >= 1 << 20  # a payload went straight into a message-sized target, not the scratch buffer
+
+
+async def test_a_request_sent_with_the_proof_is_served(autojump_clock):
+    """Bytes behind the PROOF in the same read belong to the connection (the handshake hands them on)."""
+    swarm = Swarmlet("memory")
+    async with swarm.peer("b") as b:
+        stream = await raw_connect(swarm, b.address)
+        identity = Identity.generate()
+        nonce = os.urandom(32)
+        hello = msgpack.packb({"v": 1, "pk": identity.public_key, "nonce": nonce, "listen": None},
+                              use_bin_type=True)
+        await stream.send_all(framing.control_frame(framing.HELLO, hello))
+        parser = framing.FrameParser(1 << 20)
+        events = []
+        while not events:
+            events = parser.receive(await stream.receive_some(65536))
+        proof = identity.sign(b"swarmd-rpc-handshake-v1|" + msgpack.unpackb(events[0].payload)["nonce"] + nonce)
+        outbox = framing.Outbox()
+        outbox.add(1, wire.encode(["echo", 5.0, "with the proof"]))
+        request = b"".join(bytes(f) for f in outbox.next_frames())
+        await stream.send_all(framing.control_frame(framing.PROOF, proof) + request)
+        with trio.fail_after(5):
+            while True:
+                replies = [e for e in parser.receive(await stream.receive_some(65536))
+                           if isinstance(e, framing.MessageReceived)]
+                if replies:
+                    break
+        assert wire.decode(replies[0].data) == [0, "with the proof"]
+
+
+async def test_idle_connections_close_and_busy_ones_stay(autojump_clock):
+    swarm = Swarmlet("memory", idle_timeout=10.0)
+    async with swarm.peer("a") as a, swarm.peer("b") as b:
+        assert await a.call(b.address, "echo", 1, timeout=5) == 1
+        await trio.sleep(11)  # virtual: nothing moved for the idle timeout
+        assert a.connection_count() == 0 and b.connection_count() == 0
+        start = trio.current_time()
+        assert await a.call(b.address, "sleep", {"seconds": 25}, timeout=60) == "slept"  # 2.5 idle timeouts
+        assert trio.current_time() - start >= 25
+        assert a.stats["connections_opened"] == 2  # the long call kept its connection

@@ -3,7 +3,9 @@
 - `identity`: Ed25519 identities; PeerID = SHA-1 of the raw public key.
 - `wire`: the one msgpack codec (zero-copy tensors, compression codecs, hard limits, the dtype table).
 - `framing`: sans-I/O framing of messages into interleaved chunks.
-- `rpc`: authenticated RPC over framed streams (handshake, multiplexed calls, deadlines, typed errors).
+- `handshake`: the sans-I/O handshake (who is on the other end, proven by a signed nonce).
+- `rpc_protocol`: the sans-I/O connection protocol (stream ids, replies, error codes, deadlines, cancellation).
+- `rpc`: authenticated RPC, the trio driver of those two cores (`RPCNode`: call, register, listen; typed errors).
 - `net`: transports — real trio sockets, or the in-memory network for deterministic simulation.
 - `bridge`: a background trio thread that synchronous (PyTorch) code calls into.
 - `lifetime`: the nursery an object owns its background tasks in.

@@ -9,114 +9,64 @@ Why this shape:
 - Errors come back as typed frames and are raised as `RemoteError` subclasses; an unknown method is answered at
   once. Nothing a remote peer sends can crash the node: bad frames close that connection, bad messages get an
   error reply to that call only.
+
+Why the split into cores and drivers: what the protocol decides lives in two sans-I/O objects that never touch a
+socket, a task or a clock -- the handshake (`peer.p2p.handshake.Handshake`) and the connection protocol
+(`peer.p2p.rpc_protocol.RPCConnection`: stream ids, replies, error codes, deadlines, cancellation, idleness) --
+so they are tested byte by byte. This module is their trio driver: `RPCNode` dials, accepts, pools connections
+and bounds the connect and handshake phases; `Connection` moves bytes between the socket and its core (reading
+message payloads straight into their buffers with `receiver_into`), wakes the tasks waiting for replies, runs
+handlers under cancel scopes, and sleeps until the core's next deadline. The error classes are defined with the
+core and re-exported here, where callers have always imported them.
 """
 
 from __future__ import annotations
 
 import logging
-import os
+import math
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-import msgpack
 import trio
 
 from peer.p2p import framing, wire
-from peer.p2p.identity import Identity, PeerID, verify_signature
+from peer.p2p.handshake import PROTOCOL_VERSION, Handshake, HandshakeComplete, HandshakeFailed, Role
+from peer.p2p.identity import Identity, PeerID
 from peer.p2p.lifetime import owned_nursery
 from peer.p2p.net import Address, Network, ReceiveInto, receiver_into
+from peer.p2p.rpc_protocol import (
+    BadRequest,
+    CallCompleted,
+    CallFailed,
+    CallTimeout,
+    ConnectionFailed,
+    ConnectionIdle,
+    Event,
+    HandlerFailed,
+    HandshakeError,
+    LocalProtocolError,
+    RemoteError,
+    RemoteProtocolError,
+    RequestCancelled,
+    RequestReceived,
+    ResponseRejected,
+    RPCConnection,
+    RPCError,
+    UnknownMethod,
+    register_error_code,
+)
+
+__all__ = [
+    "PROTOCOL_VERSION", "RPCError", "CallTimeout", "ConnectionFailed", "HandshakeError", "ResponseRejected",
+    "RemoteError", "UnknownMethod", "BadRequest", "HandlerFailed", "LocalProtocolError", "RemoteProtocolError",
+    "register_error_code", "CallContext", "Handler", "Connection", "RPCNode",
+]
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
-_HANDSHAKE_DOMAIN = b"swarmd-rpc-handshake-v1|"
-_NONCE_BYTES = 32
-_COALESCE_BYTES = 64 * 1024
 _SCRATCH_BYTES = 64 * 1024
-
-
-# ------------------------------------------------------------------------------------------------------- errors
-
-
-class RPCError(Exception):
-    """A call failed. Carries the peer, the address and the method, so one log line says everything."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        peer: PeerID | None = None,
-        address: Address | None = None,
-        method: str | None = None,
-    ):
-        super().__init__(message)
-        self.message = message
-        self.peer = peer
-        self.address = address
-        self.method = method
-
-    def __str__(self) -> str:
-        where = []
-        if self.method:
-            where.append(self.method)
-        if self.address:
-            where.append(f"to {self.address[0]}:{self.address[1]}")
-        if self.peer:
-            where.append(f"(peer {self.peer.short()})")
-        return f"{' '.join(where)}: {self.message}" if where else self.message
-
-
-class CallTimeout(RPCError):
-    """No answer before the call's deadline."""
-
-
-class ConnectionFailed(RPCError):
-    """Could not connect, the handshake failed, or the connection was lost while the call was in flight."""
-
-
-class HandshakeError(ConnectionFailed):
-    """The other side could not prove its identity, spoke another protocol version, or was not the peer expected."""
-
-
-class ResponseRejected(RPCError):
-    """The peer's answer broke the wire limits or could not be decoded."""
-
-
-class RemoteError(RPCError):
-    """The remote handler answered with an error; `code` selects the subclass raised here."""
-
-    code = "remote_error"
-
-
-class UnknownMethod(RemoteError):
-    code = "unknown_method"
-
-
-class BadRequest(RemoteError):
-    code = "bad_request"
-
-
-class HandlerFailed(RemoteError):
-    code = "internal"
-
-
-_ERROR_CLASSES: dict[str, type[RemoteError]] = {}
-
-
-def register_error_code(code: str, cls: type[RemoteError]) -> type[RemoteError]:
-    """Make errors with `code` arrive as `cls` on callers (e.g. `moe.errors.ExpertNotFound`)."""
-    existing = _ERROR_CLASSES.get(code)
-    if existing is not None and existing is not cls:
-        raise ValueError(f"error code {code!r} is already registered to {existing.__name__}")
-    if cls.code != code:
-        raise ValueError(f"{cls.__name__}.code is {cls.code!r}, not {code!r}")
-    _ERROR_CLASSES[code] = cls
-    return cls
-
-
-for _cls in (RemoteError, UnknownMethod, BadRequest, HandlerFailed):
-    register_error_code(_cls.code, _cls)
+_TRANSPORT_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
 
 # ------------------------------------------------------------------------------------------------------ calls
@@ -134,11 +84,15 @@ class CallContext:
 Handler = Callable[[CallContext, Any], Awaitable[Any]]
 
 
-@dataclass
 class _PendingCall:
-    done: trio.Event = field(default_factory=trio.Event)
-    result: Any = None
-    error: RPCError | None = None
+    """A caller waiting for its reply; the reader (or the timer, or the connection's end) finishes it."""
+
+    __slots__ = ("done", "result", "error")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.result: Any = None
+        self.error: RPCError | None = None
 
     def finish(self, result: Any = None, error: RPCError | None = None) -> None:
         if not self.done.is_set():
@@ -148,7 +102,7 @@ class _PendingCall:
 
 @dataclass
 class _PendingConnect:
-    done: trio.Event = field(default_factory=trio.Event)
+    done: trio.Event
     connection: "Connection | None" = None
     error: RPCError | None = None
 
@@ -157,67 +111,71 @@ class _PendingConnect:
 
 
 class Connection:
-    """One authenticated connection: a reader, a writer, and the handlers of calls it brought in."""
+    """The trio driver of one authenticated connection: a reader, a writer, a timer, and the handlers of the
+    calls it brought in, all in one nursery. Decisions are the core's (`protocol`); this only does the I/O."""
 
-    def __init__(
-        self,
-        node: "RPCNode",
-        stream: trio.abc.Stream,
-        parser: framing.FrameParser,
-        *,
-        initiator: bool,
-        peer_id: PeerID,
-        remote_listen: Address | None,
-        dialed: Address | None,
-    ):
+    def __init__(self, node: "RPCNode", stream: trio.abc.Stream, handshake: HandshakeComplete, *,
+                 dialed: Address | None):
         self.node = node
         self.stream = stream
-        self.parser = parser
-        self.peer_id = peer_id
-        self.remote_listen = remote_listen
+        self.peer_id = handshake.peer_id
+        self.remote_listen = handshake.remote_listen
         self.dialed = dialed
-        self.outbox = framing.Outbox()
-        self.calls: dict[int, _PendingCall] = {}
+        self.protocol = RPCConnection(
+            initiator=handshake.role is Role.INITIATOR, peer_id=handshake.peer_id, address=self.label,
+            limits=node.limits, methods=node._handlers, budget=node.receive_budget, idle_timeout=node.idle_timeout,
+            now=trio.current_time(), stats=node.stats,
+        )
+        self._leftover = handshake.leftover
+        self.waiters: dict[int, _PendingCall] = {}
         self.handlers: dict[int, trio.CancelScope] = {}
         self.closed = False
         self.close_reason = "closed"
-        self.last_activity = trio.current_time()
-        self._next_stream_id = 1 if initiator else 2
         self._writer_wakeup = trio.Event()
+        self._timer_scope: trio.CancelScope | None = None
         self._nursery: trio.Nursery | None = None
 
     @property
     def label(self) -> Address | None:
         return self.dialed or self.remote_listen
 
-    def next_stream_id(self) -> int:
-        stream_id = self._next_stream_id
-        self._next_stream_id = (self._next_stream_id + 2) % (1 << 32) or (1 if stream_id % 2 else 2)
-        return stream_id
-
-    def enqueue(self, stream_id: int, parts: list) -> None:
-        self.outbox.add(stream_id, parts)
+    async def call(self, method: str, args: Any, *, deadline: float,
+                   compression: wire.Compression = wire.Compression.NONE) -> Any:
+        """One call on this connection; the core fails it with `CallTimeout` at `deadline` (trio clock)."""
+        protocol = self.protocol
+        stream_id = protocol.start_call(method, args, deadline=deadline, now=trio.current_time(),
+                                        compression=compression)
+        waiter = self.waiters[stream_id] = _PendingCall()
         self._writer_wakeup.set()
+        self._schedule(deadline)
+        try:
+            await waiter.done.wait()
+        finally:
+            if not waiter.done.is_set():  # the caller was cancelled: stop the remote handler too
+                del self.waiters[stream_id]
+                protocol.cancel_call(stream_id)
+                self._writer_wakeup.set()
+        if waiter.error is not None:
+            raise waiter.error
+        return waiter.result
 
-    def cancel_stream(self, stream_id: int) -> None:
-        if not self.closed:
-            self.outbox.cancel(stream_id)
-            self._writer_wakeup.set()
+    def _schedule(self, deadline: float | None) -> None:
+        """Wake the timer earlier if `deadline` comes before the one it sleeps until."""
+        scope = self._timer_scope
+        if deadline is not None and scope is not None and deadline < scope.deadline:
+            scope.deadline = deadline
 
-    async def run(self, first_events: list[framing.Event]) -> None:
+    async def run(self) -> None:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self._writer)
-                nursery.start_soon(self._idle_watchdog)
-                await self._reader(first_events)
+                nursery.start_soon(self._timer)
+                await self._reader()
                 nursery.cancel_scope.cancel()
         finally:
             self.closed = True
-            self.parser.close()
-            for call in self.calls.values():
-                call.finish(error=ConnectionFailed(f"connection lost: {self.close_reason}", peer=self.peer_id,
-                                                   address=self.label))
+            self._deliver(self.protocol.connection_lost(self.close_reason))
             self.node._forget(self)
             with trio.CancelScope(shield=True):
                 await trio.aclose_forcefully(self.stream)
@@ -229,182 +187,139 @@ class Connection:
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
 
-    async def _reader(self, first_events: list[framing.Event]) -> None:
+    # ---------------------------------------------------------------------------------------- tasks
+
+    async def _reader(self) -> None:
         try:
-            self._handle_events(first_events)
+            if self._leftover:
+                self._deliver(self.protocol.receive_data(self._leftover, trio.current_time()))
+                self._leftover = b""
             await self._read_into_messages(receiver_into(self.stream))
-        except framing.FramingError as error:
+        except RemoteProtocolError as error:
+            self._deliver(error.events)
             self.node.stats["protocol_errors"] += 1
-            logger.warning("closing connection to peer %s: %s", self.peer_id.short(), error)
+            where = f" at {self.label[0]}:{self.label[1]}" if self.label else ""
+            logger.warning("closing connection to peer %s%s: protocol error while receiving: %s",
+                           self.peer_id.short(), where, error)
             self.close_reason = f"protocol error: {error}"
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
+        except _TRANSPORT_ERRORS as error:
             self.close_reason = f"reset ({error.__class__.__name__})"
 
     async def _read_into_messages(self, receive_into: ReceiveInto) -> None:
         """Read message payloads straight into their final buffers (one copy, by the kernel on real sockets);
         in-memory streams take the same path (`MemoryStream.receive_into`)."""
+        protocol = self.protocol
         scratch = bytearray(_SCRATCH_BYTES)
         scratch_view = memoryview(scratch)
+        current_time = trio.current_time
         while True:
-            target = self.parser.receive_target()
+            target = protocol.receive_target()
             if target is not None:
                 received = await receive_into(target)
                 if not received:
                     self.close_reason = "closed by peer"
                     return
-                events = self.parser.advance(received)
+                events = protocol.advance(received, current_time())
             else:
                 received = await receive_into(scratch)
                 if not received:
                     self.close_reason = "closed by peer"
                     return
-                events = self.parser.receive(scratch_view[:received])
-            self.last_activity = trio.current_time()
+                events = protocol.receive_data(scratch_view[:received], current_time())
             if events:
-                self._handle_events(events)
+                self._deliver(events)
+            elif protocol.outbox:  # error replies the core queued on its own
+                self._writer_wakeup.set()
 
     async def _writer(self) -> None:
+        protocol, stream = self.protocol, self.stream
         try:
             while True:
-                if not self.outbox:
+                writes = protocol.data_to_send(trio.current_time())
+                if not writes:
                     self._writer_wakeup = trio.Event()
                     await self._writer_wakeup.wait()
                     continue
-                small: list = []
-                small_size = 0
-                for frame in self.outbox.next_frames():
-                    if len(frame) < _COALESCE_BYTES:
-                        small.append(frame)
-                        small_size += len(frame)
-                        if small_size < _COALESCE_BYTES:
-                            continue
-                    if small:
-                        await self.stream.send_all(b"".join(small))
-                        small, small_size = [], 0
-                    if len(frame) >= _COALESCE_BYTES:
-                        await self.stream.send_all(frame)
-                if small:
-                    await self.stream.send_all(b"".join(small))
-                self.last_activity = trio.current_time()
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
+                for buffer in writes:
+                    await stream.send_all(buffer)
+        except _TRANSPORT_ERRORS as error:
             self._close(f"send failed ({error.__class__.__name__})")
 
-    async def _idle_watchdog(self) -> None:
-        """Close connections that carry nothing (including half-sent frames from a peer gone quiet)."""
-        timeout = self.node.idle_timeout
+    async def _timer(self) -> None:
+        """Sleep until the core's next deadline, then let it expire what is due (calls, handlers, idleness)."""
+        protocol = self.protocol
         while True:
-            await trio.sleep_until(self.last_activity + timeout)
-            idle = trio.current_time() - self.last_activity >= timeout
-            if idle and not self.calls and not self.handlers and not self.outbox:
-                self._close("idle")
-                return
-            if idle:
-                self.last_activity = trio.current_time()
+            deadline = protocol.next_deadline()
+            with trio.CancelScope(deadline=math.inf if deadline is None else deadline) as scope:
+                self._timer_scope = scope
+                await trio.sleep_forever()
+            self._timer_scope = None
+            self._deliver(protocol.timeouts(trio.current_time()))
 
     # ---------------------------------------------------------------------------------------- events
 
-    def _is_my_stream(self, stream_id: int) -> bool:
-        return stream_id % 2 == self._next_stream_id % 2
-
-    def _handle_events(self, events: list[framing.Event]) -> None:
+    def _deliver(self, events: list[Event]) -> None:
         for event in events:
-            if isinstance(event, framing.MessageReceived):
-                if self._is_my_stream(event.stream_id):
-                    self._on_response(event.stream_id, event.data)
-                else:
-                    self._on_request(event.stream_id, event.data)
-            elif isinstance(event, framing.MessageRejected):
-                self.node.stats["rejected_messages"] += 1
-                if self._is_my_stream(event.stream_id):
-                    call = self.calls.get(event.stream_id)
-                    if call is not None:
-                        call.finish(error=ResponseRejected(event.reason, peer=self.peer_id, address=self.label))
-                else:
-                    self._send_error(event.stream_id, BadRequest.code, event.reason)
-            elif isinstance(event, framing.StreamCancelled):
+            kind = type(event)
+            if kind is CallCompleted:
+                waiter = self.waiters.pop(event.stream_id, None)
+                if waiter is not None:
+                    waiter.finish(result=event.result)
+            elif kind is CallFailed:
+                waiter = self.waiters.pop(event.stream_id, None)
+                if waiter is not None:
+                    waiter.finish(error=event.error)
+            elif kind is RequestReceived:
+                self._start_handler(event)
+            elif kind is RequestCancelled:
                 scope = self.handlers.get(event.stream_id)
                 if scope is not None:
                     scope.cancel()
-            elif isinstance(event, framing.ControlFrame):
-                raise framing.FramingError(f"unexpected control frame {event.kind:#x} after the handshake")
+            elif kind is ConnectionIdle:
+                self._close("idle")
+        if self.protocol.outbox:
+            self._writer_wakeup.set()
 
-    def _on_response(self, stream_id: int, data: bytearray) -> None:
-        call = self.calls.get(stream_id)
-        if call is None:
-            return  # the caller gave up already
-        try:
-            message = wire.decode(data, limits=self.node.limits)
-            if not isinstance(message, list) or not message or message[0] not in (0, 1):
-                raise wire.WireError("malformed response envelope")
-            if message[0] == 0:
-                call.finish(result=message[1] if len(message) > 1 else None)
-                return
-            code, text = str(message[1]), str(message[2])
-        except (wire.WireError, IndexError) as error:
-            call.finish(error=ResponseRejected(str(error), peer=self.peer_id, address=self.label))
-            return
-        cls = _ERROR_CLASSES.get(code, RemoteError)
-        error = cls(text, peer=self.peer_id, address=self.label)
-        if cls is RemoteError:
-            error.code = code
-        call.finish(error=error)
-
-    def _on_request(self, stream_id: int, data: bytearray) -> None:
-        self.node.stats["calls_received"] += 1
-        try:
-            message = wire.decode(data, limits=self.node.limits)
-        except wire.WireError as error:
-            self._send_error(stream_id, BadRequest.code, f"undecodable request: {error}")
-            return
-        if (
-            not isinstance(message, list)
-            or len(message) != 3
-            or not isinstance(message[0], str)
-            or not (message[1] is None or isinstance(message[1], (int, float)))
-        ):
-            self._send_error(stream_id, BadRequest.code, "malformed request envelope")
-            return
-        method, timeout, args = message
-        handler = self.node._handlers.get(method)
-        if handler is None:
-            self._send_error(stream_id, UnknownMethod.code, f"unknown method {method!r}")
-            return
+    def _start_handler(self, request: RequestReceived) -> None:
         assert self._nursery is not None
-        scope = trio.CancelScope()
-        if timeout is not None:
-            scope.deadline = trio.current_time() + max(0.0, float(timeout))
-        self.handlers[stream_id] = scope
-        self._nursery.start_soon(self._serve_call, stream_id, method, args, handler, scope)
+        scope = self.handlers[request.stream_id] = trio.CancelScope()
+        self._schedule(request.deadline)
+        self._nursery.start_soon(self._serve_call, request.stream_id, request.method, request.args,
+                                 self.node._handlers[request.method], scope)
 
     async def _serve_call(self, stream_id: int, method: str, args: Any, handler: Handler,
                           scope: trio.CancelScope) -> None:
         context = CallContext(self.peer_id, self.remote_listen, method)
+        protocol, stats = self.protocol, self.node.stats
+        answered = False
         try:
             with scope:
                 try:
-                    result = await handler(context, args)
-                    parts = wire.encode([0, result])
-                except RemoteError as error:  # a typed refusal (bad input, no such expert...): still a failed call
-                    self.node.stats["handler_errors"] += 1
-                    parts = wire.encode([1, error.code, error.message])
+                    try:
+                        result = await handler(context, args)
+                    except RemoteError as error:  # a typed refusal (bad input, no such expert...): a failed call
+                        stats["handler_errors"] += 1
+                        protocol.send_error(stream_id, error.code, error.message)
+                    else:
+                        protocol.send_reply(stream_id, result)
                 except wire.WireError as error:
-                    self.node.stats["handler_failures"] += 1
-                    logger.error("%s handler returned an unencodable result: %s", method, error)
-                    parts = wire.encode([1, HandlerFailed.code, f"unencodable result: {error}"])
+                    stats["handler_failures"] += 1
+                    logger.error("%s handler returned an unencodable result for peer %s: %s", method,
+                                 self.peer_id.short(), error)
+                    protocol.send_error(stream_id, HandlerFailed.code, f"unencodable result: {error}")
                 except Exception as error:  # a bug in a handler must not take the connection down
-                    self.node.stats["handler_failures"] += 1
+                    stats["handler_failures"] += 1
                     logger.exception("%s handler failed for peer %s", method, self.peer_id.short())
-                    parts = wire.encode([1, HandlerFailed.code, f"{error.__class__.__name__}: {error}"])
-                self.enqueue(stream_id, parts)
-                self.node.stats["calls_served"] += 1
+                    protocol.send_error(stream_id, HandlerFailed.code, f"{error.__class__.__name__}: {error}")
+                answered = True
+                self._writer_wakeup.set()
+                stats["calls_served"] += 1
             if scope.cancelled_caught:  # past the caller's deadline, or the caller cancelled it
-                self.node.stats["handlers_cancelled"] += 1
+                stats["handlers_cancelled"] += 1
         finally:
             self.handlers.pop(stream_id, None)
-
-    def _send_error(self, stream_id: int, code: str, message: str) -> None:
-        self.node.stats["error_replies"] += 1
-        self.enqueue(stream_id, wire.encode([1, code, message]))
+            if not answered:
+                protocol.abandon_request(stream_id)
 
 
 # ------------------------------------------------------------------------------------------------------ node
@@ -500,20 +415,16 @@ class RPCNode:
         return self.announce or self.address
 
     async def _accept(self, stream: trio.abc.Stream) -> None:
-        parser = framing.FrameParser(self.limits.max_message_bytes, budget=self.receive_budget,
-                                     allocate=wire.message_buffer)
         try:
-            peer_id, remote_listen, events = await self._handshake(stream, parser)
+            handshake = await self._handshake(stream, Role.RESPONDER)
         except HandshakeError as error:
-            parser.close()
             self.stats["handshake_failures"] += 1
             logger.debug("rejected incoming connection: %s", error)
             return
         self.stats["connections_accepted"] += 1
-        connection = Connection(self, stream, parser, initiator=False, peer_id=peer_id,
-                                remote_listen=remote_listen, dialed=None)
+        connection = Connection(self, stream, handshake, dialed=None)
         self._all_connections.add(connection)
-        await connection.run(events)
+        await connection.run()
 
     # ----------------------------------------------------------------------------------- calling
 
@@ -527,32 +438,20 @@ class RPCNode:
         peer_id: PeerID | None = None,
         compression: wire.Compression = wire.Compression.NONE,
     ) -> Any:
-        """Call `method` on the peer at `address`; raises an `RPCError` subclass on any failure."""
+        """Call `method` on the peer at `address`; raises an `RPCError` subclass on any failure. The deadline
+        bounds connecting here, and then the call in the connection's core (which also tells the remote handler)."""
         address = (str(address[0]), int(address[1]))
         deadline = trio.current_time() + timeout
         self.stats["calls_sent"] += 1
-        connection: Connection | None = None
         try:
-            with trio.move_on_at(deadline):
-                connection = await self._get_connection(address, peer_id, method)
-                stream_id = connection.next_stream_id()
-                pending = _PendingCall()
-                connection.calls[stream_id] = pending
-                try:
-                    remaining = max(0.0, deadline - trio.current_time())
-                    connection.enqueue(stream_id, wire.encode([method, remaining, args], compression=compression))
-                    await pending.done.wait()
-                finally:
-                    connection.calls.pop(stream_id, None)
-                    if not pending.done.is_set():
-                        connection.cancel_stream(stream_id)
-                if pending.error is not None:
-                    pending.error.method = method
-                    pending.error.address = address
-                    raise pending.error
-                return pending.result
-            raise CallTimeout(f"no answer within {timeout:.3g} s", address=address, method=method,
-                              peer=connection.peer_id if connection else peer_id)
+            connection = self._connections.get(address)
+            if connection is None or connection.closed or (peer_id is not None and connection.peer_id != peer_id):
+                connection = None  # connect first (or explain the mismatch), within the deadline
+                with trio.move_on_at(deadline):
+                    connection = await self._get_connection(address, peer_id, method)
+            if connection is None:
+                raise CallTimeout(f"no answer within {timeout:.3g} s", address=address, method=method, peer=peer_id)
+            return await connection.call(method, args, deadline=deadline, compression=compression)
         except RPCError:
             self.stats["calls_failed"] += 1
             raise
@@ -562,7 +461,7 @@ class RPCNode:
         if connection is None or connection.closed:
             pending = self._connecting.get(address)
             if pending is None:
-                pending = self._connecting[address] = _PendingConnect()
+                pending = self._connecting[address] = _PendingConnect(trio.Event())
                 self._require_nursery().start_soon(self._connect, address, pending)
             await pending.done.wait()
             if pending.error is not None:
@@ -594,31 +493,27 @@ class RPCNode:
                 pending.done.set()
         if opened is None:
             return
-        stream, parser, peer_id, remote_listen, events = opened
+        stream, handshake = opened
         self.stats["connections_opened"] += 1
-        connection = Connection(self, stream, parser, initiator=True, peer_id=peer_id,
-                                remote_listen=remote_listen, dialed=address)
+        connection = Connection(self, stream, handshake, dialed=address)
         self._connections[address] = connection
         self._all_connections.add(connection)
         pending.connection = connection
         pending.done.set()
-        await connection.run(events)
+        await connection.run()
 
-    async def _open(self, address: Address) -> tuple:
+    async def _open(self, address: Address) -> tuple[trio.abc.Stream, HandshakeComplete]:
         with trio.move_on_after(self.connect_timeout):
             try:
                 stream = await self.network.connect_tcp(address)
             except OSError as error:
                 raise ConnectionFailed(f"cannot connect: {error.strerror or error}", address=address) from None
             try:
-                parser = framing.FrameParser(self.limits.max_message_bytes, budget=self.receive_budget,
-                                             allocate=wire.message_buffer)
-                peer_id, remote_listen, events = await self._handshake(stream, parser)
+                handshake = await self._handshake(stream, Role.INITIATOR)
             except BaseException:
-                parser.close()
                 await trio.aclose_forcefully(stream)
                 raise
-            return stream, parser, peer_id, remote_listen, events
+            return stream, handshake
         raise ConnectionFailed(f"no connection within {self.connect_timeout:.3g} s", address=address)
 
     def _forget(self, connection: Connection) -> None:
@@ -629,76 +524,27 @@ class RPCNode:
     def connection_count(self) -> int:
         return len(self._all_connections)
 
+
     # ----------------------------------------------------------------------------------- handshake
 
-    async def _handshake(
-        self, stream: trio.abc.Stream, parser: framing.FrameParser
-    ) -> tuple[PeerID, Address | None, list[framing.Event]]:
-        """Both sides send HELLO (version, public key, nonce, listen address), then PROOF: a signature of the
-        other side's nonce followed by their own. Returns the authenticated PeerID, the announced address and
-        any events that arrived behind the proof."""
-        nonce = os.urandom(_NONCE_BYTES)
-        listen = self.announced_address
-        hello = msgpack.packb(
-            {"v": PROTOCOL_VERSION, "pk": self.identity.public_key, "nonce": nonce,
-             "listen": [listen[0], listen[1]] if listen else None},
-            use_bin_type=True,
-        )
-        backlog: list[framing.Event] = []
-        with trio.move_on_after(self.handshake_timeout) as scope:
+    async def _handshake(self, stream: trio.abc.Stream, role: Role) -> HandshakeComplete:
+        """Drive a `Handshake` over `stream` within `handshake_timeout`; every failure is a `HandshakeError`."""
+        handshake = Handshake(self.identity, role, listen=self.announced_address)
+        with trio.move_on_after(self.handshake_timeout):
             try:
-                await stream.send_all(framing.control_frame(framing.HELLO, hello))
-                theirs = self._parse_hello(await self._read_control(stream, parser, framing.HELLO, backlog))
-                public_key, their_nonce, remote_listen = theirs
-                proof = self.identity.sign(_HANDSHAKE_DOMAIN + their_nonce + nonce)
-                await stream.send_all(framing.control_frame(framing.PROOF, proof))
-                their_proof = await self._read_control(stream, parser, framing.PROOF, backlog)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
+                await stream.send_all(handshake.data_to_send())
+                while True:
+                    data = await stream.receive_some(framing.MAX_CONTROL_BYTES)
+                    if not data:
+                        raise handshake.connection_closed()
+                    events = handshake.receive_data(data)
+                    reply = handshake.data_to_send()
+                    if reply:
+                        await stream.send_all(reply)
+                    if events:
+                        return events[0]
+            except _TRANSPORT_ERRORS as error:
                 raise HandshakeError(f"connection lost during handshake ({error.__class__.__name__})") from None
-            except framing.FramingError as error:
-                raise HandshakeError(f"not a swarmd peer: {error}") from None
-        if scope.cancelled_caught:
-            raise HandshakeError(f"handshake not completed within {self.handshake_timeout:.3g} s")
-        peer_id = PeerID.from_public_key(public_key)
-        if not verify_signature(public_key, their_proof, _HANDSHAKE_DOMAIN + nonce + their_nonce):
-            raise HandshakeError("the peer could not prove it holds its key", peer=peer_id)
-        return peer_id, remote_listen, backlog
-
-    async def _read_control(self, stream: trio.abc.Stream, parser: framing.FrameParser, kind: int,
-                            backlog: list[framing.Event]) -> bytes:
-        while True:
-            while backlog:
-                event = backlog.pop(0)
-                if isinstance(event, framing.ControlFrame) and event.kind == kind:
-                    return event.payload  # whatever follows stays in the backlog for the connection
-                if isinstance(event, framing.ControlFrame) and event.kind == framing.ERROR:
-                    raise HandshakeError(f"peer refused: {event.payload[:200].decode('utf-8', 'replace')}")
-                raise framing.FramingError("unexpected frame during the handshake")
-            data = await stream.receive_some(framing.MAX_CONTROL_BYTES)
-            if not data:
-                raise HandshakeError("connection closed during handshake")
-            backlog.extend(parser.receive(data))
-
-    @staticmethod
-    def _parse_hello(payload: bytes) -> tuple[bytes, bytes, Address | None]:
-        try:
-            hello = msgpack.unpackb(payload, raw=False, max_str_len=1024, max_bin_len=1024,
-                                    max_array_len=16, max_map_len=16)
-        except Exception as error:  # msgpack raises several unrelated types for garbage
-            raise HandshakeError(f"unreadable hello: {error.__class__.__name__}") from None
-        if not isinstance(hello, dict):
-            raise HandshakeError("unreadable hello")
-        if type(hello.get("v")) is not int or hello["v"] != PROTOCOL_VERSION:  # True and 1.0 equal 1 in Python
-            raise HandshakeError(f"protocol version {hello.get('v')!r}, expected {PROTOCOL_VERSION}")
-        public_key, nonce, listen = hello.get("pk"), hello.get("nonce"), hello.get("listen")
-        if not isinstance(public_key, bytes) or len(public_key) != 32:
-            raise HandshakeError("hello without a valid public key")
-        if not isinstance(nonce, bytes) or len(nonce) != _NONCE_BYTES:
-            raise HandshakeError("hello without a valid nonce")
-        address: Address | None = None
-        if listen is not None:
-            if (not isinstance(listen, list) or len(listen) != 2 or not isinstance(listen[0], str)
-                    or type(listen[1]) is not int or not 0 < listen[1] < 65536):  # a bool is no port
-                raise HandshakeError("hello with a malformed listen address")
-            address = (listen[0], listen[1])
-        return public_key, nonce, address
+            except HandshakeFailed as error:
+                raise HandshakeError(str(error), peer=error.peer_id) from None
+        raise HandshakeError(f"handshake not completed within {self.handshake_timeout:.3g} s")

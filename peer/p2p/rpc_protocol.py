@@ -1,0 +1,543 @@
+"""The RPC connection protocol as a sans-I/O core: call ids, multiplexing, deadlines, cancellation, error frames.
+
+Why a core apart from the trio driver (`peer.p2p.rpc.Connection`): everything a connection decides -- which stream
+id a call gets, what a reply means, which error class a code maps to, when a call's deadline has passed, when an
+idle connection may close, what a hostile byte means -- is plain data handling. Kept free of sockets, tasks,
+cancel scopes and clocks (time is passed in as a number), it can be driven byte by byte in tests, every split
+boundary and every expiry reached by passing a number, and the driver shrinks to moving bytes, waking tasks and
+running handlers. The same holds for the handshake (`peer.p2p.handshake`), whose result this core is built from,
+so a later handshake that also agrees on keys changes what the two cores do inside, not the driver.
+
+Shape (h11-like): `receive_data(bytes, now)` (or `receive_target()` + `advance(n, now)` for zero-copy reads)
+returns events (`RequestReceived`, `RequestCancelled`, `CallCompleted`, `CallFailed`); `start_call`, `cancel_call`,
+`send_reply`, `send_error`, `abandon_request` queue frames, which `data_to_send(now)` hands out as buffers to write
+in order; `next_deadline()` says when to call `timeouts(now)`, which expires calls and requests and reports an
+idle connection (`ConnectionIdle`).
+
+Errors, three kinds kept apart:
+- `RemoteProtocolError`: the remote broke the protocol (a bad frame, a control frame after the handshake, a
+  reused stream id); the connection cannot continue and the core refuses further input.
+- `LocalProtocolError`: we asked for something the protocol does not allow (a call on a closed connection, a
+  second reply to one request): a bug on our side, raised at the call that made it.
+- `RPCError` subclasses: what one call's caller sees. Replies `[1, code, text]` map to the `RemoteError` subclass
+  registered for `code` (`register_error_code`), in `remote_error` only; a single bad message fails only its call
+  (`ResponseRejected`) or gets an error reply (`BadRequest`), and the connection goes on.
+
+Messages: request `[method, timeout_s | None, args]`, reply `[0, result]` or `[1, code, text]`, each one framed
+message (`peer.p2p.framing`) on its own stream id: odd ids for the calls of the side that dialed, even for the
+other side's, so replies and requests never collide.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Any, Container, MutableMapping, Union
+
+from peer.p2p import framing, wire
+from peer.p2p.identity import PeerID
+
+Address = tuple[str, int]  # (host, port), as `peer.p2p.net.Address`; not imported, the core needs no trio
+
+_COALESCE_BYTES = 64 * 1024
+
+
+# ------------------------------------------------------------------------------------------------------- errors
+
+
+class LocalProtocolError(Exception):
+    """We asked the protocol to do something it does not allow: a bug on this side, never the remote's doing."""
+
+
+class RemoteProtocolError(Exception):
+    """The remote sent something the protocol does not allow; the connection (or handshake) cannot go on.
+
+    `events` are those the same input produced before the bad byte (replies that did arrive complete): the driver
+    delivers them before it closes, so no call that was answered is reported lost."""
+
+    def __init__(self, message: str, events: "list[Event] | None" = None):
+        super().__init__(message)
+        self.events: list[Event] = events if events is not None else []
+
+
+class RPCError(Exception):
+    """A call failed. Carries the peer, the address and the method, so one log line says everything."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        peer: PeerID | None = None,
+        address: Address | None = None,
+        method: str | None = None,
+    ):
+        super().__init__(message)
+        self.message = message
+        self.peer = peer
+        self.address = address
+        self.method = method
+
+    def __str__(self) -> str:
+        where = []
+        if self.method:
+            where.append(self.method)
+        if self.address:
+            where.append(f"to {self.address[0]}:{self.address[1]}")
+        if self.peer:
+            where.append(f"(peer {self.peer.short()})")
+        return f"{' '.join(where)}: {self.message}" if where else self.message
+
+
+class CallTimeout(RPCError):
+    """No answer before the call's deadline."""
+
+
+class ConnectionFailed(RPCError):
+    """Could not connect, the handshake failed, or the connection was lost while the call was in flight."""
+
+
+class HandshakeError(ConnectionFailed):
+    """The other side could not prove its identity, spoke another protocol version, or was not the peer expected."""
+
+
+class ResponseRejected(RPCError):
+    """The peer's answer broke the wire limits or could not be decoded."""
+
+
+class RemoteError(RPCError):
+    """The remote handler answered with an error; `code` selects the subclass raised here."""
+
+    code = "remote_error"
+
+
+class UnknownMethod(RemoteError):
+    code = "unknown_method"
+
+
+class BadRequest(RemoteError):
+    code = "bad_request"
+
+
+class HandlerFailed(RemoteError):
+    code = "internal"
+
+
+_ERROR_CLASSES: dict[str, type[RemoteError]] = {}
+
+
+def register_error_code(code: str, cls: type[RemoteError]) -> type[RemoteError]:
+    """Make errors with `code` arrive as `cls` on callers (e.g. `moe.errors.ExpertNotFound`)."""
+    existing = _ERROR_CLASSES.get(code)
+    if existing is not None and existing is not cls:
+        raise ValueError(f"error code {code!r} is already registered to {existing.__name__}")
+    if cls.code != code:
+        raise ValueError(f"{cls.__name__}.code is {cls.code!r}, not {code!r}")
+    _ERROR_CLASSES[code] = cls
+    return cls
+
+
+for _cls in (RemoteError, UnknownMethod, BadRequest, HandlerFailed):
+    register_error_code(_cls.code, _cls)
+
+
+def remote_error(code: str, text: str, *, peer: PeerID | None = None, address: Address | None = None,
+                 method: str | None = None) -> RemoteError:
+    """The one place an error reply's code becomes an exception: the registered class, else `RemoteError`
+    carrying the unknown code (so a newer peer's codes still reach callers intact)."""
+    cls = _ERROR_CLASSES.get(code, RemoteError)
+    error = cls(text, peer=peer, address=address, method=method)
+    if cls is RemoteError:
+        error.code = code
+    return error
+
+
+# ------------------------------------------------------------------------------------------------------ events
+
+
+@dataclass(slots=True)
+class RequestReceived:
+    """The remote calls `method`: run its handler, then `send_reply` / `send_error` (or `abandon_request`)."""
+
+    stream_id: int
+    method: str
+    args: Any
+    deadline: float | None  # absolute, on the clock `now` is read from: the caller's deadline bounds the handler
+
+
+@dataclass(slots=True)
+class RequestCancelled:
+    """Stop the handler of a request: the remote gave up on it (`expired` False) or its deadline passed (True)."""
+
+    stream_id: int
+    expired: bool
+
+
+@dataclass(slots=True)
+class CallCompleted:
+    stream_id: int
+    result: Any
+
+
+@dataclass(slots=True)
+class CallFailed:
+    """The call is over with `error`: a typed remote error, a rejected reply, its deadline, or the connection lost."""
+
+    stream_id: int
+    error: RPCError
+
+
+@dataclass(slots=True)
+class ConnectionIdle:
+    """Nothing moved for `idle_timeout` and nothing is in flight: the driver should close the connection."""
+
+
+Event = Union[RequestReceived, RequestCancelled, CallCompleted, CallFailed, ConnectionIdle]
+
+
+@dataclass(slots=True)
+class _Call:
+    method: str
+    deadline: float
+    timeout: float
+
+
+@dataclass(slots=True)
+class _Request:
+    deadline: float | None
+    cancelled: bool = False
+
+
+# ------------------------------------------------------------------------------------------------------- core
+
+
+class RPCConnection:
+    """One authenticated connection's protocol state, built from the handshake's `HandshakeComplete`.
+
+    `initiator` picks the stream ids (odd for the side that dialed); `peer_id` and `address` go into every error;
+    `methods` answers "is there a handler?" so unknown methods get an `UnknownMethod` reply at once; `stats` (the
+    node's counters, shared by its connections) counts `calls_received`, `error_replies` and `rejected_messages`.
+    """
+
+    def __init__(
+        self,
+        *,
+        initiator: bool,
+        peer_id: PeerID,
+        address: Address | None = None,
+        limits: wire.Limits = wire.DEFAULT_LIMITS,
+        methods: Container[str] = (),
+        budget: framing.ReceiveBudget | None = None,
+        idle_timeout: float | None = 300.0,
+        now: float = 0.0,
+        stats: MutableMapping[str, int] | None = None,
+        chunk_bytes: int = framing.CHUNK_BYTES,
+    ):
+        self.initiator = initiator
+        self.peer_id = peer_id
+        self.address = address
+        self.limits = limits
+        self.methods = methods
+        self.idle_timeout = idle_timeout
+        self.stats: MutableMapping[str, int] = stats if stats is not None else {
+            "calls_received": 0, "error_replies": 0, "rejected_messages": 0}
+        self.parser = framing.FrameParser(limits.max_message_bytes, chunk_bytes, budget=budget,
+                                          allocate=wire.message_buffer)
+        self.outbox = framing.Outbox(chunk_bytes=chunk_bytes)
+        self.calls: dict[int, _Call] = {}
+        self.requests: dict[int, _Request] = {}
+        self.last_activity = now
+        self.closed = False
+        self.broken: RemoteProtocolError | None = None
+        self._parity = 1 if initiator else 0
+        self._next_stream_id = 1 if initiator else 2
+        self._deadlines: list[tuple[float, int]] = []  # (deadline, stream id), stale entries skipped lazily
+
+    # ---------------------------------------------------------------------------------------- state
+
+    @property
+    def busy(self) -> bool:
+        """Calls, requests or bytes in flight: an idle timeout must not close the connection."""
+        return bool(self.calls) or bool(self.requests) or bool(self.outbox)
+
+    @property
+    def partly_sent(self) -> int:
+        """Messages whose first chunks left and whose rest is still waiting (see `framing.Outbox`)."""
+        return self.outbox.partly_sent
+
+    def _check_open(self, action: str) -> None:
+        if self.closed:
+            raise LocalProtocolError(f"{action} on a closed connection to peer {self.peer_id.short()}")
+
+    def _is_my_stream(self, stream_id: int) -> bool:
+        return stream_id % 2 == self._parity
+
+    # ---------------------------------------------------------------------------------------- calling
+
+    def start_call(self, method: str, args: Any, *, deadline: float, now: float,
+                   compression: wire.Compression = wire.Compression.NONE) -> int:
+        """Queue a call; its answer (or failure) arrives as an event with the returned stream id. The remote
+        handler is told the time left, so it stops when the caller would stop waiting. Raises `wire.WireError`
+        (nothing queued) when `args` cannot be encoded."""
+        self._check_open(f"call {method!r}")
+        timeout = max(0.0, deadline - now)
+        parts = wire.encode([method, timeout, args], compression=compression)
+        stream_id = self._next_stream_id
+        self._next_stream_id = (stream_id + 2) % (1 << 32) or (1 if stream_id % 2 else 2)
+        if stream_id in self.calls:
+            raise LocalProtocolError(f"stream id {stream_id} is still in use: 2**31 calls in flight")
+        self.calls[stream_id] = _Call(method, deadline, timeout)
+        self._push_deadline(deadline, stream_id)
+        self.outbox.add(stream_id, parts)
+        return stream_id
+
+    def cancel_call(self, stream_id: int) -> None:
+        """The caller gave up: forget the call; if any of it was sent, a CANCEL frame stops the remote handler."""
+        if self.calls.pop(stream_id, None) is not None and not self.closed:
+            self.outbox.cancel(stream_id)
+
+    # ---------------------------------------------------------------------------------------- serving
+
+    def _take_request(self, stream_id: int, action: str) -> _Request | None:
+        request = self.requests.pop(stream_id, None)
+        if request is None and not self.closed:
+            raise LocalProtocolError(f"{action} for stream {stream_id}, which has no request in flight")
+        return request
+
+    def send_reply(self, stream_id: int, result: Any) -> None:
+        """Answer a request. A cancelled or expired request's reply is dropped (the caller is gone); raises
+        `wire.WireError` with the request still open when `result` cannot be encoded (then `send_error`)."""
+        request = self.requests.get(stream_id)
+        if request is None or request.cancelled or self.closed:
+            self._take_request(stream_id, "reply")
+            return
+        parts = wire.encode([0, result])
+        del self.requests[stream_id]
+        self.outbox.add(stream_id, parts)
+
+    def send_error(self, stream_id: int, code: str, message: str) -> None:
+        """Answer a request with a typed error (the caller raises the class registered for `code`)."""
+        request = self._take_request(stream_id, "error reply")
+        if request is not None and not request.cancelled and not self.closed:
+            self._queue_error(stream_id, code, message)
+
+    def abandon_request(self, stream_id: int) -> None:
+        """The handler ended without an answer (it was cancelled): forget the request."""
+        self._take_request(stream_id, "abandon")
+
+    def _queue_error(self, stream_id: int, code: str, message: str) -> None:
+        self.stats["error_replies"] += 1
+        self.outbox.add(stream_id, wire.encode([1, code, message]))
+
+    # ---------------------------------------------------------------------------------------- receiving
+
+    def receive_target(self) -> memoryview | None:
+        """Where the next received bytes belong when a message payload is arriving (read into it, then
+        `advance`); None means read into any buffer and pass it to `receive_data`."""
+        return self.parser.receive_target()
+
+    def advance(self, n: int, now: float) -> list[Event]:
+        """`n` bytes were written into the view `receive_target` returned."""
+        events: list[Event] = []
+        if self._accepts_input():
+            self.last_activity = now
+            try:
+                self._on_frames(self.parser.advance(n), now, events)
+            except framing.FramingError as error:
+                raise self._break(str(error), events) from None
+        return events
+
+    def receive_data(self, data: framing.Buffer, now: float) -> list[Event]:
+        """Bytes from the remote, any amount, split anywhere. Raises `RemoteProtocolError` when they break the
+        protocol; the connection is unusable after that. Bytes that arrive once the connection is closed (a
+        race with the remote, not an error) are dropped."""
+        events: list[Event] = []
+        if self._accepts_input():
+            self.last_activity = now
+            try:
+                self._on_frames(self.parser.receive(data), now, events)
+            except framing.FramingError as error:
+                raise self._break(str(error), events) from None
+        return events
+
+    def _accepts_input(self) -> bool:
+        if self.broken is not None:
+            raise LocalProtocolError(f"input after a protocol error from peer {self.peer_id.short()}: "
+                                     f"{self.broken}")
+        return not self.closed
+
+    def _break(self, reason: str, events: list[Event]) -> RemoteProtocolError:
+        self.broken = RemoteProtocolError(reason, [e for e in events if type(e) in (CallCompleted, CallFailed)])
+        return self.broken
+
+    def _on_frames(self, frames: list[framing.Event], now: float, events: list[Event]) -> None:
+        for frame in frames:
+            if type(frame) is framing.MessageReceived:
+                if frame.stream_id % 2 == self._parity:
+                    event = self._on_reply(frame.stream_id, frame.data)
+                else:
+                    event = self._on_request(frame.stream_id, frame.data, now)
+                if event is not None:
+                    events.append(event)
+            elif type(frame) is framing.MessageRejected:
+                self.stats["rejected_messages"] += 1
+                if self._is_my_stream(frame.stream_id):
+                    call = self.calls.pop(frame.stream_id, None)
+                    if call is not None:
+                        events.append(CallFailed(frame.stream_id, ResponseRejected(
+                            frame.reason, peer=self.peer_id, address=self.address, method=call.method)))
+                else:
+                    self._queue_error(frame.stream_id, BadRequest.code, frame.reason)
+            elif type(frame) is framing.StreamCancelled:
+                request = self.requests.get(frame.stream_id)
+                if request is not None and not request.cancelled and not self._is_my_stream(frame.stream_id):
+                    request.cancelled = True
+                    events.append(RequestCancelled(frame.stream_id, expired=False))
+            else:
+                raise framing.FramingError(f"unexpected control frame {frame.kind:#x} after the handshake")
+
+    def _on_reply(self, stream_id: int, data: bytearray | memoryview) -> Event | None:
+        call = self.calls.pop(stream_id, None)
+        if call is None:
+            return None  # the caller gave up already
+        try:
+            message = wire.decode(data, limits=self.limits)
+            if not isinstance(message, list) or not message or message[0] not in (0, 1):
+                raise wire.WireError("malformed response envelope")
+            if message[0] == 0:
+                return CallCompleted(stream_id, message[1] if len(message) > 1 else None)
+            code, text = str(message[1]), str(message[2])
+        except (wire.WireError, IndexError) as error:
+            return CallFailed(stream_id, ResponseRejected(str(error), peer=self.peer_id, address=self.address,
+                                                          method=call.method))
+        return CallFailed(stream_id, remote_error(code, text, peer=self.peer_id, address=self.address,
+                                                  method=call.method))
+
+    def _on_request(self, stream_id: int, data: bytearray | memoryview, now: float) -> Event | None:
+        self.stats["calls_received"] += 1
+        if stream_id in self.requests:
+            raise framing.FramingError(f"stream {stream_id} reused while its request is in flight")
+        try:
+            message = wire.decode(data, limits=self.limits)
+        except wire.WireError as error:
+            self._queue_error(stream_id, BadRequest.code, f"undecodable request: {error}")
+            return None
+        if (
+            type(message) is not list
+            or len(message) != 3
+            or type(message[0]) is not str
+            or not (message[1] is None or type(message[1]) in (int, float))
+        ):
+            self._queue_error(stream_id, BadRequest.code, "malformed request envelope")
+            return None
+        method, timeout, args = message
+        if method not in self.methods:
+            self._queue_error(stream_id, UnknownMethod.code, f"unknown method {method!r}")
+            return None
+        deadline = None if timeout is None else now + max(0.0, float(timeout))
+        self.requests[stream_id] = _Request(deadline)
+        if deadline is not None:
+            self._push_deadline(deadline, stream_id)
+        return RequestReceived(stream_id, method, args, deadline)
+
+    # ---------------------------------------------------------------------------------------- sending
+
+    def data_to_send(self, now: float) -> list[framing.Buffer]:
+        """Buffers to write, in order, now: small frames joined into writes of up to 64 KiB (many small replies
+        leave in one system call), big chunks as zero-copy views of the message. Empty when nothing waits."""
+        writes: list[framing.Buffer] = []
+        if not self.outbox:
+            return writes
+        self.last_activity = now
+        small: list[framing.Buffer] = []
+        small_size = 0
+        for frame in self.outbox.next_frames():
+            if len(frame) < _COALESCE_BYTES:
+                small.append(frame)
+                small_size += len(frame)
+                if small_size < _COALESCE_BYTES:
+                    continue
+            if small:
+                writes.append(small[0] if len(small) == 1 else b"".join(small))
+                small, small_size = [], 0
+            if len(frame) >= _COALESCE_BYTES:
+                writes.append(frame)
+        if small:
+            writes.append(small[0] if len(small) == 1 else b"".join(small))
+        return writes
+
+    # ---------------------------------------------------------------------------------------- time
+
+    def _push_deadline(self, deadline: float, stream_id: int) -> None:
+        """Answered calls leave their entries behind (deleting from a heap is dear); once stale ones outnumber
+        live ones the heap is rebuilt, so it stays within twice the calls in flight (plus a constant)."""
+        heap = self._deadlines
+        heapq.heappush(heap, (deadline, stream_id))
+        if len(heap) > 2 * (len(self.calls) + len(self.requests)) + 1024:
+            self._deadlines = [entry for entry in heap if self._live(*entry)]
+            heapq.heapify(self._deadlines)
+
+    def next_deadline(self) -> float | None:
+        """When `timeouts` has something to do (a call's or request's deadline, or the idle check); None: never."""
+        heap = self._deadlines
+        while heap and not self._live(*heap[0]):
+            heapq.heappop(heap)
+        candidates = []
+        if heap:
+            candidates.append(heap[0][0])
+        if self.idle_timeout is not None and not self.closed:
+            candidates.append(self.last_activity + self.idle_timeout)
+        return min(candidates) if candidates else None
+
+    def _live(self, deadline: float, stream_id: int) -> bool:
+        if stream_id % 2 == self._parity:
+            call = self.calls.get(stream_id)
+            return call is not None and call.deadline == deadline
+        request = self.requests.get(stream_id)
+        return request is not None and not request.cancelled and request.deadline == deadline
+
+    def timeouts(self, now: float) -> list[Event]:
+        """Everything due by `now`: calls past their deadline fail with `CallTimeout` (and their streams are
+        cancelled), requests past theirs are cancelled, and an idle connection is reported once."""
+        events: list[Event] = []
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            deadline, stream_id = heapq.heappop(heap)
+            if not self._live(deadline, stream_id):
+                continue
+            if stream_id % 2 == self._parity:
+                call = self.calls.pop(stream_id)
+                if not self.closed:
+                    self.outbox.cancel(stream_id)
+                events.append(CallFailed(stream_id, CallTimeout(
+                    f"no answer within {call.timeout:.3g} s", peer=self.peer_id, address=self.address,
+                    method=call.method)))
+            else:
+                self.requests[stream_id].cancelled = True
+                events.append(RequestCancelled(stream_id, expired=True))
+        if (self.idle_timeout is not None and not self.closed
+                and now - self.last_activity >= self.idle_timeout):
+            if self.busy:
+                self.last_activity = now  # a slow transfer or a long handler: look again one timeout later
+            else:
+                self.closed = True
+                events.append(ConnectionIdle())
+        return events
+
+    # ---------------------------------------------------------------------------------------- closing
+
+    def connection_lost(self, reason: str) -> list[Event]:
+        """The byte stream ended (or is being closed): every call in flight fails with `ConnectionFailed`,
+        half-received messages give their receive budget back, and the core accepts nothing more."""
+        self.closed = True
+        self.parser.close()
+        events: list[Event] = [
+            CallFailed(stream_id, ConnectionFailed(f"connection lost: {reason}", peer=self.peer_id,
+                                                   address=self.address, method=call.method))
+            for stream_id, call in self.calls.items()
+        ]
+        self.calls.clear()
+        for stream_id, request in self.requests.items():
+            if not request.cancelled:
+                request.cancelled = True
+                events.append(RequestCancelled(stream_id, expired=False))
+        return events
