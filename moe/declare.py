@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import logging
 import random
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Protocol, Sequence
 
-from moe.beam_search import ExpertLocation, parse_location
 from moe.grid import GridPattern, InvalidUID, choose_free_uids, is_valid_uid, prefix_entries
+from peer.p2p.net import Address
 
 logger = logging.getLogger(__name__)
-Address = tuple[str, int]
 StoreItem = tuple[str, Any, float, Any]  # (key, value, expiration_time, subkey or None)
 
 
@@ -31,6 +31,41 @@ class ExpertDHT(Protocol):
     async def store_many(self, items: Sequence[StoreItem]) -> Any: ...
 
     async def get_many(self, keys: Sequence[str]) -> Mapping[str, Any]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertLocation:
+    """Where an expert is served: the RPC address and the PeerID (hex) it declared in the DHT."""
+
+    host: str
+    port: int
+    peer_id_hex: str
+
+    @property
+    def address(self) -> Address:
+        return (self.host, self.port)
+
+
+def parse_location(value: Any) -> ExpertLocation | None:
+    """Read `[uid, host, port, peer_id_hex]` (prefix entries) or `[host, port, peer_id_hex]` (uid entries), or
+    the `(uid, ExpertLocation)` pairs `get_prefixes` returns; None for anything malformed, since DHT
+    values come from arbitrary peers."""
+    if isinstance(value, ExpertLocation):
+        return value
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], ExpertLocation):
+        return value[1]
+    if not isinstance(value, (list, tuple)):
+        return None
+    if len(value) == 4:
+        value = value[1:]
+    if len(value) != 3:
+        return None
+    host, port, peer_id_hex = value
+    if not isinstance(host, str) or not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        return None
+    if not isinstance(peer_id_hex, str):
+        return None
+    return ExpertLocation(host, port, peer_id_hex)
 
 
 def _location_value(address: Address, peer_id: Any) -> list[Any]:

@@ -37,15 +37,15 @@ import torch
 import trio
 from torch import nn
 
-from moe.beam_search import DHTGridOracle, ExpertChoice, ExpertLocation, find_best_experts, normalize_prefix
+from moe.beam_search import DHTGridOracle, ExpertChoice, find_best_experts, normalize_prefix
+from moe.declare import ExpertLocation
 from moe.errors import BadExpertOutput, NotEnoughExperts
 from peer.p2p import wire
 from peer.p2p.identity import PeerID
+from peer.p2p.net import Address
 from peer.p2p.rpc import ConnectionFailed, RPCError
 
 logger = logging.getLogger(__name__)
-
-Address = tuple[str, int]
 
 
 # ------------------------------------------------------------------------------------------------- blacklist

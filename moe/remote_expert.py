@@ -19,12 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from moe.beam_search import ExpertLocation
+from moe.declare import ExpertLocation
 from moe.errors import BadExpertOutput
 from peer.p2p import wire
 from peer.p2p.identity import PeerID
-
-Address = tuple[str, int]
+from peer.p2p.net import Address
 
 
 class RemoteExpert(nn.Module):

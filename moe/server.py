@@ -40,10 +40,10 @@ from moe.grid import GridPattern, InvalidUID, choose_free_uids, is_valid_uid
 from moe.runtime import ExpertComputeError, ExpertRuntime, RuntimeNotRunning
 from moe.schema import SchemaError, validate_batch
 from peer.p2p import wire
+from peer.p2p.net import Address
 from peer.p2p.rpc import CallContext, RPCNode
 
 logger = logging.getLogger(__name__)
-Address = tuple[str, int]
 CHECKPOINT_SUFFIX = ".pt"
 _CHECKPOINT_NAME = re.compile(r"^(.+)\.pt$")
 

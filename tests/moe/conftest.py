@@ -17,7 +17,7 @@ import pytest
 import trio
 
 from dht import DHTNode
-from moe.beam_search import ExpertLocation
+from moe.declare import ExpertLocation
 from moe.experts import Expert
 from moe.server import ExpertServer
 from peer.p2p.bridge import Bridge
