@@ -33,6 +33,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import trio
 
+from moe import calls
 from moe.declare import ExpertDHT, declare_experts, find_free_uids, find_own_uids
 from moe.errors import BadExpertInput, CheckpointError, ExpertFailed, ExpertNotFound, ServerShuttingDown
 from moe.experts import Expert, OptimizerConfig, make_expert
@@ -236,8 +237,8 @@ class ExpertServer:
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.runtime.run)
-                for name, handler in (("moe.info", self._handle_info), ("moe.forward", self._handle_forward),
-                                      ("moe.backward", self._handle_backward)):
+                for name, handler in ((calls.INFO, self._handle_info), (calls.FORWARD, self._handle_forward),
+                                      (calls.BACKWARD, self._handle_backward)):
                     rpc.register(name, handler)
                     registered.append(name)
                 if dht is not None and address is not None:
