@@ -29,6 +29,7 @@ from typing import Any, Iterable, Protocol
 import trio
 
 from peer.p2p.identity import PeerID
+from peer.p2p.periodic import run_periodic
 
 logger = logging.getLogger(__name__)
 
@@ -358,22 +359,25 @@ class ProgressTracker:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Publish and fetch until cancelled. Starts with one publish and one fetch, so the first `progress()`
-        after `started` already reflects the swarm."""
-        await self.publish()
-        await self.fetch()
-        task_status.started()
-        while True:
+        after `started` already reflects the swarm; `report` and `new_epoch` wake it to re-plan."""
+        await run_periodic(self._due_work, self.max_refresh, name=f"tracking progress under {self.key}",
+                           step_plans=True, retry=self.min_refresh, max_retry=self.max_refresh,
+                           wake=self._wake_event, log=logger, task_status=task_status)
+
+    async def _due_work(self) -> float:
+        """Publish and fetch what is due now; returns the seconds until something is due again."""
+        now = trio.current_time()
+        if self._publish_due(now) <= now:
+            await self.publish()
             now = trio.current_time()
-            publish_at, fetch_at = self._publish_due(now), self._fetch_due(now)
-            if publish_at <= now:
-                await self.publish()
-                continue
-            if fetch_at <= now:
-                await self.fetch()
-                continue
-            self._wake = trio.Event()
-            with trio.move_on_at(min(publish_at, fetch_at)):
-                await self._wake.wait()
+        if self._fetch_due(now) <= now:
+            await self.fetch()
+            now = trio.current_time()
+        return min(self._publish_due(now), self._fetch_due(now)) - now
+
+    def _wake_event(self) -> trio.Event:
+        self._wake = trio.Event()
+        return self._wake
 
 
 async def list_runs(dht: Any) -> list[dict[str, Any]]:

@@ -21,6 +21,7 @@ come back, new ones avoid the DHT's.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -42,6 +43,7 @@ from moe.runtime import ExpertComputeError, ExpertRuntime, RuntimeNotRunning
 from moe.schema import SchemaError, validate_batch
 from peer.p2p import wire
 from peer.p2p.net import Address
+from peer.p2p.periodic import run_periodic
 from peer.p2p.rpc import CallContext, RPCNode
 
 logger = logging.getLogger(__name__)
@@ -242,10 +244,16 @@ class ExpertServer:
                     rpc.register(name, handler)
                     registered.append(name)
                 if dht is not None and address is not None:
-                    await self._declare_once(dht, address, rpc.peer_id)  # before `started`: findable at once
-                    nursery.start_soon(self._declare_loop, dht, address, rpc.peer_id)
+                    # the first round runs before `started`: the experts are findable once `run` has started
+                    await nursery.start(functools.partial(
+                        run_periodic, functools.partial(self.declare, dht, address, rpc.peer_id),
+                        self.declare_interval, name=f"declaring {len(self.experts)} experts",
+                        retry=self.declare_interval / 4, max_retry=self.declare_interval,
+                        on_failure=self._declaration_failed, log=logger))
                 if self.checkpoint_dir is not None and math.isfinite(self.checkpoint_interval):
-                    nursery.start_soon(self._checkpoint_loop)
+                    nursery.start_soon(functools.partial(
+                        run_periodic, self.checkpoint, self.checkpoint_interval, name="checkpointing experts",
+                        first_delay=self.checkpoint_interval, log=logger, traceback=True))
                 task_status.started()
         finally:
             for name in registered:
@@ -269,17 +277,8 @@ class ExpertServer:
         self._declarations["unacknowledged"] += sum(not ok for ok in stored.values())
         self._declarations["last_expiration"] = expiration
 
-    async def _declare_once(self, dht: ExpertDHT, address: Address, peer_id: Any) -> None:
-        try:
-            await self.declare(dht, address, peer_id)
-        except Exception as error:  # a DHT hiccup must not stop serving; the next round retries
-            self._declarations["failures"] += 1
-            logger.warning("declaring %d experts failed: %s", len(self.experts), error)
-
-    async def _declare_loop(self, dht: ExpertDHT, address: Address, peer_id: Any) -> None:
-        while True:
-            await trio.sleep(self.declare_interval)
-            await self._declare_once(dht, address, peer_id)
+    def _declaration_failed(self, error: Exception) -> None:
+        self._declarations["failures"] += 1  # a DHT hiccup must not stop serving; the next round retries
 
     # ---------------------------------------------------------------------------------------- checkpoints
 
@@ -344,11 +343,6 @@ class ExpertServer:
             saved += 1
         self._checkpoints["saved"] += saved
         return saved
-
-    async def _checkpoint_loop(self) -> None:
-        while True:
-            await trio.sleep(self.checkpoint_interval)
-            await self.checkpoint()
 
     # ---------------------------------------------------------------------------------------- handlers
 

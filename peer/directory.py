@@ -20,6 +20,7 @@ import trio
 
 from peer.p2p.identity import PeerID
 from peer.p2p.net import Address
+from peer.p2p.periodic import run_periodic
 
 logger = logging.getLogger(__name__)
 
@@ -54,19 +55,20 @@ class PeerDirectory:
                                     signed=True)
 
     async def run(self, address: Address, peer_id: PeerID, summary: Callable[[], dict], *,
-                  task_status=trio.TASK_STATUS_IGNORED) -> None:
-        first = True
-        while True:
-            try:
-                if not await self.declare(address, peer_id, summary()):
-                    self.failures += 1
-            except Exception as error:  # the DHT may be briefly unreachable; the next round retries
-                self.failures += 1
-                logger.warning("could not declare this peer in the directory: %s", error)
-            if first:
-                task_status.started()
-                first = False
-            await trio.sleep(self.interval)
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Declare now, then every `interval` seconds until cancelled; `started` once the first declaration was
+        tried. A failed round is retried sooner (the entry expires `ttl` after the last success), never later."""
+
+        async def declare_round() -> None:
+            if not await self.declare(address, peer_id, summary()):
+                self.failures += 1  # nobody acknowledged: no exception, but the entry was not refreshed
+
+        def failed(error: Exception) -> None:
+            self.failures += 1
+
+        await run_periodic(declare_round, self.interval, name="declaring this peer in the directory",
+                           retry=self.interval / 4, max_retry=self.interval, on_failure=failed, log=logger,
+                           task_status=task_status)
 
 
 async def list_peers(dht: Any) -> list[PeerEntry]:

@@ -17,7 +17,7 @@ async def _averagers(nursery, count, *, client_mode=frozenset(), **options):
     peers = await start_peers(nursery, count, memory=None, client_mode=set(client_mode))
     averagers = []
     for index, peer in enumerate(peers):
-        averager = Averager(peer.p2p.rpc, peer.dht, _tensors(index), **options)
+        averager = Averager(peer.rpc, peer.dht, _tensors(index), **options)
         await peer.nursery.start(averager.serve)
         averagers.append(averager)
     return peers, averagers

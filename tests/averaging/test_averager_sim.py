@@ -20,7 +20,7 @@ async def _averagers(nursery, count, *, seed=0, client_mode=frozenset(), **optio
     for index, peer in enumerate(peers):
         # a trio.Lock: a contended threading.Lock would be waited for in a worker thread, and MockClock's autojump
         # lets virtual time run while a thread works (see DESIGN.md, Testing)
-        averager = Averager(peer.p2p.rpc, peer.dht, _tensors(seed * 100 + index), lock=trio.Lock(), **options)
+        averager = Averager(peer.rpc, peer.dht, _tensors(seed * 100 + index), lock=trio.Lock(), **options)
         await peer.nursery.start(averager.serve)
         averagers.append(averager)
     return memory, peers, averagers

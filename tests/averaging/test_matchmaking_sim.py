@@ -20,7 +20,7 @@ async def _matchmakers(nursery, count, *, target=4, min_size=2, window=5.0, seed
     makers = []
     for index, peer in enumerate(peers):
         schema = schemas[index] if schemas else SCHEMA
-        maker = Matchmaker(peer.p2p.rpc, peer.dht, schema=schema, target_group_size=target, min_group_size=min_size,
+        maker = Matchmaker(peer.rpc, peer.dht, schema=schema, target_group_size=target, min_group_size=min_size,
                            matchmaking_time=window, client_mode=index in client_mode, nursery=peer.nursery)
         maker.register()
         makers.append(maker)

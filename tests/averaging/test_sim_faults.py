@@ -26,7 +26,7 @@ async def _swarm(nursery, seed):
     averagers = []
     for index, peer in enumerate(peers):
         tensors = [torch.full((6,), float(index)), torch.arange(4, dtype=torch.float32) * index]
-        averager = Averager(peer.p2p.rpc, peer.dht, tensors, prefix="sim", target_group_size=4, nbits=6,
+        averager = Averager(peer.rpc, peer.dht, tensors, prefix="sim", target_group_size=4, nbits=6,
                             matchmaking_time=3.0, allreduce_timeout=10.0, lock=trio.Lock())
         await peer.nursery.start(averager.serve)
         averagers.append(averager)
