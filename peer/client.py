@@ -7,7 +7,8 @@ bridge: `swarm.run(async_fn, ...)` blocks until the coroutine finishes in the sw
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable, Sequence, TypeVar
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 import trio
 
@@ -24,6 +25,33 @@ def normalize_peers(initial_peers: Sequence[str | Address]) -> list[Address]:
     return [parse_address(p) if isinstance(p, str) else (str(p[0]), int(p[1])) for p in initial_peers]
 
 
+def client_host(initial_peers: Sequence[Address]) -> str:
+    """The local host a client peer binds: a loopback swarm is reached from loopback, anything else from all
+    interfaces (a client serves nothing, so binding them all exposes nothing)."""
+    return "127.0.0.1" if all(host.startswith("127.") for host, _ in initial_peers) else "0.0.0.0"
+
+
+@asynccontextmanager
+async def open_client_peer(
+    initial_peers: Sequence[str | Address],
+    *,
+    identity: Identity | None = None,
+    network: Network | None = None,
+    host: str | None = None,
+) -> AsyncIterator[tuple[RPCNode, DHTNode]]:
+    """A client-mode peer for the duration of the block: an RPC node that calls others and a client-mode DHT node
+    joined through `initial_peers` (`host`: see `client_host`). The one composition `Swarm` and `peer status`
+    share. Raises dht.BootstrapFailed when no initial peer answers."""
+    peers = normalize_peers(initial_peers)
+    identity = identity or Identity.generate()
+    network = network or RealNetwork()
+    async with RPCNode(identity, network) as rpc:
+        resolved = [await network.resolve(peer) for peer in peers]
+        async with DHTNode.open(host or client_host(resolved), 0, resolved, identity=identity, network=network,
+                                client_mode=True) as dht:
+            yield rpc, dht
+
+
 class Swarm:
     """`with Swarm(initial_peers=["127.0.0.1:31337"]) as swarm:` — then hand `swarm` to MoE layers and optimizers.
 
@@ -36,7 +64,7 @@ class Swarm:
         initial_peers: Sequence[str | Address],
         *,
         identity: Identity | None = None,
-        host: str = "127.0.0.1",
+        host: str | None = None,
         network: Network | None = None,
         start: bool = True,
     ):
@@ -62,13 +90,12 @@ class Swarm:
             raise
         return self
 
-    async def _serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        async with RPCNode(self.identity, self.network) as rpc:
-            peers = [await self.network.resolve(peer) for peer in self.initial_peers]
-            async with DHTNode.open(self.host, 0, peers, identity=self.identity,
-                                    network=self.network, client_mode=True) as dht:
-                task_status.started((rpc, dht))
-                await trio.sleep_forever()
+    async def _serve(self, task_status: trio.TaskStatus[tuple[RPCNode, DHTNode]] = trio.TASK_STATUS_IGNORED
+                     ) -> None:
+        async with open_client_peer(self.initial_peers, identity=self.identity, network=self.network,
+                                    host=self.host) as nodes:
+            task_status.started(nodes)
+            await trio.sleep_forever()
 
     def run(self, async_fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run a coroutine function in the swarm's trio thread and wait for its result."""
