@@ -36,8 +36,9 @@ from averaging.errors import AveragingError
 from averaging.group import GroupInfo
 from averaging.group_keys import GroupKeyManager
 from averaging.locking import TensorLock, check_lock
-from averaging.matchmaking import Matchmaker, MatchmakingDHT
+from averaging.matchmaking import Matchmaker
 from averaging.schema import schema_hash
+from dht.client import DHTClient
 from peer.p2p import wire
 from peer.p2p.identity import PeerID
 from peer.p2p.periodic import run_periodic
@@ -80,7 +81,7 @@ class Averager:
     def __init__(
         self,
         rpc: RPCNode,
-        dht: MatchmakingDHT,
+        dht: DHTClient,
         tensors: Sequence[torch.Tensor],
         *,
         prefix: str,

@@ -54,11 +54,12 @@ import hashlib
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Protocol, Sequence
+from typing import Any, Iterable, Sequence
 
 import trio
 
 from averaging.group import GroupInfo, Member
+from dht.client import DHTClient
 from peer.p2p.identity import PeerID
 from peer.p2p.net import Address
 from peer.p2p.rpc import CallContext, CallTimeout, RemoteError, RPCError, RPCNode
@@ -364,16 +365,6 @@ class Assembly:
 # --------------------------------------------------------------------------------------------- the driver
 
 
-class MatchmakingDHT(Protocol):
-    """What matchmaking needs from the DHT node (`dht.node.DHTNode` provides it)."""
-
-    def now(self) -> float: ...
-
-    async def store(self, key: Any, value: Any, expiration_time: float, subkey: Any = None) -> bool: ...
-
-    async def get(self, key: Any, latest: bool = False) -> Any: ...
-
-
 @dataclass
 class MatchResult:
     """Outcome of one matchmaking: the group (None when none assembled), who turned out dead, and why."""
@@ -444,7 +435,7 @@ class Matchmaker:
     def __init__(
         self,
         rpc: RPCNode,
-        dht: MatchmakingDHT,
+        dht: DHTClient,
         *,
         schema: bytes,
         target_group_size: int,

@@ -24,10 +24,11 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Protocol
+from typing import Any, Iterable
 
 import trio
 
+from dht.client import DHTClient
 from peer.p2p.identity import PeerID
 from peer.p2p.periodic import run_periodic
 
@@ -163,19 +164,6 @@ def parse_records(record: Any, now: float) -> dict[PeerID, PeerProgress]:
     return found
 
 
-class ProgressDHT(Protocol):
-    """What the tracker needs from `dht.DHTNode`."""
-
-    peer_id: bytes
-
-    def now(self) -> float: ...
-
-    async def store(self, key: Any, value: Any, expiration_time: float, subkey: Any = None,
-                    signed: bool = False) -> bool: ...
-
-    async def get(self, key: Any, latest: bool = False) -> Any: ...
-
-
 class _Rate:
     """Samples per second, smoothed over recent intervals (an EWMA weighted by interval length)."""
 
@@ -212,7 +200,7 @@ class ProgressTracker:
 
     def __init__(
         self,
-        dht: ProgressDHT,
+        dht: DHTClient,
         run_id: str,
         target_batch_size: int,
         *,
@@ -380,7 +368,7 @@ class ProgressTracker:
         return self._wake
 
 
-async def list_runs(dht: Any) -> list[dict[str, Any]]:
+async def list_runs(dht: DHTClient) -> list[dict[str, Any]]:
     """Every training run with live trainers, as `peer status` shows it: run id, epoch, trainers in that epoch,
     estimated samples toward the target, and the swarm's throughput."""
     listing = await dht.get(RUNS_KEY, latest=True)

@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import trio
 
+from dht.client import DHTClient
 from dht.errors import DHTError
 from moe.declare import ExpertLocation, get_prefixes, parse_location
 from moe.grid import prefix_entries
@@ -281,7 +282,7 @@ class DHTGridOracle:
 
     def __init__(
         self,
-        dht: Any,
+        dht: DHTClient,
         *,
         ttl: float = 5.0,
         refresh_timeout: float = 0.5,

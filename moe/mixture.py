@@ -37,7 +37,8 @@ import torch
 import trio
 from torch import nn
 
-from moe.beam_search import DHTGridOracle, ExpertChoice, find_best_experts, normalize_prefix
+from dht.client import SwarmHandle
+from moe.beam_search import ChildrenOracle, DHTGridOracle, ExpertChoice, find_best_experts, normalize_prefix
 from moe.declare import ExpertLocation
 from moe import calls
 from moe.errors import NotEnoughExperts
@@ -195,8 +196,8 @@ class MixtureClient:
 
     def __init__(
         self,
-        rpc: Any,
-        oracle: Any,
+        rpc: RPCNode,
+        oracle: ChildrenOracle,
         uid_prefix: str,
         grid_size: Sequence[int],
         *,
@@ -489,7 +490,7 @@ class _GridMixture(nn.Module):
         grid_size: Sequence[int],
         uid_prefix: str,
         *,
-        swarm: Any,
+        swarm: SwarmHandle | None,
         k_best: int,
         k_min: int,
         timeout_after_k_min: float,
@@ -501,7 +502,7 @@ class _GridMixture(nn.Module):
         search_cache_ttl: float,
         blacklist: ExpertBlacklist | None,
         compression: wire.Compression,
-        oracle: Any,
+        oracle: ChildrenOracle | None,
     ):
         super().__init__()
         if swarm is None:
@@ -587,14 +588,14 @@ class RemoteMixtureOfExperts(_GridMixture):
         forward_timeout: float = 10.0,
         backward_k_min: int = 1,
         backward_timeout: float = 10.0,
-        swarm: Any = None,
+        swarm: SwarmHandle | None = None,
         *,
         out_features: int | None = None,
         ban_time: float = 30.0,
         search_cache_ttl: float = 5.0,
         blacklist: ExpertBlacklist | None = None,
         compression: wire.Compression = wire.Compression.NONE,
-        oracle: Any = None,
+        oracle: ChildrenOracle | None = None,
     ):
         super().__init__(
             in_features, grid_size, uid_prefix, swarm=swarm, k_best=k_best, k_min=k_min,
@@ -629,14 +630,14 @@ class RemoteSwitchMixtureOfExperts(_GridMixture):
         uid_prefix: str,
         forward_timeout: float = 10.0,
         backward_timeout: float = 10.0,
-        swarm: Any = None,
+        swarm: SwarmHandle | None = None,
         *,
         out_features: int | None = None,
         ban_time: float = 30.0,
         search_cache_ttl: float = 5.0,
         blacklist: ExpertBlacklist | None = None,
         compression: wire.Compression = wire.Compression.NONE,
-        oracle: Any = None,
+        oracle: ChildrenOracle | None = None,
         hedge_after: float = 1.0,
     ):
         super().__init__(

@@ -15,31 +15,19 @@ NaN output); `RemoteMixtureOfExperts` is the layer that survives dead experts.
 from __future__ import annotations
 
 import functools
-from typing import Any, Awaitable, Callable, Protocol, TypeVar
+from typing import Any, Awaitable, Callable, TypeVar
 
 import torch
 from torch import nn
 
+from dht.client import SwarmHandle
 from moe import calls
 from moe.declare import ExpertLocation
 from peer.p2p import wire
-from peer.p2p.bridge import Bridge
 from peer.p2p.identity import PeerID
 from peer.p2p.net import Address
-from peer.p2p.rpc import RPCNode
 
 T = TypeVar("T")
-
-
-class ExpertSwarm(Protocol):
-    """What calling remote experts needs from a swarm handle (`peer.client.Swarm` provides it): a bridge into the
-    trio thread that runs `rpc`."""
-
-    @property
-    def bridge(self) -> Bridge | None: ...
-
-    @property
-    def rpc(self) -> RPCNode | None: ...
 
 
 class RemoteExpert(nn.Module):
@@ -50,7 +38,7 @@ class RemoteExpert(nn.Module):
         self,
         uid: str,
         address: Address | ExpertLocation,
-        swarm: ExpertSwarm,
+        swarm: SwarmHandle,
         *,
         peer_id: PeerID | str | None = None,
         timeout: float = 30.0,
@@ -76,11 +64,8 @@ class RemoteExpert(nn.Module):
 
     def _run(self, call: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run one `moe.calls` call in the swarm's trio thread, from this synchronous one, through the bridge."""
-        bridge, rpc = self.swarm.bridge, self.swarm.rpc
-        if bridge is None or rpc is None:
-            raise RuntimeError("the swarm is not started (no bridge or RPC node)")
-        return bridge.run(functools.partial(call, rpc, self.address, self.peer_id, self.uid, *args,
-                                            timeout=self.timeout))
+        return self.swarm.bridge.run(functools.partial(call, self.swarm.rpc, self.address, self.peer_id, self.uid,
+                                                       *args, timeout=self.timeout))
 
     @property
     def info(self) -> dict[str, Any]:

@@ -34,8 +34,9 @@ from typing import Any, Mapping, Sequence
 import torch
 import trio
 
+from dht.client import DHTClient
 from moe import calls
-from moe.declare import ExpertDHT, declare_experts, find_free_uids, find_own_uids
+from moe.declare import PeerIDLike, declare_experts, find_free_uids, find_own_uids
 from moe.errors import BadExpertInput, CheckpointError, ExpertFailed, ExpertNotFound, ServerShuttingDown
 from moe.experts import Expert, OptimizerConfig, make_expert
 from moe.grid import GridPattern, InvalidUID, choose_free_uids, is_valid_uid
@@ -110,10 +111,10 @@ async def choose_uids(
     pattern: str,
     count: int,
     *,
-    dht: ExpertDHT | None = None,
+    dht: DHTClient | None = None,
     checkpoint_dir: str | Path | None = None,
     rng: random.Random | None = None,
-    peer_id: Any = None,
+    peer_id: PeerIDLike | None = None,
 ) -> list[str]:
     """The uids a starting server should serve, in this order of preference:
     1. its checkpointed uids of this pattern (a restarted server keeps its experts' weights);
@@ -193,7 +194,7 @@ class ExpertServer:
         *,
         kind: str,
         hidden_dim: int,
-        dht: ExpertDHT | None = None,
+        dht: DHTClient | None = None,
         checkpoint_dir: str | Path | None = None,
         optimizer: OptimizerConfig = OptimizerConfig(),
         options: Mapping[str, Any] | None = None,
@@ -217,7 +218,7 @@ class ExpertServer:
     async def run(
         self,
         rpc: RPCNode,
-        dht: ExpertDHT | None = None,
+        dht: DHTClient | None = None,
         *,
         announce: Address | None = None,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
@@ -269,7 +270,7 @@ class ExpertServer:
                         f"since their last checkpoint is lost")
                     raise self.checkpoint_error
 
-    async def declare(self, dht: ExpertDHT, address: Address, peer_id: Any) -> None:
+    async def declare(self, dht: DHTClient, address: Address, peer_id: PeerIDLike) -> None:
         """Declare every expert once, expiring `declare_ttl` seconds from now in the DHT's clock."""
         expiration = dht.now() + self.declare_ttl
         stored = await declare_experts(dht, list(self.experts), address, peer_id, expiration)

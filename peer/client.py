@@ -55,8 +55,9 @@ async def open_client_peer(
 class Swarm:
     """`with Swarm(initial_peers=["127.0.0.1:31337"]) as swarm:` — then hand `swarm` to MoE layers and optimizers.
 
-    Attributes used by the feature modules: `bridge` (run coroutines from synchronous code), `rpc` (an RPCNode in
-    client mode) and `dht` (a client-mode DHTNode), all living in the bridge's trio thread.
+    Attributes used by the feature modules (`dht.client.SwarmHandle`): `bridge` (run coroutines from synchronous
+    code), `rpc` (an RPCNode in client mode) and `dht` (a client-mode DHTNode), all living in the bridge's trio
+    thread; reading them before `start()` or after `close()` raises RuntimeError.
     """
 
     def __init__(
@@ -75,20 +76,41 @@ class Swarm:
         self.peer_id: PeerID = self.identity.peer_id
         self.host = host
         self.network = network or RealNetwork()
-        self.bridge: Bridge | None = None
-        self.rpc: RPCNode | None = None
-        self.dht: DHTNode | None = None
+        self._bridge: Bridge | None = None
+        self._nodes: tuple[RPCNode, DHTNode] | None = None
         if start:
             self.start()
 
     def start(self) -> "Swarm":
-        self.bridge = Bridge.start()
+        bridge = Bridge.start()
         try:
-            self.rpc, self.dht = self.bridge.start_and_wait(self._serve)
+            self._nodes = bridge.start_and_wait(self._serve)
         except BaseException:
-            self.bridge.close()
+            bridge.close()
             raise
+        self._bridge = bridge
         return self
+
+    @property
+    def started(self) -> bool:
+        return self._bridge is not None
+
+    def _running(self) -> tuple[Bridge, RPCNode, DHTNode]:
+        if self._bridge is None or self._nodes is None:
+            raise RuntimeError("the swarm is not started (or closed already)")
+        return self._bridge, *self._nodes
+
+    @property
+    def bridge(self) -> Bridge:
+        return self._running()[0]
+
+    @property
+    def rpc(self) -> RPCNode:
+        return self._running()[1]
+
+    @property
+    def dht(self) -> DHTNode:
+        return self._running()[2]
 
     async def _serve(self, task_status: trio.TaskStatus[tuple[RPCNode, DHTNode]] = trio.TASK_STATUS_IGNORED
                      ) -> None:
@@ -99,14 +121,13 @@ class Swarm:
 
     def run(self, async_fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run a coroutine function in the swarm's trio thread and wait for its result."""
-        if self.bridge is None:
-            raise RuntimeError("the swarm is not started")
         return self.bridge.run(async_fn, *args)
 
     def close(self) -> None:
-        if self.bridge is not None:
-            self.bridge.close()
-            self.bridge = None
+        if self._bridge is not None:
+            self._bridge.close()
+            self._bridge = None
+            self._nodes = None
 
     def __enter__(self) -> "Swarm":
         return self

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import trio
 
+from dht.client import DHTClient
 from peer.p2p.identity import PeerID
 from peer.p2p.net import Address
 from peer.p2p.periodic import run_periodic
@@ -43,7 +44,7 @@ class PeerEntry:
 class PeerDirectory:
     """Keeps this peer's entry alive in the DHT (the daemon runs it in its nursery)."""
 
-    def __init__(self, dht: Any, *, ttl: float = 30.0, interval: float | None = None):
+    def __init__(self, dht: DHTClient, *, ttl: float = 30.0, interval: float | None = None):
         self.dht = dht
         self.ttl = ttl
         self.interval = interval if interval is not None else ttl / 3
@@ -71,7 +72,7 @@ class PeerDirectory:
                            task_status=task_status)
 
 
-async def list_peers(dht: Any) -> list[PeerEntry]:
+async def list_peers(dht: DHTClient) -> list[PeerEntry]:
     """Every live peer in the directory, ordered by PeerID. Malformed entries (anyone can write) are skipped."""
     records = await dht.get_many([f"{KEY_PREFIX}{shard}" for shard in range(SHARDS)])
     now = dht.now()

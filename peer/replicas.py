@@ -21,8 +21,10 @@ import torch
 import trio
 
 from averaging.averager import Averager, StepResult
+from dht.client import DHTClient
 from moe.experts import Expert
 from peer.p2p.periodic import run_periodic
+from peer.p2p.rpc import RPCNode
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +37,7 @@ def replica_prefix(uids: Sequence[str]) -> str:
 
 
 class ReplicaAverager:
-    def __init__(self, rpc: Any, dht: Any, experts: dict[str, Expert], exclusive: Exclusive, *,
+    def __init__(self, rpc: RPCNode, dht: DHTClient, experts: dict[str, Expert], exclusive: Exclusive, *,
                  interval: float = 30.0, matchmaking_time: float = 3.0, target_group_size: int = 4,
                  timeout: float = 60.0):
         self.uids = sorted(experts)

@@ -12,6 +12,7 @@ from typing import Any, Callable, Awaitable
 
 import trio
 
+from dht.client import DHTClient
 from peer.directory import list_peers
 from peer.p2p.identity import PeerID
 from peer.p2p.rpc import RPCError, RPCNode
@@ -43,7 +44,7 @@ def plural(count: int, noun: str, plural_noun: str | None = None) -> str:
     return f"{count} {noun if count == 1 else plural_noun or noun + 's'}"
 
 
-async def gather_status(rpc: RPCNode, dht: Any, *, timeout: float = 3.0,
+async def gather_status(rpc: RPCNode, dht: DHTClient, *, timeout: float = 3.0,
                         runs_reader: RunsReader | None = None) -> dict[str, Any]:
     entries = await list_peers(dht)
     replies: dict[str, dict[str, Any]] = {}
