@@ -4,7 +4,7 @@ import torch
 import trio
 
 from averaging.averager import Averager
-from sim_swarm import start_peers
+from tests.sim_peers import start_peers
 
 
 def _tensors(seed: int) -> list[torch.Tensor]:
