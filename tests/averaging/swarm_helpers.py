@@ -9,6 +9,7 @@ from typing import Any, Callable
 import torch
 import trio
 
+from averaging.averager import Averager, StepResult
 from averaging.allreduce import AllReduceConfig, AllReduceResult, AllReduceServer, install_allreduce
 from averaging.group import GroupInfo, Member
 from peer.p2p.identity import Identity
@@ -83,6 +84,34 @@ class Swarm:
 
     def group(self, peers: list[AllReducePeer], group_id: bytes = b"round-1") -> GroupInfo:
         return GroupInfo.create(group_id, [p.member() for p in peers])
+
+
+async def start_averagers(peers: list[SimPeer], tensors_for: Callable[[int], list[torch.Tensor]], *,
+                          trio_locks: bool = False, **options: Any) -> list[Averager]:
+    """One Averager per simulated peer (tensors_for(index)), each serving in its peer's nursery. `trio_locks`: each
+    gets its own trio.Lock (a contended threading.Lock would be waited for in a worker thread, and MockClock's
+    autojump lets virtual time run while a thread works)."""
+    averagers = []
+    for index, peer in enumerate(peers):
+        if trio_locks:
+            options["lock"] = trio.Lock()
+        averager = Averager(peer.rpc, peer.dht, tensors_for(index), **options)
+        await peer.nursery.start(averager.serve)
+        averagers.append(averager)
+    return averagers
+
+
+async def step_all(averagers: list[Averager], **kwargs: Any) -> list[StepResult]:
+    """Every averager steps at once; their results in order."""
+    results: dict[int, StepResult] = {}
+
+    async def one(index: int) -> None:
+        results[index] = await averagers[index].step(**kwargs)
+
+    async with trio.open_nursery() as nursery:
+        for index in range(len(averagers)):
+            nursery.start_soon(one, index)
+    return [results[i] for i in range(len(averagers))]
 
 
 def random_tensors(seed: int) -> list[torch.Tensor]:
