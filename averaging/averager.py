@@ -36,10 +36,12 @@ from averaging.errors import AveragingError
 from averaging.group import GroupInfo
 from averaging.group_keys import GroupKeyManager
 from averaging.locking import TensorLock, check_lock
-from averaging.matchmaking import Matchmaker, MatchmakingDHT
+from averaging.matchmaking import Matchmaker
 from averaging.schema import schema_hash
+from dht.client import DHTClient
 from peer.p2p import wire
 from peer.p2p.identity import PeerID
+from peer.p2p.periodic import run_periodic
 from peer.p2p.rpc import RPCNode
 
 logger = logging.getLogger(__name__)
@@ -79,7 +81,7 @@ class Averager:
     def __init__(
         self,
         rpc: RPCNode,
-        dht: MatchmakingDHT,
+        dht: DHTClient,
         tensors: Sequence[torch.Tensor],
         *,
         prefix: str,
@@ -185,15 +187,16 @@ class Averager:
 
     async def _announce_state(self) -> None:
         """Keep `<prefix>.state` pointing at me while I serve: refreshed every third of its expiration."""
-        while True:
+
+        async def announce() -> None:
             address = self.rpc.announced_address
             if address is not None:
-                try:
-                    await self.dht.store(self.state_key, [address[0], address[1], self.keys.round],
-                                         self.dht.now() + self.state_ttl, subkey=bytes(self.peer_id))
-                except Exception as error:  # the next refresh tries again
-                    logger.debug("announcing state under %s failed: %s", self.state_key, error)
-            await trio.sleep(self.state_ttl / 3)
+                await self.dht.store(self.state_key, [address[0], address[1], self.keys.round],
+                                     self.dht.now() + self.state_ttl, subkey=bytes(self.peer_id))
+
+        interval = self.state_ttl / 3
+        await run_periodic(announce, interval, name=f"announcing state under {self.state_key}",
+                           retry=interval / 4, max_retry=interval, log=logger)
 
     async def load_state_from_peers(self, timeout: float = 60.0) -> state_download.DownloadedState | None:
         """Download the registered tensors from a peer that serves them (the most advanced round first), copy

@@ -50,6 +50,7 @@ import trio
 from averaging.averager import Averager
 from averaging.progress import ProgressTracker, SwarmProgress
 from averaging.state import install_state_server, load_state_from_peers
+from dht.client import SwarmHandle
 from peer.p2p import wire
 
 logger = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ class CollaborativeOptimizer:
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        swarm: Any,
+        swarm: SwarmHandle,
         run_id: str,
         target_batch_size: int,
         batch_size_per_step: int,
@@ -177,7 +178,8 @@ class CollaborativeOptimizer:
         )
         host = listen_host
         if listen and host is None:
-            host = local_host_towards(swarm.initial_peers[0]) if getattr(swarm, "initial_peers", None) else "127.0.0.1"
+            initial_peers = getattr(swarm, "initial_peers", None)  # a Swarm has them; a test's handle may not
+            host = local_host_towards(initial_peers[0]) if initial_peers else "127.0.0.1"
         self._scope = swarm.bridge.start_and_wait(self._serve, host if listen else None)
         self.last_progress = swarm.run(self._current)
         if load_state_on_join and self.last_progress.epoch > self.epoch:

@@ -61,7 +61,7 @@ import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import trio
 
@@ -77,6 +77,7 @@ from averaging.assembly import (
     round_salt,
 )
 from averaging.group import GroupInfo
+from dht.client import DHTClient
 from peer.p2p.identity import PeerID
 from peer.p2p.net import Address
 from peer.p2p.rpc import CallContext, CallTimeout, RemoteError, RPCError, RPCNode
@@ -90,7 +91,6 @@ __all__ = [
     "Declaration",
     "MatchResult",
     "Matchmaker",
-    "MatchmakingDHT",
     "chunk_of",
     "collector_of",
     "plan_groups",
@@ -105,16 +105,6 @@ PING_METHOD = "avg.mm.ping"
 
 
 # --------------------------------------------------------------------------------------------- the driver
-
-
-class MatchmakingDHT(Protocol):
-    """What matchmaking needs from the DHT node (`dht.node.DHTNode` provides it)."""
-
-    def now(self) -> float: ...
-
-    async def store(self, key: Any, value: Any, expiration_time: float, subkey: Any = None) -> bool: ...
-
-    async def get(self, key: Any, latest: bool = False) -> Any: ...
 
 
 @dataclass
@@ -204,7 +194,7 @@ class Matchmaker:
     def __init__(
         self,
         rpc: RPCNode,
-        dht: MatchmakingDHT,
+        dht: DHTClient,
         *,
         schema: bytes,
         target_group_size: int,

@@ -24,11 +24,13 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Protocol
+from typing import Any, Iterable
 
 import trio
 
+from dht.client import DHTClient
 from peer.p2p.identity import PeerID
+from peer.p2p.periodic import run_periodic
 
 logger = logging.getLogger(__name__)
 
@@ -162,19 +164,6 @@ def parse_records(record: Any, now: float) -> dict[PeerID, PeerProgress]:
     return found
 
 
-class ProgressDHT(Protocol):
-    """What the tracker needs from `dht.DHTNode`."""
-
-    peer_id: bytes
-
-    def now(self) -> float: ...
-
-    async def store(self, key: Any, value: Any, expiration_time: float, subkey: Any = None,
-                    signed: bool = False) -> bool: ...
-
-    async def get(self, key: Any, latest: bool = False) -> Any: ...
-
-
 class _Rate:
     """Samples per second, smoothed over recent intervals (an EWMA weighted by interval length)."""
 
@@ -211,7 +200,7 @@ class ProgressTracker:
 
     def __init__(
         self,
-        dht: ProgressDHT,
+        dht: DHTClient,
         run_id: str,
         target_batch_size: int,
         *,
@@ -358,25 +347,28 @@ class ProgressTracker:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Publish and fetch until cancelled. Starts with one publish and one fetch, so the first `progress()`
-        after `started` already reflects the swarm."""
-        await self.publish()
-        await self.fetch()
-        task_status.started()
-        while True:
+        after `started` already reflects the swarm; `report` and `new_epoch` wake it to re-plan."""
+        await run_periodic(self._due_work, self.max_refresh, name=f"tracking progress under {self.key}",
+                           step_plans=True, retry=self.min_refresh, max_retry=self.max_refresh,
+                           wake=self._wake_event, log=logger, task_status=task_status)
+
+    async def _due_work(self) -> float:
+        """Publish and fetch what is due now; returns the seconds until something is due again."""
+        now = trio.current_time()
+        if self._publish_due(now) <= now:
+            await self.publish()
             now = trio.current_time()
-            publish_at, fetch_at = self._publish_due(now), self._fetch_due(now)
-            if publish_at <= now:
-                await self.publish()
-                continue
-            if fetch_at <= now:
-                await self.fetch()
-                continue
-            self._wake = trio.Event()
-            with trio.move_on_at(min(publish_at, fetch_at)):
-                await self._wake.wait()
+        if self._fetch_due(now) <= now:
+            await self.fetch()
+            now = trio.current_time()
+        return min(self._publish_due(now), self._fetch_due(now)) - now
+
+    def _wake_event(self) -> trio.Event:
+        self._wake = trio.Event()
+        return self._wake
 
 
-async def list_runs(dht: Any) -> list[dict[str, Any]]:
+async def list_runs(dht: DHTClient) -> list[dict[str, Any]]:
     """Every training run with live trainers, as `peer status` shows it: run id, epoch, trainers in that epoch,
     estimated samples toward the target, and the swarm's throughput."""
     listing = await dht.get(RUNS_KEY, latest=True)

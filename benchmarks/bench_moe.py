@@ -18,13 +18,10 @@ Usage: python benchmarks/bench_moe.py [--steps 100] [--skip ratio,throughput,lat
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import os
-import select
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -39,8 +36,8 @@ from moe.experts import OptimizerConfig, make_expert  # noqa: E402
 from moe.mixture import RemoteMixtureOfExperts  # noqa: E402
 from moe.remote_expert import RemoteExpert  # noqa: E402
 from peer.client import Swarm  # noqa: E402
+from tests.peer_processes import ExpertServerProcess  # noqa: E402
 
-LAUNCHER = os.path.join(ROOT, "tests", "moe", "expert_server_process.py")
 SERVER_FLAGS = ["--torch-threads", "1"]
 CORES = len(os.sched_getaffinity(0))  # the cores this process may use (taskset-aware, unlike os.cpu_count)
 
@@ -48,31 +45,9 @@ CORES = len(os.sched_getaffinity(0))  # the cores this process may use (taskset-
 # ------------------------------------------------------------------------------------------------ processes
 
 
-class ServerProcess:
-    def __init__(self, uids: list[str], hidden: int, *extra: str):
-        self.uids = uids
-        self.process = subprocess.Popen(
-            [sys.executable, LAUNCHER, "--uids", *uids, "--hidden", str(hidden), *extra],
-            stdout=subprocess.PIPE, text=True,
-        )
-        self.address: tuple[str, int] | None = None
-        self.peer_id: str | None = None
-
-    def wait_ready(self, timeout: float = 180.0) -> "ServerProcess":
-        ready, _, _ = select.select([self.process.stdout], [], [], timeout)
-        line = self.process.stdout.readline() if ready else ""
-        if not line:
-            self.kill()
-            raise RuntimeError("expert server process did not start")
-        info = json.loads(line)
-        self.address, self.peer_id = tuple(info["address"]), info["peer_id"]
-        return self
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
-        self.process.stdout.close()
+def server_process(uids: list[str], hidden: int, *extra: str) -> ExpertServerProcess:
+    """An expert server process (the tests' process harness) serving `uids` of width `hidden`."""
+    return ExpertServerProcess(uids, "--hidden", str(hidden), *extra)
 
 
 def run_threads(step, count: int, iterations: int, warmup: int) -> float:
@@ -115,8 +90,8 @@ def compare_throughput(hidden: int, batch: int, clients: int, iterations: int, r
     shared machine hit both alike. The server computes one batch per core at a time, one torch thread each
     (no OpenMP barriers between batches that share the cores)."""
     uids = [f"ffn.{i}" for i in range(4)]
-    server = ServerProcess(uids, hidden, "--new-dht", "--optimizer", "adam", "--torch-threads", "1",
-                           "--threads-per-device", str(CORES)).wait_ready()
+    server = server_process(uids, hidden, "--new-dht", "--optimizer", "adam", "--torch-threads", "1",
+                            "--threads-per-device", str(CORES)).wait_ready(180.0)
     remote_rates, local_rates = [], []
     try:
         with Swarm([server.address]) as swarm:
@@ -160,8 +135,8 @@ def local_throughput(hidden: int, batch: int, clients: int, iterations: int) -> 
 
 def latency(seconds: float) -> dict:
     # batch 1 computes in ~30 us: run it on the server's event loop (no thread handoff), one torch thread
-    server = ServerProcess(["ffn.0"], 256, "--new-dht", "--torch-threads", "1", "--inline-threshold", "inf")
-    server.wait_ready()
+    server = server_process(["ffn.0"], 256, "--new-dht", "--torch-threads", "1", "--inline-threshold", "inf")
+    server.wait_ready(180.0)
     try:
         with Swarm([server.address]) as swarm:
             expert = RemoteExpert("ffn.0", server.address, swarm, peer_id=server.peer_id)
@@ -214,11 +189,11 @@ def latency(seconds: float) -> dict:
 
 def fault_tolerance(steps: int, kill_after: int) -> dict:
     hidden = 256
-    first = ServerProcess([f"ffn.{i}" for i in range(4)], hidden, "--new-dht", "--seed", "0", "--lr", "1e-3",
-                          *SERVER_FLAGS)
-    first.wait_ready()
-    second = ServerProcess([f"ffn.{i}" for i in range(4, 8)], hidden, "--dht-peer", "%s:%d" % first.address,
-                           "--seed", "10", "--lr", "1e-3", *SERVER_FLAGS).wait_ready()
+    first = server_process([f"ffn.{i}" for i in range(4)], hidden, "--new-dht", "--seed", "0", "--lr", "1e-3",
+                           *SERVER_FLAGS)
+    first.wait_ready(180.0)
+    second = server_process([f"ffn.{i}" for i in range(4, 8)], hidden, "--dht-peer", "%s:%d" % first.address,
+                            "--seed", "10", "--lr", "1e-3", *SERVER_FLAGS).wait_ready(180.0)
     step_times, losses, bad = [], [], []
     try:
         with Swarm([first.address]) as swarm:

@@ -18,59 +18,43 @@ import argparse
 import contextlib
 import io
 import json
-import os
-import re
-import subprocess
+import signal
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from peer import train  # noqa: E402
+from tests.peer_processes import PeerProcess, start_daemon  # noqa: E402
 
-LISTENING = re.compile(r"^peer ([0-9a-f]{40}) listening on (\S+)$")
 
-
-def start_daemons(count: int, grid: int, hidden_dim: int) -> tuple[list[subprocess.Popen], str]:
+def start_daemons(count: int, grid: int, hidden_dim: int) -> tuple[list[PeerProcess], str]:
     """`peer join` processes serving ffn.[0:grid] split between them; returns them and the bootstrap address."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    processes: list[subprocess.Popen] = []
+    processes: list[PeerProcess] = []
     bootstrap = None
     per = -(-grid // count)
-    for index in range(count):
-        first, last = index * per, min(grid, (index + 1) * per)
-        command = [sys.executable, "-m", "peer.cli", "join", "--experts", f"ffn.[{first}:{last}]",
-                   "--hidden-dim", str(hidden_dim), "--log-level", "warning"]
-        if bootstrap:
-            command += ["--initial-peers", bootstrap]
-        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                   text=True)
-        processes.append(process)
-        deadline = time.monotonic() + 60
-        while True:
-            line = process.stdout.readline()
-            if not line or time.monotonic() > deadline:
-                stop(processes)
-                raise RuntimeError(f"daemon {index} did not start")
-            match = LISTENING.match(line.strip())
-            if match:
-                bootstrap = bootstrap or match.group(2)
-                break
+    try:
+        for index in range(count):
+            first, last = index * per, min(grid, (index + 1) * per)
+            args = ["--experts", f"ffn.[{first}:{last}]", "--hidden-dim", str(hidden_dim), "--log-level", "warning"]
+            if bootstrap:
+                args += ["--initial-peers", bootstrap]
+            process, _, address = start_daemon(*args, timeout=60.0, capture_stderr=False)
+            processes.append(process)
+            bootstrap = bootstrap or address
+    except BaseException:
+        stop(processes)
+        raise
+    assert bootstrap is not None
     return processes, bootstrap
 
 
-def stop(processes: list[subprocess.Popen]) -> None:
+def stop(processes: list[PeerProcess]) -> None:
+    for process in processes:  # all at once, then wait for each
+        process.signal(signal.SIGTERM)
     for process in processes:
-        if process.poll() is None:
-            process.terminate()
-    for process in processes:
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        process.stop(timeout=15)
 
 
 def run(options: list[str]) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-Address = tuple[str, int]
+from peer.p2p.net import Address
 
 
 class DHTError(Exception):

@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from dht.records import Record
-
-Address = tuple[str, int]
+from peer.p2p.net import Address
 
 
 class State(Enum):

@@ -16,7 +16,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-Address = tuple[str, int]
+from peer.p2p.net import Address
 
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import msgpack
 
-Address = tuple[str, int]
+from peer.p2p.net import Address
 
 REQUEST = 0x00
 REPLY = 0x01

@@ -26,22 +26,10 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import trio
 
+from dht.client import DHTClient
+from dht.errors import DHTError
+from moe.declare import ExpertLocation, get_prefixes, parse_location
 from moe.grid import prefix_entries
-
-Address = tuple[str, int]
-
-
-@dataclass(frozen=True, slots=True)
-class ExpertLocation:
-    """Where an expert is served: the RPC address and the PeerID (hex) it declared in the DHT."""
-
-    host: str
-    port: int
-    peer_id_hex: str
-
-    @property
-    def address(self) -> Address:
-        return (self.host, self.port)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,28 +51,6 @@ Banned = Callable[[str, ExpertLocation], bool]
 def normalize_prefix(uid_prefix: str) -> str:
     """`ffn` and `ffn.` name the same grid; DHT prefix keys always end with a dot."""
     return uid_prefix if uid_prefix.endswith(".") else uid_prefix + "."
-
-
-def parse_location(value: Any) -> ExpertLocation | None:
-    """Read `[uid, host, port, peer_id_hex]` (prefix entries) or `[host, port, peer_id_hex]` (uid entries), or
-    the `(uid, ExpertLocation)` pairs `moe.declare.get_prefixes` returns; None for anything malformed, since DHT
-    values come from arbitrary peers."""
-    if isinstance(value, ExpertLocation):
-        return value
-    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], ExpertLocation):
-        return value[1]
-    if not isinstance(value, (list, tuple)):
-        return None
-    if len(value) == 4:
-        value = value[1:]
-    if len(value) != 3:
-        return None
-    host, port, peer_id_hex = value
-    if not isinstance(host, str) or not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
-        return None
-    if not isinstance(peer_id_hex, str):
-        return None
-    return ExpertLocation(host, port, peer_id_hex)
 
 
 # Heap entries are plain tuples (compared in C): (-priority, coords, kind, score, extra).
@@ -316,7 +282,7 @@ class DHTGridOracle:
 
     def __init__(
         self,
-        dht: Any,
+        dht: DHTClient,
         *,
         ttl: float = 5.0,
         refresh_timeout: float = 0.5,
@@ -336,9 +302,6 @@ class DHTGridOracle:
         self._cache.clear()
 
     async def children(self, prefixes: Sequence[str]) -> dict[str, dict[int, Any]]:
-        from dht.errors import DHTError
-        from moe.declare import get_prefixes  # moe.declare imports this module's ExpertLocation
-
         now = self._clock()
         found: dict[str, dict[int, Any]] = {}
         missing = []
@@ -379,10 +342,8 @@ __all__ = [
     "ChildrenOracle",
     "DHTGridOracle",
     "ExpertChoice",
-    "ExpertLocation",
     "GridSearch",
     "StaticGridOracle",
     "find_best_experts",
     "normalize_prefix",
-    "parse_location",
 ]

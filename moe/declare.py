@@ -13,32 +13,60 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import Any, Iterable, Mapping, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
 
-from moe.beam_search import ExpertLocation, parse_location
+from dht.client import DHTClient
 from moe.grid import GridPattern, InvalidUID, choose_free_uids, is_valid_uid, prefix_entries
+from peer.p2p.identity import PeerID
+from peer.p2p.net import Address
 
 logger = logging.getLogger(__name__)
-Address = tuple[str, int]
 StoreItem = tuple[str, Any, float, Any]  # (key, value, expiration_time, subkey or None)
+PeerIDLike = PeerID | str  # a PeerID, or its hex as read from a record
 
 
-class ExpertDHT(Protocol):
-    """The part of `dht.DHTNode` this module uses."""
+@dataclass(frozen=True, slots=True)
+class ExpertLocation:
+    """Where an expert is served: the RPC address and the PeerID (hex) it declared in the DHT."""
 
-    def now(self) -> float: ...
+    host: str
+    port: int
+    peer_id_hex: str
 
-    async def store_many(self, items: Sequence[StoreItem]) -> Any: ...
+    @property
+    def address(self) -> Address:
+        return (self.host, self.port)
 
-    async def get_many(self, keys: Sequence[str]) -> Mapping[str, Any]: ...
+
+def parse_location(value: Any) -> ExpertLocation | None:
+    """Read `[uid, host, port, peer_id_hex]` (prefix entries) or `[host, port, peer_id_hex]` (uid entries), or
+    the `(uid, ExpertLocation)` pairs `get_prefixes` returns; None for anything malformed, since DHT
+    values come from arbitrary peers."""
+    if isinstance(value, ExpertLocation):
+        return value
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], ExpertLocation):
+        return value[1]
+    if not isinstance(value, (list, tuple)):
+        return None
+    if len(value) == 4:
+        value = value[1:]
+    if len(value) != 3:
+        return None
+    host, port, peer_id_hex = value
+    if not isinstance(host, str) or not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        return None
+    if not isinstance(peer_id_hex, str):
+        return None
+    return ExpertLocation(host, port, peer_id_hex)
 
 
-def _location_value(address: Address, peer_id: Any) -> list[Any]:
+def _location_value(address: Address, peer_id: PeerIDLike) -> list[Any]:
     peer_hex = peer_id if isinstance(peer_id, str) else bytes(peer_id).hex()
     return [str(address[0]), int(address[1]), peer_hex]
 
 
-def declaration_items(uids: Iterable[str], address: Address, peer_id: Any, expiration: float) -> list[StoreItem]:
+def declaration_items(uids: Iterable[str], address: Address, peer_id: PeerIDLike, expiration: float) -> list[StoreItem]:
     """The store items declaring `uids` at `address`: one per uid, plus one per distinct (prefix, coordinate)."""
     location = _location_value(address, peer_id)
     items: list[StoreItem] = []
@@ -55,7 +83,7 @@ def declaration_items(uids: Iterable[str], address: Address, peer_id: Any, expir
 
 
 async def declare_experts(
-    dht: ExpertDHT, uids: Sequence[str], address: Address, peer_id: Any, expiration: float
+    dht: DHTClient, uids: Sequence[str], address: Address, peer_id: PeerIDLike, expiration: float
 ) -> dict[str, bool]:
     """Store the records of `uids` (expiring at `expiration`, absolute in `dht.now()` time) in one batch;
     returns, per uid, whether its own record was acknowledged by at least one replica."""
@@ -80,7 +108,7 @@ def _valid_location(value: Any, *, with_uid: bool) -> tuple[str | None, ExpertLo
     return uid, location
 
 
-async def get_experts(dht: ExpertDHT, uids: Sequence[str]) -> dict[str, ExpertLocation | None]:
+async def get_experts(dht: DHTClient, uids: Sequence[str]) -> dict[str, ExpertLocation | None]:
     """Where each uid is served now (None: not declared, expired, or a malformed record)."""
     if not uids:
         return {}
@@ -98,7 +126,7 @@ async def get_experts(dht: ExpertDHT, uids: Sequence[str]) -> dict[str, ExpertLo
 
 
 async def get_prefixes(
-    dht: ExpertDHT, prefixes: Sequence[str]
+    dht: DHTClient, prefixes: Sequence[str]
 ) -> dict[str, dict[int, tuple[str, ExpertLocation]]]:
     """For each prefix (`ffn.` or `ffn.3.`): next coordinate -> (one full uid below it, its location)."""
     if not prefixes:
@@ -121,11 +149,11 @@ async def get_prefixes(
     return result
 
 
-async def get_prefix_entries(dht: ExpertDHT, prefix: str) -> dict[int, tuple[str, ExpertLocation]]:
+async def get_prefix_entries(dht: DHTClient, prefix: str) -> dict[int, tuple[str, ExpertLocation]]:
     return (await get_prefixes(dht, [prefix]))[prefix]
 
 
-def _peer_hex(peer_id: Any) -> str | None:
+def _peer_hex(peer_id: PeerIDLike | None) -> str | None:
     if peer_id is None:
         return None
     return peer_id if isinstance(peer_id, str) else bytes(peer_id).hex()
@@ -136,7 +164,7 @@ def _peer_hex(peer_id: Any) -> str | None:
 OWN_SCAN_LIMIT = 1024
 
 
-async def find_own_uids(dht: ExpertDHT, pattern: str | GridPattern, peer_id: Any, *,
+async def find_own_uids(dht: DHTClient, pattern: str | GridPattern, peer_id: PeerIDLike, *,
                         limit: int = OWN_SCAN_LIMIT) -> list[str]:
     """The uids of `pattern` whose live declaration carries `peer_id`, in grid order.
 
@@ -153,14 +181,14 @@ async def find_own_uids(dht: ExpertDHT, pattern: str | GridPattern, peer_id: Any
 
 
 async def find_free_uids(
-    dht: ExpertDHT,
+    dht: DHTClient,
     pattern: str | GridPattern,
     count: int,
     *,
     taken: Iterable[str] = (),
     rng: random.Random | None = None,
     rounds: int = 8,
-    peer_id: Any = None,
+    peer_id: PeerIDLike | None = None,
 ) -> list[str]:
     """`count` uids of `pattern` that no live expert in the DHT uses (nor any in `taken`), in random order. A
     grid of up to `OWN_SCAN_LIMIT` uids is looked up whole (exact); a larger one is probed in random batches.

@@ -37,15 +37,17 @@ import torch
 import trio
 from torch import nn
 
-from moe.beam_search import DHTGridOracle, ExpertChoice, ExpertLocation, find_best_experts, normalize_prefix
-from moe.errors import BadExpertOutput, NotEnoughExperts
+from dht.client import SwarmHandle
+from moe.beam_search import ChildrenOracle, DHTGridOracle, ExpertChoice, find_best_experts, normalize_prefix
+from moe.declare import ExpertLocation
+from moe import calls
+from moe.errors import NotEnoughExperts
 from peer.p2p import wire
 from peer.p2p.identity import PeerID
-from peer.p2p.rpc import ConnectionFailed, RPCError
+from peer.p2p.net import Address
+from peer.p2p.rpc import RPCNode
 
 logger = logging.getLogger(__name__)
-
-Address = tuple[str, int]
 
 
 # ------------------------------------------------------------------------------------------------- blacklist
@@ -194,8 +196,8 @@ class MixtureClient:
 
     def __init__(
         self,
-        rpc: Any,
-        oracle: Any,
+        rpc: RPCNode,
+        oracle: ChildrenOracle,
         uid_prefix: str,
         grid_size: Sequence[int],
         *,
@@ -239,12 +241,10 @@ class MixtureClient:
 
         async def run_call(call: ExpertCall) -> None:
             index = torch.tensor(call.samples, dtype=torch.long)
-            args = {"uid": call.uid, "inputs": [inputs.index_select(0, index)]}
             try:
-                reply = await self._call(call.choice.location, "moe.forward", args, deadline)
-                call.outputs = self._check_outputs(call, reply, len(call.samples))
+                call.outputs = await self._forward_call(call, inputs.index_select(0, index), deadline)
                 self.stats["forward_calls"] += 1
-            except (RPCError, wire.WireError, BadExpertOutput, ValueError) as error:
+            except calls.CALL_FAILURES as error:
                 self._failed(call, error, failures, "forward")
             finally:
                 progress.finish(call)
@@ -357,12 +357,12 @@ class MixtureClient:
         # one backward call (one optimizer step) per expert, even if a replacement round called it twice
         by_uid: dict[str, ExpertCall] = {}
         for call in result.calls:
-            merged = by_uid.setdefault(call.uid, ExpertCall(call.choice, [], []))
-            merged.samples.extend(call.samples)
-            merged.slots.extend(call.slots)
-        calls = list(by_uid.values())
+            entry = by_uid.setdefault(call.uid, ExpertCall(call.choice, [], []))
+            entry.samples.extend(call.samples)
+            entry.slots.extend(call.slots)
+        merged = list(by_uid.values())
         alive = [0] * batch_size
-        for call in calls:
+        for call in merged:
             for sample in call.samples:
                 alive[sample] += 1
         need = [min(backward_k_min, a) for a in alive]
@@ -371,13 +371,12 @@ class MixtureClient:
         failures: dict[str, str] = {}
         finished: set[int] = set()  # id() of calls that answered or failed
         changed = [trio.Event()]
-        in_flight = [len(calls)]
+        in_flight = [len(merged)]
 
         async def run_call(call: ExpertCall) -> None:
             samples = torch.tensor(call.samples, dtype=torch.long)
             slots = torch.tensor(call.slots, dtype=torch.long)
             grads = grad_outputs[samples, slots].contiguous()
-            args = {"uid": call.uid, "inputs": [inputs.index_select(0, samples)], "grad_outputs": [grads]}
             try:
                 if not bool(grads.any()):
                     # nothing to learn (e.g. a hedged expert whose output was not used): no call, no step
@@ -386,14 +385,17 @@ class MixtureClient:
                     self.stats["backward_skipped"] += 1
                     finished.add(id(call))
                     return
-                reply = await self._call(call.choice.location, "moe.backward", args, deadline)
-                grad = self._check_grad_inputs(call, reply, inputs, len(call.samples))
-                grad_inputs.index_add_(0, samples, grad)
+                location = call.choice.location
+                sent = inputs.index_select(0, samples)
+                grad, = await calls.backward(
+                    self.rpc, location.address, PeerID.from_hex(location.peer_id_hex), call.uid, [sent], [grads],
+                    timeout=self._timeout(deadline), compression=self.compression)
+                grad_inputs.index_add_(0, samples, grad.to(inputs.dtype))
                 for sample in call.samples:
                     answered[sample] += 1
                 self.stats["backward_calls"] += 1
                 finished.add(id(call))
-            except (RPCError, wire.WireError, BadExpertOutput, ValueError) as error:
+            except calls.CALL_FAILURES as error:
                 self._failed(call, error, failures, "backward")
                 finished.add(id(call))
             finally:  # also when cut by the grace period: then it is not `finished` and counts as too slow
@@ -404,7 +406,7 @@ class MixtureClient:
         grace_deadline = math.inf
         with trio.move_on_at(deadline):
             async with trio.open_nursery() as nursery:
-                for call in calls:
+                for call in merged:
                     nursery.start_soon(run_call, call)
                 while in_flight[0]:
                     if grace_deadline == math.inf and all(a >= n for a, n in zip(answered, need)):
@@ -415,7 +417,7 @@ class MixtureClient:
                         break
                 nursery.cancel_scope.cancel()
         self.stats["backward_seconds"] += trio.current_time() - started
-        for call in calls:
+        for call in merged:
             if id(call) not in finished:
                 self._failed(call, trio.TooSlowError("no answer before the backward deadline or grace period"),
                              failures, "backward")
@@ -425,49 +427,28 @@ class MixtureClient:
 
     # ------------------------------------------------------------------------------------------- helpers
 
-    async def _call(self, location: ExpertLocation, method: str, args: dict, deadline: float) -> Any:
-        timeout = max(deadline - trio.current_time(), 1e-3)
-        if self.compression != wire.Compression.NONE:
-            args["compression"] = int(self.compression)  # the server answers with the same codec
-        return await self.rpc.call(
-            location.address, method, args, timeout=timeout,
-            peer_id=PeerID.from_hex(location.peer_id_hex), compression=self.compression,
-        )
+    @staticmethod
+    def _timeout(deadline: float) -> float:
+        return max(deadline - trio.current_time(), 1e-3)
 
-    def _check_outputs(self, call: ExpertCall, reply: Any, rows: int) -> torch.Tensor:
-        """An expert's answer is untrusted input: one finite floating tensor of the expected shape."""
-        outputs = reply.get("outputs") if isinstance(reply, dict) else None
-        if not isinstance(outputs, list) or len(outputs) != 1 or not isinstance(outputs[0], torch.Tensor):
-            raise BadExpertOutput(call.uid, "expected {'outputs': [tensor]}")
-        tensor = outputs[0]
-        expected = (rows, *self.out_shape) if self.out_shape is not None else None
-        if expected is not None and tuple(tensor.shape) != expected:
-            raise BadExpertOutput(call.uid, f"output shape {tuple(tensor.shape)}, expected {expected}")
-        if tensor.ndim < 1 or tensor.shape[0] != rows:
-            raise BadExpertOutput(call.uid, f"output shape {tuple(tensor.shape)} for {rows} samples")
-        if not tensor.is_floating_point() or not bool(torch.isfinite(tensor).all()):
-            raise BadExpertOutput(call.uid, "outputs must be finite floating point values")
+    async def _forward_call(self, call: ExpertCall, inputs: torch.Tensor, deadline: float) -> torch.Tensor:
+        """One expert's outputs for its samples: one finite floating tensor of the layer's output shape (the first
+        valid answer fixes it when the layer was built without one)."""
+        location = call.choice.location
+        rows = inputs.shape[0]
+        shapes = [(rows, *self.out_shape)] if self.out_shape is not None else None
+        output, = await calls.forward(
+            self.rpc, location.address, PeerID.from_hex(location.peer_id_hex), call.uid, [inputs],
+            timeout=self._timeout(deadline), compression=self.compression, count=1, shapes=shapes, floating=True)
         if self.out_shape is None:
-            self.out_shape = tuple(tensor.shape[1:])  # the first valid answer fixes the layer's output shape
-        return tensor
-
-    def _check_grad_inputs(self, call: ExpertCall, reply: Any, inputs: torch.Tensor, rows: int) -> torch.Tensor:
-        grads = reply.get("grad_inputs") if isinstance(reply, dict) else None
-        if not isinstance(grads, list) or len(grads) != 1 or not isinstance(grads[0], torch.Tensor):
-            raise BadExpertOutput(call.uid, "expected {'grad_inputs': [tensor]}")
-        grad = grads[0]
-        if tuple(grad.shape) != (rows, *inputs.shape[1:]):
-            expected = (rows, *inputs.shape[1:])
-            raise BadExpertOutput(call.uid, f"grad_inputs shape {tuple(grad.shape)}, expected {expected}")
-        if not grad.is_floating_point() or not bool(torch.isfinite(grad).all()):
-            raise BadExpertOutput(call.uid, "grad_inputs must be finite floating point values")
-        return grad.to(inputs.dtype)
+            self.out_shape = tuple(output.shape[1:])
+        return output
 
     def _failed(self, call: ExpertCall, error: BaseException, failures: dict[str, str], stage: str) -> None:
         call.error = error
         failures[call.uid] = _describe(error)
         self.stats[f"{stage}_failures"] += 1
-        if isinstance(error, ConnectionFailed):
+        if calls.peer_unreachable(error):
             self.blacklist.ban_address(call.choice.location.address)
         else:
             self.blacklist.ban_expert(call.uid)
@@ -509,7 +490,7 @@ class _GridMixture(nn.Module):
         grid_size: Sequence[int],
         uid_prefix: str,
         *,
-        swarm: Any,
+        swarm: SwarmHandle | None,
         k_best: int,
         k_min: int,
         timeout_after_k_min: float,
@@ -521,7 +502,7 @@ class _GridMixture(nn.Module):
         search_cache_ttl: float,
         blacklist: ExpertBlacklist | None,
         compression: wire.Compression,
-        oracle: Any,
+        oracle: ChildrenOracle | None,
     ):
         super().__init__()
         if swarm is None:
@@ -607,14 +588,14 @@ class RemoteMixtureOfExperts(_GridMixture):
         forward_timeout: float = 10.0,
         backward_k_min: int = 1,
         backward_timeout: float = 10.0,
-        swarm: Any = None,
+        swarm: SwarmHandle | None = None,
         *,
         out_features: int | None = None,
         ban_time: float = 30.0,
         search_cache_ttl: float = 5.0,
         blacklist: ExpertBlacklist | None = None,
         compression: wire.Compression = wire.Compression.NONE,
-        oracle: Any = None,
+        oracle: ChildrenOracle | None = None,
     ):
         super().__init__(
             in_features, grid_size, uid_prefix, swarm=swarm, k_best=k_best, k_min=k_min,
@@ -649,14 +630,14 @@ class RemoteSwitchMixtureOfExperts(_GridMixture):
         uid_prefix: str,
         forward_timeout: float = 10.0,
         backward_timeout: float = 10.0,
-        swarm: Any = None,
+        swarm: SwarmHandle | None = None,
         *,
         out_features: int | None = None,
         ban_time: float = 30.0,
         search_cache_ttl: float = 5.0,
         blacklist: ExpertBlacklist | None = None,
         compression: wire.Compression = wire.Compression.NONE,
-        oracle: Any = None,
+        oracle: ChildrenOracle | None = None,
         hedge_after: float = 1.0,
     ):
         super().__init__(

@@ -1,30 +1,33 @@
 """`RemoteExpert`: one expert on another peer, used like a local `nn.Module` (autograd included).
 
-The forward sends the inputs to the server (`moe.forward`) and returns its outputs; the backward sends the inputs
-again with the output gradients (`moe.backward`): the server recomputes its forward, returns the input gradients
-and applies its optimizer step. Nothing is kept on the server between the two calls, so a client that never
+Calls go through `moe.calls` (the one call path: method names, codec, reply checks). The forward sends the inputs
+to the server (`moe.forward`) and returns its outputs; the backward sends the inputs again with the output
+gradients (`moe.backward`): the server recomputes its forward, returns the input gradients and applies its
+optimizer step. Nothing is kept on the server between the two calls, so a client that never
 calls backward costs the server nothing.
 
 Calls cross from the caller's thread (a training loop, or autograd's backward) into the trio thread that owns
 the RPC node through the bridge (`swarm.bridge.run`), one hop per call. There is no fault tolerance here: a
-failure raises (`peer.p2p.rpc.RPCError` subclasses, e.g. `moe.errors.ExpertNotFound`); `RemoteMixtureOfExperts` is
-the layer that survives dead experts.
+failure raises one of `moe.calls.CALL_FAILURES` (e.g. `moe.errors.ExpertNotFound`, or `BadExpertOutput` for a
+NaN output); `RemoteMixtureOfExperts` is the layer that survives dead experts.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Awaitable, Callable, TypeVar
 
 import torch
 from torch import nn
 
-from moe.beam_search import ExpertLocation
-from moe.errors import BadExpertOutput
+from dht.client import SwarmHandle
+from moe import calls
+from moe.declare import ExpertLocation
 from peer.p2p import wire
 from peer.p2p.identity import PeerID
+from peer.p2p.net import Address
 
-Address = tuple[str, int]
+T = TypeVar("T")
 
 
 class RemoteExpert(nn.Module):
@@ -35,7 +38,7 @@ class RemoteExpert(nn.Module):
         self,
         uid: str,
         address: Address | ExpertLocation,
-        swarm: Any,
+        swarm: SwarmHandle,
         *,
         peer_id: PeerID | str | None = None,
         timeout: float = 30.0,
@@ -59,21 +62,16 @@ class RemoteExpert(nn.Module):
     def extra_repr(self) -> str:
         return f"uid={self.uid!r}, address={self.address[0]}:{self.address[1]}"
 
-    def call(self, method: str, args: Any) -> Any:
-        """One RPC to the expert's server, from a synchronous thread through the bridge."""
-        if self.compression != wire.Compression.NONE and method != "moe.info":
-            args = {**args, "compression": int(self.compression)}  # the server answers with the same codec
-        async_call = functools.partial(
-            self.swarm.rpc.call, self.address, method, args, timeout=self.timeout, peer_id=self.peer_id,
-            compression=self.compression,
-        )
-        return self.swarm.bridge.run(async_call)
+    def _run(self, call: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run one `moe.calls` call in the swarm's trio thread, from this synchronous one, through the bridge."""
+        return self.swarm.bridge.run(functools.partial(call, self.swarm.rpc, self.address, self.peer_id, self.uid,
+                                                       *args, timeout=self.timeout))
 
     @property
     def info(self) -> dict[str, Any]:
         """The expert's `moe.info` reply (kind, hidden_dim, max_batch_size, input and output schemas), cached."""
         if self._info is None:
-            self._info = self.call("moe.info", {"uid": self.uid})
+            self._info = self._run(calls.info)
         return self._info
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
@@ -81,18 +79,11 @@ class RemoteExpert(nn.Module):
         return outputs[0] if len(outputs) == 1 else outputs
 
 
-def _tensors(reply: Any, key: str, uid: str) -> list[torch.Tensor]:
-    values = reply.get(key) if isinstance(reply, dict) else None
-    if not isinstance(values, list) or not all(isinstance(t, torch.Tensor) for t in values):
-        raise BadExpertOutput(uid, f"expected {{{key!r}: [tensor, ...]}}")
-    return values
-
-
 class _RemoteExpertFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, dummy: torch.Tensor, expert: RemoteExpert, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         sent = [x.detach().contiguous() for x in inputs]
-        outputs = _tensors(expert.call("moe.forward", {"uid": expert.uid, "inputs": sent}), "outputs", expert.uid)
+        outputs = expert._run(functools.partial(calls.forward, compression=expert.compression), sent)
         ctx.expert = expert
         ctx.save_for_backward(*sent)
         return tuple(outputs)
@@ -102,10 +93,8 @@ class _RemoteExpertFunction(torch.autograd.Function):
         expert: RemoteExpert = ctx.expert
         inputs = ctx.saved_tensors
         grads = [g.contiguous() for g in grad_outputs]
-        reply = expert.call("moe.backward", {"uid": expert.uid, "inputs": list(inputs), "grad_outputs": grads})
-        grad_inputs = _tensors(reply, "grad_inputs", expert.uid)
-        if len(grad_inputs) != len(inputs) or any(g.shape != x.shape for g, x in zip(grad_inputs, inputs)):
-            raise BadExpertOutput(expert.uid, "grad_inputs do not match the inputs' shapes")
+        grad_inputs = expert._run(functools.partial(calls.backward, compression=expert.compression), list(inputs),
+                                  grads)
         wanted = ctx.needs_input_grad[2:]
         return (None, None, *(g if need else None for g, need in zip(grad_inputs, wanted)))
 

@@ -21,6 +21,7 @@ come back, new ones avoid the DHT's.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -33,17 +34,20 @@ from typing import Any, Mapping, Sequence
 import torch
 import trio
 
-from moe.declare import ExpertDHT, declare_experts, find_free_uids, find_own_uids
+from dht.client import DHTClient
+from moe import calls
+from moe.declare import PeerIDLike, declare_experts, find_free_uids, find_own_uids
 from moe.errors import BadExpertInput, CheckpointError, ExpertFailed, ExpertNotFound, ServerShuttingDown
 from moe.experts import Expert, OptimizerConfig, make_expert
 from moe.grid import GridPattern, InvalidUID, choose_free_uids, is_valid_uid
 from moe.runtime import ExpertComputeError, ExpertRuntime, RuntimeNotRunning
 from moe.schema import SchemaError, validate_batch
 from peer.p2p import wire
+from peer.p2p.net import Address
+from peer.p2p.periodic import run_periodic
 from peer.p2p.rpc import CallContext, RPCNode
 
 logger = logging.getLogger(__name__)
-Address = tuple[str, int]
 CHECKPOINT_SUFFIX = ".pt"
 _CHECKPOINT_NAME = re.compile(r"^(.+)\.pt$")
 
@@ -107,10 +111,10 @@ async def choose_uids(
     pattern: str,
     count: int,
     *,
-    dht: ExpertDHT | None = None,
+    dht: DHTClient | None = None,
     checkpoint_dir: str | Path | None = None,
     rng: random.Random | None = None,
-    peer_id: Any = None,
+    peer_id: PeerIDLike | None = None,
 ) -> list[str]:
     """The uids a starting server should serve, in this order of preference:
     1. its checkpointed uids of this pattern (a restarted server keeps its experts' weights);
@@ -190,7 +194,7 @@ class ExpertServer:
         *,
         kind: str,
         hidden_dim: int,
-        dht: ExpertDHT | None = None,
+        dht: DHTClient | None = None,
         checkpoint_dir: str | Path | None = None,
         optimizer: OptimizerConfig = OptimizerConfig(),
         options: Mapping[str, Any] | None = None,
@@ -214,7 +218,7 @@ class ExpertServer:
     async def run(
         self,
         rpc: RPCNode,
-        dht: ExpertDHT | None = None,
+        dht: DHTClient | None = None,
         *,
         announce: Address | None = None,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
@@ -236,15 +240,21 @@ class ExpertServer:
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.runtime.run)
-                for name, handler in (("moe.info", self._handle_info), ("moe.forward", self._handle_forward),
-                                      ("moe.backward", self._handle_backward)):
+                for name, handler in ((calls.INFO, self._handle_info), (calls.FORWARD, self._handle_forward),
+                                      (calls.BACKWARD, self._handle_backward)):
                     rpc.register(name, handler)
                     registered.append(name)
                 if dht is not None and address is not None:
-                    await self._declare_once(dht, address, rpc.peer_id)  # before `started`: findable at once
-                    nursery.start_soon(self._declare_loop, dht, address, rpc.peer_id)
+                    # the first round runs before `started`: the experts are findable once `run` has started
+                    await nursery.start(functools.partial(
+                        run_periodic, functools.partial(self.declare, dht, address, rpc.peer_id),
+                        self.declare_interval, name=f"declaring {len(self.experts)} experts",
+                        retry=self.declare_interval / 4, max_retry=self.declare_interval,
+                        on_failure=self._declaration_failed, log=logger))
                 if self.checkpoint_dir is not None and math.isfinite(self.checkpoint_interval):
-                    nursery.start_soon(self._checkpoint_loop)
+                    nursery.start_soon(functools.partial(
+                        run_periodic, self.checkpoint, self.checkpoint_interval, name="checkpointing experts",
+                        first_delay=self.checkpoint_interval, log=logger, traceback=True))
                 task_status.started()
         finally:
             for name in registered:
@@ -260,7 +270,7 @@ class ExpertServer:
                         f"since their last checkpoint is lost")
                     raise self.checkpoint_error
 
-    async def declare(self, dht: ExpertDHT, address: Address, peer_id: Any) -> None:
+    async def declare(self, dht: DHTClient, address: Address, peer_id: PeerIDLike) -> None:
         """Declare every expert once, expiring `declare_ttl` seconds from now in the DHT's clock."""
         expiration = dht.now() + self.declare_ttl
         stored = await declare_experts(dht, list(self.experts), address, peer_id, expiration)
@@ -268,17 +278,8 @@ class ExpertServer:
         self._declarations["unacknowledged"] += sum(not ok for ok in stored.values())
         self._declarations["last_expiration"] = expiration
 
-    async def _declare_once(self, dht: ExpertDHT, address: Address, peer_id: Any) -> None:
-        try:
-            await self.declare(dht, address, peer_id)
-        except Exception as error:  # a DHT hiccup must not stop serving; the next round retries
-            self._declarations["failures"] += 1
-            logger.warning("declaring %d experts failed: %s", len(self.experts), error)
-
-    async def _declare_loop(self, dht: ExpertDHT, address: Address, peer_id: Any) -> None:
-        while True:
-            await trio.sleep(self.declare_interval)
-            await self._declare_once(dht, address, peer_id)
+    def _declaration_failed(self, error: Exception) -> None:
+        self._declarations["failures"] += 1  # a DHT hiccup must not stop serving; the next round retries
 
     # ---------------------------------------------------------------------------------------- checkpoints
 
@@ -343,11 +344,6 @@ class ExpertServer:
             saved += 1
         self._checkpoints["saved"] += saved
         return saved
-
-    async def _checkpoint_loop(self) -> None:
-        while True:
-            await trio.sleep(self.checkpoint_interval)
-            await self.checkpoint()
 
     # ---------------------------------------------------------------------------------------- handlers
 

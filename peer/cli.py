@@ -92,21 +92,11 @@ def cmd_join(args: argparse.Namespace) -> int:
 
 
 async def _run_status(args: argparse.Namespace) -> int:
-    from dht.node import DHTNode
-    from peer.p2p.identity import Identity
-    from peer.p2p.net import RealNetwork
-    from peer.p2p.rpc import RPCNode
+    from peer.client import open_client_peer
     from peer.status import format_status, gather_status, to_json
 
-    identity = Identity.generate()
-    network = RealNetwork()
-    # A loopback swarm is reached from loopback; anything else from all interfaces (nothing is served).
-    client_host = "127.0.0.1" if all(host.startswith("127.") for host, _ in args.initial_peers) else "0.0.0.0"
-    async with RPCNode(identity, network) as rpc:
-        peers = [await network.resolve(peer) for peer in args.initial_peers]
-        async with DHTNode.open(client_host, 0, peers, identity=identity, network=network,
-                                client_mode=True) as dht:
-            status = await gather_status(rpc, dht, timeout=args.timeout, runs_reader=_runs_reader())
+    async with open_client_peer(args.initial_peers) as (rpc, dht):
+        status = await gather_status(rpc, dht, timeout=args.timeout, runs_reader=_runs_reader())
     print(to_json(status) if args.json else format_status(status), flush=True)
     return 0 if status["peers_reachable"] else EXIT_FAILURE
 

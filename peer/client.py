@@ -7,7 +7,8 @@ bridge: `swarm.run(async_fn, ...)` blocks until the coroutine finishes in the sw
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable, Sequence, TypeVar
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 import trio
 
@@ -24,11 +25,39 @@ def normalize_peers(initial_peers: Sequence[str | Address]) -> list[Address]:
     return [parse_address(p) if isinstance(p, str) else (str(p[0]), int(p[1])) for p in initial_peers]
 
 
+def client_host(initial_peers: Sequence[Address]) -> str:
+    """The local host a client peer binds: a loopback swarm is reached from loopback, anything else from all
+    interfaces (a client serves nothing, so binding them all exposes nothing)."""
+    return "127.0.0.1" if all(host.startswith("127.") for host, _ in initial_peers) else "0.0.0.0"
+
+
+@asynccontextmanager
+async def open_client_peer(
+    initial_peers: Sequence[str | Address],
+    *,
+    identity: Identity | None = None,
+    network: Network | None = None,
+    host: str | None = None,
+) -> AsyncIterator[tuple[RPCNode, DHTNode]]:
+    """A client-mode peer for the duration of the block: an RPC node that calls others and a client-mode DHT node
+    joined through `initial_peers` (`host`: see `client_host`). The one composition `Swarm` and `peer status`
+    share. Raises dht.BootstrapFailed when no initial peer answers."""
+    peers = normalize_peers(initial_peers)
+    identity = identity or Identity.generate()
+    network = network or RealNetwork()
+    async with RPCNode(identity, network) as rpc:
+        resolved = [await network.resolve(peer) for peer in peers]
+        async with DHTNode.open(host or client_host(resolved), 0, resolved, identity=identity, network=network,
+                                client_mode=True) as dht:
+            yield rpc, dht
+
+
 class Swarm:
     """`with Swarm(initial_peers=["127.0.0.1:31337"]) as swarm:` — then hand `swarm` to MoE layers and optimizers.
 
-    Attributes used by the feature modules: `bridge` (run coroutines from synchronous code), `rpc` (an RPCNode in
-    client mode) and `dht` (a client-mode DHTNode), all living in the bridge's trio thread.
+    Attributes used by the feature modules (`dht.client.SwarmHandle`): `bridge` (run coroutines from synchronous
+    code), `rpc` (an RPCNode in client mode) and `dht` (a client-mode DHTNode), all living in the bridge's trio
+    thread; reading them before `start()` or after `close()` raises RuntimeError.
     """
 
     def __init__(
@@ -36,7 +65,7 @@ class Swarm:
         initial_peers: Sequence[str | Address],
         *,
         identity: Identity | None = None,
-        host: str = "127.0.0.1",
+        host: str | None = None,
         network: Network | None = None,
         start: bool = True,
     ):
@@ -47,39 +76,58 @@ class Swarm:
         self.peer_id: PeerID = self.identity.peer_id
         self.host = host
         self.network = network or RealNetwork()
-        self.bridge: Bridge | None = None
-        self.rpc: RPCNode | None = None
-        self.dht: DHTNode | None = None
+        self._bridge: Bridge | None = None
+        self._nodes: tuple[RPCNode, DHTNode] | None = None
         if start:
             self.start()
 
     def start(self) -> "Swarm":
-        self.bridge = Bridge.start()
+        bridge = Bridge.start()
         try:
-            self.rpc, self.dht = self.bridge.start_and_wait(self._serve)
+            self._nodes = bridge.start_and_wait(self._serve)
         except BaseException:
-            self.bridge.close()
+            bridge.close()
             raise
+        self._bridge = bridge
         return self
 
-    async def _serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        async with RPCNode(self.identity, self.network) as rpc:
-            peers = [await self.network.resolve(peer) for peer in self.initial_peers]
-            async with DHTNode.open(self.host, 0, peers, identity=self.identity,
-                                    network=self.network, client_mode=True) as dht:
-                task_status.started((rpc, dht))
-                await trio.sleep_forever()
+    @property
+    def started(self) -> bool:
+        return self._bridge is not None
+
+    def _running(self) -> tuple[Bridge, RPCNode, DHTNode]:
+        if self._bridge is None or self._nodes is None:
+            raise RuntimeError("the swarm is not started (or closed already)")
+        return self._bridge, *self._nodes
+
+    @property
+    def bridge(self) -> Bridge:
+        return self._running()[0]
+
+    @property
+    def rpc(self) -> RPCNode:
+        return self._running()[1]
+
+    @property
+    def dht(self) -> DHTNode:
+        return self._running()[2]
+
+    async def _serve(self, task_status: trio.TaskStatus[tuple[RPCNode, DHTNode]] = trio.TASK_STATUS_IGNORED
+                     ) -> None:
+        async with open_client_peer(self.initial_peers, identity=self.identity, network=self.network,
+                                    host=self.host) as nodes:
+            task_status.started(nodes)
+            await trio.sleep_forever()
 
     def run(self, async_fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run a coroutine function in the swarm's trio thread and wait for its result."""
-        if self.bridge is None:
-            raise RuntimeError("the swarm is not started")
         return self.bridge.run(async_fn, *args)
 
     def close(self) -> None:
-        if self.bridge is not None:
-            self.bridge.close()
-            self.bridge = None
+        if self._bridge is not None:
+            self._bridge.close()
+            self._bridge = None
+            self._nodes = None
 
     def __enter__(self) -> "Swarm":
         return self

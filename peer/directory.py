@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import trio
 
+from dht.client import DHTClient
 from peer.p2p.identity import PeerID
 from peer.p2p.net import Address
+from peer.p2p.periodic import run_periodic
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +44,7 @@ class PeerEntry:
 class PeerDirectory:
     """Keeps this peer's entry alive in the DHT (the daemon runs it in its nursery)."""
 
-    def __init__(self, dht: Any, *, ttl: float = 30.0, interval: float | None = None):
+    def __init__(self, dht: DHTClient, *, ttl: float = 30.0, interval: float | None = None):
         self.dht = dht
         self.ttl = ttl
         self.interval = interval if interval is not None else ttl / 3
@@ -54,22 +56,23 @@ class PeerDirectory:
                                     signed=True)
 
     async def run(self, address: Address, peer_id: PeerID, summary: Callable[[], dict], *,
-                  task_status=trio.TASK_STATUS_IGNORED) -> None:
-        first = True
-        while True:
-            try:
-                if not await self.declare(address, peer_id, summary()):
-                    self.failures += 1
-            except Exception as error:  # the DHT may be briefly unreachable; the next round retries
-                self.failures += 1
-                logger.warning("could not declare this peer in the directory: %s", error)
-            if first:
-                task_status.started()
-                first = False
-            await trio.sleep(self.interval)
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Declare now, then every `interval` seconds until cancelled; `started` once the first declaration was
+        tried. A failed round is retried sooner (the entry expires `ttl` after the last success), never later."""
+
+        async def declare_round() -> None:
+            if not await self.declare(address, peer_id, summary()):
+                self.failures += 1  # nobody acknowledged: no exception, but the entry was not refreshed
+
+        def failed(error: Exception) -> None:
+            self.failures += 1
+
+        await run_periodic(declare_round, self.interval, name="declaring this peer in the directory",
+                           retry=self.interval / 4, max_retry=self.interval, on_failure=failed, log=logger,
+                           task_status=task_status)
 
 
-async def list_peers(dht: Any) -> list[PeerEntry]:
+async def list_peers(dht: DHTClient) -> list[PeerEntry]:
     """Every live peer in the directory, ordered by PeerID. Malformed entries (anyone can write) are skipped."""
     records = await dht.get_many([f"{KEY_PREFIX}{shard}" for shard in range(SHARDS)])
     now = dht.now()

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable
 
 import trio
 
+from dht.client import DHTClient
 from moe.grid import GridPattern, InvalidUID
 from peer.directory import PeerEntry, list_peers
 
@@ -96,7 +97,7 @@ def families_from_entries(entries: Iterable[PeerEntry], *, exclude_peer: str | N
     return sorted(families, key=lambda f: (-f.experts, f.prefix, f.hidden_dim, len(f.grid)))
 
 
-async def discover_families(dht: Any, *, exclude_peer: str | None = None) -> list[ExpertFamily]:
+async def discover_families(dht: DHTClient, *, exclude_peer: str | None = None) -> list[ExpertFamily]:
     """The swarm's expert families, from one read of the peer directory (largest first)."""
     return families_from_entries(await list_peers(dht), exclude_peer=exclude_peer)
 
@@ -135,7 +136,7 @@ class ExpertSettings:
 
 
 async def discover_experts(
-    dht: Any,
+    dht: DHTClient,
     *,
     hidden_dim: int | None = None,
     prefix: str | None = None,

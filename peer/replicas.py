@@ -21,7 +21,10 @@ import torch
 import trio
 
 from averaging.averager import Averager, StepResult
+from dht.client import DHTClient
 from moe.experts import Expert
+from peer.p2p.periodic import run_periodic
+from peer.p2p.rpc import RPCNode
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +37,7 @@ def replica_prefix(uids: Sequence[str]) -> str:
 
 
 class ReplicaAverager:
-    def __init__(self, rpc: Any, dht: Any, experts: dict[str, Expert], exclusive: Exclusive, *,
+    def __init__(self, rpc: RPCNode, dht: DHTClient, experts: dict[str, Expert], exclusive: Exclusive, *,
                  interval: float = 30.0, matchmaking_time: float = 3.0, target_group_size: int = 4,
                  timeout: float = 60.0):
         self.uids = sorted(experts)
@@ -52,22 +55,22 @@ class ReplicaAverager:
         self.failures = 0
         self.last: StepResult | None = None
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Average every `interval` seconds until cancelled (the first round one interval after the start)."""
         async with self.averager:
             task_status.started()
-            while True:
-                await trio.sleep(self.interval)
-                await self.average_once()
+            await run_periodic(self.average_once, self.interval, name="averaging expert replicas",
+                               first_delay=self.interval, on_failure=self._round_failed, log=logger)
 
-    async def average_once(self) -> StepResult | None:
-        """One round: snapshot, average the copies with the other replicas, apply the correction."""
+    def _round_failed(self, error: Exception) -> None:
+        self.failures += 1
+
+    async def average_once(self) -> StepResult:
+        """One round: snapshot, average the copies with the other replicas, apply the correction. Raises when
+        the averaging step failed (`run` counts it, logs it once per kind and retries)."""
         snapshots = await self._snapshot()
-        try:
-            result = await self.averager.step(timeout=self.timeout)
-        except Exception as error:  # a failed round leaves the live weights as they are; the next one retries
-            self.failures += 1
-            logger.warning("averaging expert replicas failed: %s", error)
-            return None
+        # a failed round raises out of here before `_apply`: the live weights stay as they are
+        result = await self.averager.step(timeout=self.timeout)
         self.last = result
         if result.group is None or result.group_size < 2:
             return result

@@ -12,14 +12,18 @@ from typing import Any, Callable, Awaitable
 
 import trio
 
+from dht.client import DHTClient
 from peer.directory import list_peers
 from peer.p2p.identity import PeerID
 from peer.p2p.rpc import RPCError, RPCNode
 
 STATUS_METHOD = "peer.status"
 RunsReader = Callable[[Any], Awaitable[list[dict]]]
-# RPCNode.stats counters of calls this peer served that failed, and of its own calls that failed
-SERVED_FAILURES = ("error_replies", "handler_errors", "handler_failures", "handlers_cancelled")
+# RPCNode.stats counters of calls this peer served that failed, and of its own calls that failed. Every error reply
+# (a call refused before any handler ran, a typed refusal, a crashed handler) counts once in `error_replies`;
+# `handler_errors` / `handler_failures` say which kind it was and are not added again. A handler cut off by the
+# caller's deadline or cancellation sends no reply: `handlers_cancelled`.
+SERVED_FAILURES = ("error_replies", "handlers_cancelled")
 SENT_FAILURES = ("calls_failed",)
 
 
@@ -43,7 +47,7 @@ def plural(count: int, noun: str, plural_noun: str | None = None) -> str:
     return f"{count} {noun if count == 1 else plural_noun or noun + 's'}"
 
 
-async def gather_status(rpc: RPCNode, dht: Any, *, timeout: float = 3.0,
+async def gather_status(rpc: RPCNode, dht: DHTClient, *, timeout: float = 3.0,
                         runs_reader: RunsReader | None = None) -> dict[str, Any]:
     entries = await list_peers(dht)
     replies: dict[str, dict[str, Any]] = {}

@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterator, Sequence, TextIO
 import torch
 from torch import nn
 
+from dht.client import SwarmHandle
 from peer.options import TRAIN, OptionParser, parse_grid_size
 
 parse_grid = parse_grid_size  # '12' -> (12,), '4x4' -> (4, 4)
@@ -159,7 +160,7 @@ def expert_settings(args: argparse.Namespace) -> tuple[int, str, tuple[int, ...]
     return values["hidden_dim"], values["expert_prefix"], parse_grid(values["grid_size"])
 
 
-def discover_swarm_experts(args: argparse.Namespace, swarm: Any) -> argparse.Namespace:
+def discover_swarm_experts(args: argparse.Namespace, swarm: SwarmHandle) -> argparse.Namespace:
     """A copy of `args` whose --hidden-dim, --expert-prefix and --grid-size left out (None) are the swarm's,
     checked against what the daemons declare (see `peer.discover`): a mismatch fails here, in seconds, with
     one line naming both sides, instead of after the whole retry budget of failed steps."""
@@ -179,7 +180,7 @@ def discover_swarm_experts(args: argparse.Namespace, swarm: Any) -> argparse.Nam
     return resolved
 
 
-def build_model(args: argparse.Namespace, swarm: Any | None) -> DigitsModel:
+def build_model(args: argparse.Namespace, swarm: SwarmHandle | None) -> DigitsModel:
     hidden_dim, prefix, grid = expert_settings(args)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(run_seed(args.run_id))
@@ -238,7 +239,7 @@ class _Meter:
             self.accuracy += self.alpha * (accuracy - self.accuracy)
 
 
-def _experts_alive(swarm: Any, model: DigitsModel, uids: list[str]) -> int:
+def _experts_alive(swarm: SwarmHandle, model: DigitsModel, uids: list[str]) -> int:
     """Experts declared in the DHT right now and not banned by this trainer after a failure."""
     from moe.declare import get_experts
 
@@ -381,7 +382,7 @@ def _bar_text(line: dict[str, Any]) -> str:
     return text
 
 
-def _failed_expert_calls(model: DigitsModel, swarm: Any | None) -> int:
+def _failed_expert_calls(model: DigitsModel, swarm: SwarmHandle | None) -> int:
     if swarm is None:
         return 0  # local experts cannot fail a call
     stats = model.moe.client.stats

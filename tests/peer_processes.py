@@ -1,7 +1,16 @@
-"""Start real `peer` processes for end-to-end tests and always clean them up."""
+"""The one harness for peers in child processes (end-to-end tests and benchmarks): start them, read what they
+print, signal or kill them, and always clean them up.
+
+- `ChildProcess`: any command of ours, run from the repository root; its stdout is pumped into a queue by a
+  thread (a chatty child never blocks on a full pipe, and reads are bounded by a timeout).
+- `PeerProcess`: `python -m peer.cli ARGS`; `start_daemon` starts `peer join` and waits until it is reachable.
+- `ExpertServerProcess`: tests/moe/expert_server_process.py, a minimal expert server that prints one JSON line
+  once it serves; `ProcessGroup` kills every process it started at the end (the `server_processes` fixture).
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -11,17 +20,23 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any, Sequence
 
 PEER = [sys.executable, "-m", "peer.cli"]
 ROOT = Path(__file__).resolve().parent.parent
+EXPERT_SERVER = ROOT / "tests" / "moe" / "expert_server_process.py"
 
 
-class PeerProcess:
-    def __init__(self, args: list[str], *, env: dict | None = None, prefix: list[str] | None = None):
-        """`prefix` runs the peer through another command, e.g. `ip netns exec NAME` for a test host."""
-        self.args = args
+class ChildProcess:
+    def __init__(self, command: Sequence[str], *, env: dict | None = None, prefix: Sequence[str] | None = None,
+                 capture_stderr: bool = True):
+        """`prefix` runs the command through another one, e.g. `ip netns exec NAME` for a test host. Without
+        `capture_stderr` the child writes its stderr to ours (for children that log a lot and are never asked
+        why they failed)."""
+        self.command = list(command)
         self.process = subprocess.Popen(
-            [*(prefix or []), *PEER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+            [*(prefix or []), *self.command], stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE if capture_stderr else None, text=True, cwd=ROOT,
             env={"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
         self.lines: list[str] = []
@@ -29,29 +44,47 @@ class PeerProcess:
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self) -> None:
+        assert self.process.stdout is not None
         for line in self.process.stdout:
             self._queue.put(line.rstrip("\n"))
         self._queue.put(None)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    def read_line(self, timeout: float) -> str | None:
+        """The next stdout line, or None when the child closed stdout or nothing came within `timeout`."""
+        try:
+            line = self._queue.get(timeout=max(0.0, timeout))
+        except queue.Empty:
+            return None
+        if line is not None:
+            self.lines.append(line)
+        return line
 
     def read_until(self, pattern: str, timeout: float = 60.0) -> re.Match:
         """Read stdout lines until one matches `pattern` (bounded by `timeout`)."""
         deadline = time.monotonic() + timeout
         regex = re.compile(pattern)
-        while True:
-            try:
-                line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if line is None:
-                break
-            self.lines.append(line)
+        while (line := self.read_line(deadline - time.monotonic())) is not None:
             match = regex.search(line)
             if match:
                 return match
-        raise AssertionError(f"no line matching {pattern!r} from peer {' '.join(self.args)}; got {self.lines}; "
+        raise AssertionError(f"no line matching {pattern!r} from {' '.join(self.command)}; got {self.lines}; "
                              f"stderr: {self.stderr_tail()}")
 
+    def read_json(self, timeout: float = 60.0) -> dict[str, Any]:
+        """The first stdout line that is a JSON object (bounded by `timeout`)."""
+        match = self.read_until(r"^\{.*\}$", timeout)
+        return json.loads(match.group(0))
+
     def stderr_tail(self) -> str:
+        if self.process.stderr is None:
+            return "(not captured)"
         if self.process.poll() is None:
             return "(still running)"
         return self.process.stderr.read()[-2000:]
@@ -60,23 +93,81 @@ class PeerProcess:
         if self.process.poll() is None:
             self.process.send_signal(signum)
 
-    def wait(self, timeout: float) -> int:
+    def wait(self, timeout: float | None = None) -> int:
         return self.process.wait(timeout=timeout)
+
+    def stop(self, timeout: float = 15.0) -> int:
+        """SIGTERM, then SIGKILL if it has not exited within `timeout`; returns the exit status."""
+        self.signal(signal.SIGTERM)
+        try:
+            return self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return self.process.returncode
 
     def kill(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGKILL)
         self.process.wait(timeout=30)
-        self.process.stderr.close()
+        if self.process.stderr is not None:
+            self.process.stderr.close()
 
 
-def start_daemon(*args: str, timeout: float = 60.0) -> tuple[PeerProcess, str, str]:
+class PeerProcess(ChildProcess):
+    """`python -m peer.cli ARGS`."""
+
+    def __init__(self, args: list[str], *, env: dict | None = None, prefix: list[str] | None = None,
+                 capture_stderr: bool = True):
+        self.args = args
+        super().__init__([*PEER, *args], env=env, prefix=prefix, capture_stderr=capture_stderr)
+
+
+def start_daemon(*args: str, timeout: float = 60.0, capture_stderr: bool = True) -> tuple[PeerProcess, str, str]:
     """Start `peer join ARGS`; returns the process, its PeerID and its HOST:PORT once it is reachable."""
-    process = PeerProcess(["join", *args])
-    match = process.read_until(r"^peer ([0-9a-f]{40}) listening on (\S+)$", timeout)
-    process.read_until(r"^others join with", timeout)
+    process = PeerProcess(["join", *args], capture_stderr=capture_stderr)
+    try:
+        match = process.read_until(r"^peer ([0-9a-f]{40}) listening on (\S+)$", timeout)
+        process.read_until(r"^others join with", timeout)
+    except BaseException:
+        process.kill()  # never leave a half-started daemon behind
+        raise
     return process, match.group(1), match.group(2)
 
 
 def run_peer(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
     return subprocess.run([*PEER, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+class ExpertServerProcess(ChildProcess):
+    """An expert server in its own process (tests/moe/expert_server_process.py UIDS ARGS). `wait_ready` reads its
+    JSON line: then `address` and `peer_id` (hex) say where it serves."""
+
+    def __init__(self, uids: Sequence[str], *args: str):
+        self.uids = list(uids)
+        self.address: tuple[str, int] | None = None
+        self.peer_id: str | None = None
+        super().__init__([sys.executable, str(EXPERT_SERVER), "--uids", *uids, *args], capture_stderr=False)
+
+    def wait_ready(self, timeout: float = 120.0) -> "ExpertServerProcess":
+        try:
+            info = self.read_json(timeout)
+        except AssertionError:
+            self.kill()
+            raise RuntimeError(f"expert server process did not start (exit code {self.poll()})") from None
+        self.address, self.peer_id = (info["address"][0], int(info["address"][1])), info["peer_id"]
+        return self
+
+
+class ProcessGroup:
+    """Processes that must not outlive a test: `close()` kills whatever is still running."""
+
+    def __init__(self) -> None:
+        self.processes: list[ChildProcess] = []
+
+    def add(self, process: ChildProcess) -> ChildProcess:
+        self.processes.append(process)
+        return process
+
+    def close(self) -> None:
+        for process in self.processes:
+            process.kill()

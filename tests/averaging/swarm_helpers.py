@@ -1,5 +1,6 @@
-"""A few averaging peers in one trio run, on real sockets (127.0.0.1) or the in-memory network, each with its own
-cancel scope so a test can kill one at an exact protocol moment (through the all-reduce hook)."""
+"""A few all-reduce peers in one trio run, on real sockets (127.0.0.1) or the in-memory network: the shared
+simulated peers (tests/sim_peers.py), each serving the all-reduce, so a test can kill one at an exact protocol
+moment (through the all-reduce hook)."""
 
 from __future__ import annotations
 
@@ -8,47 +9,32 @@ from typing import Any, Callable
 import torch
 import trio
 
+from averaging.averager import Averager, StepResult
 from averaging.allreduce import AllReduceConfig, AllReduceResult, AllReduceServer, install_allreduce
 from averaging.group import GroupInfo, Member
 from peer.p2p.identity import Identity
-from peer.p2p.net import MemoryNetwork, RealNetwork
+from peer.p2p.net import MemoryNetwork
 from peer.p2p.rpc import RPCNode
+from tests.sim_peers import SimPeer, start_peers
 
 
-class SimPeer:
-    def __init__(self, swarm: "Swarm", name: str, client_mode: bool):
+class AllReducePeer:
+    """A simulated peer (tests.sim_peers.SimPeer, no DHT) serving the all-reduce, with the outcome of its round."""
+
+    def __init__(self, swarm: "Swarm", peer: SimPeer):
         self.swarm = swarm
-        self.name = name
-        self.client_mode = client_mode
-        self.identity = Identity.from_seed(name.encode() * 4)
-        self.peer_id = self.identity.peer_id
-        self.scope = trio.CancelScope()
-        self.node: RPCNode | None = None
-        self.server: AllReduceServer | None = None
-        self.nursery: trio.Nursery | None = None
-        self.address = None
+        self.peer = peer
+        self.name = peer.name
+        self.client_mode = peer.address is None
+        self.peer_id = peer.peer_id
+        self.node: RPCNode = peer.rpc
+        self.server: AllReduceServer = peer.service
+        self.address = peer.address
         self.result: AllReduceResult | None = None
         self.error: BaseException | None = None
         self.done = trio.Event()
         self.hook: Callable[[str, dict[str, Any]], None] | None = None
-        self.killed = False
-
-    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        with self.scope:
-            async with RPCNode(self.identity, self.swarm.network(self.name)) as node:
-                self.node = node
-                self.server = install_allreduce(node, config=self.swarm.config, hook=self._on_hook)
-                if not self.client_mode:
-                    self.address = await node.listen(self.swarm.host(self.name), 0)
-                async with trio.open_nursery() as nursery:
-                    self.nursery = nursery
-                    task_status.started()
-                    await trio.sleep_forever()
-
-    def _on_hook(self, name: str, info: dict[str, Any]) -> None:
-        self.swarm.events.append((self.name, name, info))
-        if self.hook is not None:
-            self.hook(name, info)
+        self.killed = False  # a test may also set it for a peer it froze
 
     def member(self, bandwidth: float = 1.0) -> Member:
         return Member(self.peer_id, self.address, bandwidth=bandwidth, client_mode=self.client_mode)
@@ -62,14 +48,12 @@ class SimPeer:
             finally:
                 self.done.set()
 
-        self.nursery.start_soon(average)
+        self.peer.nursery.start_soon(average)
 
     def kill(self) -> None:
-        """SIGKILL-like: on the memory network its host crashes (connections reset); its tasks are cancelled."""
+        """SIGKILL-like (see SimPeer.kill)."""
         self.killed = True
-        if self.swarm.memory is not None:
-            self.swarm.memory.crash(self.name)
-        self.scope.cancel()
+        self.peer.kill()
 
 
 class Swarm:
@@ -77,24 +61,57 @@ class Swarm:
         self.transport = transport
         self.memory = MemoryNetwork(latency=latency, seed=7) if transport == "memory" else None
         self.config = config or AllReduceConfig(chunk_bytes=1024)
-        self.peers: list[SimPeer] = []
+        self.peers: list[AllReducePeer] = []
         self.events: list[tuple[str, str, dict[str, Any]]] = []
 
-    def network(self, name: str):
-        return self.memory.host(name) if self.memory is not None else RealNetwork()
-
-    def host(self, name: str) -> str:
-        return name if self.memory is not None else "127.0.0.1"
-
-    async def start(self, nursery: trio.Nursery, count: int, *, clients: tuple[int, ...] = ()) -> list[SimPeer]:
+    async def start(self, nursery: trio.Nursery, count: int, *, clients: tuple[int, ...] = ()) -> list[AllReducePeer]:
         for index in range(count):
-            peer = SimPeer(self, f"p{index}", client_mode=index in clients)
-            await nursery.start(peer.serve)
-            self.peers.append(peer)
+            name = f"p{index}"
+            hooks: list[AllReducePeer] = []  # the peer, once it exists: the hook fires only during a round
+
+            def on_hook(event: str, info: dict[str, Any], name: str = name, hooks: list = hooks) -> None:
+                self.events.append((name, event, info))
+                if hooks and hooks[0].hook is not None:
+                    hooks[0].hook(event, info)
+
+            (peer,) = await start_peers(
+                nursery, 1, memory=self.memory, first=index, prefix="p", client_mode=set(clients), with_dht=False,
+                identity_for=lambda name, seed: Identity.from_seed(name.encode() * 4),
+                setup=lambda rpc, on_hook=on_hook: install_allreduce(rpc, config=self.config, hook=on_hook))
+            hooks.append(AllReducePeer(self, peer))
+            self.peers.append(hooks[0])
         return self.peers
 
-    def group(self, peers: list[SimPeer], group_id: bytes = b"round-1") -> GroupInfo:
+    def group(self, peers: list[AllReducePeer], group_id: bytes = b"round-1") -> GroupInfo:
         return GroupInfo.create(group_id, [p.member() for p in peers])
+
+
+async def start_averagers(peers: list[SimPeer], tensors_for: Callable[[int], list[torch.Tensor]], *,
+                          trio_locks: bool = False, **options: Any) -> list[Averager]:
+    """One Averager per simulated peer (tensors_for(index)), each serving in its peer's nursery. `trio_locks`: each
+    gets its own trio.Lock (a contended threading.Lock would be waited for in a worker thread, and MockClock's
+    autojump lets virtual time run while a thread works)."""
+    averagers = []
+    for index, peer in enumerate(peers):
+        if trio_locks:
+            options["lock"] = trio.Lock()
+        averager = Averager(peer.rpc, peer.dht, tensors_for(index), **options)
+        await peer.nursery.start(averager.serve)
+        averagers.append(averager)
+    return averagers
+
+
+async def step_all(averagers: list[Averager], **kwargs: Any) -> list[StepResult]:
+    """Every averager steps at once; their results in order."""
+    results: dict[int, StepResult] = {}
+
+    async def one(index: int) -> None:
+        results[index] = await averagers[index].step(**kwargs)
+
+    async with trio.open_nursery() as nursery:
+        for index in range(len(averagers)):
+            nursery.start_soon(one, index)
+    return [results[i] for i in range(len(averagers))]
 
 
 def random_tensors(seed: int) -> list[torch.Tensor]:

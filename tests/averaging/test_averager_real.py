@@ -3,8 +3,8 @@
 import torch
 import trio
 
-from averaging.averager import Averager
-from sim_swarm import start_peers
+from swarm_helpers import start_averagers, step_all
+from tests.sim_peers import start_peers
 
 
 def _tensors(seed: int) -> list[torch.Tensor]:
@@ -15,31 +15,14 @@ def _tensors(seed: int) -> list[torch.Tensor]:
 
 async def _averagers(nursery, count, *, client_mode=frozenset(), **options):
     peers = await start_peers(nursery, count, memory=None, client_mode=set(client_mode))
-    averagers = []
-    for index, peer in enumerate(peers):
-        averager = Averager(peer.rpc, peer.dht, _tensors(index), **options)
-        await peer.nursery.start(averager.serve)
-        averagers.append(averager)
-    return peers, averagers
-
-
-async def _step_all(averagers, **kwargs):
-    results = {}
-
-    async def one(index):
-        results[index] = await averagers[index].step(**kwargs)
-
-    async with trio.open_nursery() as nursery:
-        for index in range(len(averagers)):
-            nursery.start_soon(one, index)
-    return [results[i] for i in range(len(averagers))]
+    return peers, await start_averagers(peers, _tensors, **options)
 
 
 async def test_four_peers_on_loopback_with_a_client_average_exactly():
     async with trio.open_nursery() as nursery:
         peers, averagers = await _averagers(nursery, 4, client_mode={3}, prefix="real", target_group_size=4)
         expected = [torch.stack([a.tensors[i] for a in averagers]).mean(0) for i in range(3)]
-        results = await _step_all(averagers, timeout=30)
+        results = await step_all(averagers, timeout=30)
         assert all(r.finished and r.group_size == 4 for r in results), [r.reason for r in results]
         assert len({r.group.group_id for r in results}) == 1
         assert results[0].group.member(averagers[3].peer_id).client_mode
@@ -65,7 +48,7 @@ async def test_four_peers_on_loopback_one_killed_during_matchmaking():
         peers[1].kill()
         survivors = [averagers[i] for i in (0, 2, 3)]
         before = [[t.clone() for t in a.tensors] for a in survivors]
-        results = await _step_all(survivors, timeout=30)
+        results = await step_all(survivors, timeout=30)
         assert all(r.finished and r.group_size == 3 for r in results), [r.reason for r in results]
         assert all(victim.peer_id not in r.group for r in results)
         for averager in survivors:

@@ -3,9 +3,9 @@
 import torch
 import trio
 
-from averaging.averager import Averager
 from peer.p2p.net import MemoryNetwork
-from sim_swarm import start_peers
+from swarm_helpers import start_averagers, step_all
+from tests.sim_peers import start_peers
 
 
 def _tensors(seed: int) -> list[torch.Tensor]:
@@ -16,26 +16,9 @@ def _tensors(seed: int) -> list[torch.Tensor]:
 async def _averagers(nursery, count, *, seed=0, client_mode=frozenset(), **options):
     memory = MemoryNetwork(latency=0.005, seed=seed)
     peers = await start_peers(nursery, count, memory=memory, seed=seed, client_mode=set(client_mode))
-    averagers = []
-    for index, peer in enumerate(peers):
-        # a trio.Lock: a contended threading.Lock would be waited for in a worker thread, and MockClock's autojump
-        # lets virtual time run while a thread works (see DESIGN.md, Testing)
-        averager = Averager(peer.rpc, peer.dht, _tensors(seed * 100 + index), lock=trio.Lock(), **options)
-        await peer.nursery.start(averager.serve)
-        averagers.append(averager)
+    averagers = await start_averagers(peers, lambda index: _tensors(seed * 100 + index), trio_locks=True,
+                                      **options)
     return memory, peers, averagers
-
-
-async def _step_all(averagers, **kwargs):
-    results = {}
-
-    async def one(index):
-        results[index] = await averagers[index].step(**kwargs)
-
-    async with trio.open_nursery() as nursery:
-        for index in range(len(averagers)):
-            nursery.start_soon(one, index)
-    return [results[i] for i in range(len(averagers))]
 
 
 async def test_eight_peers_groups_of_two_three_bits_hold_global_mean_after_three_rounds(autojump_clock):
@@ -45,7 +28,7 @@ async def test_eight_peers_groups_of_two_three_bits_hold_global_mean_after_three
         for round_index in range(3):
             # the grid unfolds: 1 key (4 groups), then 2 keys (2 groups each), then 4 keys (1 group each)
             assert len({a.keys.key for a in averagers}) == 2 ** round_index
-            results = await _step_all(averagers, timeout=30)
+            results = await step_all(averagers, timeout=30)
             assert all(r.finished and r.group_size == 2 for r in results), [r.reason for r in results]
         for averager in averagers:
             for tensor, mean in zip(averager.tensors, expected):
@@ -57,7 +40,7 @@ async def test_one_round_four_peers_with_a_client_gives_exact_mean(autojump_cloc
     async with trio.open_nursery() as nursery:
         memory, peers, averagers = await _averagers(nursery, 4, prefix="m", target_group_size=4, client_mode={2})
         expected = [torch.stack([a.tensors[i] for a in averagers]).mean(0) for i in range(2)]
-        results = await _step_all(averagers, timeout=30)
+        results = await step_all(averagers, timeout=30)
         assert all(r.finished and r.group_size == 4 for r in results)
         assert len({r.group.group_id for r in results}) == 1
         for averager in averagers:
@@ -99,7 +82,7 @@ async def test_peer_killed_during_matchmaking_does_not_stop_the_others(autojump_
         await trio.sleep(0.005)
         peers[victim].kill()
         started = trio.current_time()
-        results = await _step_all([a for i, a in enumerate(averagers) if i != victim], timeout=30)
+        results = await step_all([a for i, a in enumerate(averagers) if i != victim], timeout=30)
         assert trio.current_time() - started < 2.0  # same round window, well inside matchmaking_time
         assert all(r.finished for r in results)
         victim_id = averagers[victim].peer_id
@@ -132,7 +115,7 @@ async def test_newcomer_loads_state_and_round_from_peers(autojump_clock):
         for averager in veterans:
             averager.metadata = {"step": 42}
         for _ in range(2):
-            results = await _step_all(veterans, timeout=30)
+            results = await step_all(veterans, timeout=30)
             assert all(r.finished for r in results)
         assert newcomer.keys.round == 0 and all(a.keys.round == 2 for a in veterans)
         downloaded = await newcomer.load_state_from_peers(timeout=10)
@@ -143,7 +126,7 @@ async def test_newcomer_loads_state_and_round_from_peers(autojump_clock):
             assert torch.equal(mine, theirs)
         assert newcomer.keys.round == 2 and newcomer.metadata == {"step": 42}
         # in phase, the newcomer now averages with the others
-        results = await _step_all(averagers, timeout=30)
+        results = await step_all(averagers, timeout=30)
         assert all(r.finished for r in results)
         nursery.cancel_scope.cancel()
 

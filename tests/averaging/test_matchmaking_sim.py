@@ -3,12 +3,11 @@
 import random
 from collections import Counter
 
-import pytest
 import trio
 
 from averaging.matchmaking import Matchmaker
 from peer.p2p.net import MemoryNetwork
-from sim_swarm import start_peers
+from tests.sim_peers import start_peers
 
 SCHEMA = b"schema01"
 

@@ -15,7 +15,7 @@ import trio
 
 from averaging.averager import Averager
 from peer.p2p.net import MemoryNetwork
-from sim_swarm import start_peers
+from tests.sim_peers import start_peers
 
 PEERS = 64
 

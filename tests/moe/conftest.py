@@ -3,12 +3,7 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import select
-import subprocess
-import sys
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -17,13 +12,14 @@ import pytest
 import trio
 
 from dht import DHTNode
-from moe.beam_search import ExpertLocation
+from moe.declare import ExpertLocation
 from moe.experts import Expert
 from moe.server import ExpertServer
 from peer.p2p.bridge import Bridge
 from peer.p2p.identity import Identity, PeerID
 from peer.p2p.net import MemoryNetwork, Network, RealNetwork
 from peer.p2p.rpc import RPCNode
+from tests.peer_processes import ExpertServerProcess, ProcessGroup
 
 
 @dataclass
@@ -187,45 +183,23 @@ def memory_harness(bridge) -> Harness:
     return Harness(bridge, MemoryNetwork(seed=7))
 
 
-LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "expert_server_process.py")
-
-
-class ServerProcesses:
+class ServerProcesses(ProcessGroup):
     """Expert servers in child processes (tests/moe/expert_server_process.py); all killed at teardown."""
 
-    def __init__(self) -> None:
-        self.processes: list[subprocess.Popen] = []
-
-    def start(self, uids: Sequence[str], *args: str, timeout: float = 120.0) -> tuple[subprocess.Popen, dict]:
+    def start(self, uids: Sequence[str], *args: str, timeout: float = 120.0) -> tuple[ExpertServerProcess, dict]:
         process = self.launch(uids, *args)
         return process, self.wait_ready(process, timeout)
 
-    def launch(self, uids: Sequence[str], *args: str) -> subprocess.Popen:
+    def launch(self, uids: Sequence[str], *args: str) -> ExpertServerProcess:
         """Start a server process without waiting (start several at once, then `wait_ready` each)."""
-        process = subprocess.Popen(
-            [sys.executable, LAUNCHER, "--uids", *uids, *args], stdout=subprocess.PIPE, text=True,
-        )
-        self.processes.append(process)
+        process = ExpertServerProcess(uids, *args)
+        self.add(process)
         return process
 
     @staticmethod
-    def wait_ready(process: subprocess.Popen, timeout: float) -> dict:
-        ready, _, _ = select.select([process.stdout], [], [], timeout)
-        line = process.stdout.readline() if ready else ""
-        if not line:
-            process.kill()
-            raise RuntimeError(f"expert server process did not start (exit code {process.poll()})")
-        info = json.loads(line)
-        info["address"] = tuple(info["address"])
-        return info
-
-    def close(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.kill()
-            process.wait()
-            if process.stdout is not None:
-                process.stdout.close()
+    def wait_ready(process: ExpertServerProcess, timeout: float) -> dict:
+        process.wait_ready(timeout)
+        return {"address": process.address, "peer_id": process.peer_id}
 
 
 @pytest.fixture

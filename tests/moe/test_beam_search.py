@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from moe.beam_search import ExpertLocation, GridSearch, find_best_experts, normalize_prefix, parse_location
+from moe.beam_search import GridSearch, find_best_experts, normalize_prefix
+from moe.declare import ExpertLocation, parse_location
 
 
 def brute_force_top_k(prefix, grid_size, scores, k, alive):
