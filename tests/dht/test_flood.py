@@ -33,18 +33,19 @@ class StorageWorkMeter:
 
     def __init__(self, node: DHTNode, host: str):
         self.work: list[int] = []
-        serve, storage = node._serve, node._storage
+        server, storage = node._server, node._storage
+        handle = server.handle
 
-        def measured(request: proto.Request):
+        def measured(request: proto.Request, now: float, local_now: float):
             if request.address[0] != host or "store" not in request.name:
-                return serve(request)
+                return handle(request, now, local_now)
             before = storage.work
             try:
-                return serve(request)
+                return handle(request, now, local_now)
             finally:
                 self.work.append(storage.work - before)
 
-        node._serve = measured
+        server.handle = measured
 
 
 async def test_a_flood_of_new_keys_from_one_host_leaves_room_and_cheap_service_for_honest_peers():
