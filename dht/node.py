@@ -1,5 +1,10 @@
 """DHTNode: the trio driver around the datagram protocol, routing table, lookups and record storage.
 
+The decisions live in plain objects without I/O, and this module only moves datagrams, runs lookups and executes
+their plans: `dht.protocol` frames datagrams, `dht.server.Server` answers requests, `dht.policy` decides who
+enters the routing table (only senders that answered our ping: made-up ids never do), what each peer speaks,
+which newcomer or reader gets which records, and how many requests one IP may send (checked before decoding).
+
 One node owns one UDP endpoint (from any `peer.p2p.net.Network`, so the same code runs on real sockets and on the
 in-memory simulator) and one nursery holding its receive loop and maintenance tasks; leaving
 `DHTNode.open(...)` cancels them all and closes the socket.

@@ -229,3 +229,10 @@ def test_ip_limit_refuses_one_ips_excess_and_refills_with_time():
     assert limit.allow("10.0.0.1", 0.011)  # 1.1 tokens back after 11 ms
     assert not limit.allow("10.0.0.1", 0.011)
     assert limit.allow("10.0.0.3", 0.02) and len(limit) == 2  # bounded: the least recent IP is forgotten
+
+
+def test_ip_limit_counts_an_ipv6_sender_per_64():
+    limit = IPRequestLimit(rate=0.0, burst=2.0)
+    assert limit.allow("2001:db8::1", 0.0) and limit.allow("2001:db8::2", 0.0)
+    assert not limit.allow("2001:db8::ffff", 0.0)  # the same /64: one budget
+    assert limit.allow("2001:db8:0:1::1", 0.0)
