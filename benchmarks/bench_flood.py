@@ -131,26 +131,26 @@ def rss_mb() -> float:
 
 
 class HonestMeter:
-    """Thread CPU time the victim spends in `_serve` for requests from the honest host (the serving is
+    """Thread CPU time the victim spends in `Server.handle` for requests from the honest host (the serving is
     synchronous, so a thread-time delta around it is that request's CPU and nothing else's)."""
 
     def __init__(self, node: Any, host: str):
         self.samples: list[float] = []
         self.storage_work: list[int] = []
-        serve = node._serve
-        storage = node._storage
+        server, storage = node._server, node._storage
+        handle = server.handle
 
-        def measured(request: proto.Request) -> Any:
+        def measured(request: proto.Request, now: float, local_now: float) -> Any:
             if request.address[0] != host:
-                return serve(request)
+                return handle(request, now, local_now)
             work, started = storage.work, time.thread_time()
             try:
-                return serve(request)
+                return handle(request, now, local_now)
             finally:
                 self.samples.append(time.thread_time() - started)
                 self.storage_work.append(storage.work - work)
 
-        node._serve = measured
+        server.handle = measured
 
     def take(self) -> tuple[list[float], list[int]]:
         samples, work = self.samples, self.storage_work

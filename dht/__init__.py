@@ -12,7 +12,9 @@ Callers outside `dht` type their handles with `client.DHTClient` (what they use 
 `client.SwarmHandle` (a trainer's bridge + RPC node + DHT node).
 
 Modules: `protocol` (rpcudp framing, sans-I/O), `records` (envelope, merge rule, signatures), `lookup` (iterative
-lookup state), `routing` (k-buckets), `peers` (RTT, rate limits), `storage` (held records), `node` (trio driver).
+lookup state), `routing` (k-buckets), `peers` (RTT, rate limits), `storage` (held records), `server` (request
+handling, sans-I/O), `policy` (routing-table entry, welcome, read repair, per-IP limit; sans-I/O), `node` (the
+trio driver).
 A value stored with `expiration_time=math.inf`, no subkey and no signature is a plain stock value; everything
 else travels as a swarmd record envelope inside a bytes value (see dht/records.py).
 """

@@ -1,5 +1,10 @@
 """DHTNode: the trio driver around the datagram protocol, routing table, lookups and record storage.
 
+The decisions live in plain objects without I/O, and this module only moves datagrams, runs lookups and executes
+their plans: `dht.protocol` frames datagrams, `dht.server.Server` answers requests, `dht.policy` decides who
+enters the routing table (only senders that answered our ping: made-up ids never do), what each peer speaks,
+which newcomer or reader gets which records, and how many requests one IP may send (checked before decoding).
+
 One node owns one UDP endpoint (from any `peer.p2p.net.Network`, so the same code runs on real sockets and on the
 in-memory simulator) and one nursery holding its receive loop and maintenance tasks; leaving
 `DHTNode.open(...)` cancels them all and closes the socket.
@@ -47,27 +52,23 @@ from dht import records
 from dht.errors import BootstrapFailed, InvalidValue, RequestTimeout
 from dht.lookup import State, Target
 from dht.peers import PeerBook
+from dht.policy import (WELCOME_BATCH_DELAY, WELCOME_MIN_INTERVAL, WELCOME_PER_PASS, WELCOME_QUEUE_LIMIT,
+                        Admission, Contacts, Gifts, IPRequestLimit, WelcomeQueue, repair_gifts, welcome_gifts)
 from dht.records import Record, Subkey
 from dht.routing import RoutingTable
-from dht.storage import DEFAULT_MAX_BYTES, DEFAULT_SHARE, DEFAULT_STOCK_TTL, LOCAL, Sender, Storage
+from dht.server import MAX_REPLY_BYTES, NO_REPLY, Server
+from dht.storage import DEFAULT_MAX_BYTES, DEFAULT_SHARE, DEFAULT_STOCK_TTL, LOCAL, Storage
 from peer.p2p.identity import Identity
 from peer.p2p.lifetime import owned_nursery
 from peer.p2p.net import Address, Network, RealNetwork, UDPEndpoint
 
 logger = logging.getLogger(__name__)
 
-MAX_REPLY_BYTES = 60000
-WELCOME_BATCH_DELAY = 0.05
-# A welcome pass costs one neighbour search per held record, plus a check per record and newcomer: passes are at
-# least this far apart and take at most WELCOME_PER_PASS newcomers (the rest wait for the next pass; past
-# WELCOME_QUEUE_LIMIT waiting, newcomers are skipped), so a flood of made-up sender ids (each one a "newcomer")
-# costs about what ordinary churn costs. Skipped newcomers still get records through republish and read repair.
-WELCOME_MIN_INTERVAL = 1.0
-WELCOME_PER_PASS = 64
-WELCOME_QUEUE_LIMIT = 1024
+__all__ = ["DHTConfig", "DHTNode", "key_id_of", "MAX_REPLY_BYTES", "WELCOME_BATCH_DELAY", "WELCOME_MIN_INTERVAL",
+           "WELCOME_PER_PASS", "WELCOME_QUEUE_LIMIT"]
+
 LOOKUP_CHUNK = 48  # keys per multi-key lookup
 PARALLEL_CHUNKS = 4
-READ_REPAIRS = 2  # per key and read: close replicas found without the value get it
 HEALING_COUNTERS = ("rebootstraps", "rebootstrap_attempts", "lookups_without_peers", "evictions",
                     "contacts_restored", "reprobes")
 
@@ -112,8 +113,13 @@ class DHTConfig:
     stock_ttl: float = DEFAULT_STOCK_TTL
     storage_share_per_ip: float = DEFAULT_SHARE
     storage_share_per_prefix: float = DEFAULT_SHARE
-    requests_per_second: float = 500.0  # per source address
+    requests_per_second: float = 500.0  # per source address (IP and port), after decoding
     request_burst: float = 1000.0
+    # per source IP, checked on a request datagram's first byte before decoding (see policy.IPRequestLimit)
+    ip_requests_per_second: float = 5000.0
+    ip_request_burst: float = 10000.0
+    # senders pinged back before they may enter the routing table, in flight at once (a quarter of it per IP;
+    # see dht/policy.py)
     max_concurrent_probes: int = 256
 
 
@@ -164,11 +170,16 @@ class DHTNode:
                                 ip_share=config.storage_share_per_ip, prefix_share=config.storage_share_per_prefix)
         self._dropped: Counter[str] = Counter()
         self._served: Counter[str] = Counter()
+        self._contacts = Contacts(self.peer_id, self._table, self._peers, client_mode=client_mode,
+                                  head_check_after=config.head_check_after,
+                                  max_verifications=config.max_concurrent_probes,
+                                  verify_backoff=config.retry_backoff_max, dropped=self._dropped)
+        self._server = Server(self.peer_id, client_mode=client_mode, k=config.k, table=self._table,
+                              peers=self._peers, storage=self._storage, contacts=self._contacts,
+                              dropped=self._dropped, served=self._served)
+        self._ip_limit = IPRequestLimit(config.ip_requests_per_second, config.ip_request_burst)
         self._probes: dict[Address, trio.Event] = {}  # swarmd_hello in flight, per address
-        self._welcome_queue: dict[bytes, tuple[Node, float]] = {}  # newcomer id -> (contact, when first seen)
-        self._checking: set[bytes] = set()  # bucket heads being pinged
-        self._welcome_scheduled = False
-        self._last_welcome = -math.inf
+        self._welcomes = WelcomeQueue()
         self._initial_peers: list[Address] = []
         self._healing: Counter[str] = Counter()  # rebootstraps, evictions, contacts restored... (see stats())
         self._starved = False  # nobody to ask: the healing task rejoins (with backoff) until someone answers
@@ -330,28 +341,14 @@ class DHTNode:
             if local is not None:
                 merged = records.merge(merged, local.record, now)
             results[key] = merged
-        self._repair(targets, results, ids)
+        self._send_gifts(repair_gifts(targets, ((key_id, results[key]) for key, key_id in ids.items()),
+                                      self.config.k))
         return results
 
-    def _repair(self, targets: dict[bytes, Target], results: dict[Any, Record | None], ids: dict[Any, bytes]) -> None:
-        """Read repair: peers among a key's k closest that answered without the value get the merged record in
-        the background, so a replica set thinned by churn fills up again as the key is read."""
-        gifts: dict[tuple[bytes, Address], list[tuple[bytes, Any]]] = {}
-        offers: set[bytes] = set()
-        for key, key_id in ids.items():
-            record = results.get(key)
-            target = targets.get(key_id)
-            if record is None or target is None or not target.without_value:
-                continue
-            closest = {c.node_id for c in target.answered(self.config.k)}
-            wire = records.encode(record)
-            if record.stock:
-                offers.add(key_id)
-            for candidate in target.without_value[:READ_REPAIRS]:
-                if candidate.node_id in closest:
-                    gifts.setdefault((candidate.node_id, candidate.address), []).append((key_id, wire))
-        for (node_id, address), items in gifts.items():
-            self._spawn(self._send_stores, node_id, address, items, offers)
+    def _send_gifts(self, gifts: Gifts) -> None:
+        """Execute a welcome or read-repair plan: each peer gets its records in the background."""
+        for (node_id, address), items in gifts.items.items():
+            self._spawn(self._send_stores, node_id, address, items, gifts.offers)
 
     # ------------------------------------------------------------------------------------------------ requests
 
@@ -384,29 +381,15 @@ class DHTNode:
         if self._peers.record_answer(address, trio.current_time(), node_id):
             self._healing["contacts_restored"] += 1
         if node_id is not None:
-            self._saw_server(node_id, address)
+            self._admit(self._contacts.answered(node_id, address, trio.current_time()))
         return waiter.result
 
-    def _saw_server(self, node_id: bytes, address: Address) -> None:
-        """A peer answered a request: it serves, so it belongs in the routing table (welcomed if new)."""
-        info = self._peers.get(address)
-        if info.client or node_id == self.peer_id:
-            return
-        info.node_id = node_id
-        existing = self._table.get(node_id)
-        if existing is not None and (existing.ip, existing.port) == address:
-            self._table.add(existing, trio.current_time())
-            return
-        node = Node(node_id, address[0], address[1])
-        is_new = existing is None
-        head = self._table.add(node, trio.current_time())
-        if head is not None and head.id not in self._checking:
-            head_info = self._peers.known((head.ip, head.port))
-            if head_info is None or trio.current_time() - head_info.last_seen > self.config.head_check_after:
-                self._checking.add(head.id)
-                self._spawn(self._check_head, head)
-        if is_new and node_id in self._table and not self.client_mode:
-            self._queue_welcome(node)
+    def _admit(self, admission: Admission) -> None:
+        """Execute what a server's arrival in the table asks for: a bucket-head check, a welcome."""
+        if admission.check_head is not None:
+            self._spawn(self._check_head, admission.check_head)
+        if admission.welcome is not None:
+            self._queue_welcome(admission.welcome)
 
     async def _check_head(self, head: Node) -> None:
         """A full bucket met a newcomer: ping its least recently seen contact; after repeated failures it is
@@ -419,7 +402,19 @@ class DHTNode:
                 except RequestTimeout:
                     continue
         finally:
-            self._checking.discard(head.id)
+            self._contacts.head_check_done(head.id)
+
+    async def _verify(self, address: Address) -> None:
+        """Ping back a sender the table does not hold (policy.Contacts.heard_request): if it answers, the id in
+        its answer enters the table (in `_request`)."""
+        answered = False
+        try:
+            await self._request(address, "ping", [self.peer_id])
+            answered = True
+        except RequestTimeout:
+            pass
+        finally:
+            self._contacts.verification_done(address, answered, trio.current_time())
 
     async def _start_probe(self, address: Address) -> trio.Event:
         """Send a `swarmd_hello` now and collect its answer in the background; the event fires when the
@@ -444,8 +439,8 @@ class DHTNode:
     async def _finish_probe(self, address: Address, msg_id: bytes, waiter: _Waiter, sent_at: float,
                             done: trio.Event) -> None:
         try:
-            wait = max(self.config.probe_timeout, 4 * self._peers.timeout(address))
-            with trio.move_on_after(min(self.config.max_timeout, wait)):
+            wait = self._contacts.probe_wait(address, self.config.probe_timeout, self.config.max_timeout)
+            with trio.move_on_after(wait):
                 await waiter.event.wait()
         finally:
             self._waiters.pop(msg_id, None)
@@ -453,34 +448,20 @@ class DHTNode:
             if self._probes.get(address) is done:
                 del self._probes[address]
             done.set()
-        info = self._peers.get(address)
         if waiter.answered:
             self._peers.observe_rtt(address, trio.current_time() - sent_at)
-            self._learn_hello(address, waiter.result)
-        elif info.swarmd is None:
-            info.swarmd = False  # silence is the stock answer (rpcudp ignores unknown methods); never re-asked
+            self._contacts.learn_hello(address, waiter.result)
+        else:
+            self._contacts.probe_silent(address)
 
     async def _probe(self, address: Address) -> bool:
         """Does the peer speak the swarmd extensions? Learned once per address."""
-        info = self._peers.get(address)
-        if info.swarmd is None:
+        if self._contacts.needs_probe(address):
             done = self._probes.get(address)
             if done is None:
                 done = await self._start_probe(address)
             await done.wait()
-        return bool(info.swarmd)
-
-    def _learn_hello(self, address: Address, hello: Any) -> None:
-        info = self._peers.get(address)
-        if isinstance(hello, dict):
-            info.swarmd = True
-            info.client = hello.get("client") is True
-            if isinstance(hello.get("id"), bytes) and len(hello["id"]) == proto.NODE_ID_BYTES:
-                info.node_id = hello["id"]
-                if info.client:
-                    self._table.remove(hello["id"])
-        else:
-            info.swarmd = False
+        return bool(self._peers.get(address).swarmd)
 
     # ------------------------------------------------------------------------------------------------ receiving
 
@@ -499,6 +480,9 @@ class DHTNode:
                 self._dropped["handler_error"] += 1
 
     async def _handle_datagram(self, data: bytes, address: Address) -> None:
+        if data[:1] == b"\x00" and not self._ip_limit.allow(address[0], trio.current_time()):
+            self._dropped["ip_rate_limited"] += 1  # refused before decoding: see policy.IPRequestLimit
+            return
         event = self._protocol.receive(data, address)
         if isinstance(event, proto.Dropped):
             self._dropped[event.reason] += 1
@@ -512,104 +496,12 @@ class DHTNode:
         if not self._peers.allow_request(address, trio.current_time()):
             self._dropped["rate_limited"] += 1
             return
-        result = self._serve(event)
-        if result is _NO_REPLY:
+        outcome = self._server.handle(event, self.now(), trio.current_time())
+        if outcome.verify is not None:
+            self._spawn(self._verify, outcome.verify)
+        if outcome.reply is NO_REPLY:
             return
-        await self._endpoint.sendto(self._protocol.reply(event, result), address)
-
-    def _serve(self, request: proto.Request) -> Any:
-        name, args, address = request.name, request.args, request.address
-        flags = proto.swarmd_flags(request.msg_id)
-        info = self._peers.get(address)
-        if flags is None:
-            info.swarmd = False  # stock software sent this (our requests always carry the mark)
-        else:
-            info.swarmd = True
-            info.client = bool(flags & proto.FLAG_CLIENT)
-        if name == "stun":
-            self._served[name] += 1
-            return [address[0], address[1]]
-        sender = args[0]
-        if name == "swarmd_hello":
-            self._served[name] += 1
-            self._learn_hello(address, args[1])
-            if not self.client_mode:
-                self._note_sender(sender, address)
-            return {"id": bytes(self.peer_id), "client": self.client_mode, "version": 1}
-        if self.client_mode:
-            self._dropped["client_mode"] += 1
-            return _NO_REPLY
-        self._served[name] += 1
-        self._note_sender(sender, address)
-        now = self.now()
-        if name == "ping":
-            return bytes(self.peer_id)
-        if name == "find_node":
-            return self._contacts_for(args[1], sender)
-        if name == "find_value":
-            return self._find_value(args[1], sender, now)
-        if name == "store":
-            return self._store_local(args[1], args[2], now, Sender.remote(address[0], sender))
-        if name == "swarmd_find_many":
-            return self._find_many(args[1], sender, now)
-        if name == "swarmd_store_many":
-            origin = Sender.remote(address[0], sender)
-            return [self._store_local(item[0], item[1], now, origin, offer=len(item) == 3) for item in args[1]]
-        if name == "swarmd_store_find":  # store, and answer like find_node: one round trip does both
-            origin = Sender.remote(address[0], sender)
-            return [[self._store_local(item[0], item[1], now, origin, offer=len(item) == 3),
-                     self._contacts_for(item[0], sender)] for item in args[1]]
-        return _NO_REPLY
-
-    def _note_sender(self, node_id: bytes, address: Address) -> None:
-        info = self._peers.get(address)
-        self._peers.heard_from(address, trio.current_time())
-        if info.node_id is not None and info.node_id != node_id:
-            self._table.remove(info.node_id)  # another node (a restart with a new identity) lives there now
-            info.node_id = None
-        if node_id == self.peer_id or info.client:
-            return
-        known = self._table.get(node_id)
-        if known is not None and (known.ip, known.port) == address:
-            self._table.add(known, trio.current_time())
-            return
-        self._saw_server(node_id, address)
-
-    def _contacts_for(self, key_id: bytes, exclude: bytes) -> list[list]:
-        return [[n.id, n.ip, n.port] for n in self._table.neighbors(key_id, self.config.k, exclude=exclude)]
-
-    def _find_value(self, key_id: bytes, sender: bytes, now: float) -> Any:
-        item = self._storage.get(key_id, now)
-        if item is None:
-            return self._contacts_for(key_id, sender)
-        return {"value": item.wire}
-
-    def _store_local(self, key_id: bytes, value: Any, now: float, origin: Sender, offer: bool = False) -> bool:
-        """Store a value a peer sent; `origin` (its IP and node id) is what the record is charged to."""
-        record = records.decode(key_id, value, now)
-        if record is None:
-            self._dropped["invalid_record"] += 1
-            return False
-        if offer and record.stock and self._storage.get(key_id, now) is not None:
-            return True  # an offered plain value only fills a gap (see protocol.OFFER) and renews no TTL
-        outcome = self._storage.store(key_id, record, now, trio.current_time(), origin)
-        if outcome == "full":
-            self._dropped["storage_full"] += 1
-        return outcome == "accepted"
-
-    def _find_many(self, key_ids: list[bytes], sender: bytes, now: float) -> list:
-        """One answer per key ({"value": v} or contacts); answers that would push the reply past one datagram
-        are sent as nil, and the asker falls back to find_value for those keys."""
-        answers, size = [], 0
-        for key_id in key_ids:
-            answer = self._find_value(key_id, sender, now)
-            answer_size = len(proto.pack(answer))
-            if size + answer_size > MAX_REPLY_BYTES:
-                answers.append(None)
-                continue
-            size += answer_size
-            answers.append(answer)
-        return answers
+        await self._endpoint.sendto(self._protocol.reply(event, outcome.reply), address)
 
     # ------------------------------------------------------------------------------------------------- lookups
 
@@ -626,6 +518,13 @@ class DHTNode:
             for node in self._table.neighbors(key_id, 2 * config.k):
                 if self._usable(node.id, (node.ip, node.port)):
                     target.add(node.id, (node.ip, node.port))
+            if not target.candidates:
+                # Nobody usable (every contact evicted or backing off: a flood made the kernel drop our
+                # answers, say): ask the servers that answered us most recently anyway rather than fail at
+                # once; an answer puts them straight back in the table.
+                for address, node_id in self._peers.remembered()[: 2 * config.k]:
+                    if node_id != self.peer_id and address != self.address:
+                        target.add(node_id, address)
             if want_value:
                 local = self._storage.get(key_id, self.now())
                 if local is not None:
@@ -1106,59 +1005,19 @@ class DHTNode:
         return len(due)
 
     def _queue_welcome(self, node: Node) -> None:
-        if len(self._welcome_queue) >= WELCOME_QUEUE_LIMIT and node.id not in self._welcome_queue:
+        verdict = self._welcomes.add(node, trio.current_time())
+        if verdict == "skipped":
             self._dropped["welcome_skipped"] += 1
-            return
-        self._welcome_queue.setdefault(node.id, (node, trio.current_time()))
-        if not self._welcome_scheduled:
-            self._welcome_scheduled = True
+        elif verdict == "schedule":
             self._spawn(self._welcome)
 
     async def _welcome(self) -> None:
-        """New servers appeared: hand each the records it should hold (the stock rule, section 2.5 of the
-        paper: it is closer to the key than our k-th closest other contact, and we are closer than all of
-        them). Newcomers arriving in a burst are handled together, one neighbour search per held key."""
-        await trio.sleep_until(max(trio.current_time() + WELCOME_BATCH_DELAY, self._last_welcome + WELCOME_MIN_INTERVAL))
-        self._last_welcome = trio.current_time()
-        batch = [self._welcome_queue.pop(node_id) for node_id in list(self._welcome_queue)[:WELCOME_PER_PASS]]
-        seen_at = {node.id: at for node, at in batch}
-        newcomers = [node for node, _ in batch]
-        self._welcome_scheduled = bool(self._welcome_queue)
-        if self._welcome_scheduled:  # the rest of a burst: the next pass, WELCOME_MIN_INTERVAL later
+        """A welcome pass (policy.WelcomeQueue says when and for whom, policy.welcome_gifts what each gets)."""
+        await trio.sleep_until(self._welcomes.pass_at(trio.current_time()))
+        batch, more = self._welcomes.take(trio.current_time())
+        if more:  # the rest of a burst: the next pass, WELCOME_MIN_INTERVAL later
             self._spawn(self._welcome)
-        newcomer_ids = set(seen_at)
-        known_since = max(seen_at.values())
-        k = self.config.k
-        now = self.now()
-        my_long = int.from_bytes(self.peer_id, "big")
-        gifts: dict[bytes, list[tuple[bytes, Any]]] = {}
-        offers: set[bytes] = set()
-        for key_id, item in self._storage.items():
-            if item.refreshed_at >= known_since:
-                continue  # stored after the newcomers were known: that store's lookup already included them
-            key_long = int.from_bytes(key_id, "big")  # key ids are digests already: never hash them again
-            others = [n for n in self._table.neighbors(key_id, k + len(newcomers)) if n.id not in newcomer_ids][:k]
-            if others and (my_long ^ key_long) >= (others[0].long_id ^ key_long):
-                continue  # a closer holder exists and will do it
-            farthest = (others[-1].long_id ^ key_long) if len(others) >= k else math.inf
-            receivers = [node for node in newcomers if (node.long_id ^ key_long) < farthest and node.id in self._table
-                         and item.refreshed_at < seen_at[node.id]]
-            if not receivers:
-                continue
-            record = item.record.pruned(now)
-            if record.empty():
-                continue
-            wire = records.encode(record)
-            if record.stock:
-                offers.add(key_id)
-            for node in receivers:
-                gifts.setdefault(node.id, []).append((key_id, wire))
-        if gifts:
-            by_id = {node.id: node for node in newcomers}
-            async with trio.open_nursery() as nursery:
-                for node_id, items in gifts.items():
-                    node = by_id[node_id]
-                    nursery.start_soon(self._send_stores, node.id, (node.ip, node.port), items, offers)
+        self._send_gifts(welcome_gifts(batch, self._storage, self._table, self.peer_id, self.config.k, self.now()))
 
 
 def _deliver(channel: trio.MemorySendChannel, message: tuple) -> None:
@@ -1166,10 +1025,3 @@ def _deliver(channel: trio.MemorySendChannel, message: tuple) -> None:
         channel.send_nowait(message)
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         pass  # the lookup finished before this answer came
-
-
-class _NoReply:
-    pass
-
-
-_NO_REPLY = _NoReply()

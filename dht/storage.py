@@ -71,14 +71,15 @@ class Sender:
     @classmethod
     def remote(cls, host: str, node_id: bytes) -> "Sender":
         """A request from `host` claiming node id `node_id`: charged per IP (IPv6 per /64) and per id prefix."""
-        return cls((("ip", _ip_account(host)), ("prefix", node_id[0] if node_id else -1)))
+        return cls((("ip", ip_account(host)), ("prefix", node_id[0] if node_id else -1)))
 
 
 LOCAL = Sender((("local", None),))  # this node's own client
 
 
 @functools.lru_cache(maxsize=4096)  # parsing an address costs more than the rest of a refused store
-def _ip_account(host: str) -> str:
+def ip_account(host: str) -> str:
+    """The account of a sender address: the IP, an IPv6 sender's /64, or a name of the in-memory network."""
     try:
         address = ipaddress.ip_address(host)
     except ValueError:

@@ -71,6 +71,9 @@ async def test_client_whose_three_servers_all_froze_finds_them_again(autojump_cl
         await trio.sleep(30)  # still frozen: whatever retrying the client does has backed off to its slowest
         network.heal()
         await _recovered_within(10, client, servers)
+        with trio.fail_after(10):  # lookups asked the remembered servers anyway; the healing task rejoins too
+            while client.node.stats()["cut_off"]:
+                await trio.sleep(0.25)
         stats = client.node.stats()
         assert stats["rebootstraps"] >= 1
         assert stats["lookups_without_peers"] >= 1

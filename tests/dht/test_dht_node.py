@@ -254,6 +254,31 @@ async def test_request_flood_from_one_address_is_rate_limited(autojump_clock):
         assert node.stats()["dropped"]["rate_limited"] >= 60
 
 
+async def test_request_flood_from_one_ip_is_refused_before_decoding_while_other_ips_are_served(mock_clock):
+    """Many ports of one IP (each under the per-address limit) exceed the per-IP budget: the excess is dropped
+    on its first byte (not decoded: garbage past the budget never counts as bad msgpack); another IP is served.
+    Virtual time stands still here, so no budget refills meanwhile."""
+    network = MemoryNetwork()
+    config = DHTConfig(ip_requests_per_second=100, ip_request_burst=200)
+    async with DHTNode.open("victim", 0, network=network.host("victim"), config=config) as node:
+        flooders = [await network.host("flooder").open_udp("flooder", 0) for _ in range(8)]
+        for i in range(1000):
+            await flooders[i % 8].sendto(b"\x00" + i.to_bytes(20, "big") + b"\xc1garbage", node.address)
+        while sum(node.stats()["dropped"].get(reason, 0) for reason in ("ip_rate_limited", "bad_msgpack")) < 1000:
+            await trio.sleep(0)  # the receive loop is still working through the datagrams
+        dropped = node.stats()["dropped"]
+        assert dropped["ip_rate_limited"] == 800
+        assert dropped["bad_msgpack"] == 200
+        honest = await network.host("honest").open_udp("honest", 0)
+        async with honest:
+            await honest.sendto(b"\x00" + b"\x01" * 20 + umsgpack.packb(["ping", [b"\xbb" * 20]]), node.address)
+            with trio.fail_after(5):
+                data, _ = await honest.recvfrom()
+        assert umsgpack.unpackb(data[21:]) == bytes(node.peer_id)
+        for flooder in flooders:
+            flooder.close()
+
+
 async def test_records_per_node_cap():
     config = DHTConfig(max_records=5)
     async with DHTNode.open("127.0.0.1", 0, config=config) as node:

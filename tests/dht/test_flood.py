@@ -33,18 +33,19 @@ class StorageWorkMeter:
 
     def __init__(self, node: DHTNode, host: str):
         self.work: list[int] = []
-        serve, storage = node._serve, node._storage
+        server, storage = node._server, node._storage
+        handle = server.handle
 
-        def measured(request: proto.Request):
+        def measured(request: proto.Request, now: float, local_now: float):
             if request.address[0] != host or "store" not in request.name:
-                return serve(request)
+                return handle(request, now, local_now)
             before = storage.work
             try:
-                return serve(request)
+                return handle(request, now, local_now)
             finally:
                 self.work.append(storage.work - before)
 
-        node._serve = measured
+        server.handle = measured
 
 
 async def test_a_flood_of_new_keys_from_one_host_leaves_room_and_cheap_service_for_honest_peers():
@@ -92,3 +93,62 @@ async def test_a_flood_of_new_keys_from_one_host_leaves_room_and_cheap_service_f
     assert len(meter.work) >= HONEST_KEYS
     assert sum(meter.work) / len(meter.work) <= 16, meter.work  # O(1) heap work: no walk over 2,000 records
     assert max(meter.work) <= 64, meter.work
+
+
+# The honest client here runs with the default eviction rule: it must keep reaching the victim through a flood
+# that makes the kernel drop some of its datagrams, and find it again the moment the flood stops.
+RANDOM_ID_HONEST_CONFIG = DHTConfig(max_timeout=0.25, initial_timeout=0.25)
+ATTEMPTS_DURING = 10
+ATTEMPTS_AFTER = 2
+
+
+async def _store_with_attempts(node: DHTNode, key: str, value: int, attempts: int) -> int:
+    """Tries needed to store `key` (each try is one full store: lookup and replicas); 0 if none succeeded."""
+    for attempt in range(1, attempts + 1):
+        if await node.store(key, value, node.now() + 600):
+            return attempt
+    return 0
+
+
+async def test_a_flood_with_a_made_up_sender_id_per_datagram_leaves_honest_stores_working_during_and_after():
+    """Each flood datagram claims a fresh random node id from one of 64 ports. None of those ids may enter the
+    victim's routing table (nobody at those ports answers a ping with them), so the victim never hands them out
+    in find_node replies: honest stores succeed while the flood lasts (a few tries allowed for datagrams the
+    kernel drops), and right after it, with the store still full of flood records; a new client (as `peer
+    status` is) meets nobody but the victim."""
+    async with DHTNode.open("127.0.0.1", 0, config=VICTIM_CONFIG) as victim:
+        async with DHTNode.open(HONEST_HOST, 0, [victim.address], client_mode=True,
+                                config=RANDOM_ID_HONEST_CONFIG) as honest:
+            flooder = await trio.lowlevel.open_process(
+                [sys.executable, FLOODER, "--flooder", f"127.0.0.1:{victim.address[1]}", "--count", "5000",
+                 "--ports", "64", "--rate", "2500", "--random-ids"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT)
+            try:
+                with trio.fail_after(120):
+                    while not victim.stats()["storage"]["stores_refused_full"]:
+                        await trio.sleep(0.01)  # polling the condition: the flood has filled the store
+                during = [await _store_with_attempts(honest, f"during-{i}", i, ATTEMPTS_DURING)
+                          for i in range(HONEST_KEYS)]
+                flooding_still = flooder.returncode is None
+                await flooder.stdin.aclose()
+                output = b""
+                with trio.fail_after(120):
+                    while chunk := await flooder.stdout.receive_some():
+                        output += chunk
+                    await flooder.wait()
+            finally:
+                if flooder.returncode is None:
+                    flooder.kill()
+            assert flooding_still
+            assert json.loads(output.decode().splitlines()[-1])["sent"] >= 5000
+            assert all(during), during
+            after = [await _store_with_attempts(honest, f"after-{i}", i, ATTEMPTS_AFTER) for i in range(HONEST_KEYS)]
+            assert all(after), after
+            assert victim.stats()["storage"]["records_held"] == VICTIM_CONFIG.max_records  # still full
+            for i in range(HONEST_KEYS):
+                assert (await honest.get(f"during-{i}")).value == i
+                assert (await honest.get(f"after-{i}")).value == i
+            assert victim.routing_table_ids() == []  # the only other node is a client: nobody verified
+            async with DHTNode.open(HONEST_HOST, 0, [victim.address], client_mode=True) as fresh:
+                assert (await fresh.get("after-0")).value == 0
+                assert fresh.stats()["peers_known"] == 1  # no made-up contact was handed out to chase
