@@ -14,7 +14,6 @@ the same layout from the header alone. Per-chunk deadlines follow measured throu
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 

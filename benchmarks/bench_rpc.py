@@ -31,7 +31,6 @@ from peer.p2p.identity import Identity
 from peer.p2p.net import RealNetwork
 from peer.p2p.rpc import RPCNode
 
-
 # -------------------------------------------------------------------------------------------- server process
 
 

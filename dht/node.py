@@ -52,8 +52,19 @@ from dht import records
 from dht.errors import BootstrapFailed, InvalidValue, RequestTimeout
 from dht.lookup import State, Target
 from dht.peers import PeerBook
-from dht.policy import (WELCOME_BATCH_DELAY, WELCOME_MIN_INTERVAL, WELCOME_PER_PASS, WELCOME_QUEUE_LIMIT,
-                        Admission, Contacts, Gifts, IPRequestLimit, WelcomeQueue, repair_gifts, welcome_gifts)
+from dht.policy import (
+    WELCOME_BATCH_DELAY,
+    WELCOME_MIN_INTERVAL,
+    WELCOME_PER_PASS,
+    WELCOME_QUEUE_LIMIT,
+    Admission,
+    Contacts,
+    Gifts,
+    IPRequestLimit,
+    WelcomeQueue,
+    repair_gifts,
+    welcome_gifts,
+)
 from dht.records import Record, Subkey
 from dht.routing import RoutingTable
 from dht.server import MAX_REPLY_BYTES, NO_REPLY, Server

@@ -69,8 +69,8 @@ def swarmd_flags(msg_id: bytes) -> int | None:
 
 def batches(method: str, items: list[tuple]) -> tuple[list[list[list]], list[bytes]]:
     """Split (key, value) or (key, value, OFFER) items into `method` requests ([node_id, [item, ...]]) that fit
-    the rpcudp size cap and MAX_BATCH_KEYS. Returns (groups, keys of items too large for any such request): those go as stock
-    `store` requests, whose smaller framing always fits a record of at most MAX_RECORD_BYTES."""
+    the rpcudp size cap and MAX_BATCH_KEYS. Returns (groups, keys of items too large for any such request): those
+    go as stock `store` requests, whose smaller framing always fits a record of at most MAX_RECORD_BYTES."""
     overhead = len(pack([method, [b"\x00" * NODE_ID_BYTES, []]])) + 2  # + array header growth
     room = MAX_REQUEST_PAYLOAD - overhead
     groups: list[list[list]] = [[]]

@@ -38,9 +38,9 @@ import trio
 from torch import nn
 
 from dht.client import SwarmHandle
+from moe import calls
 from moe.beam_search import ChildrenOracle, DHTGridOracle, ExpertChoice, find_best_experts, normalize_prefix
 from moe.declare import ExpertLocation
-from moe import calls
 from moe.errors import NotEnoughExperts
 from peer.p2p import wire
 from peer.p2p.identity import PeerID

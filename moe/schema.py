@@ -15,6 +15,7 @@ import torch
 
 from peer.p2p import wire
 
+
 class SchemaError(ValueError):
     """Tensors do not match the schema they were checked against (the message says how)."""
 

@@ -196,7 +196,7 @@ class ExpertServer:
         hidden_dim: int,
         dht: DHTClient | None = None,
         checkpoint_dir: str | Path | None = None,
-        optimizer: OptimizerConfig = OptimizerConfig(),
+        optimizer: OptimizerConfig = OptimizerConfig(),  # noqa: B008 (frozen dataclass: one shared value is safe)
         options: Mapping[str, Any] | None = None,
         device: str = "cpu",
         seed: int | None = None,

@@ -40,11 +40,11 @@ from moe.server import ExpertServer, choose_uids
 from peer import __version__
 from peer.directory import PeerDirectory
 from peer.discover import SwarmMismatch, choose_family, discover_families, summary_fields
+from peer.options import JOIN
 from peer.p2p.identity import Identity
 from peer.p2p.net import Address, Network, RealNetwork
-from peer.options import JOIN
-from peer.replicas import ReplicaAverager
 from peer.p2p.rpc import CallContext, RPCNode
+from peer.replicas import ReplicaAverager
 from peer.status import STATUS_METHOD
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,6 @@ from typing import Any, Callable, NoReturn, Sequence
 
 from peer.topology import Topology
 
-
 EXPERT_KINDS = ("ffn", "transformer", "deep_ffn")  # moe/experts.py registers these (a test compares)
 
 
@@ -550,7 +549,8 @@ _SHAPE = [
 SWARM_UP = OptionSet("peer swarm up", [
     *_SHAPE,
     Option("kill-one-at", POSITIVE, None, "SIGKILL one volunteer this many seconds after the trainers start "
-           "training (once each printed a progress line; fault-tolerance demo)", shown_default="never", metavar="SECONDS"),
+           "training (once each printed a progress line; fault-tolerance demo)", shown_default="never",
+           metavar="SECONDS"),
     Option("log-dir", PATH, None, "where each process's output goes", shown_default="runs/swarm-TIME",
            metavar="DIR"),
 ])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from typing import Any, Callable, Awaitable
+from typing import Any, Awaitable, Callable
 
 import trio
 

@@ -160,7 +160,7 @@ class SwarmLauncher:
 
     async def _supervise(self, member: Managed) -> None:
         try:
-            with open(member.log_path, "w") as log:
+            with open(member.log_path, "w") as log:  # noqa: ASYNC230 (a local log file, opened once per child)
                 # process_group=0: its own group, so the terminal's Ctrl-C reaches only the launcher (which
                 # forwards one signal; a trainer that got two would exit without its result line)
                 member.process = await trio.lowlevel.open_process(

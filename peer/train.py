@@ -454,7 +454,8 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
                 consecutive_failures += 1
                 model.zero_grad(set_to_none=True)
                 if consecutive_failures >= args.max_failed_steps:
-                    raise RuntimeError(f"{consecutive_failures} steps in a row without enough experts: {error}")
+                    raise RuntimeError(
+                        f"{consecutive_failures} steps in a row without enough experts: {error}") from None
                 time.sleep(min(1.0, 0.02 * 2 ** consecutive_failures))
                 continue
             consecutive_failures = 0

@@ -4,6 +4,7 @@ import threading
 
 import pytest
 import trio
+import trio.lowlevel
 
 from peer.p2p.bridge import Bridge, BridgeClosed
 from peer.p2p.identity import Identity
@@ -14,7 +15,7 @@ from peer.p2p.rpc import RPCNode
 def test_run_returns_results_and_raises_errors():
     with Bridge.start() as bridge:
         async def add(a, b):
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
             return a + b
 
         async def fail():

@@ -5,8 +5,8 @@ import trio
 
 from dht.errors import BootstrapFailed
 from dht.node import DHTNode
-from peer.p2p.bridge import Bridge
 from peer.client import Swarm
+from peer.p2p.bridge import Bridge
 from peer.p2p.net import parse_address
 
 

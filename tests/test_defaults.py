@@ -17,8 +17,15 @@ from dht import DHTNode
 from moe.declare import get_experts
 from peer.daemon import DEFAULT_PATTERN, Daemon, DaemonConfig, StartupError
 from peer.directory import PeerDirectory, PeerEntry
-from peer.discover import (ExpertFamily, NoExpertsDeclared, SwarmMismatch, choose_family, discover_experts,
-                           families_from_entries, summary_fields)
+from peer.discover import (
+    ExpertFamily,
+    NoExpertsDeclared,
+    SwarmMismatch,
+    choose_family,
+    discover_experts,
+    families_from_entries,
+    summary_fields,
+)
 from peer.p2p.net import MemoryNetwork
 from tests.peer_processes import PeerProcess, run_peer, start_daemon
 
@@ -143,7 +150,7 @@ async def test_daemons_without_experts_share_the_default_family_and_grow_it_when
         assert info.pattern == DEFAULT_PATTERN and len(info.experts) == 4 and info.hidden_dim == 8
         bootstrap = [first.rpc.address]
         served = set(info.experts)
-        for index, host in enumerate("bc"):
+        for _index, host in enumerate("bc"):
             _, info, _ = await nursery.start(_run_daemon, DaemonConfig(host=host, hidden_dim=8,
                                                                        initial_peers=bootstrap), network, host)
             assert info.pattern == DEFAULT_PATTERN and not served & set(info.experts)

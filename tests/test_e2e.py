@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
@@ -37,7 +36,7 @@ def test_swarm_up_trains_through_a_killed_daemon_and_leaves_nothing_behind(tmp_p
     for trainer in summary["trainers"]:
         assert trainer["exit_code"] == 0 and trainer["accuracy"] >= 0.9, trainer
         lines = (tmp_path / f"{trainer['name']}.log").read_text().splitlines()
-        results[trainer["name"]] = json.loads(next(l for l in reversed(lines) if '"event": "result"' in l))
+        results[trainer["name"]] = json.loads(next(line for line in reversed(lines) if '"event": "result"' in line))
     one, two = results["trainer-1"], results["trainer-2"]
     assert two["peer_id"] in one["peers_averaged_with"] and one["peer_id"] in two["peers_averaged_with"]
     assert processes_in_session(launcher.pid) == []

@@ -13,10 +13,8 @@ examples, no deadline); `HYPOTHESIS_PROFILE=thorough` runs many more.
 
 from __future__ import annotations
 
-import struct
 from collections import Counter
 
-import pytest
 from hypothesis import assume, example, given, note
 from hypothesis import strategies as st
 

@@ -1,8 +1,8 @@
 """owned_nursery: the body's error comes out as itself, also while the surrounding scope is being cancelled."""
 
 import pytest
-import trio.testing
 import trio
+import trio.testing
 
 from peer.p2p.lifetime import owned_nursery
 

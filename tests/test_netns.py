@@ -20,9 +20,9 @@ PORT = 31337
 
 
 def progress_step(process: PeerProcess, at_least: int, timeout: float = 300) -> dict:
-    match = process.read_until(rf'"event": "progress", "step": (\d+)', timeout)
+    match = process.read_until(r'"event": "progress", "step": (\d+)', timeout)
     while int(match.group(1)) < at_least:
-        match = process.read_until(rf'"event": "progress", "step": (\d+)', timeout)
+        match = process.read_until(r'"event": "progress", "step": (\d+)', timeout)
     return json.loads(process.lines[-1])
 
 

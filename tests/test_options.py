@@ -209,7 +209,8 @@ def test_expert_kind_help_lists_the_registered_kinds():
     import subprocess
     import sys
 
-    fresh = subprocess.run([sys.executable, "-c", "from moe.experts import registered_kinds; print(*registered_kinds())"],
+    code = "from moe.experts import registered_kinds; print(*registered_kinds())"
+    fresh = subprocess.run([sys.executable, "-c", code],
                            capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parent.parent)
     assert sorted(EXPERT_KINDS) == sorted(fresh.stdout.split())
     assert all(kind in JOIN["expert-kind"].help_text() for kind in EXPERT_KINDS)

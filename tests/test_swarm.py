@@ -7,15 +7,14 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import trio
 
 from moe.errors import ExpertNotFound
-from peer.p2p import wire
 from peer.daemon import Daemon, DaemonConfig
+from peer.p2p import wire
 from peer.p2p.rpc import UnknownMethod
 from peer.status import format_status, gather_status
 from peer.topology import Topology, render_compose
@@ -64,11 +63,8 @@ def test_topology_spreads_experts_without_overlap():
 
 
 async def test_status_counts_failed_calls_served_and_sent():
-    import trio
 
-    from moe.errors import ExpertNotFound
-    from peer.p2p.rpc import UnknownMethod
-    from peer.status import format_status, gather_status
+    from peer.status import format_status
 
     async with trio.open_nursery() as nursery:
         first = Daemon(DaemonConfig(experts="ffn.[0:2]", hidden_dim=8))

@@ -12,9 +12,9 @@ import torch
 import trio
 
 from peer import train
-from peer.p2p.bridge import Bridge
 from peer.daemon import Daemon, DaemonConfig
 from peer.discover import NoExpertsDeclared
+from peer.p2p.bridge import Bridge
 
 
 def _args(*extra: str):

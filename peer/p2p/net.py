@@ -58,7 +58,8 @@ class Network(ABC):
 
     @abstractmethod
     async def serve_tcp(
-        self, handler: StreamHandler, host: str, port: int, *, task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED
+        self, handler: StreamHandler, host: str, port: int, *,
+        task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Listen on host:port (0 = any free port), report the bound Address through `task_status`, then run
         `handler(stream)` for each incoming connection in its own task until cancelled. The stream is closed
@@ -131,7 +132,8 @@ class RealNetwork(Network):
         return await trio.open_tcp_stream(host, port)
 
     async def serve_tcp(
-        self, handler: StreamHandler, host: str, port: int, *, task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED
+        self, handler: StreamHandler, host: str, port: int, *,
+        task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         listeners = await trio.open_tcp_listeners(port, host=host)
         bound = listeners[0].socket.getsockname()
@@ -506,7 +508,7 @@ class MemoryNetwork:
     async def _connect(self, source: str, address: Address) -> MemoryStream:
         host, port = address
         rtt = self.conditions(source, host).latency + self.conditions(host, source).latency
-        while not self.link_up(source, host):
+        while not self.link_up(source, host):  # noqa: ASYNC110 (a simulated SYN retransmission, not a wait on our own state)
             await trio.sleep(1.0)  # SYN retransmission: hangs until the caller's deadline or the link heals
         await trio.sleep(rtt)
         listener = self._listeners.get((host, port))
@@ -540,7 +542,8 @@ class MemoryHost(Network):
         return await self.network._connect(self.name, address)
 
     async def serve_tcp(
-        self, handler: StreamHandler, host: str, port: int, *, task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED
+        self, handler: StreamHandler, host: str, port: int, *,
+        task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         host = self.name if host in ("", "0.0.0.0", self.name) else host
         if host != self.name:

@@ -5,7 +5,8 @@ Why one helper: declaring experts, keeping a directory entry, publishing progres
 wrong: one logged every failed round (a dead DHT filled the log), one logged nothing, none backed off, none
 could be woken early. Here, once:
 - a step runs every `interval` seconds (or, with `step_plans=True`, after the delay the step itself returns, for
-  work that plans its own schedule), optionally spread by a random `jitter` so that peers started together do not act in lockstep;
+  work that plans its own schedule), optionally spread by a random `jitter` so that peers started together do
+  not act in lockstep;
 - a step that raises is a failed round, not a dead task: each kind of failure (its exception type) is logged
   once, as a warning naming the operation; repeats go to debug level and to the `on_failure` callback
   (counters), so a broken DHT costs one line, not one line per round;

@@ -34,8 +34,8 @@ import dataclasses
 import math
 import struct
 import sys
-from enum import IntEnum
 from collections.abc import Iterable, Iterator, Mapping
+from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
 import msgpack

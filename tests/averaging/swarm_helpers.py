@@ -9,8 +9,8 @@ from typing import Any, Callable
 import torch
 import trio
 
-from averaging.averager import Averager, StepResult
 from averaging.allreduce import AllReduceConfig, AllReduceResult, AllReduceServer, install_allreduce
+from averaging.averager import Averager, StepResult
 from averaging.group import GroupInfo, Member
 from peer.p2p.identity import Identity
 from peer.p2p.net import MemoryNetwork

@@ -6,13 +6,12 @@ import pytest
 import torch
 import trio
 import trio.testing
+from swarm_helpers import Swarm, flat, random_tensors
 
 from averaging.allreduce import AllReduceConfig, run_allreduce
 from averaging.errors import GroupMismatch
 from averaging.partition import Partition
 from peer.p2p import wire
-
-from swarm_helpers import Swarm, flat, random_tensors
 
 
 @pytest.fixture(params=["memory", "real"])

@@ -2,8 +2,8 @@
 
 import torch
 import trio
-
 from swarm_helpers import start_averagers, step_all
+
 from tests.sim_peers import start_peers
 
 

@@ -2,9 +2,9 @@
 
 import torch
 import trio
+from swarm_helpers import start_averagers, step_all
 
 from peer.p2p.net import MemoryNetwork
-from swarm_helpers import start_averagers, step_all
 from tests.sim_peers import start_peers
 
 

@@ -15,8 +15,8 @@ from torch import nn
 
 from averaging.collaborative import CollaborativeOptimizer, initialize_optimizer_state, state_tensors
 from dht import DHTNode
-from peer.p2p.bridge import Bridge
 from peer.client import Swarm
+from peer.p2p.bridge import Bridge
 
 
 async def _bootstrap_node(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -163,7 +163,7 @@ def test_two_client_mode_trainers_cannot_group_but_still_apply_their_update(boot
     # trainer applies its own accumulated gradient and moves on
     results = _run_pair(bootstrap, "gradients", lambda model: torch.optim.SGD(model.parameters(), lr=0.1),
                         listen=(False, False), matchmaking_time=1.0)
-    for index, result in results.items():
+    for _index, result in results.items():
         assert result["epoch"] == 1
         assert result["stats"]["averaging_rounds"] == 0
         assert result["stats"]["averaging_failures"] == result["stats"]["averaging_attempts"] == 1

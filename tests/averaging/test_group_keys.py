@@ -43,7 +43,7 @@ def test_eight_peers_groups_of_two_three_bits_reach_global_mean_in_three_rounds(
     global_mean = sum(initial.values()) / 8
     values = dict(initial)
     keys = {peer: GroupKeyManager("run", target_group_size=2, nbits=3) for peer in ids}
-    for round_index in range(3):
+    for _round_index in range(3):
         by_key = defaultdict(list)
         for peer in ids:
             by_key[keys[peer].key].append(_declaration(peer, keys[peer].round))

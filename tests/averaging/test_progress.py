@@ -9,7 +9,13 @@ import pytest
 import trio
 
 from averaging.progress import (
-    PeerProgress, ProgressTracker, SwarmProgress, estimate, list_runs, parse_records, progress_key,
+    PeerProgress,
+    ProgressTracker,
+    SwarmProgress,
+    estimate,
+    list_runs,
+    parse_records,
+    progress_key,
 )
 from dht import DHTNode
 from peer.p2p.identity import Identity, PeerID

@@ -8,12 +8,11 @@ import time
 import pytest
 import torch
 import trio
+from swarm_helpers import Swarm
 
 from averaging.allreduce import AllReduceConfig
 from averaging.errors import StateDownloadFailed
 from averaging.state import StateConfig, install_state_server, load_state_from_peers
-
-from swarm_helpers import Swarm
 
 
 class Trainer:

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import pytest
 import trio
+from dht_swarm import RunningNode, start_node
 
 from dht import DHTConfig
-from dht_swarm import RunningNode, start_node
 from peer.p2p.identity import Identity
 from peer.p2p.net import MemoryNetwork
 

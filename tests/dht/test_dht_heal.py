@@ -13,9 +13,9 @@ from __future__ import annotations
 import random
 
 import trio
+from dht_swarm import RunningNode, start_node, start_swarm
 
 from dht import DHTConfig
-from dht_swarm import RunningNode, start_node, start_swarm
 from peer.p2p.identity import Identity
 from peer.p2p.net import MemoryNetwork
 
@@ -143,7 +143,7 @@ async def test_random_freezes_in_a_64_peer_swarm_heal_after_everyone_runs_again(
         async with trio.open_nursery() as load:
             for index, client in enumerate(clients):
                 load.start_soon(traffic, client, random.Random(seed * 100 + index))
-            for wave in range(4):  # waves of freezes: a random half of the servers hangs for 5 to 20 s
+            for _wave in range(4):  # waves of freezes: a random half of the servers hangs for 5 to 20 s
                 frozen = rng.sample(hosts, len(hosts) // 2)
                 for host in frozen:
                     network.freeze(host)

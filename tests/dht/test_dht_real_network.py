@@ -5,10 +5,9 @@ from __future__ import annotations
 import random
 
 import trio
+from dht_swarm import start_swarm
 
 from peer.p2p.net import RealNetwork
-
-from dht_swarm import start_swarm
 
 
 async def test_32_nodes_store_200_keys_and_read_all_from_other_nodes():

@@ -6,12 +6,11 @@ import random
 
 import pytest
 import trio
+from dht_swarm import start_node, start_swarm
 
 from dht import DHTConfig
 from peer.p2p.identity import Identity
 from peer.p2p.net import MemoryNetwork
-
-from dht_swarm import start_node, start_swarm
 
 SEED = 3  # a run where, without republishing, 8 of the 60 keys are lost
 

@@ -13,8 +13,6 @@ import math
 import random
 
 import trio
-
-from dht import DHTNode
 from dht_swarm import start_node
 from stock_node import StockNodes
 

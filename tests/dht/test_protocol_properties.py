@@ -211,7 +211,7 @@ def test_replies_are_matched_by_msg_id_and_address_only(sent, data):
     outstanding = [(protocol.request(address, name, args)[0], address, name) for address, (name, args) in sent]
     for msg_id, address, name in data.draw(st.permutations(outstanding)):
         result = data.draw(anything)
-        wrong = data.draw(addresses.filter(lambda a: a != address))
+        wrong = data.draw(addresses.filter(lambda a, address=address: a != address))
         assert protocol.receive(proto.encode_reply(msg_id, result), wrong) == proto.Dropped("forged_reply", wrong)
         stranger = data.draw(msg_ids.filter(lambda m: all(m != o[0] for o in outstanding)))
         assert protocol.receive(proto.encode_reply(stranger, result), address).reason == "unsolicited_reply"

@@ -12,8 +12,7 @@ from dht import protocol as proto
 from dht import records
 from dht.lookup import State, Target
 from dht.peers import PeerBook
-from dht.policy import (WELCOME_PER_PASS, Contacts, IPRequestLimit, WelcomeQueue, repair_gifts,
-                        welcome_gifts)
+from dht.policy import WELCOME_PER_PASS, Contacts, IPRequestLimit, WelcomeQueue, repair_gifts, welcome_gifts
 from dht.routing import RoutingTable
 from dht.server import MAX_REPLY_BYTES, NO_REPLY, Server
 from dht.storage import LOCAL, Storage

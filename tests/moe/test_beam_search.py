@@ -76,7 +76,7 @@ def random_scores(rng, grid_size, batch):
 @pytest.mark.parametrize("fraction", [1.0, 0.5, 0.15])
 def test_search_equals_brute_force(grid_size, fraction):
     rng = random.Random(hash((grid_size, fraction)) & 0xFFFF)
-    for trial in range(10):
+    for _trial in range(10):
         alive = random_alive(rng, grid_size, fraction)
         scores = random_scores(rng, grid_size, batch=7)
         for k in (1, 3, 6):

@@ -24,7 +24,7 @@ def test_forward_backward_and_server_step_equal_local(harness, kind, shape):
 
     torch.manual_seed(0)
     x, w = torch.randn(*shape), torch.randn(*shape)
-    for step in range(3):  # each step uses the weights the previous server-side step produced
+    for _step in range(3):  # each step uses the weights the previous server-side step produced
         x_remote, x_local = x.clone().requires_grad_(), x.clone().requires_grad_()
         y_remote, y_local = remote(x_remote), local(x_local)
         torch.testing.assert_close(y_remote, y_local, rtol=1e-5, atol=1e-5)

@@ -1,16 +1,14 @@
 """Experts are findable in the DHT by uid and through grid prefixes, stay findable while served, expire after."""
 
 import random
-
-import pytest
 from contextlib import asynccontextmanager
 
+import pytest
 import trio
 import trio.testing
 
 from dht import DHTNode
-from moe.declare import (declaration_items, find_free_uids, find_own_uids, get_experts, get_prefix_entries,
-                         get_prefixes)
+from moe.declare import declaration_items, find_free_uids, find_own_uids, get_experts, get_prefix_entries, get_prefixes
 from moe.experts import make_expert
 from moe.grid import InvalidUID
 from moe.server import ExpertServer, choose_uids
