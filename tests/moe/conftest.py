@@ -9,6 +9,7 @@ import os
 import select
 import subprocess
 import sys
+import threading
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -200,10 +201,13 @@ class ServerProcesses:
         process = self.launch(uids, *args)
         return process, self.wait_ready(process, timeout)
 
-    def launch(self, uids: Sequence[str], *args: str) -> subprocess.Popen:
-        """Start a server process without waiting (start several at once, then `wait_ready` each)."""
+    def launch(self, uids: Sequence[str], *args: str, phase_hooks: bool = False) -> subprocess.Popen:
+        """Start a server process without waiting (start several at once, then `wait_ready` each).
+        `phase_hooks`: the process accepts `kill_in` (a SIGKILL inside a forward or a backward)."""
+        extra = ["--phase-hooks"] if phase_hooks else []
         process = subprocess.Popen(
-            [sys.executable, LAUNCHER, "--uids", *uids, *args], stdout=subprocess.PIPE, text=True,
+            [sys.executable, LAUNCHER, "--uids", *uids, *args, *extra], stdout=subprocess.PIPE, text=True,
+            stdin=subprocess.PIPE if phase_hooks else None,
         )
         self.processes.append(process)
         return process
@@ -219,13 +223,63 @@ class ServerProcesses:
         info["address"] = tuple(info["address"])
         return info
 
+    @staticmethod
+    def kill_in(process: subprocess.Popen, phase: str, timeout: float = 60.0) -> "PhaseKill":
+        """Arm a `phase_hooks` process (ready already): its next `phase` computation ("forward" or "backward")
+        announces itself and blocks, and is SIGKILLed right then. Returns once the process confirmed the arming,
+        so whatever the test does next meets the armed server."""
+        return PhaseKill(process, phase, timeout)
+
     def close(self) -> None:
         for process in self.processes:
             if process.poll() is None:
                 process.kill()
             process.wait()
-            if process.stdout is not None:
-                process.stdout.close()
+            for pipe in (process.stdin, process.stdout):
+                if pipe is not None:
+                    try:
+                        pipe.close()
+                    except (BrokenPipeError, ValueError):  # a watcher thread may be reading it still
+                        pass
+
+
+class PhaseKill:
+    """A server process armed to be SIGKILLed inside its next computation of `phase` (see
+    tests/moe/expert_server_process.py, --phase-hooks). `entered` is set (and `uid` names the expert) just before
+    the SIGKILL, so a caller that saw the server die sees it set; `killed` once the process is reaped. The kill
+    comes from a watcher thread, so it lands while the caller of that computation is still waiting for the
+    answer."""
+
+    def __init__(self, process: subprocess.Popen, phase: str, timeout: float):
+        self.process = process
+        self.phase = phase
+        self.uid: str | None = None
+        self.armed = threading.Event()
+        self.entered = threading.Event()
+        self.killed = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name=f"kill-in-{phase}", daemon=True)
+        self._watcher.start()
+        process.stdin.write(f"hold {phase}\n")
+        process.stdin.flush()
+        if not self.armed.wait(timeout):
+            process.kill()
+            raise RuntimeError(f"expert server process did not confirm `hold {phase}` (exit code {process.poll()})")
+
+    def _watch(self) -> None:
+        try:
+            for line in self.process.stdout:
+                event = json.loads(line)
+                if event.get("armed") == self.phase:
+                    self.armed.set()
+                elif event.get("entered") == self.phase:
+                    self.uid = event["uid"]
+                    self.entered.set()  # before the kill: whoever sees the server die can already see this
+                    self.process.kill()
+                    self.process.wait()
+                    self.killed.set()
+                    return
+        except ValueError:  # the fixture closed the pipe at teardown (the process died some other way)
+            return
 
 
 @pytest.fixture
