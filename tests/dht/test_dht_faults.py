@@ -11,11 +11,10 @@ import random
 from typing import Callable
 
 import trio
+from dht_swarm import RunningNode, start_swarm
 
 from dht import protocol as proto
 from peer.p2p.net import MemoryNetwork
-
-from dht_swarm import RunningNode, start_swarm
 
 STORE_REQUESTS = {"store", "swarmd_store_many", "swarmd_store_find"}
 LOOKUP_REQUESTS = {"find_value", "find_node", "swarmd_find_many"}
