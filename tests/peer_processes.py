@@ -29,13 +29,13 @@ EXPERT_SERVER = ROOT / "tests" / "moe" / "expert_server_process.py"
 
 class ChildProcess:
     def __init__(self, command: Sequence[str], *, env: dict | None = None, prefix: Sequence[str] | None = None,
-                 capture_stderr: bool = True):
+                 capture_stderr: bool = True, stdin: bool = False):
         """`prefix` runs the command through another one, e.g. `ip netns exec NAME` for a test host. Without
         `capture_stderr` the child writes its stderr to ours (for children that log a lot and are never asked
-        why they failed)."""
+        why they failed). `stdin`: the test talks to the child with `send_line`."""
         self.command = list(command)
         self.process = subprocess.Popen(
-            [*(prefix or []), *self.command], stdout=subprocess.PIPE,
+            [*(prefix or []), *self.command], stdout=subprocess.PIPE, stdin=subprocess.PIPE if stdin else None,
             stderr=subprocess.PIPE if capture_stderr else None, text=True, cwd=ROOT,
             env={"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
@@ -55,6 +55,11 @@ class ChildProcess:
 
     def poll(self) -> int | None:
         return self.process.poll()
+
+    def send_line(self, line: str) -> None:
+        assert self.process.stdin is not None, "started without stdin=True"
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
 
     def read_line(self, timeout: float) -> str | None:
         """The next stdout line, or None when the child closed stdout or nothing came within `timeout`."""
@@ -109,8 +114,12 @@ class ChildProcess:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGKILL)
         self.process.wait(timeout=30)
-        if self.process.stderr is not None:
-            self.process.stderr.close()
+        for pipe in (self.process.stdin, self.process.stderr):
+            if pipe is not None:
+                try:
+                    pipe.close()
+                except BrokenPipeError:
+                    pass
 
 
 class PeerProcess(ChildProcess):
@@ -142,11 +151,14 @@ class ExpertServerProcess(ChildProcess):
     """An expert server in its own process (tests/moe/expert_server_process.py UIDS ARGS). `wait_ready` reads its
     JSON line: then `address` and `peer_id` (hex) say where it serves."""
 
-    def __init__(self, uids: Sequence[str], *args: str):
+    def __init__(self, uids: Sequence[str], *args: str, phase_hooks: bool = False):
+        """`phase_hooks`: the process takes `hold forward|backward` lines on stdin (see `PhaseKill`)."""
         self.uids = list(uids)
         self.address: tuple[str, int] | None = None
         self.peer_id: str | None = None
-        super().__init__([sys.executable, str(EXPERT_SERVER), "--uids", *uids, *args], capture_stderr=False)
+        extra = ["--phase-hooks"] if phase_hooks else []
+        super().__init__([sys.executable, str(EXPERT_SERVER), "--uids", *uids, *args, *extra], capture_stderr=False,
+                         stdin=phase_hooks)
 
     def wait_ready(self, timeout: float = 120.0) -> "ExpertServerProcess":
         try:
@@ -156,6 +168,44 @@ class ExpertServerProcess(ChildProcess):
             raise RuntimeError(f"expert server process did not start (exit code {self.poll()})") from None
         self.address, self.peer_id = (info["address"][0], int(info["address"][1])), info["peer_id"]
         return self
+
+
+class PhaseKill:
+    """An expert server process (started with `phase_hooks=True`, ready) armed to be SIGKILLed inside its next
+    computation of `phase` ("forward" or "backward"; see tests/moe/expert_server_process.py --phase-hooks).
+    Returns once the process confirmed the arming, so whatever the test does next meets the armed server.
+    `entered` is set (and `uid` names the expert) just before the SIGKILL, so a caller that saw the server die sees
+    it set; `killed` once the process is reaped. The kill comes from a watcher thread, so it lands while the
+    caller of that computation is still waiting for the answer."""
+
+    def __init__(self, process: ExpertServerProcess, phase: str, timeout: float = 60.0):
+        self.process = process
+        self.phase = phase
+        self.uid: str | None = None
+        self.armed = threading.Event()
+        self.entered = threading.Event()
+        self.killed = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name=f"kill-in-{phase}", daemon=True)
+        self._watcher.start()
+        process.send_line(f"hold {phase}")
+        if not self.armed.wait(timeout):
+            process.kill()
+            raise RuntimeError(f"expert server process did not confirm `hold {phase}` (exit code {process.poll()})")
+
+    def _watch(self) -> None:
+        while (line := self.process.read_line(3600.0)) is not None:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if event.get("armed") == self.phase:
+                self.armed.set()
+            elif event.get("entered") == self.phase:
+                self.uid = event["uid"]
+                self.entered.set()  # before the kill: whoever sees the server die can already see this
+                self.process.kill()
+                self.killed.set()
+                return
 
 
 class ProcessGroup:

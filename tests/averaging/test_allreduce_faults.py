@@ -47,17 +47,20 @@ async def run_with_failure(transport: str, moment: str, retry: bool = True):
         peers = await swarm.start(nursery, 5, clients=(4,))
         victim = peers[2]
         group = swarm.group(peers)
-        if moment == "before":
+        trigger = {"sending": "chunk_pushed", "pulling": "part_received"}.get(moment, moment)
+
+        def kill() -> None:
+            # what it did before dying: a killed peer's code runs on until its next checkpoint (hooks may still
+            # fire there, though nothing it sends arrives), so phase checks look at this record only
+            victim.history = [e[1] for e in swarm.events if e[0] == victim.name]
             victim.kill()
-        elif moment == "sending":
+
+        if moment == "before":
+            kill()
+        else:
             def on_hook(name, info):
-                if name == "chunk_pushed" and not victim.killed:
-                    victim.kill()
-            victim.hook = on_hook
-        elif moment == "reducing":
-            def on_hook(name, info):
-                if name == "reducing" and not victim.killed:
-                    victim.kill()
+                if name == trigger and not victim.killed:
+                    kill()
             victim.hook = on_hook
         for peer, tensors, weight in zip(peers, tensor_sets, weights):
             if not peer.killed:
@@ -73,7 +76,7 @@ async def run_with_failure(transport: str, moment: str, retry: bool = True):
     return swarm, group, peers, victim, tensor_sets, originals, weights, config
 
 
-@pytest.mark.parametrize("moment", ["before", "sending", "reducing"])
+@pytest.mark.parametrize("moment", ["before", "sending", "reducing", "committed"])
 async def test_four_survivors_finish_when_one_fails(transport, clock, moment):
     await check_failure(transport, moment, retry=True)
 
@@ -83,6 +86,35 @@ async def test_without_retry_the_lost_part_keeps_local_values(autojump_clock, mo
     await check_failure("memory", moment, retry=False)
 
 
+async def test_a_member_killed_while_pulling_counts_where_it_finished(transport, clock):
+    """p2 dies right after it received its first averaged part: it had committed, so the reducers it finished
+    with count its data; every part a survivor holds is the weighted mean of exactly the contributors it reports
+    (the victim included or not), and no survivor blames anyone else."""
+    swarm, group, peers, victim, tensor_sets, originals, weights, config = await run_with_failure(
+        transport, "pulling")
+    events = victim.history
+    assert "committed" in events and events.count("part_received") == 1  # killed at its first pulled part
+    index_of = {p.peer_id: i for i, p in enumerate(peers)}
+    ranges = part_ranges(group, tensor_sets[0], config.chunk_bytes)
+    counted_victim = False
+    for i, peer in enumerate(peers):
+        if peer is victim:
+            continue
+        result = peer.result
+        assert result.finished and result.failed_peers <= {victim.peer_id}
+        values = flat(tensor_sets[i])
+        for index, (start, stop) in enumerate(ranges):
+            if not result.averaged[index]:
+                assert torch.equal(values[start:stop], originals[i][start:stop])
+                continue
+            members = [index_of[c] for c in result.contributors[index]]
+            assert i in members
+            counted_victim |= victim.peer_id in result.contributors[index]
+            mean = sum(originals[m] * weights[m] for m in members) / sum(weights[m] for m in members)
+            assert torch.allclose(values[start:stop], mean[start:stop], atol=1e-6, rtol=0)
+    assert counted_victim  # the part it pulled was reduced with its data
+
+
 async def check_failure(transport, moment, retry):
     swarm, group, peers, victim, tensor_sets, originals, weights, config = await run_with_failure(
         transport, moment, retry)
@@ -90,14 +122,18 @@ async def check_failure(transport, moment, retry):
     survivors_mean = sum(originals[i] * weights[i] for i in alive) / sum(weights[i] for i in alive)
     ranges = part_ranges(group, tensor_sets[0], config.chunk_bytes)
     victim_index = group.index_of(victim.peer_id)
+    events = victim.history
+    if moment == "before":
+        assert events == []  # it never took part
     if moment == "sending":
         # the victim really died in the middle of sending: some of its chunks were acknowledged, not all
-        pushed = [e for e in swarm.events if e[0] == victim.name and e[1] == "chunk_pushed"]
-        assert len(pushed) >= 1
-        assert not any(e[0] == victim.name and e[1] == "committed" for e in swarm.events)
+        assert events.count("chunk_pushed") >= 1 and "committed" not in events
     if moment == "reducing":
-        assert any(e[0] == victim.name and e[1] == "reducing" for e in swarm.events)
-        assert not any(e[0] == victim.name and e[1] in ("committed", "reduced") for e in swarm.events)
+        assert "reducing" in events and not {"committed", "reduced"} & set(events)
+    if moment == "committed":
+        # it had pushed everything and had its own part's data, but died before finishing anywhere: nobody
+        # counts its data, and its part was never reduced
+        assert "committed" in events and not {"reduced", "part_received"} & set(events)
 
     for i in alive:
         peer = peers[i]

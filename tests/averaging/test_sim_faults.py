@@ -3,8 +3,9 @@
 Seeded (network, identities, failure schedule) in virtual time (MockClock), exercising the real DHT, RPC,
 matchmaking and all-reduce code, not mocks. trio itself shuffles the order of runnable tasks on purpose, so two
 runs can differ in detail: the assertions are about properties that hold in every order. Peers are killed
-(SIGKILL: connections reset, ports closed) or frozen (a hung host: nothing in or out, no reset) at random moments
-of a round, i.e. during matchmaking or during the all-reduce.
+(SIGKILL: connections reset, ports closed) or frozen (a hung host: nothing in or out, no reset) in turn during
+matchmaking (at a random virtual moment before its all-reduce starts) or inside the all-reduce (when a reducer
+acknowledged its first chunk, seen through the all-reduce hook); each test checks where every failure landed.
 """
 
 import random
@@ -34,28 +35,72 @@ async def _swarm(nursery, seed):
 
 
 async def _round(averagers, peers, memory, alive, *, kill=(), freeze=(), rng=None):
-    """Every alive peer steps; peers in `kill`/`freeze` fail at a random moment of the round."""
+    """Every alive peer steps; each peer in `kill`/`freeze` fails either while it looks for a group (at a random
+    moment of its matchmaking) or inside the all-reduce (as its first chunk is acknowledged), in turn.
+    Returns the survivors' results and, per victim, the phase its failure landed in, as observed: "matchmaking"
+    (its all-reduce had not started), "all-reduce" (it had pushed data to a reducer), or "no group" (its step
+    ended without one, so it failed after the step)."""
     results = {}
+    landed = {}
 
     async def one(index):
         results[index] = await averagers[index].step(timeout=20)
 
-    async def fail_later(index, frozen):
-        await trio.sleep(rng.uniform(0.0, 0.15))
+    async def victim(index, frozen, moment):
+        averager = averagers[index]
+        server = averager.allreduce_server
+        in_allreduce, pushed, step_done = trio.Event(), trio.Event(), trio.Event()
+        run = server.run
+
+        async def observed_run(*args, **kwargs):  # test-side observation point: the all-reduce starts
+            in_allreduce.set()
+            return await run(*args, **kwargs)
+
+        server.run = observed_run
+        server.hook = lambda name, info: pushed.set() if name == "chunk_pushed" else None
+
+        async def stepping():
+            # the victim steps inside its own peer scope, so killing the peer stops its step too
+            await averager.step()
+            step_done.set()
+
+        peers[index].nursery.start_soon(stepping)
+        async with trio.open_nursery() as race:
+            async def until(event):
+                await event.wait()
+                race.cancel_scope.cancel()
+
+            race.start_soon(until, step_done)
+            if moment == "matchmaking":
+                race.start_soon(until, in_allreduce)
+
+                async def timer():
+                    await trio.sleep(rng.uniform(0.0, 0.15))
+                    race.cancel_scope.cancel()
+                race.start_soon(timer)
+            else:
+                race.start_soon(until, pushed)
+        if step_done.is_set():
+            landed[index] = "no group"
+        elif pushed.is_set():
+            landed[index] = "all-reduce"
+        elif not in_allreduce.is_set():
+            landed[index] = "matchmaking"
+        else:
+            landed[index] = "all-reduce start"
         if frozen:
             memory.freeze(peers[index].name)  # its tasks keep running but nothing gets in or out
         else:
             peers[index].kill()
 
+    moments = {index: ("matchmaking", "all-reduce")[n % 2] for n, index in enumerate(sorted({*kill, *freeze}))}
     async with trio.open_nursery() as nursery:
         for index in alive:
-            if index in kill or index in freeze:
-                # the victim steps inside its own peer scope, so killing the peer stops its step too
-                peers[index].nursery.start_soon(averagers[index].step)
-                nursery.start_soon(fail_later, index, index in freeze)
+            if index in moments:
+                nursery.start_soon(victim, index, index in freeze, moments[index])
             else:
                 nursery.start_soon(one, index)
-    return results
+    return results, landed
 
 
 def _check_groups(results, averagers):
@@ -72,6 +117,19 @@ def _check_groups(results, averagers):
     assert len(members) == len(set(members))
 
 
+def _check_failures_seen(results, averagers, landed):
+    """A victim that failed inside its all-reduce had a group: every survivor of that group stopped waiting for it
+    (it is in their failed peers). A victim that failed in matchmaking may be in a group too (it was picked before
+    it died): its members also list it."""
+    for index, phase in landed.items():
+        victim = averagers[index].peer_id
+        members = [i for i, r in results.items() if r.group is not None and victim in r.group]
+        if phase == "all-reduce":
+            assert members, f"peer {index} pushed data, so some survivor shared its group"
+        for i in members:
+            assert victim in results[i].failed_peers, (index, i, results[i])
+
+
 async def _scenario(seed, rounds, failures):
     """`failures[r]` = (number killed, number frozen) in round r."""
     rng = random.Random(seed)
@@ -79,14 +137,17 @@ async def _scenario(seed, rounds, failures):
         memory, peers, averagers = await _swarm(nursery, seed)
         alive = set(range(PEERS))
         finished = total = 0
+        phases = set()
         for round_index in range(rounds):
             killed, frozen = failures.get(round_index, (0, 0))
             victims = rng.sample(sorted(alive), killed + frozen)
             kill, freeze = set(victims[:killed]), set(victims[killed:])
-            results = await _round(averagers, peers, memory, alive, kill=kill, freeze=freeze, rng=rng)
+            results, landed = await _round(averagers, peers, memory, alive, kill=kill, freeze=freeze, rng=rng)
             alive -= kill | freeze
             assert set(results) == alive  # every survivor's step returned
             _check_groups(results, averagers)
+            _check_failures_seen(results, averagers, landed)
+            phases.update(landed.values())
             if round_index == 0:  # no failures yet: everyone averages, nearly always in full groups
                 assert all(r.finished for r in results.values())
                 assert sum(r.group_size == 4 for r in results.values()) >= 0.9 * len(results)
@@ -95,6 +156,7 @@ async def _scenario(seed, rounds, failures):
             memory.prune()
         nursery.cancel_scope.cancel()
     values = torch.stack([averagers[i].tensors[0] for i in sorted(alive)])
+    assert {"matchmaking", "all-reduce"} <= phases  # the scenario failed peers in both phases of a round
     return finished / total, float(values.max() - values.min())
 
 

@@ -19,7 +19,7 @@ from peer.p2p.bridge import Bridge
 from peer.p2p.identity import Identity, PeerID
 from peer.p2p.net import MemoryNetwork, Network, RealNetwork
 from peer.p2p.rpc import RPCNode
-from tests.peer_processes import ExpertServerProcess, ProcessGroup
+from tests.peer_processes import ExpertServerProcess, PhaseKill, ProcessGroup
 
 
 @dataclass
@@ -190,9 +190,10 @@ class ServerProcesses(ProcessGroup):
         process = self.launch(uids, *args)
         return process, self.wait_ready(process, timeout)
 
-    def launch(self, uids: Sequence[str], *args: str) -> ExpertServerProcess:
-        """Start a server process without waiting (start several at once, then `wait_ready` each)."""
-        process = ExpertServerProcess(uids, *args)
+    def launch(self, uids: Sequence[str], *args: str, phase_hooks: bool = False) -> ExpertServerProcess:
+        """Start a server process without waiting (start several at once, then `wait_ready` each).
+        `phase_hooks`: the process accepts `kill_in` (a SIGKILL inside a forward or a backward)."""
+        process = ExpertServerProcess(uids, *args, phase_hooks=phase_hooks)
         self.add(process)
         return process
 
@@ -200,6 +201,11 @@ class ServerProcesses(ProcessGroup):
     def wait_ready(process: ExpertServerProcess, timeout: float) -> dict:
         process.wait_ready(timeout)
         return {"address": process.address, "peer_id": process.peer_id}
+
+    @staticmethod
+    def kill_in(process: ExpertServerProcess, phase: str, timeout: float = 60.0) -> PhaseKill:
+        """Arm a `phase_hooks` process (ready already): SIGKILLed inside its next `phase` computation."""
+        return PhaseKill(process, phase, timeout)
 
 
 @pytest.fixture

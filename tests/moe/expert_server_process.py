@@ -5,6 +5,11 @@
 Runs an RPC node on 127.0.0.1 (a free port), a DHT node on the same port (a new DHT, or joining --dht-peer) and
 an ExpertServer declaring its experts there. Prints one JSON line once it serves:
 `{"address": [host, port], "peer_id": hex}`, then serves until killed.
+
+With `--phase-hooks` (tests only) the process also reads commands on stdin, so a test can SIGKILL it at an exact
+moment of its work instead of guessing with sleeps: the line `hold forward` (or `hold backward`) is answered with
+`{"armed": "forward"}`; the next computation of that phase then prints `{"entered": "forward", "uid": uid}` and
+blocks until the process dies, so a kill sent after that line is known to land inside that computation.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import json
 import math
 import os
 import sys
+import threading
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -44,7 +50,53 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads-per-device", type=int, default=1, help="batches computed at once per device")
     parser.add_argument("--inline-threshold", type=float, default=1e-4,
                         help="batches predicted to compute faster than this (seconds) run on the event loop")
+    parser.add_argument("--phase-hooks", action="store_true",
+                        help="tests: accept `hold forward|backward` on stdin (see the module docstring)")
     return parser.parse_args(argv)
+
+
+class PhaseHooks:
+    """Test-only observation point: wraps each expert's forward and backward so that a test can learn, through
+    stdout, that the server is inside a computation of a given phase, and kill it right there. The armed
+    computation never returns (nothing else in the process matters once the test has seen the line)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._armed: set[str] = set()
+
+    def listen(self) -> None:
+        """Read `hold PHASE` commands from stdin in a daemon thread (the event loop may be blocked by an armed
+        computation running inline, so the reader must not depend on it)."""
+        threading.Thread(target=self._read_commands, name="phase-hooks", daemon=True).start()
+
+    def _read_commands(self) -> None:
+        for line in sys.stdin:
+            words = line.split()
+            if len(words) == 2 and words[0] == "hold" and words[1] in ("forward", "backward"):
+                with self._lock:
+                    self._armed.add(words[1])
+                print(json.dumps({"armed": words[1]}), flush=True)
+
+    def wrap(self, expert) -> None:
+        forward, backward = expert.forward, expert.backward
+
+        def held_forward(inputs):
+            self._maybe_hold("forward", expert.uid)
+            return forward(inputs)
+
+        def held_backward(inputs, grad_outputs):
+            self._maybe_hold("backward", expert.uid)
+            return backward(inputs, grad_outputs)
+
+        expert.forward, expert.backward = held_forward, held_backward
+
+    def _maybe_hold(self, phase: str, uid: str) -> None:
+        with self._lock:
+            if phase not in self._armed:
+                return
+            self._armed.discard(phase)
+        print(json.dumps({"entered": phase, "uid": uid}), flush=True)
+        threading.Event().wait()  # until SIGKILL
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -53,6 +105,11 @@ async def serve(args: argparse.Namespace) -> None:
                     optimizer=OptimizerConfig(args.optimizer, lr=args.lr))
         for i, uid in enumerate(args.uids)
     ]
+    if args.phase_hooks:
+        hooks = PhaseHooks()
+        for expert in experts:
+            hooks.wrap(expert)
+        hooks.listen()
     network = RealNetwork()
     identity = Identity.generate()
     async with RPCNode(identity, network) as rpc:

@@ -29,16 +29,19 @@ BAN = 60.0
 CRASH_HOOKS: dict[str, object] = {}
 
 
-class CrashesDuringBackward(nn.Module):
-    """An ffn whose host dies while it computes a backward (the server recomputes forward with grad enabled)."""
+class CrashesOnCue(nn.Module):
+    """An ffn whose host dies inside the computation a test names: `CRASH_HOOKS["backward"]` (the server
+    recomputes the forward with grad enabled) or `CRASH_HOOKS["forward"]` (inference mode) is called, once, from
+    inside the module while it computes."""
 
     def __init__(self, hidden_dim):
         super().__init__()
         self.linear = nn.Linear(hidden_dim, hidden_dim)
 
     def forward(self, x):
-        if torch.is_grad_enabled() and "crash" in CRASH_HOOKS:
-            CRASH_HOOKS.pop("crash")()
+        phase = "backward" if torch.is_grad_enabled() else "forward"
+        if phase in CRASH_HOOKS:
+            CRASH_HOOKS.pop(phase)()
         return self.linear(x)
 
 
@@ -51,10 +54,17 @@ class AnswersNaN(nn.Module):
         return self.linear(x) * float("nan")
 
 
-register_expert_kind(ExpertKind("test_crashing", lambda h, **o: CrashesDuringBackward(h),
+register_expert_kind(ExpertKind("test_crashing", lambda h, **o: CrashesOnCue(h),
                                 lambda h, **o: [TensorSpec((h,))]), replace=True)
 register_expert_kind(ExpertKind("test_nan", lambda h, **o: AnswersNaN(h), lambda h, **o: [TensorSpec((h,))]),
                      replace=True)
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_crash_hooks():
+    """A test that failed before its crash fired must not crash a later test's server."""
+    yield
+    CRASH_HOOKS.clear()
 
 
 @pytest.fixture
@@ -167,11 +177,18 @@ async def test_peer_dying_mid_backward_gives_zero_gradient_and_survivors_match_l
         result = await s.client.forward(x, gate_scores, k_best=5, k_min=1, forward_timeout=30.0,
                                         timeout_after_k_min=2.0)
         assert bool(result.mask.all())
+        assert s.client.stats["forward_failures"] == 0  # s1 answered its forwards
         grad_outputs = torch.randn_like(result.outputs)
-        CRASH_HOOKS["crash"] = lambda: s.network.crash("s1")  # s1 dies inside its first backward batch
+        CRASH_HOOKS["backward"] = lambda: s.network.crash("s1")  # s1 dies inside its first backward batch
+        start = trio.current_time()
         grad = await s.client.backward(result, grad_outputs, backward_k_min=1, backward_timeout=30.0,
                                        timeout_after_k_min=2.0)
-        assert "crash" not in CRASH_HOOKS  # the crash did happen during the backward
+        assert "backward" not in CRASH_HOOKS  # the crash did happen during the backward
+        assert trio.current_time() == start  # the reset was seen at once: no deadline or grace period waited out
+        s1_calls = {call.uid for call in result.calls if call.uid.startswith("ffn.1.")}
+        assert s.client.stats["backward_failures"] == len(s1_calls)  # exactly the dead host's experts failed
+        assert s.client.stats["forward_failures"] == 0
+        assert all(s.blacklist.is_banned(uid, s.table[uid]) for uid in s1_calls)
 
         expected = torch.zeros_like(x)
         for call in result.calls:
@@ -190,6 +207,29 @@ async def test_peer_dying_mid_backward_gives_zero_gradient_and_survivors_match_l
                     want = p_local - 0.1 * p_local.grad if p_local.grad is not None else p_local
                     torch.testing.assert_close(p_server, want.detach(), rtol=1e-4, atol=1e-6)
         assert any(call.uid.startswith("ffn.1.") for call in result.calls)  # s1 had work to lose
+
+
+async def test_peer_dying_mid_forward_is_replaced_by_the_next_best_experts(autojump_clock, three_servers):
+    async with three_servers(kinds=("ffn", "test_crashing", "ffn")) as s:
+        x = torch.randn(2, HIDDEN)
+        CRASH_HOOKS["forward"] = lambda: s.network.crash("s1")  # s1 dies inside its first forward batch
+        start = trio.current_time()
+        result = await s.client.forward(x, scores(MIXED, ALL_ON_S1), k_best=4, k_min=2, forward_timeout=30.0,
+                                        timeout_after_k_min=2.0)
+        assert "forward" not in CRASH_HOOKS  # the crash did happen during the forward
+        assert trio.current_time() == start  # a reset, not a hang: nothing to wait for
+        # k_min=2: the samples short of answers got the best experts not on s1
+        assert answered(result, 0) == ["ffn.0.0", "ffn.0.1"]
+        assert answered(result, 1) == ["ffn.0.0", "ffn.0.1"]
+        check_outputs_equal_local(result, s.local)
+        assert sorted(result.failures) == ["ffn.1.0", "ffn.1.1", "ffn.1.2", "ffn.1.3"]
+        assert all("ConnectionFailed" in why for why in result.failures.values())
+        assert s.client.stats["forward_failures"] == 4 and s.client.stats["backward_failures"] == 0
+
+        # the backward only asks the experts that answered: the dead host is not called again
+        grad = await s.client.backward(result, torch.ones_like(result.outputs), backward_k_min=1,
+                                       backward_timeout=30.0, timeout_after_k_min=2.0)
+        assert s.client.stats["backward_failures"] == 0 and bool(grad.any())
 
 
 async def test_not_enough_experts_says_who_failed(autojump_clock, three_servers):

@@ -134,20 +134,23 @@ def test_switch_mixture_equals_local_top1_and_balancing_loss(dht_harness):
     assert sum(e.steps for s in servers for e in s.experts.values()) == len(set(coords))
 
 
-def test_server_killed_mid_backward_step_completes_matches_local_and_training_goes_on(dht_harness):
+def test_server_killed_between_forward_and_backward_step_completes_matches_local_and_training_goes_on(dht_harness):
     servers, local = make_servers(dht_harness)
     swarm = dht_harness.client()
     torch.manual_seed(3)
-    # k_best=5 over servers of 4 experts: each sample keeps experts on at least one surviving server
-    moe = RemoteMixtureOfExperts(HIDDEN, GRID, "ffn", k_best=5, swarm=swarm)
+    # k_best=5 over servers of 4 experts: each sample keeps experts on at least one surviving server. The grace
+    # period is the whole timeout: every expert's forward answer is used however slow a loaded machine is, so
+    # server 1 is surely in this step's backward.
+    moe = RemoteMixtureOfExperts(HIDDEN, GRID, "ffn", k_best=5, timeout_after_k_min=10.0, swarm=swarm)
     gate = copy.deepcopy(moe.gate)
     x, target = torch.randn(16, HIDDEN), torch.randn(16, HIDDEN)
 
     x_remote = x.clone().requires_grad_()
     loss = ((moe(x_remote) - target) ** 2).mean()
+    assert moe.client.stats["forward_failures"] == 0  # the forward succeeded on every server
     servers[1].kill()  # between this step's forward and its backward
     loss.backward()  # completes: server 1's experts give zero gradient
-    assert moe.client.stats["backward_failures"] >= 1
+    assert 1 <= moe.client.stats["backward_failures"] <= len(servers[1].experts)  # only server 1's experts failed
 
     killed = set(servers[1].experts)
     x_local = x.clone().requires_grad_()
