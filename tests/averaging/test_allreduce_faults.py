@@ -13,11 +13,10 @@ import pytest
 import torch
 import trio
 import trio.testing
+from swarm_helpers import Swarm, flat, random_tensors
 
 from averaging.allreduce import AllReduceConfig
 from averaging.partition import Partition
-
-from swarm_helpers import Swarm, flat, random_tensors
 
 
 @pytest.fixture(params=["memory", "real"])

@@ -36,13 +36,13 @@ def local_mixture(x, gate, experts, k, alive=None, detached=()):
     uids = [uid for uid in experts if alive is None or uid in alive]
     outputs = []
     for b in range(x.shape[0]):
-        def score(u):
+        def score_of(u, b=b):
             return sum(float(logits[d][b, int(c)].detach()) for d, c in enumerate(u.split(".")[1:]))
 
-        scored = sorted(uids, key=lambda u: -score(u))
+        scored = sorted(uids, key=lambda u: -score_of(u))
         chosen = scored[:k]
-        score = torch.stack([sum(logits[d][b, int(c)] for d, c in enumerate(u.split(".")[1:])) for u in chosen])
-        weights = torch.softmax(score, dim=0)
+        scores = torch.stack([sum(logits[d][b, int(c)] for d, c in enumerate(u.split(".")[1:])) for u in chosen])
+        weights = torch.softmax(scores, dim=0)
         rows = []
         for u in chosen:
             inp = x[b : b + 1].detach() if u in detached else x[b : b + 1]
@@ -167,7 +167,7 @@ def test_server_killed_between_forward_and_backward_step_completes_matches_local
     failures = moe.client.stats["forward_failures"] + moe.client.stats["backward_failures"]
     opt = torch.optim.Adam(moe.parameters(), lr=0.01)
     losses = []
-    for step in range(15):
+    for _step in range(15):
         loss = ((moe(x) - target) ** 2).mean()
         opt.zero_grad()
         loss.backward()
