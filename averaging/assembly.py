@@ -262,13 +262,21 @@ class Assembly:
         self.dropped.discard(joiner.peer_id)
         return None
 
-    def probed_by(self, prober: PeerID, their_size: Any, *, reachable: bool) -> str | None:
+    def probed_by(self, prober: PeerID, their_size: Any, *, reachable: bool,
+                  prober_patient: bool = False) -> str | None:
         """A lower collector probes me, saying how many joined it. Collectors whose views differed can split what
         should be one group (or wait for each other until the deadline). "merge": it has room for all of mine,
         so I step down into it (my joiners are redirected to it); "handover": too many to merge, so I pass it as
         many of my joiners as it has room for (`hand_over`), and with the rest I can still fill up or merge
-        later; None: nothing to do (it is higher, unreachable, or I am closed)."""
-        if not reachable or not prober < self.me.peer_id or self.closed or not isinstance(their_size, int):
+        later; None: nothing to do (it is higher, unreachable, or I am closed, or it is still waiting for
+        stragglers).
+
+        `prober_patient`: the prober still expects peers of recent rounds that are not back yet (they are
+        averaging their previous group). Its group is filling on its own, so giving it my joiners only takes them
+        from a group that fills too: 4 + 2 where 4 + 4 was coming (a peer back early from its round probes a
+        collector whose last member is on its way)."""
+        if not reachable or not prober < self.me.peer_id or self.closed or not isinstance(their_size, int) \
+                or prober_patient:
             return None
         if their_size + len(self.joined) <= self.target:
             return "merge"
@@ -290,6 +298,11 @@ class Assembly:
         """An expected peer is dead or follows someone else: stop waiting for it."""
         if peer_id not in self.joined:
             self.dropped.add(peer_id)
+
+    def readmit(self, peer_id: PeerID) -> None:
+        """A dropped peer turned out to be free after all (it declared again after a stale declaration): wait for
+        it again if it is in my chunk."""
+        self.dropped.discard(peer_id)
 
     @property
     def waiting_for(self) -> set[PeerID]:

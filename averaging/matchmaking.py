@@ -155,6 +155,7 @@ class _Round:
         self.changed = trio.Event()
         self.answered: dict[PeerID, tuple[Assembly, trio.Event]] = {}  # joins held in a long poll
         self.join_arrived = False
+        self.patient = False  # the collector loop's last verdict of Matchmaker._patient (sent with my probes)
         self.stale: dict[PeerID, float] = {}  # peer -> declared_at of a declaration its owner no longer runs
         self.returning: set[PeerID] = set()  # stale peers between two rounds (not matching elsewhere): coming back
 
@@ -350,6 +351,9 @@ class Matchmaker:
                 view.pop(declaration.peer_id, None)  # its owner said it is not matching: see _probe
             elif fresh and declaration.schema == self.schema:
                 view[declaration.peer_id] = declaration
+                if state.stale.pop(declaration.peer_id, None) is not None and state.assembly is not None:
+                    # back from averaging with a new declaration: it is matching now, worth waiting for again
+                    state.assembly.readmit(declaration.peer_id)
             elif declaration is None or not fresh:
                 view.pop(PeerID(bytes(subkey)), None)  # withdrawn, or only an old round's entry is left
         view.pop(self.peer_id, None)
@@ -549,7 +553,7 @@ class Matchmaker:
                 assembly.set_expected(chunk_of(self._plan(state), self.peer_id), state.merging)
                 now = trio.current_time()
                 quiet_for = now - state.last_change
-                patient = self._patient(state)
+                patient = state.patient = self._patient(state)
                 # a peer dropped because it followed another collector may be turned away there (full) and come
                 # here next: leave it a moment before sealing a group that still has room
                 grace = self.quiet_period + 2 * self.rtt.value
@@ -646,7 +650,8 @@ class Matchmaker:
         t0 = trio.current_time()
         try:
             answer = await self.rpc.call(declaration.address, PING_METHOD,
-                                         {"key": state.key, "joined": len(assembly.joined)},
+                                         {"key": state.key, "joined": len(assembly.joined),
+                                          "patient": state.patient},
                                          timeout=self.probe_timeout, peer_id=declaration.peer_id)
             self.rtt.update(trio.current_time() - t0)
             if logger.isEnabledFor(logging.DEBUG):
@@ -705,8 +710,10 @@ class Matchmaker:
         key = args.get("key") if isinstance(args, dict) else None
         matching = state is not None and key == state.key
         their_size = args.get("joined", 1) if isinstance(args, dict) else 1
+        patient = bool(args.get("patient", False)) if isinstance(args, dict) else False
         assembly = state.assembly if matching else None
-        verdict = assembly.probed_by(ctx.peer_id, their_size, reachable=ctx.address is not None) \
+        verdict = assembly.probed_by(ctx.peer_id, their_size, reachable=ctx.address is not None,
+                                     prober_patient=patient) \
             if assembly is not None else None
         if verdict is not None:
             prober = state.view.get(ctx.peer_id)

@@ -117,6 +117,26 @@ def test_hand_over_when_too_many_to_merge():
         a.answer(decl(6).peer_id)  # still pending: asking for its answer is a driver bug
 
 
+def test_no_merge_nor_handover_for_a_prober_still_waiting_for_stragglers():
+    a = assembly(me=5, target=4)
+    for n in (6, 7):
+        a.offer(decl(n), "k")
+    # it expects peers that are still averaging their last round: its group fills on its own, mine too
+    assert a.probed_by(decl(3).peer_id, 2, reachable=True, prober_patient=True) is None
+    assert a.probed_by(decl(3).peer_id, 3, reachable=True, prober_patient=True) is None
+    assert a.probed_by(decl(3).peer_id, 3, reachable=True) == "handover"  # once it waits for nobody
+
+
+def test_a_dropped_peer_that_declares_again_is_waited_for():
+    a = assembly()
+    a.set_expected([decl(6), decl(7)])
+    a.offer(decl(6), "k")
+    a.drop(decl(7).peer_id)  # its probe said it is still averaging its previous round
+    assert a.waiting_for == set() and a.should_seal(1.0, quiet=True)
+    a.readmit(decl(7).peer_id)  # its new declaration was read
+    assert a.waiting_for == {decl(7).peer_id} and not a.should_seal(1.0, quiet=True)
+
+
 def test_the_expected_peers_of_a_merging_collector():
     a = assembly()
     a.set_expected([decl(6)])
