@@ -257,7 +257,7 @@ class AllReduceServer:
         finally:
             round_.update()
 
-    async def _on_finish(self, context: CallContext, args: Any) -> dict:
+    async def _on_finish(self, context: CallContext, args: Any) -> dict[str, Any]:
         round_, sender = await self._lookup(context, args)
         try:
             round_.core.receive_commit(sender, args.get("part"), args.get("weight", 0.0), args.get("suspects"))
@@ -278,7 +278,7 @@ class AllReduceServer:
             raise RoundNotFound("the reducer left the round before reducing")
         return answer
 
-    async def _on_pull(self, context: CallContext, args: Any) -> list:
+    async def _on_pull(self, context: CallContext, args: Any) -> list[Any]:
         round_, member = await self._lookup(context, args)
         compression = _compression_arg(args.get("compression"))
         try:
@@ -518,9 +518,9 @@ class AllReduceServer:
                 core.chunk_pulled(nbytes)
 
         await run_workers(min(self.config.pulls_in_flight, len(part.chunks)), worker, errors=_PEER_ERRORS)
-        return values  # type: ignore[return-value]
+        return values  # type: ignore[return-value]  # run_workers returned, so every chunk was pulled
 
-    async def _call(self, round_: _Round, part: Part, method: str, args: dict, *, nbytes: int = 0,
+    async def _call(self, round_: _Round, part: Part, method: str, args: dict[str, Any], *, nbytes: int = 0,
                     timeout: float | None = None, first_contact: bool = False) -> Any:
         """One call to the reducer of `part`. Without an explicit `timeout`, the deadline follows the measured
         rate and the bytes queued on the link (`TransferBudget`)."""
@@ -541,7 +541,7 @@ class AllReduceServer:
         return result
 
 
-def _is_hard(error: RPCError) -> bool:
+def _is_hard(error: Exception) -> bool:
     """Hard evidence that a member is out of the round: its connection was refused or lost, or it says it does
     not run (or no longer runs) the round. A timeout or a rejected message is not: we may be the slow side."""
     return isinstance(error, (ConnectionFailed, RoundNotFound))
@@ -559,7 +559,7 @@ async def run_workers(count: int, worker: Callable[[], Any],
         matched, _ = group.split(errors)
         if matched is None:
             raise
-        error = matched
+        error: BaseException = matched
         while isinstance(error, BaseExceptionGroup):
             error = error.exceptions[0]
         raise error from None

@@ -293,7 +293,7 @@ class PartReducer:
                 assert sums is not None
                 for tensor in sums:
                     tensor.div_(total)
-            self.result = self._sum  # type: ignore[assignment]
+            self.result = self._sum  # type: ignore[assignment]  # the loop above asserted every entry is set
         self._data.clear()
         return self.result
 

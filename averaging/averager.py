@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -126,7 +127,7 @@ class Averager:
         self.allreduce_server: AllReduceServer | None = None
         self._nursery: trio.Nursery | None = None
         self._step_lock = trio.Lock()
-        self._lifetime: Any = None
+        self._lifetime: AbstractAsyncContextManager[trio.Nursery] | None = None
         self.last_result: StepResult | None = None
         self.counters = {"steps": 0, "succeeded": 0, "partial": 0, "no_group": 0, "errors": 0}
 
@@ -144,14 +145,14 @@ class Averager:
         return self
 
     async def __aexit__(self, *exc_info: Any) -> bool | None:
-        assert self._nursery is not None
+        assert self._nursery is not None and self._lifetime is not None
         self._nursery.cancel_scope.cancel()
         try:
             return await self._lifetime.__aexit__(*exc_info)
         finally:
             self._stop()
 
-    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(self, *, task_status: trio.TaskStatus[Averager] = trio.TASK_STATUS_IGNORED) -> None:
         """Alternative to `async with`: `await nursery.start(averager.serve)`; runs until cancelled."""
         async with self:
             task_status.started(self)
@@ -247,7 +248,7 @@ class Averager:
     async def step(self, weight: float = 1.0, timeout: float | None = None) -> StepResult:
         """Find a group and average the registered tensors with it (in place). Never raises for other peers'
         failures: they are in the result. `timeout` bounds the whole step (matchmaking + all-reduce)."""
-        if self.matchmaker is None:
+        if self.matchmaker is None or self.allreduce_server is None:
             raise RuntimeError("use the averager inside `async with averager:` (or nursery.start(averager.serve))")
         async with self._step_lock:
             started = trio.current_time()

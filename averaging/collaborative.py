@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 from typing import Any
 
@@ -64,7 +65,8 @@ def local_host_towards(address: tuple[str, int]) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         try:
             probe.connect((address[0], int(address[1])))
-            return probe.getsockname()[0]
+            host: str = probe.getsockname()[0]
+            return host
         except OSError:
             return "127.0.0.1"
 
@@ -166,10 +168,14 @@ class CollaborativeOptimizer:
         }
         self.last_progress: SwarmProgress | None = None
         self._scope: trio.CancelScope | None = None
+        # a threading lock (the averager's default, made here so its type is known): the training thread takes
+        # it with a plain `with` around optimizer steps
+        self._lock = threading.Lock()
         self.averager = Averager(
             swarm.rpc, swarm.dht, self._tensors, prefix=f"{run_id}.{self.mode}", names=self._names,
             target_group_size=target_group_size, min_group_size=min_group_size,
             matchmaking_time=matchmaking_time, allreduce_timeout=averaging_timeout, compression=compression,
+            lock=self._lock,
             serve_state=False,  # this optimizer serves parameters + optimizer state (not gradients) with its epoch
         )
         self.tracker = ProgressTracker(
@@ -187,7 +193,8 @@ class CollaborativeOptimizer:
 
     # ------------------------------------------------------------------------------------------ trio side
 
-    async def _serve(self, listen_host: str | None, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def _serve(self, listen_host: str | None, *,
+                     task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED) -> None:
         with trio.CancelScope() as scope:
             rpc = self.swarm.rpc
             if listen_host is not None and rpc.announced_address is None:
@@ -210,7 +217,7 @@ class CollaborativeOptimizer:
         """Called by the state server under the averaging lock: a consistent (epoch, tensors) pair."""
         return {"epoch": self.epoch, "run_id": self.run_id, "mode": self.mode}, self._state
 
-    async def _note_group(self, peer_ids: list) -> None:
+    async def _note_group(self, peer_ids: list[bytes]) -> None:
         self.tracker.note_group(peer_ids)
 
     async def _current(self) -> SwarmProgress:
@@ -231,7 +238,7 @@ class CollaborativeOptimizer:
         me = self.averager.peer_id
         providers = sorted((p for p in progress.peers if p.epoch == progress.epoch and p.address is not None
                             and p.peer_id != me), key=lambda p: -p.samples)
-        candidates = [(p.peer_id, p.address) for p in providers]
+        candidates = [(p.peer_id, p.address) for p in providers if p.address is not None]
         if not candidates:
             return None
         return await load_state_from_peers(self.swarm.rpc, candidates, into=self._state, lock=self.averager.lock,
@@ -240,13 +247,13 @@ class CollaborativeOptimizer:
     # ------------------------------------------------------------------------------------------ public API
 
     @property
-    def param_groups(self) -> list[dict]:
+    def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
     @property
-    def lock(self):
+    def lock(self) -> threading.Lock:
         """The lock averaging takes while writing tensors; hold it when touching parameters from other threads."""
-        return self.averager.lock
+        return self._lock
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -261,7 +268,7 @@ class CollaborativeOptimizer:
                     if p.grad is not None:
                         acc.add_(p.grad, alpha=samples)
         else:
-            with self.averager.lock:
+            with self._lock:
                 self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.local_samples += samples
@@ -336,7 +343,7 @@ class CollaborativeOptimizer:
         else:
             self._stats["local_transitions"] += 1
         if self.mode == "gradients":
-            with self.averager.lock, torch.no_grad():
+            with self._lock, torch.no_grad():
                 for p, acc in zip(self.params, self._grads):
                     p.grad = acc.clone()
                 self.optimizer.step()

@@ -77,9 +77,10 @@ class GroupKeyManager:
     def on_group(self, sorted_peer_ids: Sequence[bytes], my_peer_id: bytes, group_round: int) -> None:
         """After a round that assembled a group: move along the averaged dimension to my index in the group, and
         continue from the group's round (the max of the members' rounds), so the members stay in phase."""
-        if self.dims:
+        dimension = self.dimension
+        if dimension is not None:
             index = list(sorted_peer_ids).index(my_peer_id)
-            self.coordinates[self.dimension] = index % (1 << self.bits_per_dim)
+            self.coordinates[dimension] = index % (1 << self.bits_per_dim)
         self.round = max(self.round, group_round) + 1
 
     def on_failure(self) -> None:

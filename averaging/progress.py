@@ -64,13 +64,13 @@ class PeerProgress:
     address: tuple[str, int] | None = None  # where it serves its state to trainers that catch up (None: nowhere)
     last_group: tuple[str, ...] = ()  # short PeerIDs of its latest averaging group, for `peer status`
 
-    def to_wire(self) -> list:
+    def to_wire(self) -> list[Any]:
         address = [self.address[0], int(self.address[1])] if self.address is not None else None
         return [_RECORD_VERSION, int(self.epoch), int(self.samples), float(self.samples_per_second),
                 float(self.time), bool(self.client_mode), bool(self.left), address, list(self.last_group)]
 
     @classmethod
-    def from_wire(cls, peer_id: bytes, value: Any) -> "PeerProgress | None":
+    def from_wire(cls, peer_id: bytes | bytearray, value: Any) -> "PeerProgress | None":
         """Parse a record read from the DHT; None for anything malformed (hostile or from another version)."""
         if not isinstance(value, (list, tuple)) or len(value) < 6 or value[0] != _RECORD_VERSION:
             return None

@@ -9,7 +9,7 @@ are simply not grouped together (a swarm can run several models under one prefix
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from typing import Any, Sequence
 
 import msgpack
 import torch
@@ -17,7 +17,7 @@ import torch
 SCHEMA_HASH_BYTES = 8
 
 
-def describe(tensors: Sequence[torch.Tensor], names: Sequence[str] | None = None) -> list[list]:
+def describe(tensors: Sequence[torch.Tensor], names: Sequence[str] | None = None) -> list[list[Any]]:
     """The schema as plain data: one [name, shape, dtype] per tensor, in registration order."""
     if names is None:
         names = [str(index) for index in range(len(tensors))]

@@ -103,7 +103,7 @@ class StateServer:
         for key in [k for k, s in self._snapshots.items() if now - s.last_used > self.config.snapshot_ttl]:
             del self._snapshots[key]
 
-    async def _on_open(self, context: CallContext, args: Any) -> dict:
+    async def _on_open(self, context: CallContext, args: Any) -> dict[str, Any]:
         self._evict_idle()
         if len(self._snapshots) >= self.config.max_snapshots:
             raise ProviderBusy("serving too many downloads right now")
@@ -132,7 +132,7 @@ class StateServer:
             raise NoState("no such snapshot (it expired or was closed)")
         return args["id"], snapshot
 
-    async def _on_chunk(self, context: CallContext, args: Any) -> list:
+    async def _on_chunk(self, context: CallContext, args: Any) -> list[Any]:
         snapshot_id, snapshot = self._snapshot(args)
         index = args.get("chunk")
         if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(snapshot.chunks):

@@ -75,6 +75,9 @@ from peer.p2p.net import Address, Network, RealNetwork, UDPEndpoint
 
 logger = logging.getLogger(__name__)
 
+# What one lookup query reports back: (query id, the peer asked, {key id: its answer or None})
+_QueryAnswer = tuple[int, bytes, dict[bytes, Any]]
+
 __all__ = ["DHTConfig", "DHTNode", "key_id_of", "MAX_REPLY_BYTES", "WELCOME_BATCH_DELAY", "WELCOME_MIN_INTERVAL",
            "WELCOME_PER_PASS", "WELCOME_QUEUE_LIMIT"]
 
@@ -152,7 +155,8 @@ class _Waiter:
 
 def key_id_of(key: str | bytes) -> bytes:
     """The 160-bit DHT id of a key, as the stock package computes it (sha1 of bytes, or of str(key))."""
-    return digest(key)
+    key_id: bytes = digest(key)  # kademlia.utils is untyped
+    return key_id
 
 
 class DHTNode:
@@ -293,7 +297,7 @@ class DHTNode:
         `DHTConfig.stock_ttl` (24 h) after its last store: store it again to keep it longer."""
         return (await self.store_many([(key, value, expiration_time, subkey)], signed=signed))[0]
 
-    async def store_many(self, items: Iterable[tuple], *, signed: bool = False) -> list[bool]:
+    async def store_many(self, items: Iterable[tuple[Any, ...]], *, signed: bool = False) -> list[bool]:
         """Store several (key, value, expiration_time[, subkey]) items with one lookup traversal; returns one
         bool per item. Entries for the same key are merged into one record before sending."""
         items = list(items)
@@ -363,7 +367,7 @@ class DHTNode:
 
     # ------------------------------------------------------------------------------------------------ requests
 
-    async def _request(self, address: Address, name: str, args: list, node_id: bytes | None = None,
+    async def _request(self, address: Address, name: str, args: list[Any], node_id: bytes | None = None,
                        timeout: float | None = None) -> Any:
         """Send one request and wait for its reply (matched by msg id and address); RequestTimeout after
         `timeout` (default: the hard timeout). A reply refreshes the peer's RTT and its routing-table entry."""
@@ -545,7 +549,7 @@ class DHTNode:
         # Query tasks live in the node's nursery, not the lookup's: when the lookup is done, a query still
         # waiting runs to its hard timeout, so a dead peer's failure is counted (eviction) and a late answer
         # still refreshes that peer's RTT estimate. The answer itself then goes nowhere.
-        send_channel, receive_channel = trio.open_memory_channel[tuple](math.inf)
+        send_channel, receive_channel = trio.open_memory_channel[_QueryAnswer](math.inf)
         soft_deadlines: dict[int, tuple[float, bytes, list[bytes]]] = {}
         query_ids = iter(range(1 << 62))
         with receive_channel, trio.move_on_after(config.lookup_timeout):
@@ -601,13 +605,14 @@ class DHTNode:
                 for target in targets.values():
                     if target.key_id in keys or target.finished() or len(keys) >= proto.MAX_BATCH_KEYS:
                         continue
-                    candidate = target.candidates.get(node_id)
-                    if candidate is not None and candidate.state is State.NEW and candidate in target.window():
-                        target.set_state(candidate, State.ACTIVE)
+                    extra = target.candidates.get(node_id)
+                    if extra is not None and extra.state is State.NEW and extra in target.window():
+                        target.set_state(extra, State.ACTIVE)
                         keys.append(target.key_id)
         return [(node_id, address, keys) for node_id, (address, keys) in planned.items()]
 
-    def _absorb(self, targets: dict[bytes, Target], soft_deadlines: dict, message: tuple) -> None:
+    def _absorb(self, targets: dict[bytes, Target], soft_deadlines: dict[int, tuple[float, bytes, list[bytes]]],
+                message: _QueryAnswer) -> None:
         query_id, node_id, answers = message
         soft_deadlines.pop(query_id, None)
         now = self.now()
@@ -627,7 +632,7 @@ class DHTNode:
                 target.on_answer(node_id, contacts, None, False, self.peer_id)
 
     async def _query(self, query_id: int, node_id: bytes, address: Address, keys: list[bytes], want_value: bool,
-                     results: trio.MemorySendChannel, store: _StorePlan | None) -> None:
+                     results: trio.MemorySendChannel[_QueryAnswer], store: _StorePlan | None) -> None:
         """Ask one peer about `keys`; the lookup always gets an answer message (None per key = no answer),
         even if something here fails, so it never waits for a query that died."""
         answers: dict[bytes, Any] = {}
@@ -680,7 +685,7 @@ class DHTNode:
         """A store lookup asking a swarmd peer: it stores the records and names its closest contacts in one
         round trip, so a peer of the final k closest needs no second request."""
 
-        async def one(batch: list[list]) -> None:
+        async def one(batch: list[list[Any]]) -> None:
             try:
                 reply = await self._request(address, "swarmd_store_find", [self.peer_id, batch], node_id=node_id)
             except RequestTimeout:
@@ -965,7 +970,7 @@ class DHTNode:
         if not answered:
             self._rejoin_failures += 1
             exponent = min(self._rejoin_failures - 1, 30)
-            delay = min(self.config.rejoin_backoff_max, self.config.rejoin_backoff * 2 ** exponent)
+            delay: float = min(self.config.rejoin_backoff_max, self.config.rejoin_backoff * 2 ** exponent)
             delay *= 0.5 + 0.5 * self._rng.random()
             self._rejoin_at = trio.current_time() + delay
             return delay
@@ -1031,7 +1036,7 @@ class DHTNode:
         self._send_gifts(welcome_gifts(batch, self._storage, self._table, self.peer_id, self.config.k, self.now()))
 
 
-def _deliver(channel: trio.MemorySendChannel, message: tuple) -> None:
+def _deliver(channel: trio.MemorySendChannel[_QueryAnswer], message: _QueryAnswer) -> None:
     try:
         channel.send_nowait(message)
     except (trio.BrokenResourceError, trio.ClosedResourceError):

@@ -332,7 +332,8 @@ class IPRequestLimit:
     Python node serves on a quiet core (~50 us a request, ~20,000/s), so one IP can never take all of the node.
     A NATed site with many nodes behind one address stays far below it too. The per-address limit
     (PeerBook.allow_request, 500/s per IP and port) still applies after decoding. Bounded memory: at most `max_ips`
-    entries, the least recently seen IP forgotten first. IPv6 senders are counted per /64 (the block one host usually gets), as storage shares are.
+    entries, the least recently seen IP forgotten first. IPv6 senders are counted per /64 (the block one host
+    usually gets), as storage shares are.
     """
 
     def __init__(self, rate: float, burst: float, max_ips: int = 65536):

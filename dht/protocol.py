@@ -36,7 +36,8 @@ STOCK_VALUE_TYPES = (int, float, bool, str, bytes)
 
 def pack(obj: Any) -> bytes:
     """msgpack exactly as umsgpack writes it."""
-    return msgpack.packb(obj, use_bin_type=True)
+    packed: bytes = msgpack.packb(obj, use_bin_type=True)
+    return packed
 
 
 def unpack(data: bytes) -> Any:
@@ -67,13 +68,13 @@ def swarmd_flags(msg_id: bytes) -> int | None:
     return None
 
 
-def batches(method: str, items: list[tuple]) -> tuple[list[list[list]], list[bytes]]:
+def batches(method: str, items: list[tuple[Any, ...]]) -> tuple[list[list[list[Any]]], list[bytes]]:
     """Split (key, value) or (key, value, OFFER) items into `method` requests ([node_id, [item, ...]]) that fit
     the rpcudp size cap and MAX_BATCH_KEYS. Returns (groups, keys of items too large for any such request): those
     go as stock `store` requests, whose smaller framing always fits a record of at most MAX_RECORD_BYTES."""
     overhead = len(pack([method, [b"\x00" * NODE_ID_BYTES, []]])) + 2  # + array header growth
     room = MAX_REQUEST_PAYLOAD - overhead
-    groups: list[list[list]] = [[]]
+    groups: list[list[list[Any]]] = [[]]
     oversized: list[bytes] = []
     size = 0
     for item in items:
@@ -89,7 +90,7 @@ def batches(method: str, items: list[tuple]) -> tuple[list[list[list]], list[byt
     return (groups if groups[0] else []), oversized
 
 
-def encode_request(msg_id: bytes, name: str, args: list | tuple) -> bytes:
+def encode_request(msg_id: bytes, name: str, args: list[Any] | tuple[Any, ...]) -> bytes:
     payload = pack([name, list(args)])
     if len(payload) > MAX_REQUEST_PAYLOAD:
         raise RequestTooLarge(len(payload))
@@ -115,7 +116,7 @@ class Request:
 
     msg_id: bytes
     name: str
-    args: list
+    args: list[Any]
     address: Address
 
 
@@ -174,7 +175,7 @@ KNOWN_METHODS = frozenset(
 )
 
 
-def check_request_args(name: str, args: list) -> bool:
+def check_request_args(name: str, args: list[Any]) -> bool:
     """True when `args` has the shape kademlia 2.2.3 sends for RPC `name` (first argument: sender's node id)."""
     if name == "stun":
         return args == []
@@ -212,7 +213,7 @@ def parse_contacts(result: Any, limit: int) -> list[tuple[bytes, str, int]] | No
     is not a list at all."""
     if not isinstance(result, list):
         return None
-    contacts = []
+    contacts: list[tuple[bytes, str, int]] = []
     for entry in result:
         if len(contacts) >= limit:
             break
@@ -248,7 +249,7 @@ class DatagramProtocol:
         self._flags = flags
         self._outstanding: dict[bytes, _Outstanding] = {}
 
-    def request(self, address: Address, name: str, args: list | tuple) -> tuple[bytes, bytes]:
+    def request(self, address: Address, name: str, args: list[Any] | tuple[Any, ...]) -> tuple[bytes, bytes]:
         """Returns (msg_id, datagram) and remembers the request until `forget(msg_id)` or its reply."""
         msg_id = new_msg_id(self._random_bytes, self._flags)
         datagram = encode_request(msg_id, name, args)

@@ -192,13 +192,13 @@ def merge(existing: Record | None, incoming: Record | None, now: float) -> Recor
 # ---------------------------------------------------------------------------------------------- wire encoding
 
 
-def _entry_to_wire(entry: Entry) -> list:
+def _entry_to_wire(entry: Entry) -> list[Any]:
     return [entry.value, entry.expiration_time, entry.owner, entry.signature]
 
 
 def encode(record: Record) -> Any:
     """The DHT value for `record`: a bare stock value when `record.is_plain()`, else MAGIC + msgpack envelope."""
-    if record.is_plain():
+    if record.is_plain() and record.entry is not None:  # is_plain() implies an entry
         return record.entry.value
     body = [
         _entry_to_wire(record.entry) if record.entry is not None else None,

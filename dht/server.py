@@ -108,7 +108,7 @@ class Server:
         if self.contacts.heard_request(node_id, address, local_now):
             outcome.verify = address
 
-    def contacts_for(self, key_id: bytes, exclude: bytes) -> list[list]:
+    def contacts_for(self, key_id: bytes, exclude: bytes) -> list[list[Any]]:
         """The k contacts closest to `key_id` as a find_node answer (never the asker itself)."""
         return [[n.id, n.ip, n.port] for n in self.table.neighbors(key_id, self.k, exclude=exclude)]
 
@@ -134,10 +134,11 @@ class Server:
             outcome.stored.append(key_id)
         return result == "accepted"
 
-    def find_many(self, key_ids: list[bytes], sender: bytes, now: float) -> list:
+    def find_many(self, key_ids: list[bytes], sender: bytes, now: float) -> list[Any]:
         """One answer per key ({"value": v} or contacts); answers that would push the reply past one datagram
         are sent as nil, and the asker falls back to find_value for those keys."""
-        answers, size = [], 0
+        answers: list[Any] = []
+        size = 0
         for key_id in key_ids:
             answer = self.find_value(key_id, sender, now)
             answer_size = len(proto.pack(answer))

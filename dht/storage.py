@@ -158,7 +158,7 @@ class Storage:
         self.expire(now)
         item = self._items.get(key_id)
         existing = item.record.pruned(now) if item is not None else None
-        if item is not None and existing.empty():
+        if existing is not None and existing.empty():
             self._remove(key_id)
             item = existing = None
         if item is None and self._needs_room(1, 0) and self._host_at_share(sender, 1, 0):

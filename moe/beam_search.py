@@ -62,6 +62,9 @@ def normalize_prefix(uid_prefix: str) -> str:
 # - _EXPERT: a complete uid with its location in `extra`; priority = exact score.
 # `coords` are unique within a sample's heap, so comparisons never reach the later fields.
 _PREFIX, _CURSOR, _EXPERT = 0, 1, 2
+# A heap entry: (-best reachable score, coords, kind, score so far, extra); extra depends on the kind: None for a
+# prefix, (parent coords, parent score, ordered siblings, index) for a cursor, the ExpertLocation for an expert
+_HeapItem = tuple[float, tuple[int, ...], int, float, Any]
 
 
 class GridSearch:
@@ -97,7 +100,7 @@ class GridSearch:
         # prefix key -> valid children: {coord: location} at the last level, {coord: None} above it
         self._children: dict[str, dict[int, ExpertLocation | None]] = {}
         self._results: list[list[ExpertChoice]] = [[] for _ in range(self.batch_size)]
-        self._heaps: list[list[tuple]] = []
+        self._heaps: list[list[_HeapItem]] = []
         # suffix_max[b][d]: the most that dimensions d.. can still add to sample b's score
         self._suffix_max: list[list[float]] = []
         for b in range(self.batch_size):

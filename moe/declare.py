@@ -143,8 +143,11 @@ async def get_prefixes(
             if entry.expiration_time <= now:
                 continue
             parsed = _valid_location(entry.value, with_uid=True)
-            if parsed is not None and parsed[0].startswith(prefix):  # type: ignore[union-attr]
-                children[subkey] = (parsed[0], parsed[1])  # type: ignore[assignment]
+            if parsed is None:
+                continue
+            uid, location = parsed
+            if uid is not None and uid.startswith(prefix):  # with_uid=True: the uid was checked, never None
+                children[subkey] = (uid, location)
         result[prefix] = children
     return result
 

@@ -15,7 +15,7 @@ import importlib
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -57,7 +57,8 @@ class FeedForward(nn.Module):
         self.down = nn.Linear(expansion * hidden_dim, hidden_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(nn.functional.gelu(self.up(x)))
+        out: torch.Tensor = self.down(nn.functional.gelu(self.up(x)))
+        return out
 
 
 class DeepFeedForward(nn.Sequential):
@@ -173,7 +174,7 @@ class OptimizerConfig:
     # matters because every backward request pays for a step. None: use them where torch supports them.
     fused: bool | None = None
 
-    def build(self, parameters: Sequence[nn.Parameter]) -> tuple[torch.optim.Optimizer, LambdaLR]:
+    def build(self, parameters: Iterable[nn.Parameter]) -> tuple[torch.optim.Optimizer, LambdaLR]:
         params = list(parameters)
         name = self.name.lower()
         fused = self.fused

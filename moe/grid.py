@@ -26,7 +26,7 @@ class InvalidUID(ValueError):
     """A string is not a grid uid (or a pattern is not a grid pattern)."""
 
 
-def parse_uid(uid: str) -> tuple[str, tuple[int, ...]]:
+def parse_uid(uid: object) -> tuple[str, tuple[int, ...]]:
     """`"ffn.3.17"` -> `("ffn", (3, 17))`."""
     if not isinstance(uid, str) or len(uid) > MAX_UID_LENGTH:
         raise InvalidUID(f"not an expert uid: {uid!r}")
@@ -38,7 +38,7 @@ def parse_uid(uid: str) -> tuple[str, tuple[int, ...]]:
 
 def is_valid_uid(uid: object) -> bool:
     try:
-        parse_uid(uid)  # type: ignore[arg-type]
+        parse_uid(uid)
     except InvalidUID:
         return False
     return True
@@ -100,7 +100,7 @@ class GridPattern:
 
     def __contains__(self, uid: object) -> bool:
         try:
-            name, coords = parse_uid(uid)  # type: ignore[arg-type]
+            name, coords = parse_uid(uid)
         except InvalidUID:
             return False
         return name == self.name and len(coords) == len(self.dims) and all(

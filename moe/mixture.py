@@ -320,19 +320,20 @@ class MixtureClient:
         self, inputs: torch.Tensor, progress: _Progress, k_best: int, failures: dict[str, str]
     ) -> ForwardResult:
         batch_size = inputs.shape[0]
-        succeeded = [c for c in progress.calls if c.outputs is not None]
+        answers = [(c, c.outputs) for c in progress.calls if c.outputs is not None]
+        succeeded = [c for c, _ in answers]
         if self.out_shape is not None:
             out_shape = self.out_shape
         else:  # an empty batch has no answers to learn the shape from: experts usually keep the input's shape
-            out_shape = tuple(succeeded[0].outputs.shape[1:]) if succeeded else tuple(inputs.shape[1:])
+            out_shape = tuple(answers[0][1].shape[1:]) if answers else tuple(inputs.shape[1:])
         width = max([k_best, *(slot + 1 for call in succeeded for slot in call.slots)])
         outputs = inputs.new_zeros((batch_size, width, *out_shape))
         mask = torch.zeros(batch_size, width, dtype=torch.bool)
         coords = torch.zeros(batch_size, width, len(self.grid_size), dtype=torch.long)
-        for call in succeeded:
+        for call, answer in answers:
             samples = torch.tensor(call.samples, dtype=torch.long)
             slots = torch.tensor(call.slots, dtype=torch.long)
-            outputs[samples, slots] = call.outputs.to(outputs.dtype)
+            outputs[samples, slots] = answer.to(outputs.dtype)
             mask[samples, slots] = True
             coords[samples, slots] = torch.tensor(call.choice.coords, dtype=torch.long)
         return ForwardResult(inputs, outputs, mask, coords, succeeded, failures)
@@ -549,8 +550,9 @@ class _GridMixture(nn.Module):
             self.client.forward, sent, scores, k_best=k_best, k_min=k_min,
             forward_timeout=self.forward_timeout, timeout_after_k_min=self.timeout_after_k_min,
         ))
-        outputs = _DispatchFunction.apply(self._dummy, x, self, result).to(x.dtype)
-        return list(logits), result, outputs
+        # torch declares autograd.Function.apply without annotations
+        dispatched: torch.Tensor = _DispatchFunction.apply(self._dummy, x, self, result)  # type: ignore[no-untyped-call]
+        return list(logits), result, dispatched.to(x.dtype)
 
     def _backward(self, result: ForwardResult, grad_outputs: torch.Tensor) -> torch.Tensor:
         return self.swarm.bridge.run(functools.partial(
@@ -562,7 +564,9 @@ class _GridMixture(nn.Module):
     @staticmethod
     def _chosen_logits(logits: list[torch.Tensor], coords: torch.Tensor) -> torch.Tensor:
         """Gate score of each slot's expert: the sum of its coordinates' scores ([B, k])."""
-        return sum(dim_logits.gather(1, coords[:, :, d]) for d, dim_logits in enumerate(logits))
+        chosen = sum(dim_logits.gather(1, coords[:, :, d]) for d, dim_logits in enumerate(logits))
+        assert isinstance(chosen, torch.Tensor), "a grid has at least one dimension"  # sum() starts from 0
+        return chosen
 
 
 class RemoteMixtureOfExperts(_GridMixture):

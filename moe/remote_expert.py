@@ -75,7 +75,9 @@ class RemoteExpert(nn.Module):
         return self._info
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        outputs = _RemoteExpertFunction.apply(self._dummy, self, *inputs)
+        # torch declares autograd.Function.apply without annotations
+        outputs: tuple[torch.Tensor, ...] = _RemoteExpertFunction.apply(  # type: ignore[no-untyped-call]
+            self._dummy, self, *inputs)
         return outputs[0] if len(outputs) == 1 else outputs
 
 

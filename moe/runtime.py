@@ -143,7 +143,7 @@ class ExpertRuntime:
             return await trio.to_thread.run_sync(fn, slot.expert)
 
     def stats(self) -> dict[str, Any]:
-        per_expert = {}
+        per_expert: dict[str, dict[str, Any]] = {}
         for uid, slot in self._slots.items():
             per_expert[uid] = {
                 "requests": dict(slot.requests),
@@ -155,7 +155,10 @@ class ExpertRuntime:
                 "optimizer_steps": slot.expert.steps,
                 "skipped_steps": slot.expert.skipped_steps,
             }
-        total = lambda key: sum(sum(e[key].values()) for e in per_expert.values())  # noqa: E731
+
+        def total(key: str) -> int:
+            return sum(sum(e[key].values()) for e in per_expert.values())
+
         return {
             "experts": len(self._slots),
             "requests": total("requests"),

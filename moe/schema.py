@@ -28,7 +28,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def dtype_from_name(name: str) -> torch.dtype:
+def dtype_from_name(name: object) -> torch.dtype:
     dtype = wire.dtype_from_name(name)
     if dtype is None:
         raise SchemaError(f"unsupported dtype {name!r}")

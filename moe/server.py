@@ -29,7 +29,7 @@ import os
 import random
 import re
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, TypedDict
 
 import torch
 import trio
@@ -142,6 +142,15 @@ def _uid_seed(seed: int, uid: str) -> int:
 # ------------------------------------------------------------------------------------------------ server
 
 
+class _DeclarationStats(TypedDict):
+    """Counters of the declaration loop; `last_expiration` stays None until the first round stored anything."""
+
+    rounds: int
+    failures: int
+    unacknowledged: int
+    last_expiration: float | None
+
+
 class ExpertServer:
     def __init__(
         self,
@@ -177,7 +186,8 @@ class ExpertServer:
         self.declare_interval = declare_interval if declare_interval is not None else declare_ttl / 3
         self._served = {"info": 0, "forward": 0, "backward": 0}
         self._errors = {"not_found": 0, "bad_input": 0, "expert_failed": 0, "shutting_down": 0}
-        self._declarations = {"rounds": 0, "failures": 0, "unacknowledged": 0, "last_expiration": None}
+        self._declarations: _DeclarationStats = {
+            "rounds": 0, "failures": 0, "unacknowledged": 0, "last_expiration": None}
         self._checkpoints = {"saved": 0, "loaded": 0, "failures": 0}
         self._unsaved: dict[str, str] = {}  # uid -> why its last synchronous save failed
         # Set when the final checkpoint failed (and raised from `run`): kept so that a caller whose cancellation
@@ -357,10 +367,11 @@ class ExpertServer:
             raise ExpertNotFound(f"no expert {args['uid'][:100]!r} on this server")
         return expert
 
-    def _validate(self, expert: Expert, args: dict, *, backward: bool) -> tuple[list, list]:
+    def _validate(self, expert: Expert, args: dict[str, Any], *, backward: bool
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         try:
             rows = validate_batch(expert.inputs, args.get("inputs"), max_batch_size=self.max_batch_size)
-            grads: list = []
+            grads: list[torch.Tensor] = []
             if backward:
                 validate_batch(expert.outputs, args.get("grad_outputs"), max_batch_size=self.max_batch_size,
                                batch_size=rows, what="grad_outputs")
@@ -374,14 +385,14 @@ class ExpertServer:
         return list(args["inputs"]), grads
 
     @staticmethod
-    def _reply_tensors(tensors: list[torch.Tensor], args: dict) -> list[Any]:
+    def _reply_tensors(tensors: list[torch.Tensor], args: dict[str, Any]) -> list[Any]:
         """Replies use the codec the caller asked for (`"compression": 1` = float16, `2` = 8-bit)."""
         codec = wire.Compression(args.get("compression", 0))
         if codec == wire.Compression.NONE:
             return tensors
         return [wire.compressed(tensor, codec) for tensor in tensors]
 
-    async def _compute(self, expert: Expert, mode: str, *tensors: list) -> list[torch.Tensor]:
+    async def _compute(self, expert: Expert, mode: str, *tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         try:
             if mode == "forward":
                 return await self.runtime.forward(expert.uid, tensors[0])

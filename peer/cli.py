@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from peer import __version__
 from peer.options import JOIN, STATUS, SWARM_COMPOSE, SWARM_UP, TRAIN, OptionParser, UsageError
@@ -51,7 +51,7 @@ async def _run_join(options: dict[str, Any]) -> int:
     async with trio.open_nursery() as nursery:
         stop = trio.Event()
 
-        async def watch_signals(task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async def watch_signals(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 task_status.started()
                 async for signum in signals:
@@ -185,7 +185,8 @@ def _swarm_compose(args: argparse.Namespace) -> int:
 
 def cmd_swarm(args: argparse.Namespace) -> int:
     configure_logging("warning")
-    return args.swarm_handler(args)
+    handler: Callable[[argparse.Namespace], int] = args.swarm_handler
+    return handler(args)
 
 
 # ------------------------------------------------------------------------------------------------------- main
@@ -244,7 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command is None:
             parser.print_help()
             return 0
-        return args.handler(args)
+        handler: Callable[[argparse.Namespace], int] = args.handler
+        return handler(args)
     except UsageError as error:
         print(f"peer: error: {error}", file=sys.stderr)
         return EXIT_USAGE

@@ -124,7 +124,7 @@ def pick_free_port(host: str) -> int:
     for _ in range(20):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp:
             tcp.bind((host, 0))
-            port = tcp.getsockname()[1]
+            port: int = tcp.getsockname()[1]
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
                 try:
                     udp.bind((host, port))
@@ -149,7 +149,7 @@ class Daemon:
         self.replicas: ReplicaAverager | None = None
         self.pattern: str | None = None  # the grid pattern the served experts come from
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[DaemonInfo] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled. Reports a DaemonInfo through `task_status` once the peer is reachable."""
         config = self.config
         if config.checkpoint_dir is not None:

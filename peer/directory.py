@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import trio
 
@@ -37,7 +37,7 @@ def shard_key(peer_id: bytes) -> str:
 class PeerEntry:
     peer_id: str
     address: Address
-    summary: dict
+    summary: dict[str, Any]
     expiration_time: float
 
 
@@ -50,12 +50,12 @@ class PeerDirectory:
         self.interval = interval if interval is not None else ttl / 3
         self.failures = 0
 
-    async def declare(self, address: Address, peer_id: PeerID, summary: dict) -> bool:
+    async def declare(self, address: Address, peer_id: PeerID, summary: dict[str, Any]) -> bool:
         value = [address[0], address[1], summary]
         return await self.dht.store(shard_key(peer_id), value, self.dht.now() + self.ttl, subkey=peer_id.hex(),
                                     signed=True)
 
-    async def run(self, address: Address, peer_id: PeerID, summary: Callable[[], dict], *,
+    async def run(self, address: Address, peer_id: PeerID, summary: Callable[[], dict[str, Any]], *,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Declare now, then every `interval` seconds until cancelled; `started` once the first declaration was
         tried. A failed round is retried sooner (the entry expires `ttl` after the last success), never later."""

@@ -18,7 +18,7 @@ family `ffn` with grid 12. The rules, the same for both commands:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, TypeGuard
 
 import trio
 
@@ -65,7 +65,7 @@ class ExpertFamily:
                 f"grid {self.grid_size}, hidden {self.hidden_dim})")
 
 
-def _positive_int(value: Any) -> bool:
+def _positive_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 

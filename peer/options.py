@@ -22,7 +22,7 @@ import sys
 import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Sequence
+from typing import Any, Callable, Iterable, NoReturn, Sequence, TypeVar, overload
 
 from peer.topology import Topology
 
@@ -310,7 +310,7 @@ class OptionSet:
     `finish` runs on the completed namespace (derived defaults that depend on other options)."""
 
     def __init__(self, command: str, options: Sequence[Option],
-                 finish: Callable[[argparse.Namespace], None] | None = None):
+                 finish: Callable[[argparse.Namespace], object] | None = None):
         self.command = command
         self.options = [CONFIG, *options]
         self.finish = finish
@@ -407,6 +407,9 @@ class _HelpFormatter(argparse.HelpFormatter):
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
+_N = TypeVar("_N")
+
+
 class OptionParser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line (UsageError) and which completes its namespace from its
     `option_set` (config file and defaults) as soon as it has parsed: subcommands' parsers complete theirs too.
@@ -421,8 +424,16 @@ class OptionParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{self.prog}: {message} (see `{self.prog} --help`)")
 
-    def parse_known_args(self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
-                         ) -> tuple[argparse.Namespace, list[str]]:
+    # the overloads of argparse.ArgumentParser.parse_known_args, which this extends
+    @overload
+    def parse_known_args(self, args: Iterable[str] | None = None, namespace: None = None
+                         ) -> tuple[argparse.Namespace, list[str]]: ...
+    @overload
+    def parse_known_args(self, args: Iterable[str] | None, namespace: _N) -> tuple[_N, list[str]]: ...
+    @overload
+    def parse_known_args(self, *, namespace: _N) -> tuple[_N, list[str]]: ...
+
+    def parse_known_args(self, args: Iterable[str] | None = None, namespace: Any = None) -> tuple[Any, list[str]]:
         try:
             namespace, extras = super().parse_known_args(args, namespace)
             if self.option_set is not None:

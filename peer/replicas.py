@@ -86,7 +86,8 @@ class ReplicaAverager:
             copies = self.copies[position:position + len(live)]
             position += len(live)
 
-            def copy_out(expert: Expert, live=live, copies=copies) -> list[torch.Tensor]:
+            def copy_out(expert: Expert, live: list[torch.nn.Parameter] = live,
+                         copies: list[torch.Tensor] = copies) -> list[torch.Tensor]:
                 with torch.no_grad():
                     for source, target in zip(live, copies):
                         target.copy_(source)
@@ -102,7 +103,8 @@ class ReplicaAverager:
             pairs = list(zip(live, self.copies[position:position + len(live)], snapshots[position:]))
             position += len(live)
 
-            def add_correction(expert: Expert, pairs=pairs) -> None:
+            def add_correction(expert: Expert,
+                               pairs: list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor]] = pairs) -> None:
                 with torch.no_grad():
                     for parameter, averaged, snapshot in pairs:
                         parameter.add_(averaged - snapshot)

@@ -13,12 +13,12 @@ from typing import Any, Awaitable, Callable
 import trio
 
 from dht.client import DHTClient
-from peer.directory import list_peers
+from peer.directory import PeerEntry, list_peers
 from peer.p2p.identity import PeerID
 from peer.p2p.rpc import RPCError, RPCNode
 
 STATUS_METHOD = "peer.status"
-RunsReader = Callable[[Any], Awaitable[list[dict]]]
+RunsReader = Callable[[Any], Awaitable[list[dict[str, Any]]]]
 # RPCNode.stats counters of calls this peer served that failed, and of its own calls that failed. Every error reply
 # (a call refused before any handler ran, a typed refusal, a crashed handler) counts once in `error_replies`;
 # `handler_errors` / `handler_failures` say which kind it was and are not added again. A handler cut off by the
@@ -52,7 +52,7 @@ async def gather_status(rpc: RPCNode, dht: DHTClient, *, timeout: float = 3.0,
     entries = await list_peers(dht)
     replies: dict[str, dict[str, Any]] = {}
 
-    async def ask(entry) -> None:
+    async def ask(entry: PeerEntry) -> None:
         try:
             replies[entry.peer_id] = await rpc.call(entry.address, STATUS_METHOD, timeout=timeout,
                                                     peer_id=PeerID.from_hex(entry.peer_id))

@@ -53,8 +53,8 @@ class Managed:
     spawned: trio.Event = field(default_factory=trio.Event)  # also set when the process could not be started
     done: trio.Event = field(default_factory=trio.Event)  # exited and its output read to the end
     last_line: str = ""
-    progress: dict | None = None
-    result: dict | None = None
+    progress: dict[str, Any] | None = None
+    result: dict[str, Any] | None = None
     killed_at: float | None = None  # the --kill-one-at victim
     stopped_with: str | None = None  # the signal the launcher stopped it with, when it was still running
     force_killed: bool = False  # still running after its grace period: SIGKILLed
@@ -114,13 +114,13 @@ class SwarmLauncher:
         async with trio.open_nursery() as timers:
             bootstrap = await self._start_volunteer(0, None)
             for index in range(1, self.topology.volunteers):
-                await self._start_volunteer(index, bootstrap.address)
+                await self._start_volunteer(index, bootstrap)
             for i in range(self.topology.trainers):
-                args = self.topology.trainer_args(i, bootstrap=bootstrap.address)
+                args = self.topology.trainer_args(i, bootstrap=bootstrap)
                 self._start(Managed(self.topology.trainer_name(i), "trainer", args))
             self._check_training()
             if self.kill_one_at is not None:
-                timers.start_soon(self._kill_one_later)
+                timers.start_soon(self._kill_one_later, self.kill_one_at)
             for trainer in self._trainers():
                 await trainer.done.wait()
             timers.cancel_scope.cancel()
@@ -139,36 +139,39 @@ class SwarmLauncher:
                 if self._stop_scope is not None:
                     self._stop_scope.cancel()
 
-    async def _start_volunteer(self, index: int, bootstrap: str | None) -> Managed:
+    async def _start_volunteer(self, index: int, bootstrap: str | None) -> str:
+        """Start volunteer `index` and wait until it announced its address (which is returned)."""
         args = self.topology.volunteer_args(index, host=self.host, port=0, bootstrap=bootstrap)
         member = self._start(Managed(self.topology.volunteer_name(index), "volunteer", args))
         with trio.move_on_after(120) as scope:
             await member.ready.wait()
-        if scope.cancelled_caught or member.address is None:
+        address = member.address
+        if scope.cancelled_caught or address is None:
             raise RuntimeError(f"{member.name} did not start; see {member.log_path}")
-        return member
+        return address
 
     def _start(self, member: Managed) -> Managed:
         assert self._nursery is not None
-        member.log_path = self.log_dir / f"{member.name}.log"
+        log_path = member.log_path = self.log_dir / f"{member.name}.log"
         self.members.append(member)
-        self._nursery.start_soon(self._supervise, member)
+        self._nursery.start_soon(self._supervise, member, log_path)
         return member
 
     def _trainers(self) -> list[Managed]:
         return [m for m in self.members if m.role == "trainer"]
 
-    async def _supervise(self, member: Managed) -> None:
+    async def _supervise(self, member: Managed, log_path: Path) -> None:
         try:
-            with open(member.log_path, "w") as log:  # noqa: ASYNC230 (a local log file, opened once per child)
+            with open(log_path, "w") as log:  # noqa: ASYNC230 (a local log file, opened once per child)
                 # process_group=0: its own group, so the terminal's Ctrl-C reaches only the launcher (which
                 # forwards one signal; a trainer that got two would exit without its result line)
-                member.process = await trio.lowlevel.open_process(
+                member.process = process = await trio.lowlevel.open_process(
                     [self.python, "-m", "peer.cli", *member.args], stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE, stderr=log, env=_child_env(), process_group=0)
                 member.spawned.set()
                 buffer = b""
-                async for chunk in member.process.stdout:
+                assert process.stdout is not None  # opened with stdout=PIPE
+                async for chunk in process.stdout:
                     buffer += chunk
                     *lines, buffer = buffer.split(b"\n")
                     for raw in lines:
@@ -217,9 +220,9 @@ class SwarmLauncher:
             self.training_at = time.monotonic() - self.started_at
             self._training.set()
 
-    async def _kill_one_later(self) -> None:
+    async def _kill_one_later(self, delay: float) -> None:
         await self._training.wait()
-        await trio.sleep(self.kill_one_at)  # counted from the trainers' first progress, so it lands mid-training
+        await trio.sleep(delay)  # counted from the trainers' first progress, so it lands mid-training
         volunteers = [m for m in self.members if m.role == "volunteer" and m.killed_at is None]
         victim = volunteers[-1] if len(volunteers) > 1 else None
         if victim is not None and victim.process is not None and victim.process.returncode is None:
@@ -387,7 +390,7 @@ def _progress_text(member: Managed) -> str:
     return "  ".join(parts)
 
 
-def _grid_order(uid: str) -> tuple:
+def _grid_order(uid: str) -> tuple[str | int, ...]:
     """`ffn.9` before `ffn.10`: uids ordered by their grid coordinates."""
     name, *coords = uid.split(".")
     return (name, *(int(c) if c.isdigit() else 0 for c in coords))

@@ -35,13 +35,16 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence, TextIO
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TextIO
 
 import torch
 from torch import nn
 
 from dht.client import SwarmHandle
 from peer.options import TRAIN, OptionParser, parse_grid_size
+
+if TYPE_CHECKING:
+    from moe.mixture import RemoteMixtureOfExperts
 
 parse_grid = parse_grid_size  # '12' -> (12,), '4x4' -> (4, 4)
 
@@ -131,15 +134,30 @@ class LocalMixtureOfExperts(nn.Module):
 class DigitsModel(nn.Module):
     """64 pixels -> hidden -> (residual mixture of experts) -> 10 classes."""
 
-    def __init__(self, hidden_dim: int, mixture: nn.Module):
+    def __init__(self, hidden_dim: int, mixture: LocalMixtureOfExperts | RemoteMixtureOfExperts):
         super().__init__()
         self.inp = nn.Linear(64, hidden_dim)
-        self.moe = mixture
+        self.moe: LocalMixtureOfExperts | RemoteMixtureOfExperts = mixture
         self.out = nn.Linear(hidden_dim, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.inp(x))
-        return self.out(h + self.moe(h))
+        out: torch.Tensor = self.out(h + self.moe(h))
+        return out
+
+    def remote_mixture(self) -> RemoteMixtureOfExperts:
+        """The mixture of a model built on a swarm (its experts are remote)."""
+        from moe.mixture import RemoteMixtureOfExperts
+
+        if not isinstance(self.moe, RemoteMixtureOfExperts):
+            raise TypeError("this model mixes local experts")
+        return self.moe
+
+    def local_mixture(self) -> LocalMixtureOfExperts:
+        """The mixture of a model built with --local-experts."""
+        if not isinstance(self.moe, LocalMixtureOfExperts):
+            raise TypeError("this model mixes remote experts")
+        return self.moe
 
 
 def run_seed(run_id: str) -> int:
@@ -155,7 +173,7 @@ SWARM_WAIT = 15.0  # seconds to wait for a swarm whose daemons have not declared
 def expert_settings(args: argparse.Namespace) -> tuple[int, str, tuple[int, ...]]:
     """(hidden_dim, expert_prefix, grid) of the model: as given, else `LOCAL_EXPERT_DEFAULTS` (on a swarm,
     `run_training` fills the missing ones from the swarm before the model is built)."""
-    values = {name: default if getattr(args, name, None) is None else getattr(args, name)
+    values: dict[str, Any] = {name: default if getattr(args, name, None) is None else getattr(args, name)
               for name, default in LOCAL_EXPERT_DEFAULTS.items()}
     return values["hidden_dim"], values["expert_prefix"], parse_grid(values["grid_size"])
 
@@ -189,7 +207,8 @@ def build_model(args: argparse.Namespace, swarm: SwarmHandle | None) -> DigitsMo
 
             experts = [make_expert(uid, "ffn", hidden_dim, seed=run_seed(uid)).module
                        for uid in grid_uids(prefix, grid)]
-            mixture: nn.Module = LocalMixtureOfExperts(hidden_dim, grid, experts, args.k_best)
+            mixture: LocalMixtureOfExperts | RemoteMixtureOfExperts = LocalMixtureOfExperts(
+                hidden_dim, grid, experts, args.k_best)
         else:
             from moe.mixture import RemoteMixtureOfExperts
 
@@ -245,7 +264,7 @@ def _experts_alive(swarm: SwarmHandle, model: DigitsModel, uids: list[str]) -> i
 
     async def count() -> int:
         found = await get_experts(swarm.dht, uids)
-        blacklist = model.moe.client.blacklist
+        blacklist = model.remote_mixture().client.blacklist
         return sum(1 for uid, location in found.items()
                    if location is not None and not blacklist.is_banned(uid, location))
 
@@ -385,7 +404,7 @@ def _bar_text(line: dict[str, Any]) -> str:
 def _failed_expert_calls(model: DigitsModel, swarm: SwarmHandle | None) -> int:
     if swarm is None:
         return 0  # local experts cannot fail a call
-    stats = model.moe.client.stats
+    stats = model.remote_mixture().client.stats
     return int(stats["forward_failures"] + stats["backward_failures"])
 
 
@@ -420,10 +439,11 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
         uids = grid_uids(prefix, grid)
         model = build_model(args, swarm)
         if swarm is None:  # the experts learn at the daemons' rate, as they would on the swarm
-            expert_params = {id(p) for p in model.moe.experts.parameters()}
+            local_experts = model.local_mixture().experts
+            expert_params = {id(p) for p in local_experts.parameters()}
             base = torch.optim.Adam([
                 {"params": [p for p in model.parameters() if id(p) not in expert_params], "lr": args.lr},
-                {"params": list(model.moe.experts.parameters()), "lr": args.expert_lr},
+                {"params": list(local_experts.parameters()), "lr": args.expert_lr},
             ])
         else:
             base = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -446,7 +466,7 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
             try:
                 logits = model(x)
                 loss = nn.functional.cross_entropy(logits, y)
-                loss.backward()
+                loss.backward()  # type: ignore[no-untyped-call]  # torch declares Tensor.backward untyped
             except NotEnoughExperts as error:
                 # experts not declared yet (a swarm starting up) or all failing at once: retry after a pause
                 # that grows, so a swarm that comes back is used again and one that never does ends the run

@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import struct
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Union
+from typing import Callable, Iterator, Sequence, Union
 
 Buffer = Union[bytes, bytearray, memoryview]
 Allocator = Callable[[int], Union[bytearray, memoryview]]
@@ -313,7 +313,7 @@ class Outbox:
         """Messages whose first chunks left and whose rest is still waiting."""
         return sum(1 for item in self._queue if item.started)
 
-    def add(self, stream_id: int, parts: list[Buffer]) -> None:
+    def add(self, stream_id: int, parts: Sequence[Buffer]) -> None:
         views = [memoryview(p).cast("B") for p in parts if len(p)]
         item = _Outgoing(stream_id, views, sum(len(v) for v in views))
         self._queue.append(item)

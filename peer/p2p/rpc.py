@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -260,22 +260,21 @@ class Connection:
 
     def _deliver(self, events: list[Event]) -> None:
         for event in events:
-            kind = type(event)
-            if kind is CallCompleted:
+            if type(event) is CallCompleted:
                 waiter = self.waiters.pop(event.stream_id, None)
                 if waiter is not None:
                     waiter.finish(result=event.result)
-            elif kind is CallFailed:
+            elif type(event) is CallFailed:
                 waiter = self.waiters.pop(event.stream_id, None)
                 if waiter is not None:
                     waiter.finish(error=event.error)
-            elif kind is RequestReceived:
+            elif type(event) is RequestReceived:
                 self._start_handler(event)
-            elif kind is RequestCancelled:
+            elif type(event) is RequestCancelled:
                 scope = self.handlers.get(event.stream_id)
                 if scope is not None:
                     scope.cancel()
-            elif kind is ConnectionIdle:
+            elif type(event) is ConnectionIdle:
                 self._close("idle")
         if self.protocol.outbox:
             self._writer_wakeup.set()
@@ -369,7 +368,7 @@ class RPCNode:
         self._connecting: dict[Address, _PendingConnect] = {}
         self._all_connections: set[Connection] = set()
         self._nursery: trio.Nursery | None = None
-        self._lifetime_cm: Any = None
+        self._lifetime_cm: AbstractAsyncContextManager[RPCNode] | None = None
         self.receive_budget = framing.ReceiveBudget(2 * limits.max_message_bytes)
 
     # ----------------------------------------------------------------------------------- lifetime
@@ -388,6 +387,7 @@ class RPCNode:
         return await self._lifetime_cm.__aenter__()
 
     async def __aexit__(self, *exc_info: Any) -> bool | None:
+        assert self._lifetime_cm is not None, "__aexit__ without __aenter__"
         return await self._lifetime_cm.__aexit__(*exc_info)
 
     def _require_nursery(self) -> trio.Nursery:

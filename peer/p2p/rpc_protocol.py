@@ -392,7 +392,7 @@ class RPCConnection:
                 if request is not None and not request.cancelled and not self._is_my_stream(frame.stream_id):
                     request.cancelled = True
                     events.append(RequestCancelled(frame.stream_id, expired=False))
-            else:
+            elif type(frame) is framing.ControlFrame:
                 raise framing.FramingError(f"unexpected control frame {frame.kind:#x} after the handshake")
 
     def _on_reply(self, stream_id: int, data: bytearray | memoryview) -> Event | None:
