@@ -48,7 +48,7 @@ class Declaration:
     def member(self) -> Member:
         return Member(self.peer_id, self.address, self.bandwidth, self.client_mode)
 
-    def to_wire(self) -> list:
+    def to_wire(self) -> list[Any]:
         host, port = self.address if self.address is not None else (None, None)
         return [_DECLARATION_VERSION, host, port, float(self.bandwidth), bool(self.client_mode), bytes(self.schema),
                 int(self.round), float(self.deadline), float(self.declared_at)]
@@ -71,7 +71,7 @@ class Declaration:
             return None
 
 
-WITHDRAWN: list = []  # the value that overwrites a declaration when its peer leaves matchmaking
+WITHDRAWN: list[Any] = []  # the value that overwrites a declaration when its peer leaves matchmaking
 
 
 def _order_key(declaration: Declaration, salt: bytes | None) -> bytes:
@@ -87,7 +87,7 @@ def _order_key(declaration: Declaration, salt: bytes | None) -> bytes:
     return hashlib.sha256(salt + b"|%d|" % declaration.round + bytes(declaration.peer_id)).digest()
 
 
-def _balanced(items: list, count: int) -> list[list]:
+def _balanced(items: list[Any], count: int) -> list[list[Any]]:
     """Cut `items` into `count` contiguous runs whose lengths differ by at most one (longer ones first)."""
     base, extra = divmod(len(items), count)
     runs, start = [], 0
@@ -160,7 +160,7 @@ class Decision:
     reason: str = ""
     busy: tuple[PeerID, ...] = ()  # with "reject": peers known to be taken (a sealed group), to skip at once
 
-    def to_wire(self) -> dict:
+    def to_wire(self) -> dict[str, Any]:
         return {
             "kind": self.kind,
             "group": self.group.to_wire() if self.group is not None else None,

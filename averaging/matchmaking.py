@@ -76,6 +76,7 @@ from averaging.assembly import (
     read_probe_answer,
     round_salt,
 )
+from averaging.errors import LocalProtocolError
 from averaging.group import GroupInfo
 from dht.client import DHTClient
 from peer.p2p.identity import PeerID
@@ -344,18 +345,16 @@ class Matchmaker:
         for subkey, entry in (getattr(record, "subkeys", None) or {}).items():
             if not isinstance(subkey, (bytes, bytearray)) or len(subkey) != 20:
                 continue
-            declaration = Declaration.from_wire(subkey, entry.value)
-            fresh = declaration is not None and entry.expiration_time >= now \
-                and declaration.deadline >= state.me.declared_at  # else left over from an earlier round
-            if fresh and declaration.declared_at <= state.stale.get(declaration.peer_id, -math.inf):
+            declaration = Declaration.from_wire(bytes(subkey), entry.value)
+            if declaration is None or entry.expiration_time < now or declaration.deadline < state.me.declared_at:
+                view.pop(PeerID(bytes(subkey)), None)  # withdrawn, or only an old round's entry is left
+            elif declaration.declared_at <= state.stale.get(declaration.peer_id, -math.inf):
                 view.pop(declaration.peer_id, None)  # its owner said it is not matching: see _probe
-            elif fresh and declaration.schema == self.schema:
+            elif declaration.schema == self.schema:
                 view[declaration.peer_id] = declaration
                 if state.stale.pop(declaration.peer_id, None) is not None and state.assembly is not None:
                     # back from averaging with a new declaration: it is matching now, worth waiting for again
                     state.assembly.readmit(declaration.peer_id)
-            elif declaration is None or not fresh:
-                view.pop(PeerID(bytes(subkey)), None)  # withdrawn, or only an old round's entry is left
         view.pop(self.peer_id, None)
         state.seen.update(view)
         if state.assembly is not None:  # peers that joined me count even if their declaration isn't visible
@@ -439,6 +438,8 @@ class Matchmaker:
             self.spread = max(times) - min(times)
         else:
             group, group_round = decision_or_assembly.group, decision_or_assembly.round
+            if group is None:
+                raise LocalProtocolError("a matchmaking result needs a decision that carries a group")
             times = [state.view[p].declared_at for p in group.peer_ids if p in state.view] + [state.me.declared_at]
             self.spread = max(times) - min(times)
         self.stats["groups"] += 1
@@ -517,6 +518,9 @@ class Matchmaker:
     async def _join(self, state: _Round, collector: Declaration, deadline: float) -> Decision | None:
         """One long-poll join; None when the collector is unreachable (it is then excluded and reported)."""
         state.following = collector
+        if collector.address is None:  # a client-mode peer never collects: nobody can join it
+            state.excluded.add(collector.peer_id)
+            return None
         args = {"key": state.key, "declaration": state.me.to_wire()}
         timeout = max(0.0, deadline - trio.current_time()) + self._grace()
         t0 = trio.current_time()
@@ -647,6 +651,8 @@ class Matchmaker:
         return bool(state.view) and all(p in state.excluded for p in state.view)
 
     async def _probe(self, state: _Round, declaration: Declaration, assembly: Assembly) -> None:
+        if declaration.address is None:  # a client-mode peer cannot be called: it answers nobody's probes
+            return
         t0 = trio.current_time()
         try:
             answer = await self.rpc.call(declaration.address, PING_METHOD,
@@ -705,17 +711,17 @@ class Matchmaker:
 
     # ------------------------------------------------------------------------------------------- handlers
 
-    async def _handle_ping(self, ctx: CallContext, args: Any) -> dict:
+    async def _handle_ping(self, ctx: CallContext, args: Any) -> dict[str, Any]:
         state = self._round
         key = args.get("key") if isinstance(args, dict) else None
         matching = state is not None and key == state.key
         their_size = args.get("joined", 1) if isinstance(args, dict) else 1
         patient = bool(args.get("patient", False)) if isinstance(args, dict) else False
-        assembly = state.assembly if matching else None
+        assembly = state.assembly if state is not None and matching else None
         verdict = assembly.probed_by(ctx.peer_id, their_size, reachable=ctx.address is not None,
                                      prober_patient=patient) \
             if assembly is not None else None
-        if verdict is not None:
+        if verdict is not None and state is not None and assembly is not None:
             prober = state.view.get(ctx.peer_id)
             if prober is None:  # not in my view yet: the authenticated caller is enough to join it
                 me = state.me
@@ -731,14 +737,14 @@ class Matchmaker:
             logger.debug("matchmaking %s: handing %d joiner(s) over to %s", self.peer_id.short(), len(moved),
                          ctx.peer_id.short())
             return {"matching": True, "following": None, "collecting": True, "handover": [bytes(p) for p in moved]}
-        following = state.following.peer_id if matching and state.following is not None else None
+        following = state.following.peer_id if state is not None and matching and state.following is not None \
+            else None
         return {"matching": matching, "following": bytes(following) if following is not None else None,
                 "between_rounds": state is None,  # averaging or training: it will declare again
                 # a collector nobody joined yet steps down as soon as it sees a lower peer: not a rival yet
-                "collecting": matching and state.assembly is not None and not state.assembly.closed
-                and len(state.assembly.joined) > 1}
+                "collecting": matching and assembly is not None and not assembly.closed and len(assembly.joined) > 1}
 
-    async def _handle_join(self, ctx: CallContext, args: Any) -> dict:
+    async def _handle_join(self, ctx: CallContext, args: Any) -> dict[str, Any]:
         state = self._round
         claimed = Declaration.from_wire(ctx.peer_id, args.get("declaration")) if isinstance(args, dict) else None
         if claimed is None:
