@@ -4,7 +4,7 @@ PYTHON ?= python3
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: run test test-fast bench clean-venv
+.PHONY: run test test-fast lint bench clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,10 +20,15 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/peer swarm up --kill-one-at 10
 
-# Everything CI runs: the default (fast) suite, then the scenarios marked slow.
-test: $(STAMP)
+# Everything CI runs: static checks (ruff; mypy, strict on the foundation and the DHT), the default (fast) suite,
+# then the scenarios marked slow.
+test: lint $(STAMP)
 	$(BIN)/python -m pytest -q
 	$(BIN)/python -m pytest -q -m slow || test $$? -eq 5
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 # The default suite only (a few minutes): for the edit-test loop.
 test-fast: $(STAMP)
