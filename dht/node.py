@@ -24,7 +24,8 @@ Healing: a peer that stops answering may only be frozen (SIGSTOP, a GC pause, a 
 (doubling, capped) and servers that ever answered are remembered, so the healing task re-probes them and they come
 back. A node with nobody to ask (empty table, or a lookup where nobody answered) logs it once and rejoins through
 its initial peers and remembered servers, with capped, jittered exponential backoff. Maintenance and healing run
-through one periodic-task runner (`_every`) in the node's nursery; `stats()` counts what healing did.
+through the one periodic-task runner (`peer.p2p.periodic.run_periodic`) in the node's nursery; `stats()`
+counts what healing did.
 
 Timing: every expiration is absolute on the DHT clock (`clock`, default `time.time`); scheduling (timeouts,
 refresh, republish) runs on trio's clock. Under `trio.testing.MockClock` pass `clock=trio.current_time` so records
@@ -33,6 +34,7 @@ expire in virtual time too.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -41,7 +43,7 @@ import time
 from collections import Counter
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from typing import Any, AsyncIterator, Callable, Iterable, Sequence
 
 import trio
 from kademlia.node import Node
@@ -72,6 +74,7 @@ from dht.storage import DEFAULT_MAX_BYTES, DEFAULT_SHARE, DEFAULT_STOCK_TTL, LOC
 from peer.p2p.identity import Identity
 from peer.p2p.lifetime import owned_nursery
 from peer.p2p.net import Address, Network, RealNetwork, UDPEndpoint
+from peer.p2p.periodic import run_periodic
 
 logger = logging.getLogger(__name__)
 
@@ -226,8 +229,15 @@ class DHTNode:
                        random_bytes=random_bytes)
             nursery.start_soon(node._receive_loop)
             await node._bootstrap([(h, p) for h, p in initial_peers])
-            nursery.start_soon(node._every, node._maintain, node._maintenance_delay())
-            nursery.start_soon(node._every, node._heal, config.heal_interval, node._heal_wakeup_event)
+            # the one periodic-task runner: each step returns the delay to its next round; a failed round is
+            # logged once per kind (with its traceback: any exception here is a bug), counted, and retried later
+            for step, name, first, wake in ((node._maintain, "DHT maintenance", node._maintenance_delay(), None),
+                                            (node._heal, "DHT healing", config.heal_interval,
+                                             node._heal_wakeup_event)):
+                nursery.start_soon(functools.partial(
+                    run_periodic, step, config.maintenance_interval, name=name, first_delay=first, step_plans=True,
+                    max_retry=config.maintenance_interval, wake=wake, on_failure=node._count_failure, log=logger,
+                    traceback=True))
             yield node
 
     def _spawn(self, function: Callable[..., Any], *args: Any) -> None:
@@ -892,26 +902,9 @@ class DHTNode:
 
     # ---------------------------------------------------------------------------------------------- maintenance
 
-    async def _every(self, step: Callable[[], Awaitable[float]], first_delay: float,
-                     wakeup: Callable[[], trio.Event] | None = None) -> None:
-        """The one way the node runs periodic work: `step` runs, and returns the seconds until it should run
-        again; `wakeup` (optional) names an event that starts the next run early. A step that fails is counted
-        like a failed background task and the schedule goes on: maintenance must outlive a bug in one round."""
-        delay = first_delay
-        while True:
-            with trio.move_on_after(delay):
-                if wakeup is None:
-                    await trio.sleep_forever()
-                else:
-                    await wakeup().wait()
-            try:
-                delay = await step()
-            except Exception as error:  # Cancelled is a BaseException and passes through
-                kind = f"internal_error:{type(error).__name__}"
-                if not self._dropped[kind]:
-                    logger.exception("DHT periodic task %s failed", getattr(step, "__name__", step))
-                self._dropped[kind] += 1
-                delay = self.config.maintenance_interval
+    def _count_failure(self, error: Exception) -> None:
+        """A periodic round failed: counted like a failed background task (maintenance must outlive a bug)."""
+        self._dropped[f"internal_error:{type(error).__name__}"] += 1
 
     def _maintenance_delay(self) -> float:
         return self.config.maintenance_interval * (0.5 + self._rng.random())
