@@ -214,17 +214,8 @@ class Storage:
     def expire(self, now: float) -> int:
         """Drop the records whose deadline passed; touches only heap entries that are due."""
         removed = 0
-        heap = self._heap
-        while heap and heap[0][0] <= now:
-            deadline, generation, key_id = heapq.heappop(heap)
-            self.work += 1
-            item = self._items.get(key_id)
-            if item is None or item.generation != generation:
-                continue
-            if item.deadline > deadline:
-                self._push(heap, (item.deadline, generation, key_id))
-                continue
-            self._remove(key_id)
+        while (entry := self._pop_live(self._heap, until=now)) is not None:
+            self._remove(entry[2])
             removed += 1
         self.expired += removed
         return removed
@@ -329,9 +320,10 @@ class Storage:
             for heap, entry in held:
                 self._push(heap, entry)
 
-    def _pop_soonest(self, heap: list[HeapEntry], exclude: bytes | None,
-                     held: list[tuple[list[HeapEntry], HeapEntry]]) -> bytes | None:
-        while heap:
+    def _pop_live(self, heap: list[HeapEntry], until: float = math.inf) -> HeapEntry | None:
+        """Pop the heap's soonest live entry due by `until`; stale entries (a removed or replaced record) are
+        dropped on the way and postponed ones (a deadline that moved later) pushed back at their new place."""
+        while heap and heap[0][0] <= until:
             entry = heapq.heappop(heap)
             self.work += 1
             deadline, generation, key_id = entry
@@ -341,10 +333,16 @@ class Storage:
             if item.deadline > deadline:
                 self._push(heap, (item.deadline, generation, key_id))
                 continue
-            if key_id == exclude:
+            return entry
+        return None
+
+    def _pop_soonest(self, heap: list[HeapEntry], exclude: bytes | None,
+                     held: list[tuple[list[HeapEntry], HeapEntry]]) -> bytes | None:
+        while (entry := self._pop_live(heap)) is not None:
+            if entry[2] == exclude:
                 held.append((heap, entry))
                 continue
-            return key_id
+            return entry[2]
         return None
 
     def _insert(self, key_id: bytes, record: Record, wire: Any, size: int, deadline: float, local_time: float,
