@@ -14,10 +14,13 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from peer import __version__
 from peer.options import JOIN, STATUS, SWARM_COMPOSE, SWARM_UP, TRAIN, OptionParser, UsageError
+
+if TYPE_CHECKING:  # the daemon imports torch: only the type, at parse time
+    from peer.daemon import DaemonInfo
 
 # Parsing the command line imports nothing heavy (no torch, no trio): `peer --version` and `--help` answer at once;
 # each command imports what it runs.
@@ -34,6 +37,13 @@ __all__ = ["EXIT_FAILURE", "EXIT_USAGE", "UsageError", "build_parser", "join_opt
 def join_options(args: argparse.Namespace) -> dict[str, Any]:
     """The DaemonConfig fields (and the log level) of a parsed `peer join`."""
     return {name: getattr(args, name) for name in JOIN.defaults()}
+
+
+def print_serving(info: DaemonInfo) -> None:
+    """The join line naming the served experts (`peer swarm up`'s live view parses it: peer/swarm.py)."""
+    if info.experts:
+        print(f"serving {len(info.experts)} experts: {', '.join(info.experts)} "
+              f"(of {info.pattern}, hidden {info.hidden_dim})", flush=True)
 
 
 def configure_logging(level: str) -> None:
@@ -67,9 +77,7 @@ async def _run_join(options: dict[str, Any]) -> int:
         with trio.CancelScope() as daemon_scope:
             info = await nursery.start(daemon.run)
             print(f"peer {info.peer_id} listening on {info.address[0]}:{info.address[1]}", flush=True)
-            if info.experts:
-                print(f"serving {len(info.experts)} experts: {', '.join(info.experts)} "
-                      f"(of {info.pattern}, hidden {info.hidden_dim})", flush=True)
+            print_serving(info)
             print(f"others join with: {info.join_command}", flush=True)
             await stop.wait()
         nursery.cancel_scope.cancel()

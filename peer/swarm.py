@@ -33,7 +33,8 @@ from peer.status import plural
 from peer.topology import Topology
 
 _LISTENING = re.compile(r"^peer ([0-9a-f]{40}) listening on (\S+)$")
-_SERVING = re.compile(r"^serving (\d+) experts: (.*)$")
+# `peer join`'s line: "serving 4 experts: ffn.0, ffn.1, ffn.2, ffn.3 (of ffn.[0:4], hidden 64)"
+_SERVING = re.compile(r"^serving (\d+) experts: (.*?)(?: \(of (\S+), hidden (\d+)\))?$")
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # A trainer stopping mid-step may be blocked in an averaging round (30 s timeout) or expert calls (5 s each).
 _TRAINER_GRACE_S = 40.0
@@ -193,7 +194,8 @@ class SwarmLauncher:
         serving = _SERVING.match(line)
         if serving and member.role == "volunteer":
             uids = sorted(serving.group(2).split(", "), key=_grid_order)
-            member.experts = f"{len(uids)} experts ({uids[0]}..{uids[-1]})"
+            hidden = f", hidden {serving.group(4)}" if serving.group(4) else ""
+            member.experts = f"{len(uids)} experts ({uids[0]}..{uids[-1]}{hidden})"
         if line.startswith("others join with") and member.role == "volunteer":
             member.ready.set()
         if line.startswith("{"):

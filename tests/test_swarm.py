@@ -122,3 +122,20 @@ def test_peer_status_does_not_import_torch_and_tensors_still_decode_in_a_fresh_p
                             timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[0, 1, 2, 3] torch.float32"
+
+
+async def test_the_live_view_reads_the_join_line_peer_join_prints(capsys, tmp_path):
+    """The launcher parses `peer join`'s own output: run the real printing code path and feed its line back."""
+    from peer.daemon import DaemonInfo
+    from peer.swarm import Managed, SwarmLauncher
+    from peer.topology import Topology
+
+    info = DaemonInfo("ab" * 20, ("127.0.0.1", 1), ["ffn.0", "ffn.1", "ffn.2", "ffn.3"], "ffn.[0:4]", 64)
+    from peer.cli import print_serving
+
+    print_serving(info)
+    line = capsys.readouterr().out.strip()
+    launcher = SwarmLauncher(Topology(), kill_one_at=None, log_dir=tmp_path)
+    member = Managed("bootstrap", "volunteer", [])
+    launcher._on_line(member, line)
+    assert member.experts == "4 experts (ffn.0..ffn.3, hidden 64)"
