@@ -61,9 +61,7 @@ from averaging.allreduce_core import (
     NOTHING,
     AllReduceConfig,
     AllReduceResult,
-    ChunkRejected,
     Excluded,
-    PartReducer,
     RoundCore,
     ThroughputEstimator,
     TransferBudget,
@@ -84,19 +82,7 @@ from averaging.partition import Part, Partition, chunk_views
 from peer.p2p import wire
 from peer.p2p.rpc import CallContext, ConnectionFailed, RPCError, RPCNode
 
-__all__ = [
-    "NOTHING",
-    "AllReduceConfig",
-    "AllReduceResult",
-    "AllReduceServer",
-    "ChunkRejected",
-    "Excluded",
-    "PartReducer",
-    "ThroughputEstimator",
-    "install_allreduce",
-    "run_allreduce",
-    "run_workers",
-]
+__all__ = ["AllReduceServer", "install_allreduce", "run_allreduce", "run_workers"]
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,8 @@ import torch
 import trio
 
 from averaging import state as state_download
-from averaging.allreduce import AllReduceConfig, AllReduceResult, AllReduceServer, install_allreduce
+from averaging.allreduce import AllReduceServer, install_allreduce
+from averaging.allreduce_core import AllReduceConfig, AllReduceResult
 from averaging.errors import AveragingError
 from averaging.group import GroupInfo
 from averaging.group_keys import GroupKeyManager

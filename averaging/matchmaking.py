@@ -83,20 +83,7 @@ from peer.p2p.identity import PeerID
 from peer.p2p.net import Address
 from peer.p2p.rpc import CallContext, CallTimeout, RemoteError, RPCError, RPCNode
 
-__all__ = [
-    "JOIN_METHOD",
-    "PING_METHOD",
-    "WITHDRAWN",
-    "Assembly",
-    "Decision",
-    "Declaration",
-    "MatchResult",
-    "Matchmaker",
-    "chunk_of",
-    "collector_of",
-    "plan_groups",
-    "round_salt",
-]
+__all__ = ["JOIN_METHOD", "PING_METHOD", "MatchResult", "Matchmaker"]
 
 logger = logging.getLogger(__name__)
 

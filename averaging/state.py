@@ -20,7 +20,8 @@ from typing import Any, Callable, Sequence
 import torch
 import trio
 
-from averaging.allreduce import ThroughputEstimator, run_workers
+from averaging.allreduce import run_workers
+from averaging.allreduce_core import ThroughputEstimator
 from averaging.errors import BadChunk, StateDownloadFailed
 from averaging.locking import TensorLock, check_lock, hold
 from averaging.partition import DEFAULT_CHUNK_BYTES, Partition, chunk_views

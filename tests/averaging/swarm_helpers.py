@@ -9,7 +9,8 @@ from typing import Any, Callable
 import torch
 import trio
 
-from averaging.allreduce import AllReduceConfig, AllReduceResult, AllReduceServer, install_allreduce
+from averaging.allreduce import AllReduceServer, install_allreduce
+from averaging.allreduce_core import AllReduceConfig, AllReduceResult
 from averaging.averager import Averager, StepResult
 from averaging.group import GroupInfo, Member
 from peer.p2p.identity import Identity

@@ -8,7 +8,8 @@ import trio
 import trio.testing
 from swarm_helpers import Swarm, flat, random_tensors
 
-from averaging.allreduce import AllReduceConfig, run_allreduce
+from averaging.allreduce import run_allreduce
+from averaging.allreduce_core import AllReduceConfig
 from averaging.errors import GroupMismatch
 from averaging.partition import Partition
 from peer.p2p import wire

@@ -15,7 +15,7 @@ import trio
 import trio.testing
 from swarm_helpers import Swarm, flat, random_tensors
 
-from averaging.allreduce import AllReduceConfig
+from averaging.allreduce_core import AllReduceConfig
 from averaging.partition import Partition
 
 

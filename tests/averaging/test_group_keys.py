@@ -5,8 +5,8 @@ from collections import defaultdict
 
 import pytest
 
+from averaging.assembly import Declaration, plan_groups, round_salt
 from averaging.group_keys import GroupKeyManager, bits_for_group_size
-from averaging.matchmaking import Declaration, plan_groups, round_salt
 from peer.p2p.identity import PeerID
 
 

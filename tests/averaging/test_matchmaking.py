@@ -2,7 +2,7 @@
 
 import pytest
 
-from averaging.matchmaking import WITHDRAWN, Assembly, Decision, Declaration, chunk_of, collector_of, plan_groups
+from averaging.assembly import WITHDRAWN, Assembly, Decision, Declaration, chunk_of, collector_of, plan_groups
 from peer.p2p.identity import PeerID
 
 SCHEMA = b"s" * 8

@@ -10,7 +10,7 @@ import torch
 import trio
 from swarm_helpers import Swarm
 
-from averaging.allreduce import AllReduceConfig
+from averaging.allreduce_core import AllReduceConfig
 from averaging.errors import StateDownloadFailed
 from averaging.state import StateConfig, install_state_server, load_state_from_peers
 
