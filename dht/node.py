@@ -55,10 +55,6 @@ from dht.errors import BootstrapFailed, InvalidValue, RequestTimeout
 from dht.lookup import State, Target
 from dht.peers import PeerBook
 from dht.policy import (
-    WELCOME_BATCH_DELAY,
-    WELCOME_MIN_INTERVAL,
-    WELCOME_PER_PASS,
-    WELCOME_QUEUE_LIMIT,
     Admission,
     Contacts,
     Gifts,
@@ -81,8 +77,7 @@ logger = logging.getLogger(__name__)
 # What one lookup query reports back: (query id, the peer asked, {key id: its answer or None})
 _QueryAnswer = tuple[int, bytes, dict[bytes, Any]]
 
-__all__ = ["DHTConfig", "DHTNode", "key_id_of", "MAX_REPLY_BYTES", "WELCOME_BATCH_DELAY", "WELCOME_MIN_INTERVAL",
-           "WELCOME_PER_PASS", "WELCOME_QUEUE_LIMIT"]
+__all__ = ["DHTConfig", "DHTNode", "key_id_of", "MAX_REPLY_BYTES"]
 
 LOOKUP_CHUNK = 48  # keys per multi-key lookup
 PARALLEL_CHUNKS = 4
