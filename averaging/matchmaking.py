@@ -137,6 +137,9 @@ class _Round:
         self.following_since: dict[PeerID, float] = {}  # when a probe first found a chunk member following another
         self.view: dict[PeerID, Declaration] = {}
         self.excluded: set[PeerID] = set()
+        # peers excluded as taken (in a sealed or full group) -> declared_at of their declaration then: a newer
+        # declaration means they finished that group's averaging and are matching again
+        self.busy_as_of: dict[PeerID, float] = {}
         self.failed: list[PeerID] = []
         self.assembly: Assembly | None = None
         self.following: Declaration | None = None
@@ -146,6 +149,16 @@ class _Round:
         self.patient = False  # the collector loop's last verdict of Matchmaker._patient (sent with my probes)
         self.stale: dict[PeerID, float] = {}  # peer -> declared_at of a declaration its owner no longer runs
         self.returning: set[PeerID] = set()  # stale peers between two rounds (not matching elsewhere): coming back
+
+    def exclude_busy(self, peer_ids: Iterable[PeerID], me: PeerID) -> None:
+        """Plan without peers a collector reported taken, until they declare again. Excluding them for the rest
+        of the round split 8 peers 4 + 2 + 2: a peer turned away by a sealed group kept skipping its members
+        after they came back from averaging, and sealed 2 while they were collecting 2 of their own."""
+        for peer_id in peer_ids:
+            if peer_id != me:
+                self.excluded.add(peer_id)
+                seen = self.view.get(peer_id)
+                self.busy_as_of[peer_id] = seen.declared_at if seen is not None else -math.inf
 
     def poke(self) -> None:
         """Something changed: wake the matchmaking loop, and every held join whose answer became final."""
@@ -329,6 +342,7 @@ class Matchmaker:
         self.dht_latency.update(min(trio.current_time() - t0, 2 * self.dht_latency.value + 0.01))
         now = self.dht.now()
         view = {p: d for p, d in state.view.items() if d.deadline + 1.0 >= now}
+        readmitted = False
         for subkey, entry in (getattr(record, "subkeys", None) or {}).items():
             if not isinstance(subkey, (bytes, bytearray)) or len(subkey) != 20:
                 continue
@@ -339,6 +353,10 @@ class Matchmaker:
                 view.pop(declaration.peer_id, None)  # its owner said it is not matching: see _probe
             elif declaration.schema == self.schema:
                 view[declaration.peer_id] = declaration
+                if declaration.declared_at > state.busy_as_of.get(declaration.peer_id, math.inf):
+                    del state.busy_as_of[declaration.peer_id]  # back from its group's averaging: matching again
+                    state.excluded.discard(declaration.peer_id)
+                    readmitted = True
                 if state.stale.pop(declaration.peer_id, None) is not None and state.assembly is not None:
                     # back from averaging with a new declaration: it is matching now, worth waiting for again
                     state.assembly.readmit(declaration.peer_id)
@@ -347,7 +365,7 @@ class Matchmaker:
         if state.assembly is not None:  # peers that joined me count even if their declaration isn't visible
             for peer_id, declaration in state.assembly.joined.items():
                 view.setdefault(peer_id, declaration)
-        changed = set(view) != set(state.view)
+        changed = set(view) != set(state.view) or readmitted
         state.view = view
         return changed
 
@@ -456,8 +474,7 @@ class Matchmaker:
                         and self.peer_id in decision.group:
                     return self._result(state, decision, collector.peer_id)
                 if decision is not None and decision.kind == "reject":
-                    state.excluded.update(p for p in decision.busy if p != self.peer_id)
-                    state.excluded.add(collector.peer_id)
+                    state.exclude_busy([*decision.busy, collector.peer_id], self.peer_id)
                 continue
             if state.assembly is not None or (collector is not None and collector.peer_id == self.peer_id):
                 result = await self._collect(state)
@@ -499,8 +516,7 @@ class Matchmaker:
                 continue
             # a collector that already left (its withdrawal not visible yet) or a full one: plan again at once
             self.stats["rejects"] += 1
-            state.excluded.add(collector.peer_id)
-            state.excluded.update(p for p in decision.busy if p != self.peer_id)
+            state.exclude_busy([*decision.busy, collector.peer_id], self.peer_id)
 
     async def _join(self, state: _Round, collector: Declaration, deadline: float) -> Decision | None:
         """One long-poll join; None when the collector is unreachable (it is then excluded and reported)."""
