@@ -101,7 +101,8 @@ class Limits:
     max_container_len: items of one list or entries of one dict.
 
     Decoded tensors can take more memory than the message: up to 4x for the float16 codec and 8x for the 8-bit
-    codec (both decoding to float64; the blockwise INT8 codec decodes to the original dtype); uncompressed tensors decoded from a writable buffer take none.
+    codec (both decoding to float64; the blockwise INT8 codec decodes to the original dtype); uncompressed
+    tensors decoded from a writable buffer take none.
     """
 
     max_message_bytes: int = 1 << 30
