@@ -64,6 +64,7 @@ logger = logging.getLogger(__name__)
 
 ALGORITHM = "diloco"
 HOLD_ENV = "SWARMD_DILOCO_HOLD_AT"  # tests: "N" blocks this trainer when its part of outer step N is being sent
+ANNOUNCE_ENV = "SWARMD_DILOCO_ANNOUNCE"  # tests: "1" writes a JSON line to stdout when an outer round starts
 TRACE_ENV = "SWARMD_DILOCO_TRACE"  # tests: a directory where every outer step is saved (torch.save, tensors only)
 
 
@@ -150,6 +151,7 @@ class DiLoCoOptimizer:
         min_refresh: float = 0.1,
         max_refresh: float = 2.0,
         publish_interval: float = 0.5,
+        should_stop: Callable[[], bool] | None = None,
     ):
         if inner_steps < 1 or batch_size_per_step < 1:
             raise ValueError("inner_steps and batch_size_per_step must be positive")
@@ -160,6 +162,7 @@ class DiLoCoOptimizer:
         self.batch_size_per_step = int(batch_size_per_step)
         self.compression = wire.Compression(compression)
         self.overlap = overlap
+        self.should_stop = should_stop  # polled during an outer round: a stop request (SIGINT) abandons it
         self.averaging_timeout = averaging_timeout
         self.ready_timeout = ready_timeout
         self.load_state_timeout = load_state_timeout
@@ -347,6 +350,9 @@ class DiLoCoOptimizer:
         group mean), "solo" (nobody else trains: self.pseudo is our own), "skipped" (others exist, no group:
         apply nothing) or "resynced" (we were behind: the outer state was downloaded)."""
         started = trio.current_time()
+        if os.environ.get(ANNOUNCE_ENV) == "1":
+            sys.stdout.write('{"event": "diloco_round", "outer_step": %d}\n' % self.outer_step)
+            sys.stdout.flush()
         progress, behind = await self._wait_ready()
         self.last_progress = progress
         others = [p for p in progress.peers if p.peer_id != self.tracker.peer_id and p.info.get("alg")]
@@ -365,6 +371,26 @@ class DiLoCoOptimizer:
         else:
             outcome = "skipped" if others else "solo"
         return outcome, trio.current_time() - started
+
+    async def _interruptible_round(self, weight: float) -> tuple[str, float]:
+        """`_outer_round`, abandoned (as a skipped round: nothing applied) within 0.1 s of `should_stop()`."""
+        if self.should_stop is None:
+            return await self._outer_round(weight)
+        outcome: tuple[str, float] = ("skipped", 0.0)
+        async with trio.open_nursery() as nursery:
+            async def watch() -> None:
+                while not self.should_stop():  # type: ignore[misc]  # checked above
+                    await trio.sleep(0.1)
+                nursery.cancel_scope.cancel()
+
+            async def round_() -> None:
+                nonlocal outcome
+                outcome = await self._outer_round(weight)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch)
+            nursery.start_soon(round_)
+        return outcome
 
     async def _background_round(self, weight: float, done: trio.Event) -> None:
         try:
@@ -487,7 +513,7 @@ class DiLoCoOptimizer:
         self._pseudo_gradient(self.outer_params)
         self._own_trace = [p.clone() for p in self.pseudo] if self._trace else []
         self._trace_weight = weight
-        outcome, _ = self.swarm.run(self._outer_round, weight)
+        outcome, _ = self.swarm.run(self._interruptible_round, weight)
         if outcome in ("averaged", "solo"):
             if outcome == "solo":
                 self._stats["solo_steps"] += 1
@@ -499,7 +525,8 @@ class DiLoCoOptimizer:
             self._stats["skipped_rounds"] += 1  # keep the local parameters: the next round covers both
         self.round_steps = self.round_samples = 0
         self._account_round()
-        self.swarm.run(self._agree)
+        if self.should_stop is None or not self.should_stop():
+            self.swarm.run(self._agree)
 
     async def _agree(self) -> None:
         """After an outer step: publish our hash and, once the others of our group published theirs (or a short

@@ -245,22 +245,31 @@ def test_newcomer_holds_the_outer_params_and_momentum_before_its_first_inner_ste
             opt.close()
 
 
+def _in_bridge(bridge: Bridge, fn: Any, *args: Any) -> None:
+    """Run a MemoryNetwork change in the trio thread that owns the network."""
+    async def change() -> None:
+        fn(*args)
+
+    bridge.run(change)
+
+
 @pytest.mark.slow
 def test_partitioned_trainer_resyncs_after_the_partition_heals(bridge):
     memory = MemoryNetwork(latency=0.002)
     peers = _start_swarm(bridge, memory, 4)
-    made = [_make(SimSwarm(bridge, peer), ready_timeout=3.0, matchmaking_time=1.0) for peer in peers]
+    made = [_make(SimSwarm(bridge, peer), ready_timeout=3.0, matchmaking_time=1.0, load_state_timeout=4.0,
+                  averaging_timeout=8.0) for peer in peers]
     names = [peer.name for peer in peers]
     cut = threading.Event()
 
     def partition_at(step: int) -> None:
         if step == 5 and not cut.is_set():  # the last trainer, after its first outer step
             cut.set()
-            memory.partition([names[3]], names[:3])
+            _in_bridge(bridge, memory.partition, [names[3]], names[:3])
 
     def healed_at(step: int) -> None:
         if step == 10:
-            memory.heal()
+            _in_bridge(bridge, memory.heal)
 
     try:
         _threads([lambda m=m, o=o, i=i: _train(m, o, 25, seed=i, before_step=partition_at if i == 3 else (
