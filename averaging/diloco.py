@@ -379,7 +379,8 @@ class DiLoCoOptimizer:
         outcome: tuple[str, float] = ("skipped", 0.0)
         async with trio.open_nursery() as nursery:
             async def watch() -> None:
-                while not self.should_stop():  # type: ignore[misc]  # checked above
+                # polled: the flag is set by a signal handler in another thread, which cannot set a trio.Event
+                while not self.should_stop():  # type: ignore[misc]  # noqa: ASYNC110  # checked above
                     await trio.sleep(0.1)
                 nursery.cancel_scope.cancel()
 
@@ -458,7 +459,8 @@ class DiLoCoOptimizer:
         if self._started is None or self._last_step_end is None or self._last_step_end <= self._started:
             return None
         wall = self._last_step_end - self._started
-        return max(0.0, min(1.0, 1.0 - self._stats["blocked_seconds"] / wall))
+        blocked = float(self._stats["blocked_seconds"])
+        return max(0.0, min(1.0, 1.0 - blocked / wall))
 
     # ------------------------------------------------------------------------------------------ rounds
 

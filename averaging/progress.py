@@ -395,8 +395,8 @@ def algorithm_summary(reports: Iterable[PeerProgress]) -> dict[str, Any]:
         return {"algorithm": "collaborative"}
     newest = max(r.epoch for r in reports)
     hashes = {r.info.get("hash") for r in reports if r.epoch == newest and r.info.get("hash")}
-    numbers = [i.get("bytes") for i in infos if isinstance(i.get("bytes"), (int, float))]
-    utilization = [i.get("util") for i in infos if isinstance(i.get("util"), (int, float))]
+    numbers = [float(i["bytes"]) for i in infos if isinstance(i.get("bytes"), (int, float))]
+    utilization = [float(i["util"]) for i in infos if isinstance(i.get("util"), (int, float))]
     return {
         "algorithm": str(infos[0]["alg"]),
         "outer_step": newest,

@@ -518,7 +518,7 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
                     "step_s": round((now - last_line_at) / (step - last_line_step), 4),  # mean since last line
                     "loss": round(meter.loss, 4),
                     "accuracy": round(meter.accuracy, 4), "samples_per_s": round(samples / max(elapsed, 1e-9), 1),
-                    "experts_alive": len(uids) if experts_swarm is None else _experts_alive(swarm, model, uids),
+                    "experts_alive": len(uids) if experts_swarm is None else _experts_alive(experts_swarm, model, uids),
                     "failed_calls": _failed_expert_calls(model, experts_swarm),
                 }
                 last_line_at, last_line_step = now, step
