@@ -404,10 +404,12 @@ class AllReduceServer:
         result = core.finalize_own()
         round_.update()
         if result is not None:
+            lossy = round_.compression != wire.Compression.NONE
             async with hold(round_.lock):
                 for chunk, values in zip(core.own_part.chunks, result):
                     for view, value in zip(chunk_views(round_.tensors, chunk), values):
-                        view.copy_(value)
+                        # with a lossy codec the others get the decoded mean: hold exactly what they hold
+                        view.copy_(wire.roundtrip(value, round_.compression) if lossy else value)
             core.own_part_written(trio.current_time())
             await self._serve_pulls(round_)
 

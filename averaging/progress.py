@@ -63,11 +63,15 @@ class PeerProgress:
     left: bool = False  # the trainer finished and said goodbye: count it no more
     address: tuple[str, int] | None = None  # where it serves its state to trainers that catch up (None: nowhere)
     last_group: tuple[str, ...] = ()  # short PeerIDs of its latest averaging group, for `peer status`
+    # what the training algorithm adds (DiLoCo: algorithm, readiness, outer state hash, bytes, utilization);
+    # small scalar values only (see `_valid_info`), so the run's shared DHT value stays small
+    info: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def to_wire(self) -> list[Any]:
         address = [self.address[0], int(self.address[1])] if self.address is not None else None
         return [_RECORD_VERSION, int(self.epoch), int(self.samples), float(self.samples_per_second),
-                float(self.time), bool(self.client_mode), bool(self.left), address, list(self.last_group)]
+                float(self.time), bool(self.client_mode), bool(self.left), address, list(self.last_group),
+                dict(self.info)]
 
     @classmethod
     def from_wire(cls, peer_id: bytes | bytearray, value: Any) -> "PeerProgress | None":
@@ -91,8 +95,20 @@ class PeerProgress:
         if not (isinstance(group, (list, tuple)) and len(group) <= _MAX_GROUP_SHOWN
                 and all(isinstance(member, str) and len(member) <= 40 for member in group)):
             group = []
+        info = value[9] if len(value) > 9 and _valid_info(value[9]) else {}
         return cls(PeerID(bytes(peer_id)), epoch, samples, float(sps), float(time), bool(client_mode), left,
-                   address, tuple(group))
+                   address, tuple(group), dict(info))
+
+
+_MAX_INFO = 12
+
+
+def _valid_info(info: Any) -> bool:
+    """An `info` map as a record may carry it: at most `_MAX_INFO` short string keys with scalar values."""
+    return (isinstance(info, dict) and len(info) <= _MAX_INFO and all(
+        isinstance(k, str) and len(k) <= 16 and (v is None or isinstance(v, (bool, int, float))
+                                                 or (isinstance(v, str) and len(v) <= 64))
+        for k, v in info.items()))
 
 
 @dataclass(frozen=True)
@@ -231,6 +247,7 @@ class ProgressTracker:
         self.epoch = epoch
         self.samples = 0
         self.last_group: tuple[str, ...] = ()
+        self.info: dict[str, Any] = {}  # published with every record (PeerProgress.info)
         self._rate = _Rate(rate_horizon)
         self._others: dict[PeerID, PeerProgress] = {}
         self._published: PeerProgress | None = None
@@ -244,7 +261,8 @@ class ProgressTracker:
 
     def local(self) -> PeerProgress:
         return PeerProgress(self.peer_id, self.epoch, self.samples, self._rate.value, self.dht.now(),
-                            self.client_mode, address=self.address, last_group=self.last_group)
+                            self.client_mode, address=self.address, last_group=self.last_group,
+                            info=dict(self.info))
 
     def note_group(self, peer_ids: list[bytes]) -> None:
         """Remember the latest averaging group; it travels with the next published record."""
@@ -368,6 +386,26 @@ class ProgressTracker:
         return self._wake
 
 
+def algorithm_summary(reports: Iterable[PeerProgress]) -> dict[str, Any]:
+    """For `peer status`: what the trainers' `info` says about the run (DiLoCo: outer step, bytes per outer step,
+    utilization, whether the outer parameter hashes of the trainers at the newest outer step agree)."""
+    reports = list(reports)
+    infos = [r.info for r in reports if r.info.get("alg")]
+    if not infos:
+        return {"algorithm": "collaborative"}
+    newest = max(r.epoch for r in reports)
+    hashes = {r.info.get("hash") for r in reports if r.epoch == newest and r.info.get("hash")}
+    numbers = [float(i["bytes"]) for i in infos if isinstance(i.get("bytes"), (int, float))]
+    utilization = [float(i["util"]) for i in infos if isinstance(i.get("util"), (int, float))]
+    return {
+        "algorithm": str(infos[0]["alg"]),
+        "outer_step": newest,
+        "bytes_per_outer_step": int(sum(numbers) / len(numbers)) if numbers else None,
+        "utilization": round(sum(utilization) / len(utilization), 3) if utilization else None,
+        "hashes_agree": len(hashes) <= 1,
+    }
+
+
 async def list_runs(dht: DHTClient) -> list[dict[str, Any]]:
     """Every training run with live trainers, as `peer status` shows it: run id, epoch, trainers in that epoch,
     estimated samples toward the target, and the swarm's throughput."""
@@ -388,7 +426,7 @@ async def list_runs(dht: DHTClient) -> list[dict[str, Any]]:
             continue
         progress = estimate(reports.values(), target=target, now=now)
         groups = sorted({report.last_group for report in reports.values() if report.last_group})
-        runs.append({
+        runs.append({**algorithm_summary(reports.values()),
             "run_id": run_id,
             "recent_groups": [list(group) for group in groups],
             "epoch": progress.epoch,

@@ -524,6 +524,16 @@ TRAIN = OptionSet("peer train", [
     Option("lr", POSITIVE, 3e-3, "learning rate of the trainer's layers"),
     Option("average", Text(["gradients", "parameters"]), "gradients", "what trainers average at the end of each "
            "collective epoch"),
+    Option("algorithm", Text(["collaborative", "diloco"]), "collaborative", "collaborative: average every collective "
+           "epoch; diloco: --inner-steps local steps, then an outer step on the averaged pseudo-gradients (for slow "
+           "links)"),
+    Option("inner-steps", POSITIVE_INT, 50, "with --algorithm diloco: local steps between outer steps"),
+    Option("outer-lr", POSITIVE, 0.7, "with --algorithm diloco: learning rate of the outer Nesterov SGD"),
+    Option("outer-momentum", NOT_NEGATIVE, 0.9, "with --algorithm diloco: momentum of the outer Nesterov SGD"),
+    Option("compression", Text(["none", "float16", "int8"]), "none", "with --algorithm diloco: codec of the "
+           "pseudo-gradients (int8: blockwise 8-bit with error feedback)"),
+    Option("overlap", SWITCH, False, "with --algorithm diloco: average in the background and apply the outer update "
+           "one outer step late, so compute never waits on the network"),
     Option("group-size", POSITIVE_INT, 4, "target averaging group size"),
     Option("matchmaking-time", POSITIVE, 3.0, "seconds to wait for averaging partners", metavar="SECONDS"),
     Option("client-mode", SWITCH, False, "accept no connections (then this trainer averages only in groups holding a "

@@ -128,6 +128,14 @@ def format_status(status: dict[str, Any]) -> str:
             lines.append(f"  {run['run_id']}: epoch {run['epoch']}, {plural(run['trainers'], 'trainer')} "
                          f"({run['trainers_in_epoch']} in this epoch), {run['samples']}/{run['target_batch_size']} "
                          f"samples, {run['samples_per_s']} samples/s")
+            if run.get("algorithm", "collaborative") != "collaborative":
+                utilization = run.get("utilization")
+                lines.append(f"    algorithm {run['algorithm']}: outer step {run.get('outer_step')}, "
+                             f"{run.get('bytes_per_outer_step')} bytes per outer step, utilization "
+                             f"{'?' if utilization is None else utilization}, outer hashes "
+                             f"{'agree' if run.get('hashes_agree') else 'DIFFER'}")
+            else:
+                lines.append("    algorithm collaborative")
             for group in run.get("recent_groups", []):
                 lines.append(f"    averaged together: {', '.join(group)}")
     return "\n".join(lines)

@@ -408,6 +408,11 @@ def _failed_expert_calls(model: DigitsModel, swarm: SwarmHandle | None) -> int:
     return int(stats["forward_failures"] + stats["backward_failures"])
 
 
+# what a DiLoCo trainer adds to its progress and result lines
+DILOCO_LINE = ("algorithm", "outer_step", "hash", "bytes_sent", "bytes_per_outer_step", "utilization",
+               "swarm_trainers")
+
+
 def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]], None] | None = None,
                  stop: StopSignal | None = None) -> dict[str, Any]:
     """Train as configured by `args` (see `add_arguments`); print progress and the result; return the result.
@@ -428,17 +433,22 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
     optimizer: Any = None
     started = time.monotonic()
     try:
-        if not args.local_experts:
+        diloco = getattr(args, "algorithm", "collaborative") == "diloco"
+        if args.initial_peers and (diloco or not args.local_experts):
+            # with --algorithm diloco and --local-experts, the swarm only carries the averaging: every
+            # parameter lives in this trainer (the setting DiLoCo is made for)
             from averaging.collaborative import local_host_towards
             from peer.client import Swarm, normalize_peers
 
             peers = normalize_peers(args.initial_peers)
             swarm = Swarm(initial_peers=peers, host=local_host_towards(peers[0]))
-            args = discover_swarm_experts(args, swarm)
+            if not args.local_experts:
+                args = discover_swarm_experts(args, swarm)
+        experts_swarm = None if args.local_experts else swarm  # where the experts live (None: in this process)
         _, prefix, grid = expert_settings(args)
         uids = grid_uids(prefix, grid)
-        model = build_model(args, swarm)
-        if swarm is None:  # the experts learn at the daemons' rate, as they would on the swarm
+        model = build_model(args, experts_swarm)
+        if experts_swarm is None:  # the experts learn at the daemons' rate, as they would on the swarm
             local_experts = model.local_mixture().experts
             expert_params = {id(p) for p in local_experts.parameters()}
             base = torch.optim.Adam([
@@ -447,7 +457,18 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
             ])
         else:
             base = torch.optim.Adam(model.parameters(), lr=args.lr)
-        if swarm is not None:
+        if swarm is not None and diloco:
+            from averaging.diloco import DiLoCoOptimizer
+            from peer.p2p.wire import Compression
+
+            optimizer = DiLoCoOptimizer(
+                base, swarm, args.run_id, inner_steps=args.inner_steps, batch_size_per_step=args.batch_size,
+                outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+                compression=Compression[args.compression.upper()], overlap=args.overlap,
+                target_group_size=max(args.group_size, 2), matchmaking_time=args.matchmaking_time,
+                listen=not args.client_mode, should_stop=lambda: stop.requested,
+            )
+        elif swarm is not None:
             from averaging.collaborative import CollaborativeOptimizer
 
             optimizer = CollaborativeOptimizer(
@@ -497,11 +518,14 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
                     "step_s": round((now - last_line_at) / (step - last_line_step), 4),  # mean since last line
                     "loss": round(meter.loss, 4),
                     "accuracy": round(meter.accuracy, 4), "samples_per_s": round(samples / max(elapsed, 1e-9), 1),
-                    "experts_alive": len(uids) if swarm is None else _experts_alive(swarm, model, uids),
-                    "failed_calls": _failed_expert_calls(model, swarm),
+                    "experts_alive": len(uids) if experts_swarm is None else _experts_alive(experts_swarm, model, uids),
+                    "failed_calls": _failed_expert_calls(model, experts_swarm),
                 }
                 last_line_at, last_line_step = now, step
-                if optimizer is not None:
+                if optimizer is not None and diloco:
+                    stats = optimizer.stats()
+                    line.update({key: stats[key] for key in DILOCO_LINE})
+                elif optimizer is not None:
                     stats = optimizer.stats()
                     line["epoch"] = optimizer.epoch
                     line["averaging_rounds"] = stats["averaging_rounds"]
@@ -526,7 +550,11 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
             "train_seconds": round(train_seconds, 3), "wall_seconds": round(time.monotonic() - started, 3),
             "run_id": args.run_id, "local_experts": bool(args.local_experts),
         }
-        if optimizer is not None:
+        if optimizer is not None and diloco:
+            stats = optimizer.stats()
+            result.update({key: stats[key] for key in (*DILOCO_LINE, "group_sizes", "state_loads", "resyncs",
+                                                        "outer_waits", "bytes_received", "peer_id")})
+        elif optimizer is not None:
             stats = optimizer.stats()
             result.update({
                 "epoch": stats["epoch"], "averaging_rounds": stats["averaging_rounds"],
@@ -534,7 +562,7 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
                 "peers_averaged_with": stats["peers_averaged_with"], "state_loads": stats["state_loads"],
                 "peer_id": stats["peer_id"],
             })
-            result["failed_expert_calls"] = _failed_expert_calls(model, swarm)
+            result["failed_expert_calls"] = _failed_expert_calls(model, experts_swarm)
         if args.checkpoint is not None:
             args.checkpoint.parent.mkdir(parents=True, exist_ok=True)
             torch.save({"model": model.state_dict(), "optimizer": base.state_dict(), "args": _plain_args(args),
@@ -566,6 +594,8 @@ def run_command(args: argparse.Namespace) -> int:
     stop = StopSignal()
     with stop.installed():
         run_training(args, stop=stop)
+    if getattr(args, "algorithm", None) == "diloco" and stop.signum == signal.SIGINT:
+        return 0  # a DiLoCo run stopped with Ctrl-C is a clean stop (the outer state is on the other trainers)
     return stop.exit_code()
 
 

@@ -348,7 +348,8 @@ def mutations(draw, header):
 @st.composite
 def mutated_messages(draw):
     batch = draw(st.lists(tensors(shape=st.lists(st.integers(0, 4), max_size=3)), min_size=1, max_size=3))
-    codec = draw(st.sampled_from(list(Compression)))
+    # the blockwise INT8 codec's header rules (scales inside the buffer) are checked in tests/averaging/test_diloco.py
+    codec = draw(st.sampled_from([c for c in Compression if c != Compression.INT8]))
     message = wire.encode_bytes([draw(scalars), batch], compression=codec)
     body, headers, data = split_message(message)
     target = draw(st.integers(0, len(headers) - 1))

@@ -17,7 +17,8 @@ at or after ``4 + body_len``; every non-empty buffer starts at a multiple of :da
 message start, buffers appear in body order and do not overlap, and the message ends exactly where the last buffer
 ends. (Offsets are relative to the data section so that the body can be packed in one pass: its length, which
 decides where the data section begins, is not known until packing is done.) ``params`` is ``[]`` except for
-``Compression.UINT8`` where it is ``[min, scale]``.
+``Compression.UINT8`` where it is ``[min, scale]`` and ``Compression.INT8`` where it is ``[block]`` (the buffer then
+holds one float32 scale per block followed by one int8 per element).
 
 Why this layout: large tensors are never copied into the msgpack body. :func:`encode` hands back a list of parts
 (small ``bytes`` plus ``memoryview`` objects over the tensors' own storage) that a socket can send with
@@ -59,6 +60,7 @@ __all__ = [
     "check_message_size",
     "compressed",
     "decode",
+    "roundtrip",
     "encode",
     "encode_bytes",
     "parts_nbytes",
@@ -99,7 +101,8 @@ class Limits:
     max_container_len: items of one list or entries of one dict.
 
     Decoded tensors can take more memory than the message: up to 4x for the float16 codec and 8x for the 8-bit
-    codec (both decoding to float64); uncompressed tensors decoded from a writable buffer take none.
+    codec (both decoding to float64; the blockwise INT8 codec decodes to the original dtype); uncompressed
+    tensors decoded from a writable buffer take none.
     """
 
     max_message_bytes: int = 1 << 30
@@ -128,11 +131,28 @@ class Compression(IntEnum):
         ``|x - x'| <= (max - min) / 510 + 4 * eps * max(|min|, |max|)`` where eps = torch.finfo(dtype).eps
         (the second term is float rounding in the tensor's own dtype). A constant tensor is exact. A tensor holding
         NaN or infinity, or whose range overflows float64, is sent uncompressed (8 bits cannot represent it).
+
+    INT8: blockwise symmetric 8-bit quantization, for pseudo-gradients and other values whose magnitude varies
+        across a tensor (one min/max for the whole tensor, as UINT8 does, lets a few large values wipe out the
+        small ones). The flattened tensor is cut into blocks of ``INT8_BLOCK`` (256) elements; each block has its
+        own scale ``s = 2**ceil(log2(max|block| / 127))`` (a power of two, sent as float32) and its values are sent
+        as ``q = round(x / s)`` in [-127, 127], decoded as ``q * s``. Error per element, for float32 and float64
+        input: ``|x - x'| <= s / 2 <= max|block| / 127``; a block of zeros is exact; a value whose block's scale is
+        below float32's smallest subnormal (max|block| < 127 * 2**-149) decodes to 0. Power-of-two scales make the
+        division and the decoding exact and the codec idempotent on its own output for the same blocks
+        (``roundtrip(roundtrip(x)) == roundtrip(x)``), which lets every member of an all-reduce hold bit-identical
+        values. Size: 1 + 4/256 bytes per element. A tensor holding NaN or infinity, or whose block maximum
+        exceeds float32's range, is sent uncompressed.
     """
 
     NONE = 0
     FLOAT16 = 1
     UINT8 = 2
+    INT8 = 3
+
+
+INT8_BLOCK = 256
+"""Elements per block of the blockwise INT8 codec (one float32 scale per block)."""
 
 
 # torch is imported on first use, not with this module: `peer status` and the DHT speak this codec without ever
@@ -277,6 +297,44 @@ def _quantize_uint8(tensor: torch.Tensor) -> tuple[torch.Tensor, list[float]] | 
     return q.reshape(-1), [lo, scale]
 
 
+def _quantize_int8_blocks(tensor: torch.Tensor, block: int) -> torch.Tensor | None:
+    """Blockwise 8-bit quantization (see Compression.INT8): one uint8 buffer holding the float32 scales of the
+    blocks, then the int8 values; None when the values cannot be represented (NaN, inf, beyond float32)."""
+    flat = tensor.reshape(-1)
+    numel = flat.numel()
+    nblocks = -(-numel // block)
+    wide = tensor.dtype == torch.float64
+    work = flat.to(torch.float64 if wide else torch.float32)
+    padded = torch.nn.functional.pad(work, (0, nblocks * block - numel)).view(nblocks, block)
+    absmax = padded.abs().amax(dim=1).to(torch.float64)
+    if not bool(torch.isfinite(absmax).all()) or (numel and float(absmax.max()) > 3.0e38):
+        return None
+    mantissa, exponent = torch.frexp(absmax / 127.0)
+    exponent = torch.where(mantissa == 0.5, exponent - 1, exponent).clamp_(min=-149)
+    scales = torch.where(absmax > 0, torch.ldexp(torch.ones_like(absmax), exponent), torch.zeros_like(absmax))
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales)).to(work.dtype)
+    q = padded.div(safe.unsqueeze(1)).round_().clamp_(-127, 127).to(torch.int8).reshape(-1)[:numel]
+    out = torch.empty(nblocks * 4 + numel, dtype=torch.uint8)
+    out[: nblocks * 4].view(torch.float32).copy_(scales.to(torch.float32))
+    out[nblocks * 4:].view(torch.int8).copy_(q)
+    return out
+
+
+def _int8_nbytes(numel: int, block: int) -> int:
+    return -(-numel // block) * 4 + numel
+
+
+def _dequantize_int8_blocks(raw: torch.Tensor, numel: int, block: int, dtype: torch.dtype) -> torch.Tensor:
+    nblocks = -(-numel // block)
+    scales = raw[: nblocks * 4].view(torch.float32)
+    if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+        raise WireError("malformed 8-bit block scales")
+    q = raw[nblocks * 4:].view(torch.int8)
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    values = torch.nn.functional.pad(q.to(work), (0, nblocks * block - numel)).view(nblocks, block)
+    return values.mul_(scales.to(work).unsqueeze(1)).reshape(-1)[:numel].to(dtype)
+
+
 def _tensor_payload(
     tensor: torch.Tensor, compression: Compression, cursor: int
 ) -> tuple[bytes, memoryview | None, int]:
@@ -308,6 +366,12 @@ def _tensor_payload(
             compression = Compression.NONE
         else:
             data, params = quantized
+    elif compression == Compression.INT8:
+        blocks = _quantize_int8_blocks(tensor, INT8_BLOCK) if tensor.numel() else torch.empty(0, dtype=torch.uint8)
+        if blocks is None:
+            compression = Compression.NONE
+        else:
+            data, params = blocks, [INT8_BLOCK]
     if not data.is_contiguous():
         data = data.contiguous()
     nbytes = data.numel() * data.element_size()
@@ -377,6 +441,15 @@ def encode(obj: Any, *, compression: Compression = Compression.NONE) -> list[byt
         parts.append(view)
         end = offset + view.nbytes
     return parts
+
+
+def roundtrip(tensor: torch.Tensor, compression: Compression) -> torch.Tensor:
+    """What a peer decodes when ``tensor`` is sent with ``compression`` (exactly: the same code path). Used where
+    the sender must hold the same values as the receivers (the reducer of an all-reduce part, error feedback)."""
+    if Compression(compression) == Compression.NONE:
+        return tensor
+    decoded: torch.Tensor = decode(bytearray(encode_bytes(compressed(tensor, compression))))
+    return decoded
 
 
 def encode_bytes(obj: Any, *, compression: Compression = Compression.NONE) -> bytes:
@@ -471,8 +544,16 @@ class _TensorReader:
         codec = Compression(codec_id)
         if codec != Compression.NONE and dtype not in _FLOATING:
             raise WireError(f"compression {codec.name} on a {name} tensor")
-        stored = {Compression.NONE: dtype, Compression.FLOAT16: torch.float16, Compression.UINT8: torch.uint8}[codec]
-        if type(nbytes) is not int or nbytes != numel * _ITEMSIZE[stored]:
+        stored = {Compression.NONE: dtype, Compression.FLOAT16: torch.float16, Compression.UINT8: torch.uint8,
+                  Compression.INT8: torch.uint8}[codec]
+        if codec == Compression.INT8:
+            if (type(params) is not list or len(params) != 1 or type(params[0]) is not int
+                    or not 1 <= params[0] <= 1 << 20):
+                raise WireError(f"malformed 8-bit block parameters {params!r}")
+            expected = _int8_nbytes(numel, params[0])
+        else:
+            expected = numel * _ITEMSIZE[stored]
+        if type(nbytes) is not int or nbytes != expected:
             raise WireError(f"tensor byte length {nbytes!r} does not match shape {shape} of {stored}")
         if type(params) is not list:
             raise WireError("malformed tensor codec parameters")
@@ -481,7 +562,7 @@ class _TensorReader:
                 raise WireError(f"malformed 8-bit codec parameters {params!r}")
             if params[1] < 0:
                 raise WireError("negative 8-bit codec scale")
-        elif params:
+        elif params and codec != Compression.INT8:
             raise WireError(f"unexpected codec parameters {params!r}")
         if type(offset) is not int or offset < 0:
             raise WireError(f"malformed tensor offset {offset!r}")
@@ -497,6 +578,8 @@ class _TensorReader:
         data = torch.frombuffer(raw, dtype=torch.uint8)
         if stored == torch.bool and bool((data > 1).any()):
             raise WireError("bool tensor holds bytes other than 0 and 1")
+        if codec == Compression.INT8:
+            return _dequantize_int8_blocks(data, numel, params[0], dtype).view(shape)
         data = data.view(stored)
         if codec == Compression.FLOAT16:
             data = data.to(dtype)

@@ -1,0 +1,315 @@
+"""DiLoCo: the blockwise INT8 codec and error feedback (no network), then trainers on the in-memory network, each a
+thread around one shared bridge (its trio thread runs every simulated peer): outer steps agree bit for bit and
+equal a reference Nesterov step on the sample-weighted mean of the pseudo-gradients; a newcomer and a
+partitioned trainer get the swarm's outer state; overlap never makes an inner step wait on a fast network."""
+
+from __future__ import annotations
+
+import glob
+import threading
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+import trio
+from torch import nn
+
+from averaging.diloco import DiLoCoOptimizer, ErrorFeedback, state_hash
+from peer.p2p import wire
+from peer.p2p.bridge import Bridge
+from peer.p2p.net import MemoryNetwork
+from tests.sim_peers import SimPeer, start_peers
+
+INT8 = wire.Compression.INT8
+
+
+def _block_bound(x: torch.Tensor) -> torch.Tensor:
+    flat = x.reshape(-1)
+    pad = (-flat.numel()) % wire.INT8_BLOCK
+    blocks = torch.nn.functional.pad(flat.abs(), (0, pad)).view(-1, wire.INT8_BLOCK).amax(1)
+    return blocks.repeat_interleave(wire.INT8_BLOCK)[:flat.numel()].view(x.shape) / 127
+
+
+# ------------------------------------------------------------------------------------------- codec
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("seed", range(4))
+def test_int8_blocks_stay_within_the_documented_error_and_are_idempotent(dtype, seed):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 700, generator=generator, dtype=dtype) * torch.logspace(-6, 4, 700, dtype=dtype)
+    y = wire.roundtrip(x, INT8)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert bool(((x - y).abs() <= _block_bound(x)).all())
+    assert torch.equal(wire.roundtrip(y, INT8), y)  # what lets every all-reduce member hold the same bytes
+    # per-block scales: a tiny block next to a huge one keeps its precision (one scale would zero it)
+    mixed = torch.cat([torch.full((256,), 1e-4), torch.full((256,), 1e4)]) * torch.linspace(0.5, 1, 512)
+    assert torch.allclose(wire.roundtrip(mixed, INT8)[:256], mixed[:256], rtol=1 / 100)
+    assert len(wire.encode_bytes(x, compression=INT8)) < x.numel() * 1.02 + 200
+
+
+def test_int8_edge_cases_and_hostile_headers():
+    for value in (torch.zeros(5), torch.empty(0), torch.tensor(3.0), torch.tensor([1.0, float("nan")]),
+                  torch.tensor([float("inf"), 1.0])):
+        out = wire.roundtrip(value, INT8)
+        assert out.shape == value.shape and torch.equal(out.isnan(), value.isnan())
+    assert torch.equal(wire.roundtrip(torch.tensor([float("inf"), 1.0]), INT8), torch.tensor([float("inf"), 1.0]))
+    message = bytearray(wire.encode_bytes(torch.randn(300), compression=INT8))
+    body_len = int.from_bytes(message[:4], "little")
+    body = msgpack.unpackb(bytes(message[4:4 + body_len]), raw=False)
+    for bad in ([], [0], [2**30], ["x"], [256, 1]):
+        payload = msgpack.packb(["float32", [300], 3, 0, 2 * 4 + 300, bad], use_bin_type=True)
+        forged = msgpack.packb(msgpack.ExtType(1, payload), use_bin_type=True)
+        data = message[-(2 * 4 + 300):]
+        pad = (-(4 + len(forged))) % wire.ALIGNMENT
+        with pytest.raises(wire.WireError):
+            wire.decode(bytearray(len(forged).to_bytes(4, "little") + forged + bytes(pad) + data))
+    assert body.code == 1
+    scales_nan = bytearray(message)
+    scales_nan[-(2 * 4 + 300):-(300 + 4)] = bytes.fromhex("0000c07f")  # a NaN scale
+    with pytest.raises(wire.WireError):
+        wire.decode(scales_nan)
+
+
+def test_error_feedback_tracks_the_uncompressed_sum_over_20_rounds():
+    generator = torch.Generator().manual_seed(7)
+    rounds = [torch.randn(2000, generator=generator) * (1 + i % 3) for i in range(20)]
+    with_feedback = ErrorFeedback([rounds[0]], INT8, enabled=True)
+    without = ErrorFeedback([rounds[0]], INT8, enabled=False)
+    sent_fb = torch.zeros(2000)
+    sent_plain = torch.zeros(2000)
+    for values in rounds:
+        a, b = [values.clone()], [values.clone()]
+        with_feedback.compress(a)
+        with_feedback.commit()
+        without.compress(b)
+        sent_fb += a[0]
+        sent_plain += b[0]
+    total = torch.stack(rounds).sum(0)
+    # documented bound: the sum of what was sent misses the true sum by the last residual only, i.e. by at most
+    # the codec's error on the last round's input (last values + the residual before it)
+    bound = _block_bound(rounds[-1]) * 2 + 1e-5
+    assert bool(((sent_fb - total).abs() <= bound).all())
+    assert (sent_fb - total).abs().max() < (sent_plain - total).abs().max()  # feedback does better than none
+
+
+# ------------------------------------------------------------------------------------------- in-memory swarm
+
+
+class SimSwarm:
+    """A `SwarmHandle` over one simulated peer of a shared bridge (what DiLoCoOptimizer needs)."""
+
+    def __init__(self, bridge: Bridge, peer: SimPeer):
+        self.bridge, self.peer = bridge, peer
+
+    @property
+    def rpc(self) -> Any:
+        return self.peer.rpc
+
+    @property
+    def dht(self) -> Any:
+        return self.peer.dht
+
+    def run(self, async_fn: Any, *args: Any) -> Any:
+        return self.bridge.run(async_fn, *args)
+
+
+def _start_swarm(bridge: Bridge, memory: MemoryNetwork, count: int, first: int = 0,
+                 bootstrap: list | None = None) -> list[SimPeer]:
+    async def start(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            peers = await start_peers(nursery, count, memory=memory, seed=3, first=first, bootstrap=bootstrap)
+            task_status.started(peers)
+
+    return bridge.start_and_wait(start)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def _make(swarm: SimSwarm, **options: Any) -> tuple[nn.Module, DiLoCoOptimizer]:
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.05)
+    defaults = dict(inner_steps=5, batch_size_per_step=4, matchmaking_time=1.5, averaging_timeout=20.0,
+                    ready_timeout=8.0, progress_ttl=10.0, min_refresh=0.05, max_refresh=0.5)
+    defaults.update(options)
+    return model, DiLoCoOptimizer(inner, swarm, "sim", **defaults)
+
+
+def _train(model: nn.Module, opt: DiLoCoOptimizer, steps: int, seed: int, rows: int = 4,
+           before_step: Any = None) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        if before_step is not None:
+            before_step(step)
+        x = torch.randn(rows, 6, generator=generator)
+        y = torch.randn(rows, 2, generator=generator)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step(batch_size=rows)
+
+
+def _threads(targets: list) -> None:
+    errors: list[BaseException] = []
+
+    def guarded(fn):
+        def run():
+            try:
+                fn()
+            except BaseException as error:  # reported in the test's thread
+                errors.append(error)
+        return run
+
+    threads = [threading.Thread(target=guarded(fn), daemon=True) for fn in targets]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(180)
+    assert not any(thread.is_alive() for thread in threads), "a trainer hung"
+    if errors:
+        raise errors[0]
+
+
+@pytest.fixture
+def bridge():
+    with Bridge.start() as bridge:
+        yield bridge
+
+
+def _reference_check(trace_dir: str, steps: int, count: int) -> None:
+    """Every outer step equals Nesterov SGD (lr 0.7, momentum 0.9) on the sample-weighted mean of the group's
+    own (uncompressed) pseudo-gradients, and all members hold the same result."""
+    momentum = None
+    for step in range(1, steps + 1):
+        records = [torch.load(f, weights_only=True) for f in sorted(glob.glob(f"{trace_dir}/*.{step}.pt"))]
+        assert len(records) == count, f"outer step {step}: {len(records)} trainers"
+        assert len({r["hash"] for r in records}) == 1, f"outer step {step}: hashes differ"
+        weights = torch.stack([r["weight"] for r in records])
+        for index in range(len(records[0]["own"])):
+            mean = sum(w * r["own"][index] for w, r in zip(weights, records)) / weights.sum()
+            assert torch.allclose(records[0]["averaged"][index], mean, atol=1e-6)
+        grads = records[0]["averaged"]
+        if momentum is None:
+            momentum = [torch.zeros_like(g) for g in grads]
+        for index, grad in enumerate(grads):
+            momentum[index] = 0.9 * momentum[index] + grad
+            expected = records[0]["before"][index] - 0.7 * (grad + 0.9 * momentum[index])
+            assert torch.allclose(records[0]["after"][index], expected, atol=1e-6)
+
+
+def test_four_trainers_agree_after_every_outer_step_and_match_reference_nesterov(bridge, tmp_path):
+    memory = MemoryNetwork(latency=0.002)
+    peers = _start_swarm(bridge, memory, 4)
+    made = [_make(SimSwarm(bridge, peer)) for peer in peers]
+    for _, opt in made:
+        opt._trace = str(tmp_path)
+    try:
+        _threads([lambda m=m, o=o, i=i: _train(m, o, 15, seed=i) for i, (m, o) in enumerate(made)])
+        assert {opt.outer_step for _, opt in made} == {3}
+        assert len({opt.hash for _, opt in made}) == 1
+        _reference_check(str(tmp_path), 3, 4)
+        for model, opt in made:
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), opt.outer_params))
+            assert opt.stats()["group_sizes"] == {4: 3}
+            assert opt.stats()["bytes_sent"] > 0
+    finally:
+        for _, opt in made:
+            opt.close()
+
+
+def test_newcomer_holds_the_outer_params_and_momentum_before_its_first_inner_step(bridge):
+    memory = MemoryNetwork(latency=0.002)
+    peers = _start_swarm(bridge, memory, 3)
+    made = [_make(SimSwarm(bridge, peer)) for peer in peers[:2]]
+    try:
+        _threads([lambda m=m, o=o, i=i: _train(m, o, 25, seed=i) for i, (m, o) in enumerate(made)])
+        assert {opt.outer_step for _, opt in made} == {5}
+        model, newcomer = _make(SimSwarm(bridge, peers[2]))
+        try:
+            reference = made[0][1]
+            assert newcomer.outer_step == 5 and newcomer.local_steps == 0
+            assert newcomer.hash == reference.hash
+            assert all(torch.equal(a, b) for a, b in zip(newcomer.outer_params, reference.outer_params))
+            momentum = [newcomer.outer_optimizer.state[p]["momentum_buffer"] for p in newcomer.outer_params]
+            expected = [reference.outer_optimizer.state[p]["momentum_buffer"] for p in reference.outer_params]
+            assert all(torch.equal(a, b) and a.abs().sum() > 0 for a, b in zip(momentum, expected))
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.outer_params))
+        finally:
+            newcomer.close()
+    finally:
+        for _, opt in made:
+            opt.close()
+
+
+def _in_bridge(bridge: Bridge, fn: Any, *args: Any) -> None:
+    """Run a MemoryNetwork change in the trio thread that owns the network."""
+    async def change() -> None:
+        fn(*args)
+
+    bridge.run(change)
+
+
+@pytest.mark.slow
+def test_partitioned_trainer_resyncs_after_the_partition_heals(bridge):
+    memory = MemoryNetwork(latency=0.002)
+    peers = _start_swarm(bridge, memory, 4)
+    made = [_make(SimSwarm(bridge, peer), ready_timeout=3.0, matchmaking_time=1.0, load_state_timeout=4.0,
+                  averaging_timeout=8.0) for peer in peers]
+    names = [peer.name for peer in peers]
+    cut = threading.Event()
+
+    def partition_at(step: int) -> None:
+        if step == 5 and not cut.is_set():  # the last trainer, after its first outer step
+            cut.set()
+            _in_bridge(bridge, memory.partition, [names[3]], names[:3])
+
+    def healed_at(step: int) -> None:
+        if step == 10:
+            _in_bridge(bridge, memory.heal)
+
+    try:
+        _threads([lambda m=m, o=o, i=i: _train(m, o, 25, seed=i, before_step=partition_at if i == 3 else (
+            healed_at if i == 0 else None)) for i, (m, o) in enumerate(made)])
+        last = made[3][1]
+        # cut off, it found no group (applied nothing); healed, it downloaded the swarm's outer state
+        assert last.stats()["skipped_rounds"] >= 1 and last.stats()["state_loads"] >= 1, last.stats()
+        assert last.outer_step >= min(opt.outer_step for _, opt in made[:3]) - 1
+    finally:
+        for _, opt in made:
+            opt.close()
+
+
+def test_overlap_no_inner_step_waits_when_the_round_is_faster_than_inner_steps(bridge):
+    memory = MemoryNetwork(latency=0.01)
+    peers = _start_swarm(bridge, memory, 2)
+    made = [_make(SimSwarm(bridge, peer), overlap=True, inner_steps=40, compression=INT8) for peer in peers]
+    gate = threading.Barrier(2, timeout=60)
+    rounds: list[list[int]] = [[], []]
+
+    def pace(index: int):
+        opt = made[index][1]
+
+        def before(step: int) -> None:
+            # the inner steps of a round are paced by the outer round of the other trainer: each trainer's
+            # background round must be done before it reaches the end of its next round
+            if step % 40 == 39:
+                gate.wait()
+                while opt._background is not None and not opt._background.is_set():
+                    threading.Event().wait(0.01)  # polling the optimizer's own flag, not a timed sync
+            rounds[index].append(step)
+        return before
+
+    try:
+        _threads([lambda m=m, o=o, i=i: _train(m, o, 160, seed=i, before_step=pace(i))
+                  for i, (m, o) in enumerate(made)])
+        for _, opt in made:
+            stats = opt.stats()
+            assert stats["outer_waits"] == 0, stats
+            assert stats["outer_step"] == 3, stats  # 4 rounds, the last one's update still in flight
+        assert len({opt.hash for _, opt in made}) == 1
+        assert state_hash(made[0][1]._outer_state) == made[1][1].hash
+    finally:
+        for _, opt in made:
+            opt.close()

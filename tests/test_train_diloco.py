@@ -1,0 +1,88 @@
+"""`peer train --algorithm diloco` as processes (tests/peer_processes.py): four trainers agree on the outer state
+after every outer step and match a reference Nesterov step; one SIGKILLed while its part is being sent does not
+stop the others; SIGINT during an outer step ends a trainer within 10 s with exit status 0."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import time
+
+import pytest
+
+from tests.averaging.test_diloco import _reference_check
+from tests.peer_processes import PeerProcess, ProcessGroup, start_daemon
+
+TRAINER = ["--algorithm", "diloco", "--local-experts", "--hidden-dim", "16", "--grid-size", "2", "--batch-size",
+           "16", "--matchmaking-time", "2", "--threads", "1"]
+
+
+@pytest.fixture
+def processes():
+    group = ProcessGroup()
+    yield group
+    group.close()
+
+
+def _daemon(processes: ProcessGroup) -> str:
+    daemon, _, address = start_daemon("--hidden-dim", "16", "--num-experts", "1")
+    processes.add(daemon)
+    return address
+
+
+def _trainer(processes: ProcessGroup, address: str, *args: str, env: dict | None = None) -> PeerProcess:
+    full_env = {**os.environ, **(env or {})}
+    return processes.add(PeerProcess(["train", "--initial-peers", address, *TRAINER, *args], env=full_env))
+
+
+def _result(process: PeerProcess, timeout: float = 300.0) -> dict:
+    while True:
+        line = process.read_json(timeout)
+        if line.get("event") == "result":
+            return line
+
+
+@pytest.mark.slow
+def test_four_trainer_processes_agree_and_match_reference_nesterov(processes, tmp_path):
+    address = _daemon(processes)
+    env = {"SWARMD_DILOCO_TRACE": str(tmp_path)}
+    trainers = [_trainer(processes, address, "--inner-steps", "20", "--steps", "200", "--seed", str(i),
+                         "--log-every", "20", env=env) for i in range(4)]
+    results = [_result(t) for t in trainers]
+    assert all(t.wait(30) == 0 for t in trainers)
+    assert {r["outer_step"] for r in results} == {10}
+    assert len({r["hash"] for r in results}) == 1
+    _reference_check(str(tmp_path), 10, 4)
+
+
+@pytest.mark.slow
+def test_trainer_killed_while_sending_its_part_the_others_finish_and_agree(processes, tmp_path):
+    address = _daemon(processes)
+    common = ["--inner-steps", "20", "--steps", "80", "--log-every", "20"]
+    victim = _trainer(processes, address, *common, "--seed", "9", env={"SWARMD_DILOCO_HOLD_AT": "1"})
+    others = [_trainer(processes, address, *common, "--seed", str(i), env={"SWARMD_DILOCO_TRACE": str(tmp_path)})
+              for i in range(3)]
+    victim.read_until(r'"diloco_hold"', 300)
+    victim.kill()  # SIGKILL while its part of outer step 2 is being sent
+    results = [_result(t) for t in others]
+    assert {r["outer_step"] for r in results} == {4}
+    assert len({r["hash"] for r in results}) == 1
+    for step in (2, 3, 4):
+        hashes = {os.path.basename(f).split(".")[0] for f in glob.glob(f"{tmp_path}/*.{step}.pt")}
+        assert len(hashes) == 3, f"outer step {step}"
+
+
+@pytest.mark.slow
+def test_sigint_during_an_outer_step_exits_0_within_10_s(processes):
+    address = _daemon(processes)
+    common = ["--inner-steps", "10", "--steps", "1000", "--log-every", "5"]
+    frozen = _trainer(processes, address, *common, "--seed", "1", env={"SWARMD_DILOCO_HOLD_AT": "0"})
+    trainer = _trainer(processes, address, *common, "--seed", "0", env={"SWARMD_DILOCO_ANNOUNCE": "1"})
+    trainer.read_until(r'"diloco_round"', 120)
+    frozen.read_until(r'"diloco_hold"', 120)  # the other stopped in the middle of sending: we are in the round
+    started = time.monotonic()
+    trainer.signal(signal.SIGINT)
+    assert trainer.wait(10) == 0
+    assert time.monotonic() - started < 10
+    frozen.kill()
