@@ -270,7 +270,8 @@ class SwarmLauncher:
     def _lines(self) -> list[str]:
         elapsed = time.monotonic() - self.started_at
         lines = [f"swarmd local swarm: {plural(self.topology.volunteers, 'volunteer')}, "
-                 f"{plural(self.topology.trainers, 'trainer')}, {plural(self.topology.grid_size, 'expert')} — "
+                 f"{plural(self.topology.trainers, 'trainer')}, {plural(self.topology.experts_total, 'expert')}"
+                 f"{' (language model)' if self.topology.task == 'lm' else ''} — "
                  f"{elapsed:6.1f} s"]
         for member in self.members:
             if member.killed_at is not None:

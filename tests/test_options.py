@@ -38,6 +38,7 @@ def choice(*good: str) -> tuple:
 
 TOPOLOGY = {name: POSITIVE_INT for name in ("volunteers", "trainers", "experts-per-volunteer", "hidden-dim", "steps",
                                            "batch-size", "target-batch-size")}
+TOPOLOGY["task"] = choice("lm", "digits")
 TABLE: dict[str, dict[str, tuple]] = {
     "join": {
         "host": STRING, "port": PORT, "announce": ONE_ADDRESS, "initial-peers": ADDRESS, "identity": PATH,
@@ -58,7 +59,8 @@ TABLE: dict[str, dict[str, tuple]] = {
         "average": choice("parameters", "gradients"), "group-size": POSITIVE_INT, "matchmaking-time": POSITIVE,
         "client-mode": SWITCH, "expert-timeout": POSITIVE, "expert-grace": NOT_NEGATIVE, "seed": INTEGER,
         "checkpoint": PATH, "log-every": POSITIVE_INT, "local-experts": SWITCH, "expert-lr": POSITIVE,
-        "threads": POSITIVE_INT, "max-failed-steps": POSITIVE_INT,
+        "threads": POSITIVE_INT, "max-failed-steps": POSITIVE_INT, "task": choice("lm", "digits"),
+        "seq-len": POSITIVE_INT,
     },
     "swarm up": {**TOPOLOGY, "kill-one-at": POSITIVE, "log-dir": PATH},
     "swarm compose": TOPOLOGY,
