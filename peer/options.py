@@ -241,6 +241,11 @@ def _grid_pattern(text: str) -> None:
     GridPattern.parse(text)
 
 
+def _peer_id_hex(text: str) -> None:
+    if len(text) != 40 or any(c not in "0123456789abcdef" for c in text.lower()):
+        raise ValueError(f"{text!r} is not a PeerID (40 hex digits, as `peer join` prints it)")
+
+
 POSITIVE_INT = Integer(minimum=1)
 PORT = Integer(0, 65535, what="a port number")
 POSITIVE = Number()
@@ -485,6 +490,9 @@ JOIN = OptionSet("peer join", [
            "replicas' weights averaged with theirs (hot standby)"),
     Option("average-every", POSITIVE, 30.0, "seconds between replica averaging rounds", metavar="SECONDS"),
     Option("log-level", Text(["debug", "info", "warning", "error"]), "info", "what goes to stderr"),
+    Option("accept-weights-from", Text(validate=_peer_id_hex, what="a PeerID"), [], "PeerIDs allowed to overwrite "
+           "the served experts' weights (upcycling by `moe.swarmify.swarmify(..., upcycle=True)`)", many=True,
+           shown_default="nobody", metavar="PEER_ID"),
 ])
 
 # ------------------------------------------------------------------------------------------------------- status

@@ -49,6 +49,7 @@ TABLE: dict[str, dict[str, tuple]] = {
         "lr": POSITIVE, "checkpoint-dir": PATH, "checkpoint-interval": POSITIVE, "device": STRING,
         "threads": POSITIVE_INT, "replicate": SWITCH, "average-every": POSITIVE,
         "log-level": choice("debug", "info", "warning", "error"),
+        "accept-weights-from": (["xyz"], ['"xyz"', "5"], ("ab" * 20, f'["{"ab" * 20}"]', ["ab" * 20])),
     },
     "status": {"initial-peers": ADDRESS, "json": SWITCH, "timeout": POSITIVE},
     "train": {
