@@ -74,6 +74,42 @@ class DeepFeedForward(nn.Sequential):
         )
 
 
+class DenseFFN(nn.Module):
+    """Linear(h, inner) -> activation -> Linear(inner, h): the FFN block of torch's transformer layers (relu or
+    exact gelu) and of GPT-2 (tanh-approximated gelu); `moe.swarmify` copies a dense block's weights into it."""
+
+    ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        "relu": nn.functional.relu,
+        "gelu": nn.functional.gelu,
+        "gelu_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
+    }
+
+    def __init__(self, hidden_dim: int, inner: int | None = None, activation: str = "relu"):
+        super().__init__()
+        self.activation = activation
+        self.up = nn.Linear(hidden_dim, inner or 4 * hidden_dim)
+        self.down = nn.Linear(inner or 4 * hidden_dim, hidden_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.down(self.ACTIVATIONS[self.activation](self.up(x)))
+        return out
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)) without biases: LLaMA's MLP block."""
+
+    def __init__(self, hidden_dim: int, inner: int | None = None):
+        super().__init__()
+        width = inner or 4 * hidden_dim
+        self.gate = nn.Linear(hidden_dim, width, bias=False)
+        self.up = nn.Linear(hidden_dim, width, bias=False)
+        self.down = nn.Linear(width, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.down(nn.functional.silu(self.gate(x)) * self.up(x))
+        return out
+
+
 def _default_heads(hidden_dim: int) -> int:
     for heads in (max(1, hidden_dim // 64), 8, 4, 2):
         if hidden_dim % heads == 0:
@@ -121,6 +157,14 @@ def registered_kinds() -> list[str]:
 register_expert_kind(ExpertKind("ffn", lambda h, **o: FeedForward(h), _vector_specs, _vector_specs))
 register_expert_kind(ExpertKind("deep_ffn", lambda h, **o: DeepFeedForward(h), _vector_specs, _vector_specs))
 register_expert_kind(ExpertKind("transformer", _build_transformer, _sequence_specs, _sequence_specs))
+# the FFN blocks `moe.swarmify` replaces; `KIND@N` sets the inner width (default 4 x hidden), e.g. relu_ffn@2048
+register_expert_kind(ExpertKind("relu_ffn", lambda h, inner=None, **o: DenseFFN(h, inner, "relu"),
+                                _vector_specs, _vector_specs))
+register_expert_kind(ExpertKind("gelu_ffn", lambda h, inner=None, **o: DenseFFN(h, inner, "gelu"),
+                                _vector_specs, _vector_specs))
+register_expert_kind(ExpertKind("gpt2_ffn", lambda h, inner=None, **o: DenseFFN(h, inner, "gelu_tanh"),
+                                _vector_specs, _vector_specs))
+register_expert_kind(ExpertKind("swiglu", lambda h, inner=None, **o: SwiGLU(h, inner), _vector_specs, _vector_specs))
 
 
 def get_expert_kind(name: str) -> ExpertKind:
@@ -132,6 +176,16 @@ def get_expert_kind(name: str) -> ExpertKind:
     kind = _REGISTRY.get(name)
     if kind is not None:
         return kind
+    base_name, at, width = name.partition("@")
+    if at and ":" not in name:  # KIND@N: a registered kind with inner width N
+        base = _REGISTRY.get(base_name)
+        if base is None or not width.isdigit() or int(width) < 1:
+            raise UnknownExpertKind(f"unknown expert kind {name!r} (KIND@N takes a registered kind and a positive "
+                                    f"inner width; registered: {', '.join(registered_kinds())})")
+        build = base.build
+        kind = ExpertKind(name, lambda h, **o: build(h, inner=int(width), **o), base.inputs, base.outputs)
+        with _REGISTRY_LOCK:
+            return _REGISTRY.setdefault(name, kind)
     module_name, sep, attribute = name.partition(":")
     if not sep or not module_name or not attribute:
         raise UnknownExpertKind(f"unknown expert kind {name!r} (registered: {', '.join(registered_kinds())})")
@@ -342,6 +396,6 @@ def make_expert(
 
 
 __all__ = [
-    "DeepFeedForward", "Expert", "ExpertKind", "FeedForward", "OptimizerConfig", "SchemaError",
+    "DeepFeedForward", "DenseFFN", "Expert", "ExpertKind", "FeedForward", "OptimizerConfig", "SchemaError", "SwiGLU",
     "UnknownExpertKind", "get_expert_kind", "make_expert", "register_expert_kind", "registered_kinds",
 ]

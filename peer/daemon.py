@@ -37,6 +37,7 @@ from dht.node import DHTNode
 from moe.experts import OptimizerConfig, make_expert
 from moe.grid import GridPattern, InvalidUID, expand_pattern
 from moe.server import ExpertServer, choose_uids
+from moe.upcycle import WeightWriter
 from peer import __version__
 from peer.directory import PeerDirectory
 from peer.discover import SwarmMismatch, choose_family, discover_families, summary_fields
@@ -79,6 +80,7 @@ class DaemonConfig:
     seed: int | None = None
     replicate: bool = _JOIN["replicate"]
     average_every: float = _JOIN["average_every"]
+    accept_weights_from: list[str] = field(default_factory=lambda: list(_JOIN["accept_weights_from"]))
 
 
 @dataclass
@@ -180,6 +182,8 @@ class Daemon:
                 async with trio.open_nursery() as nursery:
                     uids = sorted(self.expert_server.experts)
                     await nursery.start(self.expert_server.run, rpc, dht)
+                    # always registered: a peer outside the allow list gets a typed refusal, not "no such method"
+                    WeightWriter(self.expert_server, config.accept_weights_from).register(rpc)
                     if config.replicate:
                         self.replicas = ReplicaAverager(rpc, dht, self.expert_server.experts,
                                                         self.expert_server.runtime.exclusive,

@@ -26,7 +26,8 @@ from typing import Any, Callable, Iterable, NoReturn, Sequence, TypeVar, overloa
 
 from peer.topology import Topology
 
-EXPERT_KINDS = ("ffn", "transformer", "deep_ffn")  # moe/experts.py registers these (a test compares)
+# moe/experts.py registers these (a test compares)
+EXPERT_KINDS = ("ffn", "transformer", "deep_ffn", "relu_ffn", "gelu_ffn", "gpt2_ffn", "swiglu")
 
 
 class UsageError(Exception):
@@ -208,6 +209,9 @@ class ExpertKindName(Kind):
     def check(self, value: str) -> str:
         if value in EXPERT_KINDS:
             return value
+        base, at, width = value.partition("@")
+        if at and base in EXPERT_KINDS and width.isdigit() and int(width) > 0:
+            return value  # KIND@N: a registered kind with inner width N
         if ":" not in value:
             raise OptionError(f"unknown expert kind {value!r} (registered: {', '.join(EXPERT_KINDS)}; or "
                               f"package.module:factory)")
@@ -235,6 +239,11 @@ def _grid_pattern(text: str) -> None:
     from moe.grid import GridPattern  # moe.grid is plain Python: cheap, and only when --experts is given
 
     GridPattern.parse(text)
+
+
+def _peer_id_hex(text: str) -> None:
+    if len(text) != 40 or any(c not in "0123456789abcdef" for c in text.lower()):
+        raise ValueError(f"{text!r} is not a PeerID (40 hex digits, as `peer join` prints it)")
 
 
 POSITIVE_INT = Integer(minimum=1)
@@ -464,7 +473,8 @@ JOIN = OptionSet("peer join", [
            metavar="PATTERN"),
     Option("num-experts", POSITIVE_INT, None, "serve this many free uids of the pattern",
            shown_default="all of it; 4 without --experts"),
-    Option("expert-kind", ExpertKindName(), "ffn", f"{', '.join(EXPERT_KINDS)}, or package.module:factory",
+    Option("expert-kind", ExpertKindName(), "ffn", f"{', '.join(EXPERT_KINDS)} (KIND@N: inner width N), or "
+           "package.module:factory",
            metavar="KIND"),
     Option("hidden-dim", POSITIVE_INT, 64, "experts' hidden size (trainers use the same)"),
     Option("max-batch-size", POSITIVE_INT, 4096, "largest batch per expert"),
@@ -480,6 +490,9 @@ JOIN = OptionSet("peer join", [
            "replicas' weights averaged with theirs (hot standby)"),
     Option("average-every", POSITIVE, 30.0, "seconds between replica averaging rounds", metavar="SECONDS"),
     Option("log-level", Text(["debug", "info", "warning", "error"]), "info", "what goes to stderr"),
+    Option("accept-weights-from", Text(validate=_peer_id_hex, what="a PeerID"), [], "PeerIDs allowed to overwrite "
+           "the served experts' weights (upcycling by `moe.swarmify.swarmify(..., upcycle=True)`)", many=True,
+           shown_default="nobody", metavar="PEER_ID"),
 ])
 
 # ------------------------------------------------------------------------------------------------------- status
@@ -494,19 +507,25 @@ STATUS = OptionSet("peer status", [
 # ------------------------------------------------------------------------------------------------------- train
 
 LOCAL_FALLBACKS: dict[str, Any] = {"hidden_dim": 64, "expert_prefix": "ffn", "grid_size": "12"}
+# --task lm: the family `peer swarm up --task lm` serves (lm.[0:2].[0:12]: 2 layers of 12 experts)
+LM_LOCAL_FALLBACKS: dict[str, Any] = {"hidden_dim": 64, "expert_prefix": "lm", "grid_size": "2x12"}
 
 
 def resolve_local_defaults(args: argparse.Namespace) -> argparse.Namespace:
     """With --local-experts there is no swarm to take the experts' size, prefix and grid from: the options left
     unset get the values a default `peer join` swarm has (the only place these fallbacks are applied)."""
     if getattr(args, "local_experts", False):
-        for name, value in LOCAL_FALLBACKS.items():
+        fallbacks = LM_LOCAL_FALLBACKS if getattr(args, "task", "digits") == "lm" else LOCAL_FALLBACKS
+        for name, value in fallbacks.items():
             if getattr(args, name, None) is None:
                 setattr(args, name, value)
     return args
 
 
 TRAIN = OptionSet("peer train", [
+    Option("task", Text(["digits", "lm"]), "digits", "digits: a classifier on scikit-learn's digits; lm: a byte-level "
+           "transformer language model on the Python standard library's source, one expert grid per layer"),
+    Option("seq-len", POSITIVE_INT, 64, "with --task lm: bytes of context per training window"),
     Option("initial-peers", ADDRESS, [], "any running peers of the swarm", many=True,
            shown_default="none: required unless --local-experts"),
     Option("run-id", TEXT, "digits", "trainers with the same run id train one model together"),
@@ -515,9 +534,11 @@ TRAIN = OptionSet("peer train", [
     Option("target-batch-size", POSITIVE_INT, 128, "samples the whole swarm processes per collective epoch (one "
            "averaged update)"),
     Option("expert-prefix", TEXT, None, "uid prefix of the experts the daemons serve",
-           shown_default="taken from the experts declared in the swarm; ffn with --local-experts", metavar="NAME"),
-    Option("grid-size", GridSize(), None, "expert grid, N or AxB (e.g. 12 for ffn.[0:12])",
-           shown_default="taken from the swarm; 12 with --local-experts", metavar="N|AxB"),
+           shown_default="taken from the experts declared in the swarm (lm: the lm family); ffn (lm: lm) with "
+           "--local-experts", metavar="NAME"),
+    Option("grid-size", GridSize(), None, "expert grid, N or AxB (e.g. 12 for ffn.[0:12]); with --task lm "
+           "LAYERSxN (2x12: lm.[0:2].[0:12], one grid of 12 per layer)",
+           shown_default="taken from the swarm; 12 (lm: 2x12) with --local-experts", metavar="N|AxB"),
     Option("hidden-dim", POSITIVE_INT, None, "hidden size; must equal the experts'",
            shown_default="taken from the experts declared in the swarm; 64 with --local-experts"),
     Option("k-best", POSITIVE_INT, 4, "experts per sample"),
@@ -556,6 +577,8 @@ TRAIN = OptionSet("peer train", [
 
 _TOPOLOGY = {f.name: f.default for f in fields(Topology)}
 _SHAPE = [
+    Option("task", Text(["digits", "lm"]), _TOPOLOGY["task"], "what the trainers train (see `peer train --task`); "
+           "lm: the daemons serve lm.[0:2].[...] (2 transformer layers)"),
     Option("volunteers", POSITIVE_INT, _TOPOLOGY["volunteers"], "volunteer daemons (the first is the bootstrap "
            "peer)"),
     Option("trainers", POSITIVE_INT, _TOPOLOGY["trainers"], "`peer train` processes"),

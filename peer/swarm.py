@@ -270,7 +270,8 @@ class SwarmLauncher:
     def _lines(self) -> list[str]:
         elapsed = time.monotonic() - self.started_at
         lines = [f"swarmd local swarm: {plural(self.topology.volunteers, 'volunteer')}, "
-                 f"{plural(self.topology.trainers, 'trainer')}, {plural(self.topology.grid_size, 'expert')} — "
+                 f"{plural(self.topology.trainers, 'trainer')}, {plural(self.topology.experts_total, 'expert')}"
+                 f"{' (language model)' if self.topology.task == 'lm' else ''} — "
                  f"{elapsed:6.1f} s"]
         for member in self.members:
             if member.killed_at is not None:
@@ -324,6 +325,8 @@ class SwarmLauncher:
                              "stopped_with": member.stopped_with, "force_killed": member.force_killed,
                              "reported": bool(result),
                              "accuracy": result.get("accuracy"), "samples_per_s": result.get("samples_per_s"),
+                             "bpb": result.get("bpb"), "bpb_start": result.get("bpb_start"),
+                             "sample": result.get("sample"),
                              "steps": result.get("steps"), "steps_planned": result.get("steps_planned"),
                              "averaging_rounds": result.get("averaging_rounds"),
                              "failed_expert_calls": result.get("failed_expert_calls"), "log": str(member.log_path)})
@@ -360,7 +363,11 @@ class SwarmLauncher:
                 self.out.write(f"interrupted at step {trainer['steps']}/{trainer['steps_planned']}, ")
             elif trainer["force_killed"]:
                 self.out.write("did not report within its grace period, killed; ")
-            if isinstance(accuracy, (int, float)):
+            if isinstance(trainer["bpb"], (int, float)):
+                start = trainer["bpb_start"]
+                self.out.write(f"held-out {trainer['bpb']:.3f} bits per byte"
+                               + (f" (from {start:.3f})" if isinstance(start, (int, float)) else ""))
+            elif isinstance(accuracy, (int, float)):
                 self.out.write(f"held-out accuracy {accuracy:.3f}")
             else:
                 self.out.write("no result")
@@ -369,6 +376,9 @@ class SwarmLauncher:
             if trainer["averaging_rounds"] is not None:
                 self.out.write(f", {trainer['averaging_rounds']} averaging rounds")
             self.out.write(f" (exit {trainer['exit_code']})\n")
+        samples = [t for t in summary["trainers"] if t.get("sample")]
+        if samples:
+            self.out.write(f"  {samples[0]['name']} continues a held-out prompt with: {samples[0]['sample']!r}\n")
         self.out.write(f"  daemons killed and survived: {summary['daemons_killed']}; logs in {summary['logs']}\n")
         self.out.write(json.dumps(summary) + "\n")
         self.out.flush()

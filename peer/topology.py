@@ -2,7 +2,9 @@
 rendered from a `Topology`, so the two cannot drift (a test renders the compose file and compares).
 
 Volunteer 0 is the bootstrap peer; the others join through it. Experts are spread over the volunteers, each
-serving its own slice of a one-dimensional grid; trainers use the whole grid.
+serving its own slice of a one-dimensional grid; trainers use the whole grid. With `task="lm"` the grid has one
+row per transformer layer (`lm.[0:2].[0:12]`), and each volunteer serves its slice of every row, so killing one
+volunteer thins every layer instead of emptying one.
 """
 
 from __future__ import annotations
@@ -22,11 +24,28 @@ class Topology:
     steps: int = 400
     batch_size: int = 32
     target_batch_size: int = 128
-    run_id: str = "digits"
+    run_id: str | None = None  # the task's name
+    task: str = "digits"  # digits | lm
+    lm_layers: int = 2
 
     def __post_init__(self) -> None:
         if self.volunteers < 1 or self.trainers < 0 or self.experts_per_volunteer < 1:
             raise ValueError("a swarm needs at least one volunteer serving at least one expert")
+        if self.task not in ("digits", "lm"):
+            raise ValueError(f"unknown task {self.task!r} (digits, lm)")
+
+    @property
+    def prefix(self) -> str:
+        return "lm" if self.task == "lm" and self.expert_prefix == "ffn" else self.expert_prefix
+
+    @property
+    def grid_text(self) -> str:
+        """The trainers' --grid-size: N, or LAYERSxN for the language model."""
+        return f"{self.lm_layers}x{self.grid_size}" if self.task == "lm" else str(self.grid_size)
+
+    @property
+    def experts_total(self) -> int:
+        return self.grid_size * (self.lm_layers if self.task == "lm" else 1)
 
     @property
     def grid_size(self) -> int:
@@ -41,8 +60,9 @@ class Topology:
     def volunteer_args(self, index: int, *, host: str, port: int, bootstrap: str | None,
                        announce: str | None = None) -> list[str]:
         first = index * self.experts_per_volunteer
+        rows = f".[0:{self.lm_layers}]" if self.task == "lm" else ""
         args = ["join", "--host", host, "--port", str(port),
-                "--experts", f"{self.expert_prefix}.[{first}:{first + self.experts_per_volunteer}]",
+                "--experts", f"{self.prefix}{rows}.[{first}:{first + self.experts_per_volunteer}]",
                 "--hidden-dim", str(self.hidden_dim), "--threads", "1"]
         if announce:
             args += ["--announce", announce]
@@ -51,8 +71,10 @@ class Topology:
         return args
 
     def trainer_args(self, index: int, *, bootstrap: str) -> list[str]:
-        return ["train", "--initial-peers", bootstrap, "--run-id", self.run_id,
-                "--expert-prefix", self.expert_prefix, "--grid-size", str(self.grid_size),
+        # the LM routes every token: 2 experts per token keep a step's expert compute near the dense FFN's
+        task = ["--task", self.task, "--k-best", "2"] if self.task == "lm" else []
+        return ["train", "--initial-peers", bootstrap, *task, "--run-id", self.run_id or self.task,
+                "--expert-prefix", self.prefix, "--grid-size", self.grid_text,
                 "--hidden-dim", str(self.hidden_dim), "--steps", str(self.steps),
                 "--batch-size", str(self.batch_size), "--target-batch-size", str(self.target_batch_size),
                 "--seed", str(index)]

@@ -159,6 +159,13 @@ class DigitsModel(nn.Module):
             raise TypeError("this model mixes remote experts")
         return self.moe
 
+    def remote_mixtures(self) -> list[RemoteMixtureOfExperts]:
+        """Every remote mixture of the model (the LM task's models have one per layer)."""
+        return [self.remote_mixture()]
+
+    def local_expert_modules(self) -> nn.ModuleList:
+        return self.local_mixture().experts
+
 
 def run_seed(run_id: str) -> int:
     """Every trainer of a run starts from the same weights (derived from the run id), so averaging starts from
@@ -220,6 +227,52 @@ def build_model(args: argparse.Namespace, swarm: SwarmHandle | None) -> DigitsMo
         return DigitsModel(hidden_dim, mixture)
 
 
+class DigitsTask:
+    """The hooks `run_training` calls for one task: data, model, loss, held-out evaluation. `--task lm` has the
+    same hooks in `peer.lm.LMTask`; the loop, the swarm, the optimizer and the output are shared."""
+
+    name = "digits"
+
+    def __init__(self, args: argparse.Namespace):
+        self.x_train, self.y_train, self.x_test, self.y_test = load_digits_split()
+
+    def discover(self, args: argparse.Namespace, swarm: SwarmHandle) -> argparse.Namespace:
+        return discover_swarm_experts(args, swarm)
+
+    def batches(self, args: argparse.Namespace) -> BatchStream:
+        return BatchStream(self.x_train, self.y_train, args.batch_size, seed=args.seed)
+
+    def build_model(self, args: argparse.Namespace, swarm: SwarmHandle | None) -> DigitsModel:
+        return build_model(args, swarm)
+
+    def expert_uids(self, args: argparse.Namespace) -> list[str]:
+        _, prefix, grid = expert_settings(args)
+        return grid_uids(prefix, grid)
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
+        logits = model(x)
+        return nn.functional.cross_entropy(logits, y), float((logits.argmax(1) == y).float().mean().item())
+
+    def before_training(self, model: nn.Module) -> None:
+        return None
+
+    def evaluate(self, model: nn.Module) -> dict[str, Any]:
+        accuracy, test_loss = evaluate(model, self.x_test, self.y_test)
+        return {"accuracy": accuracy, "loss": test_loss}
+
+    def finish(self, model: nn.Module) -> dict[str, Any]:
+        return {}
+
+
+def make_task(args: argparse.Namespace) -> Any:
+    """The task object of `--task` (DigitsTask or peer.lm.LMTask)."""
+    if getattr(args, "task", "digits") == "lm":
+        from peer.lm import LMTask
+
+        return LMTask(args)
+    return DigitsTask(args)
+
+
 # ------------------------------------------------------------------------------------------------ options
 
 
@@ -258,15 +311,15 @@ class _Meter:
             self.accuracy += self.alpha * (accuracy - self.accuracy)
 
 
-def _experts_alive(swarm: SwarmHandle, model: DigitsModel, uids: list[str]) -> int:
+def _experts_alive(swarm: SwarmHandle, model: Any, uids: list[str]) -> int:
     """Experts declared in the DHT right now and not banned by this trainer after a failure."""
     from moe.declare import get_experts
 
     async def count() -> int:
         found = await get_experts(swarm.dht, uids)
-        blacklist = model.remote_mixture().client.blacklist
+        blacklists = {id(m.client.blacklist): m.client.blacklist for m in model.remote_mixtures()}.values()
         return sum(1 for uid, location in found.items()
-                   if location is not None and not blacklist.is_banned(uid, location))
+                   if location is not None and not any(b.is_banned(uid, location) for b in blacklists))
 
     return swarm.run(count)
 
@@ -401,11 +454,11 @@ def _bar_text(line: dict[str, Any]) -> str:
     return text
 
 
-def _failed_expert_calls(model: DigitsModel, swarm: SwarmHandle | None) -> int:
+def _failed_expert_calls(model: Any, swarm: SwarmHandle | None) -> int:
     if swarm is None:
         return 0  # local experts cannot fail a call
-    stats = model.remote_mixture().client.stats
-    return int(stats["forward_failures"] + stats["backward_failures"])
+    return int(sum(m.client.stats["forward_failures"] + m.client.stats["backward_failures"]
+                   for m in model.remote_mixtures()))
 
 
 # what a DiLoCo trainer adds to its progress and result lines
@@ -425,8 +478,8 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
         raise ValueError("--initial-peers is required (HOST:PORT of any `peer join`), or use --local-experts")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    x_train, y_train, x_test, y_test = load_digits_split()
-    batches = BatchStream(x_train, y_train, args.batch_size, seed=args.seed)
+    task = make_task(args)
+    batches = task.batches(args)
 
     stop = stop or StopSignal()
     swarm = None
@@ -443,13 +496,12 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
             peers = normalize_peers(args.initial_peers)
             swarm = Swarm(initial_peers=peers, host=local_host_towards(peers[0]))
             if not args.local_experts:
-                args = discover_swarm_experts(args, swarm)
+                args = task.discover(args, swarm)
         experts_swarm = None if args.local_experts else swarm  # where the experts live (None: in this process)
-        _, prefix, grid = expert_settings(args)
-        uids = grid_uids(prefix, grid)
-        model = build_model(args, experts_swarm)
+        uids = task.expert_uids(args)
+        model = task.build_model(args, experts_swarm)
         if experts_swarm is None:  # the experts learn at the daemons' rate, as they would on the swarm
-            local_experts = model.local_mixture().experts
+            local_experts = model.local_expert_modules()
             expert_params = {id(p) for p in local_experts.parameters()}
             base = torch.optim.Adam([
                 {"params": [p for p in model.parameters() if id(p) not in expert_params], "lr": args.lr},
@@ -478,6 +530,7 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
             )
         meter = _Meter()
         out = _Output()
+        task.before_training(model)
         failed_steps = consecutive_failures = 0
         samples = 0
         train_started = last_line_at = time.monotonic()
@@ -485,8 +538,7 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
         while step < args.steps and not stop.requested:
             x, y = batches.next()
             try:
-                logits = model(x)
-                loss = nn.functional.cross_entropy(logits, y)
+                loss, accuracy = task.loss(model, x, y)
                 loss.backward()  # type: ignore[no-untyped-call]  # torch declares Tensor.backward untyped
             except NotEnoughExperts as error:
                 # experts not declared yet (a swarm starting up) or all failing at once: retry after a pause
@@ -507,7 +559,7 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
                 base.step()
                 base.zero_grad(set_to_none=True)
             samples += len(x)
-            meter.update(loss.item(), (logits.argmax(1) == y).float().mean().item())
+            meter.update(loss.item(), accuracy)
             if step % args.log_every == 0 or step == args.steps:
                 now = time.monotonic()
                 elapsed = now - train_started
@@ -537,14 +589,15 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
         out.end_bar()
         train_seconds = time.monotonic() - train_started
         evaluation_error: NotEnoughExperts | None = None
+        held_out: dict[str, Any] = {"accuracy": None, "loss": None}
         try:
-            accuracy, test_loss = evaluate(model, x_test, y_test)
+            held_out = task.evaluate(model)
+            held_out.update(task.finish(model))
         except NotEnoughExperts as error:  # the swarm is gone: the result line still says what was done
             evaluation_error = error
-            accuracy = test_loss = math.nan
         result: dict[str, Any] = {
-            "event": "result", "accuracy": None if evaluation_error else round(accuracy, 4),
-            "loss": None if evaluation_error else round(test_loss, 4), "steps": step,
+            "event": "result", "task": task.name,
+            **{k: round(v, 4) if isinstance(v, float) else v for k, v in held_out.items()}, "steps": step,
             "steps_planned": args.steps, "interrupted": stop.requested, "signal": stop.name,
             "failed_steps": failed_steps, "samples_per_s": round(samples / max(train_seconds, 1e-9), 1),
             "train_seconds": round(train_seconds, 3), "wall_seconds": round(time.monotonic() - started, 3),
@@ -566,7 +619,7 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
         if args.checkpoint is not None:
             args.checkpoint.parent.mkdir(parents=True, exist_ok=True)
             torch.save({"model": model.state_dict(), "optimizer": base.state_dict(), "args": _plain_args(args),
-                        "accuracy": None if evaluation_error else accuracy, "epoch": result.get("epoch")},
+                        "accuracy": held_out["accuracy"], "epoch": result.get("epoch")},
                        args.checkpoint)
             result["checkpoint"] = str(args.checkpoint)
         if evaluation_error is not None:

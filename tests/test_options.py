@@ -38,6 +38,7 @@ def choice(*good: str) -> tuple:
 
 TOPOLOGY = {name: POSITIVE_INT for name in ("volunteers", "trainers", "experts-per-volunteer", "hidden-dim", "steps",
                                            "batch-size", "target-batch-size")}
+TOPOLOGY["task"] = choice("lm", "digits")
 TABLE: dict[str, dict[str, tuple]] = {
     "join": {
         "host": STRING, "port": PORT, "announce": ONE_ADDRESS, "initial-peers": ADDRESS, "identity": PATH,
@@ -48,6 +49,7 @@ TABLE: dict[str, dict[str, tuple]] = {
         "lr": POSITIVE, "checkpoint-dir": PATH, "checkpoint-interval": POSITIVE, "device": STRING,
         "threads": POSITIVE_INT, "replicate": SWITCH, "average-every": POSITIVE,
         "log-level": choice("debug", "info", "warning", "error"),
+        "accept-weights-from": (["xyz"], ['"xyz"', "5"], ("ab" * 20, f'["{"ab" * 20}"]', ["ab" * 20])),
     },
     "status": {"initial-peers": ADDRESS, "json": SWITCH, "timeout": POSITIVE},
     "train": {
@@ -60,7 +62,8 @@ TABLE: dict[str, dict[str, tuple]] = {
         "outer-momentum": NOT_NEGATIVE, "compression": choice("none", "float16", "int8"), "overlap": SWITCH,
         "client-mode": SWITCH, "expert-timeout": POSITIVE, "expert-grace": NOT_NEGATIVE, "seed": INTEGER,
         "checkpoint": PATH, "log-every": POSITIVE_INT, "local-experts": SWITCH, "expert-lr": POSITIVE,
-        "threads": POSITIVE_INT, "max-failed-steps": POSITIVE_INT,
+        "threads": POSITIVE_INT, "max-failed-steps": POSITIVE_INT, "task": choice("lm", "digits"),
+        "seq-len": POSITIVE_INT,
     },
     "swarm up": {**TOPOLOGY, "kill-one-at": POSITIVE, "log-dir": PATH},
     "swarm compose": TOPOLOGY,
