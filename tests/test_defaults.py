@@ -8,7 +8,6 @@ CLI contract runs real processes on 127.0.0.1."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import trio
@@ -208,18 +207,17 @@ def _one_error_line(result, *needles: str) -> str:
 
 
 def test_a_trainer_with_another_hidden_size_fails_at_once_naming_both(daemon):
-    started = time.monotonic()
     result = run_peer("train", "--initial-peers", daemon, "--hidden-dim", "32", timeout=120)
     line = _one_error_line(result, "--hidden-dim 32", "hidden 64", "ffn")
     assert "no expert" in line
-    assert time.monotonic() - started < 30  # generous: it must not wait out the 50-step retry budget (~50 s)
+    # failed at discovery, not after waiting out the retry budget of steps without experts (its own message)
+    assert "in a row" not in line
 
 
 def test_a_trainer_with_an_unknown_prefix_fails_at_once_naming_both(daemon):
-    started = time.monotonic()
     result = run_peer("train", "--initial-peers", daemon, "--expert-prefix", "nosuch", timeout=120)
-    _one_error_line(result, "'nosuch'", "ffn (4 experts")
-    assert time.monotonic() - started < 30
+    line = _one_error_line(result, "'nosuch'", "ffn (4 experts")
+    assert "in a row" not in line  # failed at discovery, not after the retry budget
 
 
 @pytest.mark.slow
