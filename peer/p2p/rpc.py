@@ -1,8 +1,10 @@
 """Authenticated request/response RPC over any `peer.p2p.net.Network`, multiplexed on one connection per peer pair.
 
 Why this shape:
-- Every TCP connection starts with a handshake in which each side signs the other's fresh nonce, so a call is
-  attributed to the PeerID that holds the key, never to a claimed one (`CallContext.peer_id`).
+- Every TCP connection starts with an authenticated key exchange (`peer.p2p.handshake`), so a call is
+  attributed to the PeerID that holds the key, never to a claimed one (`CallContext.peer_id`), and everything
+  after it is sealed (`peer.p2p.seal`): a byte changed on the way closes the connection before any handler runs.
+  `secure=False` (`--insecure-transport`) sends frames unsealed; both ends must agree.
 - Calls are multiplexed by stream id on one pooled connection; the framing layer (`peer.p2p.framing`) interleaves
   chunks, so a 100 MB tensor never holds up a small call, and tensors travel without copies (`peer.p2p.wire`).
 - Every call has a deadline that also bounds the remote handler; cancelling a caller cancels the handler.
@@ -124,7 +126,7 @@ class Connection:
         self.protocol = RPCConnection(
             initiator=handshake.role is Role.INITIATOR, peer_id=handshake.peer_id, address=self.label,
             limits=node.limits, methods=node._handlers, budget=node.receive_budget, idle_timeout=node.idle_timeout,
-            now=trio.current_time(), stats=node.stats,
+            now=trio.current_time(), stats=node.stats, keys=handshake.keys,
         )
         self._leftover = handshake.leftover
         self.waiters: dict[int, _PendingCall] = {}
@@ -217,12 +219,14 @@ class Connection:
             if target is not None:
                 received = await receive_into(target)
                 if not received:
+                    protocol.end_of_stream()  # raises when the stream was cut inside a sealed record
                     self.close_reason = "closed by peer"
                     return
                 events = protocol.advance(received, current_time())
             else:
                 received = await receive_into(scratch)
                 if not received:
+                    protocol.end_of_stream()
                     self.close_reason = "closed by peer"
                     return
                 events = protocol.receive_data(scratch_view[:received], current_time())
@@ -341,6 +345,7 @@ class RPCNode:
         handshake_timeout: float = 5.0,
         idle_timeout: float = 300.0,
         announce: Address | None = None,
+        secure: bool = True,
     ):
         self.identity = identity
         self.peer_id: PeerID = identity.peer_id
@@ -351,6 +356,7 @@ class RPCNode:
         self.idle_timeout = idle_timeout
         self.address: Address | None = None
         self.announce = announce
+        self.secure = secure  # False: `--insecure-transport`, frames unsealed (the remote must agree)
         # Failed calls, as `peer status` counts them: served ones refused before a handler ran (error_replies),
         # answered with a typed error (handler_errors), crashed (handler_failures) or cut short by the caller's
         # deadline or cancellation (handlers_cancelled); and this node's own calls that failed (calls_failed).
@@ -529,7 +535,7 @@ class RPCNode:
 
     async def _handshake(self, stream: trio.abc.Stream, role: Role) -> HandshakeComplete:
         """Drive a `Handshake` over `stream` within `handshake_timeout`; every failure is a `HandshakeError`."""
-        handshake = Handshake(self.identity, role, listen=self.announced_address)
+        handshake = Handshake(self.identity, role, listen=self.announced_address, secure=self.secure)
         with trio.move_on_after(self.handshake_timeout):
             try:
                 await stream.send_all(handshake.data_to_send())
