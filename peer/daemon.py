@@ -79,6 +79,7 @@ class DaemonConfig:
     seed: int | None = None
     replicate: bool = _JOIN["replicate"]
     average_every: float = _JOIN["average_every"]
+    insecure_transport: bool = _JOIN["insecure_transport"]
 
 
 @dataclass
@@ -156,7 +157,8 @@ class Daemon:
             check_checkpoint_dir(Path(config.checkpoint_dir))
         if config.threads is not None:
             torch.set_num_threads(config.threads)
-        async with RPCNode(self.identity, self.network, announce=config.announce) as rpc:
+        async with RPCNode(self.identity, self.network, announce=config.announce,
+                           secure=not config.insecure_transport) as rpc:
             self.rpc = rpc
             port = config.port
             if port == 0 and isinstance(self.network, RealNetwork):

@@ -450,6 +450,11 @@ class OptionParser(argparse.ArgumentParser):
 
 # ------------------------------------------------------------------------------------------------------- join
 
+# One option for every command that opens RPC connections: the same flag, the same config key, the same words.
+INSECURE_TRANSPORT = Option(
+    "insecure-transport", SWITCH, False, "send RPC frames unencrypted and unauthenticated after the handshake "
+    "(trusted clusters only); every peer it talks to must pass it too, an encrypting peer refuses it")
+
 JOIN = OptionSet("peer join", [
     Option("host", TEXT, "127.0.0.1", "address to listen on, TCP and UDP"),
     Option("port", PORT, 0, "port to listen on, TCP (RPC) and UDP (DHT)", shown_default="0: any free port"),
@@ -480,6 +485,7 @@ JOIN = OptionSet("peer join", [
            "replicas' weights averaged with theirs (hot standby)"),
     Option("average-every", POSITIVE, 30.0, "seconds between replica averaging rounds", metavar="SECONDS"),
     Option("log-level", Text(["debug", "info", "warning", "error"]), "info", "what goes to stderr"),
+    INSECURE_TRANSPORT,
 ])
 
 # ------------------------------------------------------------------------------------------------------- status
@@ -489,6 +495,7 @@ STATUS = OptionSet("peer status", [
            shown_default="none: required"),
     Option("json", SWITCH, False, "machine-readable output"),
     Option("timeout", POSITIVE, 3.0, "seconds to wait for each peer", metavar="SECONDS"),
+    INSECURE_TRANSPORT,
 ])
 
 # ------------------------------------------------------------------------------------------------------- train
@@ -540,6 +547,7 @@ TRAIN = OptionSet("peer train", [
            "machine)"),
     Option("max-failed-steps", POSITIVE_INT, 50, "give up after this many consecutive attempts without enough "
            "experts (retried with a growing pause, up to 1 s: about 45 s in all with the default)"),
+    INSECURE_TRANSPORT,
 ], finish=resolve_local_defaults)
 
 # ------------------------------------------------------------------------------------------------------- swarm

@@ -433,7 +433,8 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
             from peer.client import Swarm, normalize_peers
 
             peers = normalize_peers(args.initial_peers)
-            swarm = Swarm(initial_peers=peers, host=local_host_towards(peers[0]))
+            swarm = Swarm(initial_peers=peers, host=local_host_towards(peers[0]),
+                          secure=not args.insecure_transport)
             args = discover_swarm_experts(args, swarm)
         _, prefix, grid = expert_settings(args)
         uids = grid_uids(prefix, grid)
