@@ -506,7 +506,10 @@ class RPCConnection:
 
     def data_to_send(self, now: float) -> list[framing.Buffer]:
         """Buffers to write, in order, now: small frames joined into writes of up to 64 KiB (many small replies
-        leave in one system call), big chunks as zero-copy views of the message. Empty when nothing waits."""
+        leave in one system call), big chunks as zero-copy views of the message (sealed: one record each). Empty
+        when nothing waits. Write them all before the next call: a sealed connection reuses their buffers."""
+        if self.sealer is not None:
+            self.sealer.recycle()
         writes: list[framing.Buffer] = []
         if not self.outbox:
             return writes
