@@ -404,6 +404,33 @@ class DHTNode:
             self._admit(self._contacts.answered(node_id, address, trio.current_time()))
         return waiter.result
 
+    async def observed_address(self, peers: Sequence[Address] | None = None, *, timeout: float = 2.0,
+                               ask: int = 3) -> Address | None:
+        """The address this node's datagrams are seen to come from, as `stun` reports it: asked of up to `ask`
+        of `peers` (default: contacts of the routing table) at once, the answer most of them give (one peer
+        cannot make a node announce a wrong address alone); None when none answers within `timeout`.
+
+        Why: a peer listening on all interfaces, or behind a NAT, does not know which address others reach it
+        at; the peers it talks to do (the daemon announces this address, peer/daemon.py)."""
+        candidates = list(peers) if peers is not None else [(n.ip, n.port) for n in self._table.nodes()]
+        answers: list[Address] = []
+
+        async def one(address: Address) -> None:
+            try:
+                reply = await self._request(address, "stun", [], timeout=timeout)
+            except RequestTimeout:
+                return
+            if (isinstance(reply, list) and len(reply) == 2 and isinstance(reply[0], str)
+                    and type(reply[1]) is int and 0 < reply[1] < 65536):
+                answers.append((reply[0], reply[1]))
+
+        async with trio.open_nursery() as nursery:
+            for address in candidates[:ask]:
+                nursery.start_soon(one, address)
+        if not answers:
+            return None
+        return Counter(answers).most_common(1)[0][0]
+
     def _admit(self, admission: Admission) -> None:
         """Execute what a server's arrival in the table asks for: a bucket-head check, a welcome."""
         if admission.check_head is not None:

@@ -456,10 +456,11 @@ INSECURE_TRANSPORT = Option(
     "(trusted clusters only); every peer it talks to must pass it too, an encrypting peer refuses it")
 
 JOIN = OptionSet("peer join", [
-    Option("host", TEXT, "127.0.0.1", "address to listen on, TCP and UDP"),
+    Option("host", TEXT, None, "address to listen on, TCP and UDP (127.0.0.1 for a swarm on this machine only)",
+           shown_default="the interface toward the initial peers; all interfaces in a new swarm"),
     Option("port", PORT, 0, "port to listen on, TCP (RPC) and UDP (DHT)", shown_default="0: any free port"),
     Option("announce", ADDRESS, None, "address other peers should use to reach this one (NAT, containers)",
-           shown_default="the listen address"),
+           shown_default="the address the initial peers see this peer at; the listen address with --host"),
     Option("initial-peers", ADDRESS, [], "any running peers to join through", many=True,
            shown_default="none: start a new swarm"),
     Option("identity", PATH, None, "Ed25519 key file, created (mode 0600) on first run, so a restarted peer keeps "
