@@ -211,7 +211,8 @@ class Connection:
         """Read message payloads straight into their final buffers (one copy, by the kernel on real sockets);
         in-memory streams take the same path (`MemoryStream.receive_into`)."""
         protocol = self.protocol
-        scratch = bytearray(_SCRATCH_BYTES)
+        # a sealed connection always reads into its opener's buffer: the scratch is for unsealed ones
+        scratch = bytearray(_SCRATCH_BYTES if protocol.opener is None else 1)
         scratch_view = memoryview(scratch)
         current_time = trio.current_time
         while True:

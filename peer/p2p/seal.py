@@ -142,7 +142,7 @@ class Opener:
         # and only those that carry tensors need megabytes.
         self._buffer = bytearray(LENGTH.size + _READ_AHEAD)
         self._view = memoryview(self._buffer)
-        self._plain = bytearray(_READ_AHEAD)
+        self._plain = bytearray()
         self._start = 0  # unread bytes are self._buffer[_start:_end]
         self._end = 0
         self._broken: SealError | None = None
@@ -164,7 +164,7 @@ class Opener:
         """Ciphertext + tag size of the record at the read position; None while its header is incomplete."""
         if self._end - self._start < LENGTH.size:
             return None
-        (size,) = LENGTH.unpack_from(self._buffer, self._start)
+        size: int = LENGTH.unpack_from(self._buffer, self._start)[0]
         if not TAG_BYTES <= size <= self.max_record_bytes + TAG_BYTES:
             raise self._fail(RecordTooLarge(f"sealed record of {size} bytes is outside the allowed "
                                             f"{TAG_BYTES}..{self.max_record_bytes + TAG_BYTES}"))
