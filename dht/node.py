@@ -198,6 +198,7 @@ class DHTNode:
         self._starved = False  # nobody to ask: the healing task rejoins (with backoff) until someone answers
         self._rejoin_failures = 0
         self._rejoin_at = -math.inf  # trio time before which no new rejoin attempt starts
+        self._network: Network | None = None  # set by `open`: fresh sockets for dial-backs
         self._heal_wakeup = trio.Event()
 
     # ------------------------------------------------------------------------------------------------ lifecycle
@@ -222,6 +223,7 @@ class DHTNode:
         async with endpoint, owned_nursery() as nursery:
             node = cls(identity, endpoint, nursery, client_mode=client_mode, clock=clock, config=config, rng=rng,
                        random_bytes=random_bytes)
+            node._network = network
             nursery.start_soon(node._receive_loop)
             await node._bootstrap([(h, p) for h, p in initial_peers])
             # the one periodic-task runner: each step returns the delay to its next round; a failed round is
@@ -430,6 +432,40 @@ class DHTNode:
         if not answers:
             return None
         return Counter(answers).most_common(1)[0][0]
+
+    async def udp_dial_back(self, address: Address, *, timeout: float = 3.0) -> bool:
+        """Whether a datagram from a socket `address` has never heard from gets an answer: `stun` from a fresh
+        UDP port of this host. A NAT that drops unsolicited datagrams (a home router's MASQUERADE) lets the
+        node's usual traffic through but not this, which is what a reachability check must see."""
+        assert self._network is not None, "open the node with DHTNode.open"
+        endpoint = await self._network.open_udp(self._endpoint.address[0], 0)
+        try:
+            protocol = proto.DatagramProtocol(flags=proto.FLAG_CLIENT)
+            _msg_id, datagram = protocol.request(address, "stun", [])
+            await endpoint.sendto(datagram, address)
+            with trio.move_on_after(timeout):
+                while True:
+                    data, source = await endpoint.recvfrom()
+                    if isinstance(protocol.receive(data, source), proto.Reply):
+                        return True
+            return False
+        except OSError:
+            return False
+        finally:
+            endpoint.close()
+
+    async def become_server(self) -> None:
+        """A client-mode node found to be publicly reachable (`peer.reachability`) takes part as a server from
+        now on: its requests stop saying "client", it answers every request, and a lookup of its own id makes
+        the peers it meets ping it back and add it to their tables. (The other way, never: a server already
+        sits in others' tables, which is what a private peer must never do.)"""
+        if not self.client_mode:
+            return
+        self.client_mode = False
+        self._protocol.mark_requests(0)
+        self._server.client_mode = False
+        self._contacts.client_mode = False
+        await self._settle()
 
     def _admit(self, admission: Admission) -> None:
         """Execute what a server's arrival in the table asks for: a bucket-head check, a welcome."""

@@ -77,6 +77,7 @@ async def _run_join(options: dict[str, Any]) -> int:
         with trio.CancelScope() as daemon_scope:
             info = await nursery.start(daemon.run)
             print(f"peer {info.peer_id} listening on {info.address[0]}:{info.address[1]}", flush=True)
+            print(f"reachability: {info.reachability}", flush=True)
             print_serving(info)
             print(f"others join with: {info.join_command}", flush=True)
             await stop.wait()

@@ -44,6 +44,7 @@ from peer.options import JOIN
 from peer.p2p.identity import Identity
 from peer.p2p.net import Address, Network, RealNetwork
 from peer.p2p.rpc import CallContext, RPCNode
+from peer.reachability import DialBackService, Reachability, check_reachability, fixed
 from peer.replicas import ReplicaAverager
 from peer.status import STATUS_METHOD
 
@@ -80,6 +81,7 @@ class DaemonConfig:
     replicate: bool = _JOIN["replicate"]
     average_every: float = _JOIN["average_every"]
     insecure_transport: bool = _JOIN["insecure_transport"]
+    reachability: str = _JOIN["reachability"]
 
 
 @dataclass
@@ -91,6 +93,7 @@ class DaemonInfo:
     experts: list[str]
     pattern: str | None = None  # the grid the experts were chosen from
     hidden_dim: int | None = None
+    reachability: str | None = None  # `Reachability.describe()`
 
     @property
     def join_command(self) -> str:
@@ -201,6 +204,7 @@ class Daemon:
         self.directory: PeerDirectory | None = None
         self.replicas: ReplicaAverager | None = None
         self.pattern: str | None = None  # the grid pattern the served experts come from
+        self.reachability: Reachability | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[DaemonInfo] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled. Reports a DaemonInfo through `task_status` once the peer is reachable."""
@@ -230,16 +234,26 @@ class Daemon:
                 address = await rpc.listen(host, port)
             except OSError as error:
                 raise StartupError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+            # a peer that may be private starts as a DHT client and becomes a server once dialed back
+            client_first = config.reachability == "private" or (config.reachability == "auto" and bool(peers))
             async with contextlib.AsyncExitStack() as stack:
                 try:
                     dht = await stack.enter_async_context(DHTNode.open(
-                        host, address[1], peers, identity=self.identity, network=self.network))
+                        host, address[1], peers, identity=self.identity, network=self.network,
+                        client_mode=client_first))
                 except OSError as error:
                     raise StartupError(f"cannot open UDP {host}:{address[1]} for the DHT: "
                                        f"{error.strerror or error}") from None
                 if rpc.announce is None:
                     rpc.announce = await announced_address(dht, host, address[1], peers)
                 announced = rpc.announce
+                DialBackService(rpc, dht).register()
+                if config.reachability != "auto":
+                    self.reachability = fixed(config.reachability)
+                else:
+                    self.reachability = await check_reachability(rpc, peers)
+                    if self.reachability.status == "public":
+                        await dht.become_server()
                 self.dht = dht
                 rpc.register(STATUS_METHOD, self._handle_status)
                 self.expert_server = await self._make_expert_server(dht)  # before the nursery: plain errors
@@ -254,7 +268,7 @@ class Daemon:
                     self.directory = PeerDirectory(dht)
                     await nursery.start(self.directory.run, announced, self.identity.peer_id, self._summary)
                     task_status.started(DaemonInfo(str(self.identity.peer_id), announced, uids, self.pattern,
-                                                   config.hidden_dim))
+                                                   config.hidden_dim, self.reachability.describe()))
                     await trio.sleep_forever()
 
     async def _swarm_pattern(self, dht: DHTNode, count: int) -> str:
@@ -336,6 +350,7 @@ class Daemon:
             "expert_pattern": self.pattern,
             "hidden_dim": self.config.hidden_dim,
             "averaging": self.replicas.stats() if self.replicas else None,
+            "reachability": self.reachability.stats() if self.reachability else None,
         }
 
     async def _handle_status(self, context: CallContext, args: Any) -> dict[str, Any]:

@@ -487,6 +487,9 @@ JOIN = OptionSet("peer join", [
     Option("average-every", POSITIVE, 30.0, "seconds between replica averaging rounds", metavar="SECONDS"),
     Option("log-level", Text(["debug", "info", "warning", "error"]), "info", "what goes to stderr"),
     INSECURE_TRANSPORT,
+    Option("reachability", Text(["auto", "public", "private"]), "auto", "auto: up to 3 initial peers dial this "
+           "one back on TCP and UDP; a private peer takes part in the DHT as a client only (never in others' "
+           "routing tables, never holding records); public or private: skip the check"),
 ])
 
 # ------------------------------------------------------------------------------------------------------- status

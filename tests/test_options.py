@@ -48,6 +48,7 @@ TABLE: dict[str, dict[str, tuple]] = {
         "lr": POSITIVE, "checkpoint-dir": PATH, "checkpoint-interval": POSITIVE, "device": STRING,
         "threads": POSITIVE_INT, "replicate": SWITCH, "average-every": POSITIVE,
         "log-level": choice("debug", "info", "warning", "error"), "insecure-transport": SWITCH,
+        "reachability": choice("auto", "public", "private"),
     },
     "status": {"initial-peers": ADDRESS, "json": SWITCH, "timeout": POSITIVE, "insecure-transport": SWITCH},
     "train": {

@@ -523,6 +523,27 @@ class RPCNode:
             return stream, handshake
         raise ConnectionFailed(f"no connection within {self.connect_timeout:.3g} s", address=address)
 
+    async def probe(self, address: Address, *, peer_id: PeerID, timeout: float) -> None:
+        """Open a fresh connection to `address`, complete the handshake with `peer_id` there, and close it: can
+        this node reach that address now (a reachability dial-back)? Never uses or joins the connection pool,
+        so an existing connection in either direction cannot answer for it. Raises `ConnectionFailed`
+        (`HandshakeError` when someone else answers) on failure."""
+        address = (str(address[0]), int(address[1]))
+        with trio.move_on_after(timeout):
+            try:
+                stream = await self.network.connect_tcp(address)
+            except OSError as error:
+                raise ConnectionFailed(f"cannot connect: {error.strerror or error}", address=address,
+                                       peer=peer_id) from None
+            try:
+                await self._handshake(stream, Role.INITIATOR, expected_peer=peer_id)
+            except HandshakeError as error:
+                raise HandshakeError(error.message, peer=peer_id, address=address) from None
+            finally:
+                await trio.aclose_forcefully(stream)
+            return
+        raise ConnectionFailed(f"no connection within {timeout:.3g} s", address=address, peer=peer_id)
+
     def _forget(self, connection: Connection) -> None:
         self._all_connections.discard(connection)
         if connection.dialed is not None and self._connections.get(connection.dialed) is connection:
@@ -534,9 +555,11 @@ class RPCNode:
 
     # ----------------------------------------------------------------------------------- handshake
 
-    async def _handshake(self, stream: trio.abc.Stream, role: Role) -> HandshakeComplete:
+    async def _handshake(self, stream: trio.abc.Stream, role: Role,
+                         expected_peer: PeerID | None = None) -> HandshakeComplete:
         """Drive a `Handshake` over `stream` within `handshake_timeout`; every failure is a `HandshakeError`."""
-        handshake = Handshake(self.identity, role, listen=self.announced_address, secure=self.secure)
+        handshake = Handshake(self.identity, role, listen=self.announced_address, expected_peer=expected_peer,
+                              secure=self.secure)
         with trio.move_on_after(self.handshake_timeout):
             try:
                 await stream.send_all(handshake.data_to_send())
