@@ -299,6 +299,8 @@ def test_join_with_nothing_but_a_remote_initial_peer_joins_from_another_host():
             processes.append(joined)
             match = joined.read_until(r"^peer ([0-9a-f]{40}) listening on (\S+)$", timeout=120)
             assert match.group(2).startswith(f"{second.address}:"), match.group(0)
+            joined.read_until(r"^reachability: public, reached directly \(dialed back on TCP and UDP by 1 of 1",
+                              timeout=60)
             joined.read_until(r"^others join with", timeout=60)
             status = subprocess.run([*observer.command(), *PEER, "status", "--initial-peers",
                                      f"{first.address}:{port}", "--json"], capture_output=True, text=True,
