@@ -3,12 +3,15 @@
 The server runs in a separate process (a separate peer, as in production), the client in this one.
 (a) raw: plain blocking sockets; the client sends N bytes, the server receives them all and sends them back.
 (b) rpc: the same bytes as one float32 tensor through `RPCNode.call("echo")`, result checked; the same
-    store-and-forward pattern, so the ratio isolates what our codec, framing and RPC cost.
-(c) echo calls with 1, 16 and 256 concurrent callers on one connection: calls/s, p50 and p99 latency, each
-    against a baseline measured in the same run: the same number of trio tasks echoing 8 bytes over plain TCP
-    streams (one stream per caller, no codec, framing or RPC), so `echo_ratio_to_raw_N` says what our RPC costs
-    over the bare event loop and socket on whatever machine and day it runs.
-The last line of output is one JSON object with the figures; the `*_ratio_to_raw*` ones compare across days.
+    store-and-forward pattern, so the ratio isolates what our codec, framing and RPC cost: once over an
+    `--insecure-transport` connection (`tensor_ratio_to_raw`, comparable with the figures from before the secure
+    channel) and once over the default sealed one (`secure_tensor_ratio_to_raw`: AES-256-GCM both ways, twice).
+(c) echo calls with 1, 16 and 256 concurrent callers on one (sealed, the default) connection: calls/s, p50 and
+    p99 latency, each against a baseline measured in the same run: the same number of trio tasks echoing 8 bytes
+    over plain TCP streams (one stream per caller, no codec, framing or RPC), so `echo_ratio_to_raw_N` says what
+    our RPC costs over the bare event loop and socket on whatever machine and day it runs; and 16 callers over an
+    insecure connection, so `secure_echo_ratio_16` says what the sealing costs small calls.
+The last line of output is one JSON object with the figures; the `*_ratio*` ones compare across days.
 
 Usage: python benchmarks/bench_rpc.py [--mib 64] [--seconds 3]
 """
@@ -69,13 +72,17 @@ def serve_raw_echo(listener: socket.socket) -> None:
 
 
 async def serve_rpc(raw_port: int, echo_port: int) -> None:
-    async with RPCNode(Identity.generate(), RealNetwork()) as node:
+    async with RPCNode(Identity.generate(), RealNetwork()) as node, \
+            RPCNode(Identity.generate(), RealNetwork(), secure=False) as plain:
         async def echo(ctx, args):
             return args
 
         node.register("echo", echo)
+        plain.register("echo", echo)
         address = await node.listen("127.0.0.1", 0)
-        print(json.dumps({"rpc_port": address[1], "raw_port": raw_port, "echo_port": echo_port}), flush=True)
+        plain_address = await plain.listen("127.0.0.1", 0)
+        print(json.dumps({"rpc_port": address[1], "plain_port": plain_address[1], "raw_port": raw_port,
+                          "echo_port": echo_port}), flush=True)
         await trio.sleep_forever()
 
 
@@ -171,30 +178,32 @@ async def raw_echo_load(port: int, concurrency: int, seconds: float) -> float:
     return count / elapsed
 
 
-async def client_main(args: argparse.Namespace, rpc_port: int, raw_port: int, echo_port: int) -> dict:
+async def client_main(args: argparse.Namespace, ports: dict) -> dict:
     size = args.mib * 1024 * 1024
     tensor = torch.rand(size // 4)
     payload = tensor.numpy().tobytes()
-    raw_times = [await trio.to_thread.run_sync(raw_roundtrip, raw_port, payload) for _ in range(args.repeats)]
-    figures: dict = {}
-    async with RPCNode(Identity.generate(), RealNetwork()) as node:
-        address = ("127.0.0.1", rpc_port)
-        await node.call(address, "echo", None, timeout=10)  # connect + handshake outside the timings
-        rpc_times = [await rpc_roundtrip(node, address, tensor) for _ in range(args.repeats)]
-        raw_gbps = 2 * size / min(raw_times) / 1e9
-        rpc_gbps = 2 * size / min(rpc_times) / 1e9
-        figures.update(
-            raw_gbytes_per_s=round(raw_gbps, 3),
-            tensor_gbytes_per_s=round(rpc_gbps, 3),
-            tensor_ratio_to_raw=round(rpc_gbps / raw_gbps, 3),
-            tensor_mib=args.mib,
-        )
-        print(f"(a) raw loopback socket, {args.mib} MiB each way: {raw_gbps:.2f} GB/s "
-              f"(best of {args.repeats}: {min(raw_times) * 1e3:.1f} ms)")
-        print(f"(b) {args.mib} MiB float32 tensor through RPC echo: {rpc_gbps:.2f} GB/s "
-              f"(best of {args.repeats}: {min(rpc_times) * 1e3:.1f} ms) = {rpc_gbps / raw_gbps:.0%} of raw")
+    raw_times = [await trio.to_thread.run_sync(raw_roundtrip, ports["raw_port"], payload)
+                 for _ in range(args.repeats)]
+    raw_gbps = 2 * size / min(raw_times) / 1e9
+    figures: dict = {"raw_gbytes_per_s": round(raw_gbps, 3), "tensor_mib": args.mib}
+    print(f"(a) raw loopback socket, {args.mib} MiB each way: {raw_gbps:.2f} GB/s "
+          f"(best of {args.repeats}: {min(raw_times) * 1e3:.1f} ms)")
+    async with RPCNode(Identity.generate(), RealNetwork()) as node, \
+            RPCNode(Identity.generate(), RealNetwork(), secure=False) as plain_node:
+        address = ("127.0.0.1", ports["rpc_port"])
+        plain_address = ("127.0.0.1", ports["plain_port"])
+        for client, where in ((node, address), (plain_node, plain_address)):
+            await client.call(where, "echo", None, timeout=10)  # connect + handshake outside the timings
+        for label, client, where, key in (("insecure", plain_node, plain_address, "tensor"),
+                                          ("sealed", node, address, "secure_tensor")):
+            times = [await rpc_roundtrip(client, where, tensor) for _ in range(args.repeats)]
+            gbps = 2 * size / min(times) / 1e9
+            figures[f"{key}_gbytes_per_s"] = round(gbps, 3)
+            figures[f"{key}_ratio_to_raw"] = round(gbps / raw_gbps, 3)
+            print(f"(b) {args.mib} MiB float32 tensor through RPC echo, {label}: {gbps:.2f} GB/s "
+                  f"(best of {args.repeats}: {min(times) * 1e3:.1f} ms) = {gbps / raw_gbps:.0%} of raw")
         for concurrency in (1, 16, 256):
-            raw_rate = await raw_echo_load(echo_port, concurrency, args.seconds)
+            raw_rate = await raw_echo_load(ports["echo_port"], concurrency, args.seconds)
             stats = await echo_load(node, address, concurrency, args.seconds)
             ratio = stats["calls_per_s"] / raw_rate
             print(f"(c) echo, {concurrency:3d} concurrent callers: {stats['calls_per_s']:8.0f} calls/s, "
@@ -205,6 +214,13 @@ async def client_main(args: argparse.Namespace, rpc_port: int, raw_port: int, ec
             figures[f"echo_calls_per_s_{concurrency}"] = round(stats["calls_per_s"])
             figures[f"echo_p50_ms_{concurrency}"] = round(stats["p50_ms"], 3)
             figures[f"echo_p99_ms_{concurrency}"] = round(stats["p99_ms"], 3)
+            if concurrency == 16:
+                plain = await echo_load(plain_node, plain_address, concurrency, args.seconds)
+                secure_ratio = stats["calls_per_s"] / plain["calls_per_s"]
+                print(f"(c) echo, 16 callers over an insecure connection: {plain['calls_per_s']:8.0f} calls/s, "
+                      f"p50 {plain['p50_ms']:.2f} ms: sealed/insecure {secure_ratio:.2f}")
+                figures["plain_echo_calls_per_s_16"] = round(plain["calls_per_s"])
+                figures["secure_echo_ratio_16"] = round(secure_ratio, 3)
     return figures
 
 
@@ -222,7 +238,7 @@ def main() -> None:
     server = subprocess.Popen([sys.executable, __file__, "--serve"], stdout=subprocess.PIPE, text=True)
     try:
         ports = json.loads(server.stdout.readline())
-        figures = trio.run(client_main, args, ports["rpc_port"], ports["raw_port"], ports["echo_port"])
+        figures = trio.run(client_main, args, ports)
     finally:
         server.kill()
         server.wait()

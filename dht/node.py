@@ -198,6 +198,7 @@ class DHTNode:
         self._starved = False  # nobody to ask: the healing task rejoins (with backoff) until someone answers
         self._rejoin_failures = 0
         self._rejoin_at = -math.inf  # trio time before which no new rejoin attempt starts
+        self._network: Network | None = None  # set by `open`: fresh sockets for dial-backs
         self._heal_wakeup = trio.Event()
 
     # ------------------------------------------------------------------------------------------------ lifecycle
@@ -222,6 +223,7 @@ class DHTNode:
         async with endpoint, owned_nursery() as nursery:
             node = cls(identity, endpoint, nursery, client_mode=client_mode, clock=clock, config=config, rng=rng,
                        random_bytes=random_bytes)
+            node._network = network
             nursery.start_soon(node._receive_loop)
             await node._bootstrap([(h, p) for h, p in initial_peers])
             # the one periodic-task runner: each step returns the delay to its next round; a failed round is
@@ -403,6 +405,67 @@ class DHTNode:
         if node_id is not None:
             self._admit(self._contacts.answered(node_id, address, trio.current_time()))
         return waiter.result
+
+    async def observed_address(self, peers: Sequence[Address] | None = None, *, timeout: float = 2.0,
+                               ask: int = 3) -> Address | None:
+        """The address this node's datagrams are seen to come from, as `stun` reports it: asked of up to `ask`
+        of `peers` (default: contacts of the routing table) at once, the answer most of them give (one peer
+        cannot make a node announce a wrong address alone); None when none answers within `timeout`.
+
+        Why: a peer listening on all interfaces, or behind a NAT, does not know which address others reach it
+        at; the peers it talks to do (the daemon announces this address, peer/daemon.py)."""
+        candidates = list(peers) if peers is not None else [(n.ip, n.port) for n in self._table.nodes()]
+        answers: list[Address] = []
+
+        async def one(address: Address) -> None:
+            try:
+                reply = await self._request(address, "stun", [], timeout=timeout)
+            except RequestTimeout:
+                return
+            if (isinstance(reply, list) and len(reply) == 2 and isinstance(reply[0], str)
+                    and type(reply[1]) is int and 0 < reply[1] < 65536):
+                answers.append((reply[0], reply[1]))
+
+        async with trio.open_nursery() as nursery:
+            for address in candidates[:ask]:
+                nursery.start_soon(one, address)
+        if not answers:
+            return None
+        return Counter(answers).most_common(1)[0][0]
+
+    async def udp_dial_back(self, address: Address, *, timeout: float = 3.0) -> bool:
+        """Whether a datagram from a socket `address` has never heard from gets an answer: `stun` from a fresh
+        UDP port of this host. A NAT that drops unsolicited datagrams (a home router's MASQUERADE) lets the
+        node's usual traffic through but not this, which is what a reachability check must see."""
+        assert self._network is not None, "open the node with DHTNode.open"
+        endpoint = await self._network.open_udp(self._endpoint.address[0], 0)
+        try:
+            protocol = proto.DatagramProtocol(flags=proto.FLAG_CLIENT)
+            _msg_id, datagram = protocol.request(address, "stun", [])
+            await endpoint.sendto(datagram, address)
+            with trio.move_on_after(timeout):
+                while True:
+                    data, source = await endpoint.recvfrom()
+                    if isinstance(protocol.receive(data, source), proto.Reply):
+                        return True
+            return False
+        except OSError:
+            return False
+        finally:
+            endpoint.close()
+
+    async def become_server(self) -> None:
+        """A client-mode node found to be publicly reachable (`peer.reachability`) takes part as a server from
+        now on: its requests stop saying "client", it answers every request, and a lookup of its own id makes
+        the peers it meets ping it back and add it to their tables. (The other way, never: a server already
+        sits in others' tables, which is what a private peer must never do.)"""
+        if not self.client_mode:
+            return
+        self.client_mode = False
+        self._protocol.mark_requests(0)
+        self._server.client_mode = False
+        self._contacts.client_mode = False
+        await self._settle()
 
     def _admit(self, admission: Admission) -> None:
         """Execute what a server's arrival in the table asks for: a bucket-head check, a welcome."""

@@ -256,6 +256,10 @@ class DatagramProtocol:
         self._outstanding[msg_id] = _Outstanding(name, address)
         return msg_id, datagram
 
+    def mark_requests(self, flags: int | None) -> None:
+        """Mark later requests with `flags` (a client-mode node promoted to a server, `DHTNode.become_server`)."""
+        self._flags = flags
+
     def forget(self, msg_id: bytes) -> None:
         """The driver gave up waiting (timeout or cancellation): a later reply counts as unsolicited."""
         self._outstanding.pop(msg_id, None)

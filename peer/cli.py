@@ -77,6 +77,7 @@ async def _run_join(options: dict[str, Any]) -> int:
         with trio.CancelScope() as daemon_scope:
             info = await nursery.start(daemon.run)
             print(f"peer {info.peer_id} listening on {info.address[0]}:{info.address[1]}", flush=True)
+            print(f"reachability: {info.reachability}", flush=True)
             print_serving(info)
             print(f"others join with: {info.join_command}", flush=True)
             await stop.wait()
@@ -103,7 +104,7 @@ async def _run_status(args: argparse.Namespace) -> int:
     from peer.client import open_client_peer
     from peer.status import format_status, gather_status, to_json
 
-    async with open_client_peer(args.initial_peers) as (rpc, dht):
+    async with open_client_peer(args.initial_peers, secure=not args.insecure_transport) as (rpc, dht):
         status = await gather_status(rpc, dht, timeout=args.timeout, runs_reader=_runs_reader())
     print(to_json(status) if args.json else format_status(status), flush=True)
     return 0 if status["peers_reachable"] else EXIT_FAILURE

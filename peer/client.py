@@ -38,14 +38,15 @@ async def open_client_peer(
     identity: Identity | None = None,
     network: Network | None = None,
     host: str | None = None,
+    secure: bool = True,
 ) -> AsyncIterator[tuple[RPCNode, DHTNode]]:
     """A client-mode peer for the duration of the block: an RPC node that calls others and a client-mode DHT node
     joined through `initial_peers` (`host`: see `client_host`). The one composition `Swarm` and `peer status`
-    share. Raises dht.BootstrapFailed when no initial peer answers."""
+    share. `secure` False is `--insecure-transport`. Raises dht.BootstrapFailed when no initial peer answers."""
     peers = normalize_peers(initial_peers)
     identity = identity or Identity.generate()
     network = network or RealNetwork()
-    async with RPCNode(identity, network) as rpc:
+    async with RPCNode(identity, network, secure=secure) as rpc:
         resolved = [await network.resolve(peer) for peer in peers]
         async with DHTNode.open(host or client_host(resolved), 0, resolved, identity=identity, network=network,
                                 client_mode=True) as dht:
@@ -68,6 +69,7 @@ class Swarm:
         host: str | None = None,
         network: Network | None = None,
         start: bool = True,
+        secure: bool = True,
     ):
         self.initial_peers = normalize_peers(initial_peers)
         if not self.initial_peers:
@@ -76,6 +78,7 @@ class Swarm:
         self.peer_id: PeerID = self.identity.peer_id
         self.host = host
         self.network = network or RealNetwork()
+        self.secure = secure  # False: `--insecure-transport`
         self._bridge: Bridge | None = None
         self._nodes: tuple[RPCNode, DHTNode] | None = None
         if start:
@@ -115,7 +118,7 @@ class Swarm:
     async def _serve(self, task_status: trio.TaskStatus[tuple[RPCNode, DHTNode]] = trio.TASK_STATUS_IGNORED
                      ) -> None:
         async with open_client_peer(self.initial_peers, identity=self.identity, network=self.network,
-                                    host=self.host) as nodes:
+                                    host=self.host, secure=self.secure) as nodes:
             task_status.started(nodes)
             await trio.sleep_forever()
 

@@ -45,6 +45,7 @@ from peer.options import JOIN
 from peer.p2p.identity import Identity
 from peer.p2p.net import Address, Network, RealNetwork
 from peer.p2p.rpc import CallContext, RPCNode
+from peer.reachability import DialBackService, Reachability, check_reachability, fixed
 from peer.replicas import ReplicaAverager
 from peer.status import STATUS_METHOD
 
@@ -60,7 +61,7 @@ class DaemonConfig:
     daemon started from Python and one started from the command line agree; `declare_ttl` and `seed` have no
     flag (tests and simulations set them)."""
 
-    host: str = _JOIN["host"]
+    host: str | None = _JOIN["host"]  # None: `default_listen_host`
     port: int = _JOIN["port"]
     announce: Address | None = _JOIN["announce"]
     initial_peers: list[Address] = field(default_factory=lambda: list(_JOIN["initial_peers"]))
@@ -81,6 +82,8 @@ class DaemonConfig:
     replicate: bool = _JOIN["replicate"]
     average_every: float = _JOIN["average_every"]
     accept_weights_from: list[str] = field(default_factory=lambda: list(_JOIN["accept_weights_from"]))
+    insecure_transport: bool = _JOIN["insecure_transport"]
+    reachability: str = _JOIN["reachability"]
 
 
 @dataclass
@@ -92,6 +95,7 @@ class DaemonInfo:
     experts: list[str]
     pattern: str | None = None  # the grid the experts were chosen from
     hidden_dim: int | None = None
+    reachability: str | None = None  # `Reachability.describe()`
 
     @property
     def join_command(self) -> str:
@@ -136,6 +140,58 @@ def pick_free_port(host: str) -> int:
     raise StartupError(f"no port free for both TCP and UDP on {host}")
 
 
+WILDCARDS = ("0.0.0.0", "", "::")
+_ROUTE_PROBE = ("192.0.2.1", 9)  # TEST-NET-1: only asks the routing table which interface leads out; nothing is sent
+
+
+def default_listen_host(initial_peers: list[Address]) -> str:
+    """Where `peer join` listens without --host: the interface toward its initial peers (so a swarm on loopback
+    stays on loopback and a LAN peer on its LAN address), or all interfaces when it starts a new swarm (others
+    will come from anywhere)."""
+    if not initial_peers:
+        return "0.0.0.0"
+    from averaging.collaborative import local_host_towards
+
+    return local_host_towards(initial_peers[0])
+
+
+async def announced_address(dht: DHTNode, host: str, port: int, initial_peers: list[Address]) -> Address:
+    """The address to announce when none was given: what the initial peers observe (the DHT's `stun`, the
+    majority of up to 3), else the interface toward them or toward the internet; a specific listen host is
+    announced as it is. The port is the listening one (TCP and UDP share it)."""
+    if host not in WILDCARDS:
+        return (host, port)
+    observed = await dht.observed_address(initial_peers) if initial_peers else None
+    if observed is not None:
+        return (observed[0], port)
+    from averaging.collaborative import local_host_towards
+
+    towards = local_host_towards(initial_peers[0] if initial_peers else _ROUTE_PROBE)
+    if towards.startswith("127."):  # no route out (a closed network): the first address of an interface
+        towards = next(iter(interface_addresses()), towards)
+    return (towards, port)
+
+
+def interface_addresses() -> list[str]:
+    """This machine's non-loopback IPv4 interface addresses (Linux: SIOCGIFADDR per interface; elsewhere none).
+    A bootstrap peer on a network without a default route has no other way to learn the address others use."""
+    import fcntl
+    import socket
+    import struct
+
+    addresses = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _index, name in socket.if_nameindex():
+            try:
+                request = struct.pack("256s", name.encode()[:15])
+                address = socket.inet_ntoa(fcntl.ioctl(probe.fileno(), 0x8915, request)[20:24])  # SIOCGIFADDR
+            except OSError:
+                continue  # an interface without an IPv4 address
+            if not address.startswith("127."):
+                addresses.append(address)
+    return addresses
+
+
 class Daemon:
     def __init__(self, config: DaemonConfig, *, network: Network | None = None, identity: Identity | None = None):
         self.config = config
@@ -150,6 +206,7 @@ class Daemon:
         self.directory: PeerDirectory | None = None
         self.replicas: ReplicaAverager | None = None
         self.pattern: str | None = None  # the grid pattern the served experts come from
+        self.reachability: Reachability | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[DaemonInfo] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled. Reports a DaemonInfo through `task_status` once the peer is reachable."""
@@ -158,24 +215,47 @@ class Daemon:
             check_checkpoint_dir(Path(config.checkpoint_dir))
         if config.threads is not None:
             torch.set_num_threads(config.threads)
-        async with RPCNode(self.identity, self.network, announce=config.announce) as rpc:
+        if config.announce is not None and config.announce[0] in WILDCARDS:
+            raise StartupError(f"--announce {config.announce[0] or '*'}:{config.announce[1]} is no address others "
+                               f"can connect to: give this machine's public address, or leave --announce out "
+                               f"to announce the address the initial peers see")
+        try:
+            peers = [await self.network.resolve(peer) for peer in config.initial_peers]
+        except OSError as error:
+            raise StartupError(f"cannot resolve the initial peers: {error.strerror or error}") from None
+        if config.host is None and not isinstance(self.network, RealNetwork):
+            raise StartupError("a daemon on a simulated network needs DaemonConfig.host (its host's name)")
+        host = config.host if config.host is not None else default_listen_host(peers)
+        async with RPCNode(self.identity, self.network, announce=config.announce,
+                           secure=not config.insecure_transport) as rpc:
             self.rpc = rpc
             port = config.port
             if port == 0 and isinstance(self.network, RealNetwork):
-                port = pick_free_port(config.host)
+                port = pick_free_port(host)
             try:
-                address = await rpc.listen(config.host, port)
+                address = await rpc.listen(host, port)
             except OSError as error:
-                raise StartupError(f"cannot listen on {config.host}:{port}: {error.strerror or error}") from None
-            announced = rpc.announced_address or address
+                raise StartupError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+            # a peer that may be private starts as a DHT client and becomes a server once dialed back
+            client_first = config.reachability == "private" or (config.reachability == "auto" and bool(peers))
             async with contextlib.AsyncExitStack() as stack:
                 try:
-                    peers = [await self.network.resolve(peer) for peer in config.initial_peers]
                     dht = await stack.enter_async_context(DHTNode.open(
-                        config.host, address[1], peers, identity=self.identity, network=self.network))
+                        host, address[1], peers, identity=self.identity, network=self.network,
+                        client_mode=client_first))
                 except OSError as error:
-                    raise StartupError(f"cannot open UDP {config.host}:{address[1]} for the DHT: "
+                    raise StartupError(f"cannot open UDP {host}:{address[1]} for the DHT: "
                                        f"{error.strerror or error}") from None
+                if rpc.announce is None:
+                    rpc.announce = await announced_address(dht, host, address[1], peers)
+                announced = rpc.announce
+                DialBackService(rpc, dht).register()
+                if config.reachability != "auto":
+                    self.reachability = fixed(config.reachability)
+                else:
+                    self.reachability = await check_reachability(rpc, peers)
+                    if self.reachability.status == "public":
+                        await dht.become_server()
                 self.dht = dht
                 rpc.register(STATUS_METHOD, self._handle_status)
                 self.expert_server = await self._make_expert_server(dht)  # before the nursery: plain errors
@@ -192,7 +272,7 @@ class Daemon:
                     self.directory = PeerDirectory(dht)
                     await nursery.start(self.directory.run, announced, self.identity.peer_id, self._summary)
                     task_status.started(DaemonInfo(str(self.identity.peer_id), announced, uids, self.pattern,
-                                                   config.hidden_dim))
+                                                   config.hidden_dim, self.reachability.describe()))
                     await trio.sleep_forever()
 
     async def _swarm_pattern(self, dht: DHTNode, count: int) -> str:
@@ -274,6 +354,7 @@ class Daemon:
             "expert_pattern": self.pattern,
             "hidden_dim": self.config.hidden_dim,
             "averaging": self.replicas.stats() if self.replicas else None,
+            "reachability": self.reachability.stats() if self.reachability else None,
         }
 
     async def _handle_status(self, context: CallContext, args: Any) -> dict[str, Any]:

@@ -459,11 +459,17 @@ class OptionParser(argparse.ArgumentParser):
 
 # ------------------------------------------------------------------------------------------------------- join
 
+# One option for every command that opens RPC connections: the same flag, the same config key, the same words.
+INSECURE_TRANSPORT = Option(
+    "insecure-transport", SWITCH, False, "send RPC frames unencrypted and unauthenticated after the handshake "
+    "(trusted clusters only); every peer it talks to must pass it too, an encrypting peer refuses it")
+
 JOIN = OptionSet("peer join", [
-    Option("host", TEXT, "127.0.0.1", "address to listen on, TCP and UDP"),
+    Option("host", TEXT, None, "address to listen on, TCP and UDP (127.0.0.1 for a swarm on this machine only)",
+           shown_default="the interface toward the initial peers; all interfaces in a new swarm"),
     Option("port", PORT, 0, "port to listen on, TCP (RPC) and UDP (DHT)", shown_default="0: any free port"),
     Option("announce", ADDRESS, None, "address other peers should use to reach this one (NAT, containers)",
-           shown_default="the listen address"),
+           shown_default="the address the initial peers see this peer at; the listen address with --host"),
     Option("initial-peers", ADDRESS, [], "any running peers to join through", many=True,
            shown_default="none: start a new swarm"),
     Option("identity", PATH, None, "Ed25519 key file, created (mode 0600) on first run, so a restarted peer keeps "
@@ -493,6 +499,10 @@ JOIN = OptionSet("peer join", [
     Option("accept-weights-from", Text(validate=_peer_id_hex, what="a PeerID"), [], "PeerIDs allowed to overwrite "
            "the served experts' weights (upcycling by `moe.swarmify.swarmify(..., upcycle=True)`)", many=True,
            shown_default="nobody", metavar="PEER_ID"),
+    INSECURE_TRANSPORT,
+    Option("reachability", Text(["auto", "public", "private"]), "auto", "auto: up to 3 initial peers dial this "
+           "one back on TCP and UDP; a private peer takes part in the DHT as a client only (never in others' "
+           "routing tables, never holding records); public or private: skip the check"),
 ])
 
 # ------------------------------------------------------------------------------------------------------- status
@@ -502,6 +512,7 @@ STATUS = OptionSet("peer status", [
            shown_default="none: required"),
     Option("json", SWITCH, False, "machine-readable output"),
     Option("timeout", POSITIVE, 3.0, "seconds to wait for each peer", metavar="SECONDS"),
+    INSECURE_TRANSPORT,
 ])
 
 # ------------------------------------------------------------------------------------------------------- train
@@ -571,6 +582,7 @@ TRAIN = OptionSet("peer train", [
            "machine)"),
     Option("max-failed-steps", POSITIVE_INT, 50, "give up after this many consecutive attempts without enough "
            "experts (retried with a growing pause, up to 1 s: about 45 s in all with the default)"),
+    INSECURE_TRANSPORT,
 ], finish=resolve_local_defaults)
 
 # ------------------------------------------------------------------------------------------------------- swarm

@@ -494,7 +494,8 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
             from peer.client import Swarm, normalize_peers
 
             peers = normalize_peers(args.initial_peers)
-            swarm = Swarm(initial_peers=peers, host=local_host_towards(peers[0]))
+            swarm = Swarm(initial_peers=peers, host=local_host_towards(peers[0]),
+                          secure=not args.insecure_transport)
             if not args.local_experts:
                 args = task.discover(args, swarm)
         experts_swarm = None if args.local_experts else swarm  # where the experts live (None: in this process)

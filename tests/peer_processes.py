@@ -131,9 +131,17 @@ class PeerProcess(ChildProcess):
         super().__init__([*PEER, *args], env=env, prefix=prefix, capture_stderr=capture_stderr)
 
 
+def loopback_join(args: tuple[str, ...] | list[str]) -> list[str]:
+    """`peer join` arguments that listen on 127.0.0.1 unless they say where: without --host a new swarm's daemon
+    listens on all interfaces, and tests never bind the machine's real interfaces (tests/test_defaults.py tests
+    that default inside a network namespace)."""
+    return [*args] if "--host" in args else [*args, "--host", "127.0.0.1"]
+
+
 def start_daemon(*args: str, timeout: float = 60.0, capture_stderr: bool = True) -> tuple[PeerProcess, str, str]:
-    """Start `peer join ARGS`; returns the process, its PeerID and its HOST:PORT once it is reachable."""
-    process = PeerProcess(["join", *args], capture_stderr=capture_stderr)
+    """Start `peer join ARGS` (on 127.0.0.1 unless ARGS say --host); returns the process, its PeerID and its
+    HOST:PORT once it is reachable."""
+    process = PeerProcess(["join", *loopback_join(args)], capture_stderr=capture_stderr)
     try:
         match = process.read_until(r"^peer ([0-9a-f]{40}) listening on (\S+)$", timeout)
         process.read_until(r"^others join with", timeout)
@@ -144,6 +152,9 @@ def start_daemon(*args: str, timeout: float = 60.0, capture_stderr: bool = True)
 
 
 def run_peer(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    """`peer ARGS`; a `join` listens on 127.0.0.1 unless ARGS say --host (see `loopback_join`)."""
+    if args and args[0] == "join":
+        args = ("join", *loopback_join(args[1:]))
     return subprocess.run([*PEER, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 

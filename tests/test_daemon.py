@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import trio
 
@@ -10,7 +12,7 @@ from peer.status import gather_status
 
 
 async def start(nursery, config: DaemonConfig) -> Daemon:
-    daemon = Daemon(config)
+    daemon = Daemon(dataclasses.replace(config, host="127.0.0.1"))  # tests never bind the real interfaces
     await nursery.start(daemon.run)
     return daemon
 

@@ -2,12 +2,17 @@
 trainer whose options match no declared expert fails at once naming both sides, and a daemon restarted with the
 same identity serves its uids again at once.
 
+Listening and announcing: without --host a daemon listens toward its initial peers (everywhere in a new swarm) and
+announces the address they observe (the DHT's `stun`); tested across network namespaces the test creates, so no
+test binds the machine's real interfaces.
+
 The discovery rules (`peer.discover`) and the daemons' expert choice run in-process on the in-memory network; the
 CLI contract runs real processes on 127.0.0.1."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 import trio
@@ -26,7 +31,8 @@ from peer.discover import (
     summary_fields,
 )
 from peer.p2p.net import MemoryNetwork
-from tests.peer_processes import PeerProcess, run_peer, start_daemon
+from tests.netns import HostNetwork, netns_available
+from tests.peer_processes import PEER, ROOT, PeerProcess, run_peer, start_daemon
 
 
 def entry(peer: int, summary: dict) -> PeerEntry:
@@ -237,3 +243,70 @@ def test_join_and_two_trainers_with_nothing_but_initial_peers_train_together():
     for me, other in ((results[0], results[1]), (results[1], results[0])):
         assert me["accuracy"] >= 0.9, me
         assert other["peer_id"] in me["peers_averaged_with"], me
+
+
+# ------------------------------------------------------------------------------ listening and announcing
+
+def test_without_host_a_daemon_listens_toward_its_initial_peers_or_everywhere_in_a_new_swarm():
+    from peer.daemon import default_listen_host
+
+    assert default_listen_host([("127.0.0.1", 4000)]) == "127.0.0.1"  # a swarm on this machine stays on loopback
+    assert default_listen_host([]) == "0.0.0.0"
+
+
+async def test_the_observed_address_is_what_most_asked_peers_report(autojump_clock):
+    network = MemoryNetwork()
+    async with DHTNode.open("a", 4000, network=network.host("a")) as a, \
+            DHTNode.open("b", 4000, [("a", 4000)], network=network.host("b")) as b, \
+            DHTNode.open("c", 4000, [("a", 4000)], network=network.host("c"), client_mode=True) as c:
+        assert await c.observed_address([("a", 4000), ("b", 4000)]) == ("c", 4000)
+        assert await c.observed_address([("nobody", 9)], timeout=1.0) is None
+        assert await b.observed_address() == ("b", 4000)  # default: contacts of its routing table
+        assert a is not None
+
+
+async def test_an_announced_wildcard_is_refused_in_command_line_words():
+    config = DaemonConfig(host="127.0.0.1", announce=("0.0.0.0", 4000))
+    with pytest.raises(StartupError) as caught:
+        await Daemon(config).run()
+    message = str(caught.value)
+    assert "--announce" in message and "=" not in message and "\n" not in message
+
+
+AVAILABLE, WHY_NOT = netns_available()
+
+
+@pytest.mark.slow
+@pytest.mark.netns
+@pytest.mark.skipif(not AVAILABLE, reason=WHY_NOT)
+def test_join_with_nothing_but_a_remote_initial_peer_joins_from_another_host():
+    """Two hosts (network namespaces the test creates): a bootstrap volunteer and a second one started with
+    nothing but `--initial-peers BOOTSTRAP` (no --host, no --announce). The second listens toward the bootstrap,
+    announces the address the bootstrap sees, and `peer status` from a third host reaches both."""
+    port = 31337
+    with HostNetwork() as network:
+        first, second, observer = (network.add_host(name) for name in ("boot", "second", "observer"))
+        processes = []
+        try:
+            boot = PeerProcess(["join", "--port", str(port), "--experts", "ffn.[0:2]", "--hidden-dim", "8"],
+                               prefix=first.command())
+            processes.append(boot)
+            boot.read_until(r"^others join with", timeout=120)
+            joined = PeerProcess(["join", "--initial-peers", f"{first.address}:{port}", "--hidden-dim", "8"],
+                                 prefix=second.command())
+            processes.append(joined)
+            match = joined.read_until(r"^peer ([0-9a-f]{40}) listening on (\S+)$", timeout=120)
+            assert match.group(2).startswith(f"{second.address}:"), match.group(0)
+            joined.read_until(r"^reachability: public, reached directly \(dialed back on TCP and UDP by 1 of 1",
+                              timeout=60)
+            joined.read_until(r"^others join with", timeout=60)
+            status = subprocess.run([*observer.command(), *PEER, "status", "--initial-peers",
+                                     f"{first.address}:{port}", "--json"], capture_output=True, text=True,
+                                    timeout=120, cwd=ROOT)
+            assert status.returncode == 0, status.stderr
+            report = json.loads(status.stdout)
+            assert report["peers_reachable"] == 2, report
+            assert "announce=" not in joined.stderr_tail() + boot.stderr_tail()
+        finally:
+            for process in processes:
+                process.kill()

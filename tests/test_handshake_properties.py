@@ -3,8 +3,9 @@
 The handshake only exists on trio streams, so each example runs its own `trio.run` under
 `trio.testing.MockClock(autojump_threshold=0)` (virtual time: timeouts cost nothing) over
 `MemoryNetwork().stream_pair(...)` or a listening node on a `MemoryNetwork`. A hand-rolled peer speaks the
-protocol with exactly one thing wrong -- one HELLO field (version, public key, nonce, listen address), the frame
-kind or size, or the PROOF (signed by another key, over other bytes, truncated) -- and the node must refuse it with
+protocol with exactly one thing wrong -- one HELLO field (version, public key, ephemeral key, nonce, listen address,
+transport), the frame kind or size, or the PROOF (signed by another key, for the other role, over another
+transcript, truncated) -- and the node must refuse it with
 a `HandshakeError` and keep serving others. Valid handshakes must succeed, so the properties cannot pass by
 refusing everything. Error replies ([1, code, text]) must arrive as the registered `RemoteError` subclass, and
 malformed response envelopes as `ResponseRejected`.
@@ -25,13 +26,23 @@ from hypothesis import example, given, note, settings
 from hypothesis import strategies as st
 
 from peer.p2p import framing, rpc, wire
-from peer.p2p.handshake import HandshakeFailed, Role, parse_hello
+from peer.p2p.handshake import (
+    DOMAIN,
+    PLAINTEXT,
+    SEALED,
+    HandshakeFailed,
+    Role,
+    parse_hello,
+    proof_message,
+    transcript_hash,
+)
 from peer.p2p.identity import Identity
 from peer.p2p.net import MemoryNetwork
 from peer.p2p.rpc import HandshakeError, RemoteError, ResponseRejected, RPCNode
 from peer.p2p.rpc_protocol import CallCompleted, CallFailed, RPCConnection
+from tests import hand_rolled
 
-DOMAIN = b"swarmd-rpc-handshake-v1|"
+EPHEMERAL = bytes.fromhex("de9edb7d7b7dc1b4d35b61c2ece435373f8343c85b78674dadfc7e146f882b4f")  # RFC 7748, 6.1
 SERVER = Identity.from_seed(b"server")
 CLIENT = Identity.from_seed(b"client")
 OTHER = Identity.from_seed(b"other")
@@ -45,7 +56,8 @@ def run_trio(async_fn, *args):
 
 
 def valid_hello(identity: Identity, nonce: bytes, listen=None) -> dict:
-    return {"v": rpc.PROTOCOL_VERSION, "pk": identity.public_key, "nonce": nonce, "listen": listen}
+    return {"v": rpc.PROTOCOL_VERSION, "pk": identity.public_key, "eph": EPHEMERAL, "nonce": nonce,
+            "listen": listen, "transport": SEALED}
 
 
 junk = st.none() | st.booleans() | st.integers(-(2**63), 2**63) | st.floats() | st.text(max_size=40) \
@@ -56,12 +68,14 @@ listens = st.none() | st.tuples(st.text(min_size=1, max_size=30), st.integers(1,
 @st.composite
 def hello_mutations(draw):
     """(field, new value or MISSING): one HELLO field made wrong."""
-    field = draw(st.sampled_from(["v", "pk", "nonce", "listen"]))
+    field = draw(st.sampled_from(["v", "pk", "eph", "nonce", "listen", "transport"]))
+    if field == "transport":
+        return field, draw(junk.filter(lambda v: v not in (SEALED, PLAINTEXT)) | st.just(MISSING))
     if draw(st.integers(0, 5)) == 0:
         return field, MISSING if field != "listen" else draw(junk.filter(lambda v: v is not None))
     if field == "v":
         return field, draw(junk.filter(lambda v: not (type(v) is int and v == rpc.PROTOCOL_VERSION)))
-    if field in ("pk", "nonce"):
+    if field in ("pk", "eph", "nonce"):
         return field, draw(st.binary(max_size=31) | st.binary(min_size=33, max_size=64)
                            | st.text(min_size=32, max_size=32) | junk.filter(lambda v: not isinstance(v, bytes)))
     return field, draw(
@@ -89,11 +103,13 @@ def mutated_hello(identity: Identity, nonce: bytes, mutation) -> bytes:
 # ------------------------------------------------------------------------------------ parsing the HELLO
 
 
-@given(st.binary(min_size=32, max_size=32), st.binary(min_size=32, max_size=32), listens)
-def test_valid_hello_parses(public_key, nonce, listen):
-    hello = msgpack.packb({"v": rpc.PROTOCOL_VERSION, "pk": public_key, "nonce": nonce, "listen": listen},
-                          use_bin_type=True)
-    assert tuple(parse_hello(hello)) == (public_key, nonce, tuple(listen) if listen else None)
+@given(st.binary(min_size=32, max_size=32), st.binary(min_size=32, max_size=32), listens,
+       st.binary(min_size=32, max_size=32), st.sampled_from([SEALED, PLAINTEXT]))
+def test_valid_hello_parses(public_key, nonce, listen, ephemeral, transport):
+    hello = msgpack.packb({"v": rpc.PROTOCOL_VERSION, "pk": public_key, "nonce": nonce, "listen": listen,
+                           "eph": ephemeral, "transport": transport}, use_bin_type=True)
+    assert tuple(parse_hello(hello)) == (public_key, nonce, tuple(listen) if listen else None, ephemeral,
+                                         transport)
 
 
 @given(hello_mutations())
@@ -111,10 +127,11 @@ def test_one_wrong_hello_field_is_a_handshake_error(mutation):
                                                            k, list)), c, max_size=3), max_leaves=8)))
 def test_any_hello_bytes_give_a_result_or_a_handshake_error(payload):
     try:
-        public_key, nonce, listen = parse_hello(payload)
+        public_key, nonce, listen, ephemeral, transport = parse_hello(payload)
     except HandshakeFailed:
         return
     assert len(public_key) == 32 and len(nonce) == 32 and (listen is None or 0 < listen[1] < 65536)
+    assert len(ephemeral) == 32 and transport in (SEALED, PLAINTEXT)
 
 
 # ------------------------------------------------------------------------------- the handshake over streams
@@ -131,23 +148,25 @@ def handshake_faults(draw):
     if kind == "hello frame":
         return kind, draw(st.sampled_from(["as proof", "as data", "oversized", "close"]))
     if kind == "proof":
-        return kind, draw(st.sampled_from(["other key", "their nonce only", "swapped nonces", "no domain",
+        return kind, draw(st.sampled_from(["other key", "their role", "swapped hellos", "no domain",
                                            "truncated", "extended", "random", "empty"]))
     if kind == "proof frame":
         return kind, draw(st.sampled_from(["as hello", "data first", "close"]))
     return kind, draw(st.binary(max_size=40))
 
 
-def proof_for(fault: str | None, their_nonce: bytes, nonce: bytes) -> bytes:
-    data = DOMAIN + their_nonce + nonce
+def proof_for(fault: str | None, mine: bytes, theirs: bytes) -> bytes:
+    """The client's (initiator's) PROOF for the HELLO payloads `mine` and `theirs`, with `fault` in it."""
+    transcript = transcript_hash(mine, theirs)
+    data = proof_message(Role.INITIATOR, transcript)
     if fault == "other key":
         return OTHER.sign(data)
-    if fault == "their nonce only":
-        return CLIENT.sign(DOMAIN + their_nonce)
-    if fault == "swapped nonces":
-        return CLIENT.sign(DOMAIN + nonce + their_nonce)
+    if fault == "their role":  # what the server signs: reflected back
+        return CLIENT.sign(proof_message(Role.RESPONDER, transcript))
+    if fault == "swapped hellos":
+        return CLIENT.sign(proof_message(Role.INITIATOR, transcript_hash(theirs, mine)))
     if fault == "no domain":
-        return CLIENT.sign(their_nonce + nonce)
+        return CLIENT.sign(data[len(DOMAIN):])
     signature = CLIENT.sign(data)
     if fault == "truncated":
         return signature[:-1]
@@ -188,8 +207,7 @@ async def faulty_peer(stream, fault) -> None:
         if not data:
             return
         events = parser.receive(data)
-    their_nonce = msgpack.unpackb(events[0].payload)["nonce"]
-    proof = proof_for(detail if kind == "proof" else None, their_nonce, nonce)
+    proof = proof_for(detail if kind == "proof" else None, hello, events[0].payload)
     if kind == "proof frame":
         if detail == "close":
             await stream.aclose()
@@ -206,7 +224,7 @@ async def faulty_peer(stream, fault) -> None:
 @given(handshake_faults())
 @example(None)
 @example(("proof", "other key"))
-@example(("hello field", ("v", 2)))
+@example(("hello field", ("v", 1)))  # the unsealed version 1
 def test_a_handshake_with_one_thing_wrong_is_a_handshake_error(fault):
     note(repr(fault))
 
@@ -273,18 +291,8 @@ def test_the_listener_refuses_a_broken_handshake_and_keeps_serving(fault):
     run_trio(main)
 
 
-async def completed_handshake(network: MemoryNetwork, address) -> tuple:
-    stream = await network.host("mallory").connect_tcp(address)
-    parser = framing.FrameParser(1 << 20)
-    nonce = os.urandom(32)
-    await stream.send_all(framing.control_frame(framing.HELLO, msgpack.packb(valid_hello(CLIENT, nonce),
-                                                                             use_bin_type=True)))
-    events: list = []
-    while not events:
-        events = parser.receive(await stream.receive_some(65536))
-    their_nonce = msgpack.unpackb(events[0].payload)["nonce"]
-    await stream.send_all(framing.control_frame(framing.PROOF, CLIENT.sign(DOMAIN + their_nonce + nonce)))
-    return stream, parser
+async def completed_handshake(network: MemoryNetwork, address) -> hand_rolled.RawChannel:
+    return await hand_rolled.handshake(await network.host("mallory").connect_tcp(address), CLIENT)
 
 
 @given(st.integers(0, 100), st.integers(1, 64), st.integers(1, 2**31))
@@ -298,13 +306,14 @@ def test_a_frame_longer_than_its_message_closes_only_that_connection(total, extr
 
             server.register("echo", echo)
             address = await server.listen("server", 0)
-            stream, _parser = await completed_handshake(network, address)
+            channel = await completed_handshake(network, address)
+            stream = channel.stream
             payload = bytes(total + extra)
-            await stream.send_all(framing.HEADER.pack(framing.HEADER.size - 4 + 8 + len(payload),
-                                                      framing.FIRST | framing.LAST, stream_id)
-                                  + framing.TOTAL.pack(total))
-            await trio.sleep(0.01)  # virtual time: the payload arrives as a later read, into receive_target()
-            await stream.send_all(payload)
+            await channel.send(framing.HEADER.pack(framing.HEADER.size - 4 + 8 + len(payload),
+                                                   framing.FIRST | framing.LAST, stream_id)
+                               + framing.TOTAL.pack(total))
+            await trio.sleep(0.01)  # virtual time: the payload arrives as a later record, opened into the message
+            await channel.send(payload)
             with trio.fail_after(10):
                 try:
                     while await stream.receive_some(65536):

@@ -67,9 +67,10 @@ async def test_status_counts_failed_calls_served_and_sent():
     from peer.status import format_status
 
     async with trio.open_nursery() as nursery:
-        first = Daemon(DaemonConfig(experts="ffn.[0:2]", hidden_dim=8))
+        first = Daemon(DaemonConfig(experts="ffn.[0:2]", hidden_dim=8, host="127.0.0.1"))
         await nursery.start(first.run)
-        second = Daemon(DaemonConfig(experts="ffn.[2:3]", hidden_dim=8, initial_peers=[first.rpc.address]))
+        second = Daemon(DaemonConfig(experts="ffn.[2:3]", hidden_dim=8, host="127.0.0.1",
+                                     initial_peers=[first.rpc.address]))
         await nursery.start(second.run)
 
         def failed(status: dict, daemon: Daemon) -> int:

@@ -93,7 +93,7 @@ def test_two_trainers_on_three_daemons_survive_a_dead_daemon_and_average_togethe
         bootstrap = None
         for index in range(3):
             config = DaemonConfig(experts=f"ffn.[{4 * index}:{4 * index + 4}]", hidden_dim=64, seed=index,
-                                  initial_peers=[bootstrap] if bootstrap else [])
+                                  host="127.0.0.1", initial_peers=[bootstrap] if bootstrap else [])
             info, scope = bridge.start_and_wait(_daemon, config)
             bootstrap = bootstrap or info.address
             daemons.append((info, scope))

@@ -1,19 +1,29 @@
-"""The RPC handshake as a sans-I/O state machine: who is on the other end, proven, before any call.
+"""The RPC handshake as a sans-I/O state machine: an authenticated key exchange before any call.
 
 Why an object of its own (as wsproto's handshake or h11's Connection): the handshake decides who a connection
-belongs to, so every malformed field, every frame out of order and every split of the bytes must be testable
-without sockets, tasks or clocks. The trio driver (`peer.p2p.rpc.RPCNode._handshake`) only writes
-`data_to_send()`, feeds what it reads to `receive_data`, and bounds the whole exchange with its timeout. It is
-also the seam for the next protocol step (a key exchange and sealed frames): that changes what this object
-sends, checks and hands on in `HandshakeComplete`, not the driver.
+belongs to and which keys seal it, so every malformed field, every frame out of order and every split of the
+bytes must be testable without sockets, tasks or clocks. The trio driver (`peer.p2p.rpc.RPCNode._handshake`)
+only writes `data_to_send()`, feeds what it reads to `receive_data`, and bounds the whole exchange with its
+timeout.
 
-Wire (version 1; byte-compatible with every peer of this version): both sides send at once a HELLO control frame
-(`framing.control_frame(HELLO, msgpack {"v": 1, "pk": ed25519 public key, "nonce": 32 random bytes, "listen":
-[host, port] | None})`), and on the other's HELLO a PROOF frame: the signature of
-`DOMAIN + their nonce + our nonce`. A side is done when the other's PROOF verifies under the key its HELLO
-announced, so the PeerID it derives is proven, never claimed. HELLO keys beyond these are ignored, which leaves
-room for new fields; an ERROR control frame is the other side's refusal. The handshake reads exactly its own two
-frames and hands whatever followed them on (`HandshakeComplete.leftover`) to the connection protocol.
+Wire (version 2): both sides send at once a HELLO control frame (`framing.control_frame(HELLO, msgpack {"v": 2,
+"pk": Ed25519 identity key, "eph": a fresh X25519 public key, "nonce": 32 random bytes, "listen": [host, port] |
+None, "transport": "aes-256-gcm" | "plaintext"})`), and on the other's HELLO a PROOF frame: the identity key's
+signature of `DOMAIN + signer's role + transcript`, where the transcript is SHA-256 over both HELLOs exactly as
+sent (the initiator's first). A side is done when the other's PROOF verifies under the key its HELLO announced.
+
+Why this is enough against a man in the middle and a replay: the transcript holds both ephemeral keys and both
+fresh nonces, so a signature covers this very exchange and nothing else; whoever swaps an ephemeral key (to learn
+the session keys) breaks the other side's signature, and whoever relays the HELLOs unchanged cannot compute the
+X25519 secret, so every record it forges fails to open (`peer.p2p.seal`). The signer's role is signed too, so a
+PROOF reflected back to its author fails. The session keys are HKDF-SHA256 of the X25519 secret with the
+transcript as salt, one key per direction (`HandshakeComplete.keys`).
+
+Both sides must agree on the transport: a `plaintext` peer (`--insecure-transport`, for trusted clusters only)
+and an encrypting one refuse each other (`TransportMismatch`), so nobody falls back to plaintext by accident.
+HELLO keys beyond these are ignored and still covered by the transcript: that is the room for new fields (a swarm
+key's proof would be one). An ERROR control frame is the other side's refusal. The handshake reads exactly its
+own two frames and hands whatever followed them on (`HandshakeComplete.leftover`: the first sealed records).
 
 Failures are `HandshakeFailed` subclasses (all `RemoteProtocolError`s: the remote's doing); feeding a finished or
 failed handshake is a `LocalProtocolError` (ours).
@@ -22,19 +32,27 @@ failed handshake is a `LocalProtocolError` (ours).
 from __future__ import annotations
 
 import enum
+import hashlib
 import os
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Union
 
 import msgpack
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from peer.p2p import framing
+from peer.p2p import framing, seal
 from peer.p2p.identity import Identity, PeerID, verify_signature
 from peer.p2p.rpc_protocol import Address, LocalProtocolError, RemoteProtocolError
 
-PROTOCOL_VERSION = 1
-DOMAIN = b"swarmd-rpc-handshake-v1|"
+PROTOCOL_VERSION = 2
+DOMAIN = b"swarmd-rpc-handshake-v2|"
 NONCE_BYTES = 32
+EPHEMERAL_BYTES = 32
+SEALED = seal.CIPHER
+PLAINTEXT = "plaintext"
+_KEYS_INFO = b"swarmd-rpc-v2 session keys"
 _MAX_FRAME_BYTES = max(framing.CHUNK_BYTES, framing.MAX_CONTROL_BYTES) + framing.TOTAL.size + framing.HEADER.size
 
 
@@ -81,6 +99,10 @@ class HandshakeRefused(HandshakeFailed):
     """The remote sent an ERROR frame instead of finishing the handshake."""
 
 
+class TransportMismatch(HandshakeFailed):
+    """One side seals its frames and the other runs with `--insecure-transport`: both must agree."""
+
+
 # ------------------------------------------------------------------------------------------------------- events
 
 
@@ -88,12 +110,15 @@ class Hello(NamedTuple):
     public_key: bytes
     nonce: bytes
     listen: Address | None
+    ephemeral: bytes = b""
+    transport: str = SEALED
 
 
 @dataclass(frozen=True)
 class HandshakeComplete:
     """The other side is `peer_id` (it proved it holds `public_key`). `remote_listen` is the address it announced
-    (None: a client-mode peer); `leftover` are the bytes that followed its PROOF, the connection's first input."""
+    (None: a client-mode peer); `leftover` are the bytes that followed its PROOF, the connection's first input;
+    `keys` seal the connection (None: both sides agreed on `--insecure-transport`)."""
 
     peer_id: PeerID
     public_key: bytes
@@ -101,6 +126,7 @@ class HandshakeComplete:
     role: Role
     version: int
     leftover: bytes
+    keys: seal.SessionKeys | None = None
 
 
 Event = Union[HandshakeComplete]
@@ -119,17 +145,35 @@ def parse_hello(payload: bytes) -> Hello:
     if type(version) is not int or version != PROTOCOL_VERSION:  # True and 1.0 equal 1 in Python
         raise VersionMismatch(f"protocol version {version!r}, expected {PROTOCOL_VERSION}", version)
     public_key, nonce, listen = hello.get("pk"), hello.get("nonce"), hello.get("listen")
+    ephemeral, transport = hello.get("eph"), hello.get("transport")
     if not isinstance(public_key, bytes) or len(public_key) != 32:
         raise NotAPeer("hello without a valid public key")
     if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
         raise NotAPeer("hello without a valid nonce")
+    if not isinstance(ephemeral, bytes) or len(ephemeral) != EPHEMERAL_BYTES:
+        raise NotAPeer("hello without a valid ephemeral key")
+    if transport not in (SEALED, PLAINTEXT):
+        raise NotAPeer(f"hello with an unknown transport {str(transport)[:40]!r}")
     address: Address | None = None
     if listen is not None:
         if (not isinstance(listen, list) or len(listen) != 2 or not isinstance(listen[0], str)
                 or type(listen[1]) is not int or not 0 < listen[1] < 65536):  # a bool is no port
             raise NotAPeer("hello with a malformed listen address")
         address = (listen[0], listen[1])
-    return Hello(public_key, nonce, address)
+    return Hello(public_key, nonce, address, ephemeral, transport)
+
+
+def transcript_hash(initiator_hello: bytes, responder_hello: bytes) -> bytes:
+    """SHA-256 over both HELLO payloads exactly as sent, the initiator's first, each prefixed by its length."""
+    return hashlib.sha256(b"".join([
+        DOMAIN, len(initiator_hello).to_bytes(4, "little"), initiator_hello,
+        len(responder_hello).to_bytes(4, "little"), responder_hello,
+    ])).digest()
+
+
+def proof_message(signer: Role, transcript: bytes) -> bytes:
+    """What a PROOF signs: the signer's role (so a PROOF reflected to its author fails) and the transcript."""
+    return DOMAIN + signer.value.encode() + b"|" + transcript
 
 
 class _State(enum.Enum):
@@ -145,7 +189,8 @@ class Handshake:
     proven its key. Send `data_to_send()` once more after completion (our PROOF may be queued with it).
 
     `listen` is the address announced to the remote (None: client mode); `expected_peer`, if given, fails the
-    handshake before we sign anything when the remote is someone else; `nonce_source(n)` gives n random bytes
+    handshake before we sign anything when the remote is someone else; `secure` False is `--insecure-transport`
+    (the remote must say the same); `nonce_source(n)` gives n random bytes, for the nonce and the ephemeral key
     (tests pass a seeded one)."""
 
     def __init__(
@@ -156,6 +201,7 @@ class Handshake:
         listen: Address | None = None,
         expected_peer: PeerID | None = None,
         version: int = PROTOCOL_VERSION,
+        secure: bool = True,
         nonce_source: Callable[[int], bytes] = os.urandom,
     ):
         if version != PROTOCOL_VERSION:
@@ -164,19 +210,25 @@ class Handshake:
         self.role = role
         self.expected_peer = expected_peer
         self.version = version
+        self.transport = SEALED if secure else PLAINTEXT
         self._nonce = nonce_source(NONCE_BYTES)
         if not isinstance(self._nonce, bytes) or len(self._nonce) != NONCE_BYTES:
             raise LocalProtocolError(f"the nonce source gave {self._nonce!r}, not {NONCE_BYTES} bytes")
-        hello = msgpack.packb(
-            {"v": version, "pk": identity.public_key, "nonce": self._nonce,
-             "listen": [listen[0], listen[1]] if listen else None},
+        self._ephemeral = X25519PrivateKey.from_private_bytes(nonce_source(EPHEMERAL_BYTES))
+        ephemeral_public = self._ephemeral.public_key().public_bytes(serialization.Encoding.Raw,
+                                                                      serialization.PublicFormat.Raw)
+        self._hello_payload = msgpack.packb(
+            {"v": version, "pk": identity.public_key, "eph": ephemeral_public, "nonce": self._nonce,
+             "listen": [listen[0], listen[1]] if listen else None, "transport": self.transport},
             use_bin_type=True,
         )
-        self._outgoing = bytearray(framing.control_frame(framing.HELLO, hello))
+        self._outgoing = bytearray(framing.control_frame(framing.HELLO, self._hello_payload))
         self._buffer = bytearray()
         self._state = _State.WAIT_HELLO
         self._hello: Hello | None = None
         self._peer_id: PeerID | None = None
+        self._transcript = b""
+        self._keys: seal.SessionKeys | None = None
 
     @property
     def state(self) -> str:
@@ -250,9 +302,28 @@ class Handshake:
         peer_id = PeerID.from_public_key(hello.public_key)
         if self.expected_peer is not None and peer_id != self.expected_peer:
             raise UnexpectedPeer(f"the peer is {peer_id.short()}, not {self.expected_peer.short()}", peer_id)
+        if hello.transport != self.transport:
+            raise TransportMismatch(
+                "the peer runs with --insecure-transport (unencrypted) and this one encrypts; both sides must "
+                "agree" if hello.transport == PLAINTEXT else
+                "this peer runs with --insecure-transport (unencrypted) and the peer encrypts; both sides must "
+                "agree", peer_id)
+        try:
+            shared = self._ephemeral.exchange(X25519PublicKey.from_public_bytes(hello.ephemeral))
+        except ValueError:  # a low-order point: the shared secret would be all zeros
+            raise NotAPeer("hello with an unusable ephemeral key", peer_id) from None
+        mine, theirs = self._hello_payload, payload
+        self._transcript = (transcript_hash(mine, theirs) if self.role is Role.INITIATOR
+                            else transcript_hash(theirs, mine))
+        if self.transport == SEALED:
+            both = HKDF(algorithm=hashes.SHA256(), length=2 * seal.KEY_BYTES, salt=self._transcript,
+                        info=_KEYS_INFO).derive(shared)
+            to_responder, to_initiator = both[:seal.KEY_BYTES], both[seal.KEY_BYTES:]
+            self._keys = (seal.SessionKeys(send=to_responder, receive=to_initiator) if self.role is Role.INITIATOR
+                          else seal.SessionKeys(send=to_initiator, receive=to_responder))
         self._hello, self._peer_id = hello, peer_id
-        proof = self.identity.sign(DOMAIN + hello.nonce + self._nonce)
-        self._outgoing += framing.control_frame(framing.PROOF, proof)
+        self._outgoing += framing.control_frame(framing.PROOF,
+                                                self.identity.sign(proof_message(self.role, self._transcript)))
         self._state = _State.WAIT_PROOF
 
     def _on_proof(self, kind: int, payload: bytes) -> HandshakeComplete:
@@ -260,9 +331,11 @@ class Handshake:
         assert hello is not None and peer_id is not None
         if kind != framing.PROOF:
             raise NotAPeer("not a swarmd peer: a second hello", peer_id)
-        if not verify_signature(hello.public_key, payload, DOMAIN + self._nonce + hello.nonce):
-            raise BadProof("the peer could not prove it holds its key", peer_id)
+        remote_role = Role.RESPONDER if self.role is Role.INITIATOR else Role.INITIATOR
+        if not verify_signature(hello.public_key, payload, proof_message(remote_role, self._transcript)):
+            raise BadProof("the peer could not prove it holds its key for this exchange", peer_id)
         self._state = _State.DONE
         leftover = bytes(self._buffer)
         self._buffer.clear()
-        return HandshakeComplete(peer_id, hello.public_key, hello.listen, self.role, self.version, leftover)
+        return HandshakeComplete(peer_id, hello.public_key, hello.listen, self.role, self.version, leftover,
+                                 self._keys)

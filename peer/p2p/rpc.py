@@ -1,8 +1,10 @@
 """Authenticated request/response RPC over any `peer.p2p.net.Network`, multiplexed on one connection per peer pair.
 
 Why this shape:
-- Every TCP connection starts with a handshake in which each side signs the other's fresh nonce, so a call is
-  attributed to the PeerID that holds the key, never to a claimed one (`CallContext.peer_id`).
+- Every TCP connection starts with an authenticated key exchange (`peer.p2p.handshake`), so a call is
+  attributed to the PeerID that holds the key, never to a claimed one (`CallContext.peer_id`), and everything
+  after it is sealed (`peer.p2p.seal`): a byte changed on the way closes the connection before any handler runs.
+  `secure=False` (`--insecure-transport`) sends frames unsealed; both ends must agree.
 - Calls are multiplexed by stream id on one pooled connection; the framing layer (`peer.p2p.framing`) interleaves
   chunks, so a 100 MB tensor never holds up a small call, and tensors travel without copies (`peer.p2p.wire`).
 - Every call has a deadline that also bounds the remote handler; cancelling a caller cancels the handler.
@@ -124,7 +126,7 @@ class Connection:
         self.protocol = RPCConnection(
             initiator=handshake.role is Role.INITIATOR, peer_id=handshake.peer_id, address=self.label,
             limits=node.limits, methods=node._handlers, budget=node.receive_budget, idle_timeout=node.idle_timeout,
-            now=trio.current_time(), stats=node.stats,
+            now=trio.current_time(), stats=node.stats, keys=handshake.keys,
         )
         self._leftover = handshake.leftover
         self.waiters: dict[int, _PendingCall] = {}
@@ -209,7 +211,8 @@ class Connection:
         """Read message payloads straight into their final buffers (one copy, by the kernel on real sockets);
         in-memory streams take the same path (`MemoryStream.receive_into`)."""
         protocol = self.protocol
-        scratch = bytearray(_SCRATCH_BYTES)
+        # a sealed connection always reads into its opener's buffer: the scratch is for unsealed ones
+        scratch = bytearray(_SCRATCH_BYTES if protocol.opener is None else 1)
         scratch_view = memoryview(scratch)
         current_time = trio.current_time
         while True:
@@ -217,12 +220,14 @@ class Connection:
             if target is not None:
                 received = await receive_into(target)
                 if not received:
+                    protocol.end_of_stream()  # raises when the stream was cut inside a sealed record
                     self.close_reason = "closed by peer"
                     return
                 events = protocol.advance(received, current_time())
             else:
                 received = await receive_into(scratch)
                 if not received:
+                    protocol.end_of_stream()
                     self.close_reason = "closed by peer"
                     return
                 events = protocol.receive_data(scratch_view[:received], current_time())
@@ -341,6 +346,7 @@ class RPCNode:
         handshake_timeout: float = 5.0,
         idle_timeout: float = 300.0,
         announce: Address | None = None,
+        secure: bool = True,
     ):
         self.identity = identity
         self.peer_id: PeerID = identity.peer_id
@@ -351,6 +357,7 @@ class RPCNode:
         self.idle_timeout = idle_timeout
         self.address: Address | None = None
         self.announce = announce
+        self.secure = secure  # False: `--insecure-transport`, frames unsealed (the remote must agree)
         # Failed calls, as `peer status` counts them: served ones refused before a handler ran (error_replies),
         # answered with a typed error (handler_errors), crashed (handler_failures) or cut short by the caller's
         # deadline or cancellation (handlers_cancelled); and this node's own calls that failed (calls_failed).
@@ -516,6 +523,27 @@ class RPCNode:
             return stream, handshake
         raise ConnectionFailed(f"no connection within {self.connect_timeout:.3g} s", address=address)
 
+    async def probe(self, address: Address, *, peer_id: PeerID, timeout: float) -> None:
+        """Open a fresh connection to `address`, complete the handshake with `peer_id` there, and close it: can
+        this node reach that address now (a reachability dial-back)? Never uses or joins the connection pool,
+        so an existing connection in either direction cannot answer for it. Raises `ConnectionFailed`
+        (`HandshakeError` when someone else answers) on failure."""
+        address = (str(address[0]), int(address[1]))
+        with trio.move_on_after(timeout):
+            try:
+                stream = await self.network.connect_tcp(address)
+            except OSError as error:
+                raise ConnectionFailed(f"cannot connect: {error.strerror or error}", address=address,
+                                       peer=peer_id) from None
+            try:
+                await self._handshake(stream, Role.INITIATOR, expected_peer=peer_id)
+            except HandshakeError as error:
+                raise HandshakeError(error.message, peer=peer_id, address=address) from None
+            finally:
+                await trio.aclose_forcefully(stream)
+            return
+        raise ConnectionFailed(f"no connection within {timeout:.3g} s", address=address, peer=peer_id)
+
     def _forget(self, connection: Connection) -> None:
         self._all_connections.discard(connection)
         if connection.dialed is not None and self._connections.get(connection.dialed) is connection:
@@ -527,9 +555,11 @@ class RPCNode:
 
     # ----------------------------------------------------------------------------------- handshake
 
-    async def _handshake(self, stream: trio.abc.Stream, role: Role) -> HandshakeComplete:
+    async def _handshake(self, stream: trio.abc.Stream, role: Role,
+                         expected_peer: PeerID | None = None) -> HandshakeComplete:
         """Drive a `Handshake` over `stream` within `handshake_timeout`; every failure is a `HandshakeError`."""
-        handshake = Handshake(self.identity, role, listen=self.announced_address)
+        handshake = Handshake(self.identity, role, listen=self.announced_address, expected_peer=expected_peer,
+                              secure=self.secure)
         with trio.move_on_after(self.handshake_timeout):
             try:
                 await stream.send_all(handshake.data_to_send())

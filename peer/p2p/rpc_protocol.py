@@ -5,8 +5,9 @@ id a call gets, what a reply means, which error class a code maps to, when a cal
 idle connection may close, what a hostile byte means -- is plain data handling. Kept free of sockets, tasks,
 cancel scopes and clocks (time is passed in as a number), it can be driven byte by byte in tests, every split
 boundary and every expiry reached by passing a number, and the driver shrinks to moving bytes, waking tasks and
-running handlers. The same holds for the handshake (`peer.p2p.handshake`), whose result this core is built from,
-so a later handshake that also agrees on keys changes what the two cores do inside, not the driver.
+running handlers. The same holds for the handshake (`peer.p2p.handshake`), whose result this core is built from:
+given the handshake's session keys, the core seals what it sends and opens what it receives (`peer.p2p.seal`)
+below the framing, so the driver moves ciphertext exactly as it moved plaintext, zero-copy reads included.
 
 Shape (h11-like): `receive_data(bytes, now)` (or `receive_target()` + `advance(n, now)` for zero-copy reads)
 returns events (`RequestReceived`, `RequestCancelled`, `CallCompleted`, `CallFailed`); `start_call`, `cancel_call`,
@@ -16,7 +17,8 @@ idle connection (`ConnectionIdle`).
 
 Errors, three kinds kept apart:
 - `RemoteProtocolError`: the remote broke the protocol (a bad frame, a control frame after the handshake, a
-  reused stream id); the connection cannot continue and the core refuses further input.
+  reused stream id; `SecureChannelError`: a sealed record that does not open); the connection cannot continue
+  and the core refuses further input.
 - `LocalProtocolError`: we asked for something the protocol does not allow (a call on a closed connection, a
   second reply to one request): a bug on our side, raised at the call that made it.
 - `RPCError` subclasses: what one call's caller sees. Replies `[1, code, text]` map to the `RemoteError` subclass
@@ -34,7 +36,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Any, Container, MutableMapping, Union
 
-from peer.p2p import framing, wire
+from peer.p2p import framing, seal, wire
 from peer.p2p.identity import PeerID
 
 Address = tuple[str, int]  # (host, port), as `peer.p2p.net.Address`; not imported, the core needs no trio
@@ -58,6 +60,16 @@ class RemoteProtocolError(Exception):
     def __init__(self, message: str, events: "list[Event] | None" = None):
         super().__init__(message)
         self.events: list[Event] = events if events is not None else []
+
+
+class SecureChannelError(RemoteProtocolError):
+    """The sealed stream was altered on the way (a record changed, dropped, duplicated, reordered, replayed or cut
+    short: `error` says which check failed). Nothing from that record on reached the framing, so no handler saw
+    any of it."""
+
+    def __init__(self, error: seal.SealError, events: "list[Event] | None" = None):
+        super().__init__(f"sealed stream broken: {error}", events)
+        self.error = error
 
 
 class RPCError(Exception):
@@ -231,6 +243,7 @@ class RPCConnection:
         now: float = 0.0,
         stats: MutableMapping[str, int] | None = None,
         chunk_bytes: int = framing.CHUNK_BYTES,
+        keys: seal.SessionKeys | None = None,
     ):
         self.initiator = initiator
         self.peer_id = peer_id
@@ -243,6 +256,9 @@ class RPCConnection:
         self.parser = framing.FrameParser(limits.max_message_bytes, chunk_bytes, budget=budget,
                                           allocate=wire.message_buffer)
         self.outbox = framing.Outbox(chunk_bytes=chunk_bytes)
+        # None on an `--insecure-transport` connection: frames go as they are
+        self.sealer = seal.Sealer(keys.send) if keys is not None else None
+        self.opener = seal.Opener(keys.receive) if keys is not None else None
         self.calls: dict[int, _Call] = {}
         self.requests: dict[int, _Request] = {}
         self.last_activity = now
@@ -331,8 +347,11 @@ class RPCConnection:
     # ---------------------------------------------------------------------------------------- receiving
 
     def receive_target(self) -> memoryview | None:
-        """Where the next received bytes belong when a message payload is arriving (read into it, then
-        `advance`); None means read into any buffer and pass it to `receive_data`."""
+        """Where the next received bytes belong when they can be read in place (read into it, then `advance`):
+        a message payload arriving, or on a sealed connection always the opener's record buffer. None means read
+        into any buffer and pass it to `receive_data`."""
+        if self.opener is not None:
+            return self.opener.receive_target()
         return self.parser.receive_target()
 
     def advance(self, n: int, now: float) -> list[Event]:
@@ -341,9 +360,15 @@ class RPCConnection:
         if self._accepts_input():
             self.last_activity = now
             try:
-                self._on_frames(self.parser.advance(n), now, events)
+                if self.opener is not None:
+                    self.opener.advance(n)
+                    self._open_records(now, events)
+                else:
+                    self._on_frames(self.parser.advance(n), now, events)
             except framing.FramingError as error:
                 raise self._break(str(error), events) from None
+            except seal.SealError as error:
+                raise self._break_seal(error, events) from None
         return events
 
     def receive_data(self, data: framing.Buffer, now: float) -> list[Event]:
@@ -354,10 +379,44 @@ class RPCConnection:
         if self._accepts_input():
             self.last_activity = now
             try:
-                self._on_frames(self.parser.receive(data), now, events)
+                if self.opener is not None:
+                    view = memoryview(data).cast("B")
+                    while view:
+                        target = self.opener.receive_target()
+                        take = min(len(target), len(view))
+                        target[:take] = view[:take]
+                        view = view[take:]
+                        self.opener.advance(take)
+                        self._open_records(now, events)
+                else:
+                    self._on_frames(self.parser.receive(data), now, events)
             except framing.FramingError as error:
                 raise self._break(str(error), events) from None
+            except seal.SealError as error:
+                raise self._break_seal(error, events) from None
         return events
+
+    def end_of_stream(self) -> None:
+        """The remote closed the stream. Raises `SecureChannelError` when it closed inside a sealed record (cut
+        short on the way); a close between records or frames is an ordinary close."""
+        if self.opener is not None and self.broken is None:
+            try:
+                self.opener.end_of_stream()
+            except seal.SealError as error:
+                raise self._break_seal(error, []) from None
+
+    def _open_records(self, now: float, events: list[Event]) -> None:
+        """Open every whole record that arrived, each straight into the message it belongs to when it is a
+        payload chunk (the sender seals a big chunk as a record of its own), else through the opener's scratch."""
+        opener, parser = self.opener, self.parser
+        assert opener is not None
+        while (size := opener.ready()) is not None:
+            target = parser.receive_target()
+            if target is not None and 0 < size <= len(target):
+                opener.open_into(target[:size])
+                self._on_frames(parser.advance(size), now, events)
+            else:
+                self._on_frames(parser.receive(opener.open()), now, events)
 
     def _accepts_input(self) -> bool:
         if self.broken is not None:
@@ -367,6 +426,10 @@ class RPCConnection:
 
     def _break(self, reason: str, events: list[Event]) -> RemoteProtocolError:
         self.broken = RemoteProtocolError(reason, [e for e in events if type(e) in (CallCompleted, CallFailed)])
+        return self.broken
+
+    def _break_seal(self, error: seal.SealError, events: list[Event]) -> RemoteProtocolError:
+        self.broken = SecureChannelError(error, [e for e in events if type(e) in (CallCompleted, CallFailed)])
         return self.broken
 
     def _on_frames(self, frames: list[framing.Event], now: float, events: list[Event]) -> None:
@@ -443,7 +506,10 @@ class RPCConnection:
 
     def data_to_send(self, now: float) -> list[framing.Buffer]:
         """Buffers to write, in order, now: small frames joined into writes of up to 64 KiB (many small replies
-        leave in one system call), big chunks as zero-copy views of the message. Empty when nothing waits."""
+        leave in one system call), big chunks as zero-copy views of the message (sealed: one record each). Empty
+        when nothing waits. Write them all before the next call: a sealed connection reuses their buffers."""
+        if self.sealer is not None:
+            self.sealer.recycle()
         writes: list[framing.Buffer] = []
         if not self.outbox:
             return writes
@@ -463,6 +529,8 @@ class RPCConnection:
                 writes.append(frame)
         if small:
             writes.append(small[0] if len(small) == 1 else b"".join(small))
+        if self.sealer is not None:  # one record per write: a big chunk's payload opens in place on the other side
+            return [record for write in writes for record in self.sealer.seal(write)]
         return writes
 
     # ---------------------------------------------------------------------------------------- time
