@@ -399,29 +399,38 @@ class ExpertServer:
             return tensors
         return [wire.compressed(tensor, codec) for tensor in tensors]
 
+    def _compute_error(self, expert: Expert, error: ExpertComputeError | RuntimeNotRunning) -> RemoteError:
+        """What the caller is told when the runtime could not compute its request."""
+        if isinstance(error, ExpertComputeError):
+            self._errors["expert_failed"] += 1
+            return ExpertFailed(str(error))
+        self._errors["shutting_down"] += 1
+        return ServerShuttingDown(f"{expert.uid}: the server is shutting down")
+
     async def _compute(self, expert: Expert, mode: str, *tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         try:
             if mode == "forward":
                 return await self.runtime.forward(expert.uid, tensors[0])
             return await self.runtime.backward(expert.uid, tensors[0], tensors[1])
-        except ExpertComputeError as error:
-            self._errors["expert_failed"] += 1
-            raise ExpertFailed(str(error)) from None
-        except RuntimeNotRunning:
-            self._errors["shutting_down"] += 1
-            raise ServerShuttingDown(f"{expert.uid}: the server is shutting down") from None
+        except (ExpertComputeError, RuntimeNotRunning) as error:
+            raise self._compute_error(expert, error) from None
+
+    @staticmethod
+    def _reply_key(mode: str) -> str:
+        return "outputs" if mode == "forward" else "grad_inputs"
 
     async def _serve_one(self, mode: str, args: Any, codec: wire.Compression) -> dict[str, Any]:
-        """One expert's forward or backward: the whole of a single call, one entry of a batched one."""
+        """One expert's forward or backward: the whole of a single call."""
         expert = self._expert_for(args)
         inputs, grad_outputs = self._validate(expert, args, backward=mode == "backward")
         results = await self._compute(expert, mode, inputs, grad_outputs)
         self._served[mode] += 1
-        return {"outputs" if mode == "forward" else "grad_inputs": self._reply_tensors(results, codec)}
+        return {self._reply_key(mode): self._reply_tensors(results, codec)}
 
     async def _serve_batch(self, mode: str, method: str, args: Any) -> dict[str, Any]:
-        """Several experts in one call (`moe.calls.forward_batch`): each entry goes through its expert's batching
-        runtime as a single call would, all at once, and fails alone (`{"error": [code, text]}` in its place)."""
+        """Several experts in one call (`moe.calls.forward_batch`): each entry is validated and fails alone
+        (`{"error": [code, text]}` in its place); the valid ones go through their experts' batching runtime
+        together (`ExpertRuntime.run_many`: one thread hand-off for the call, not one per expert)."""
         entries = args.get("experts") if isinstance(args, dict) else None
         if not isinstance(entries, list) or not entries:
             self._errors["bad_input"] += 1
@@ -435,19 +444,30 @@ class ExpertServer:
         codec = self._codec(args)
         self._rpc_calls[method] += 1
         results: list[Any] = [None] * len(entries)
-
-        async def serve(index: int) -> None:
+        valid: list[tuple[int, Expert]] = []
+        requests: list[tuple[str, list[torch.Tensor]]] = []
+        for index, entry in enumerate(entries):
             try:
-                results[index] = await self._serve_one(mode, entries[index], codec)
+                expert = self._expert_for(entry)
+                inputs, grad_outputs = self._validate(expert, entry, backward=mode == "backward")
             except RemoteError as error:  # that expert's typed refusal; the others still answer
                 results[index] = {"error": [error.code, error.message]}
-
-        if len(entries) == 1:
-            await serve(0)
-        else:
-            async with trio.open_nursery() as nursery:
-                for index in range(len(entries)):
-                    nursery.start_soon(serve, index)
+                continue
+            valid.append((index, expert))
+            requests.append((expert.uid, [*inputs, *grad_outputs]))
+        if requests:
+            outcomes: list[Any]
+            try:
+                outcomes = await self.runtime.run_many(mode, requests)
+            except RuntimeNotRunning as stopped:
+                outcomes = [stopped] * len(requests)
+            for (index, expert), outcome in zip(valid, outcomes):
+                if isinstance(outcome, (ExpertComputeError, RuntimeNotRunning)):
+                    failure = self._compute_error(expert, outcome)
+                    results[index] = {"error": [failure.code, failure.message]}
+                else:
+                    self._served[mode] += 1
+                    results[index] = {self._reply_key(mode): self._reply_tensors(outcome, codec)}
         return {"results": results}
 
     async def _handle_info(self, context: CallContext, args: Any) -> dict[str, Any]:

@@ -265,3 +265,57 @@ def test_two_layer_training_survives_servers_killed_mid_forward_and_mid_backward
     assert forward_failed[12] == 0 and backward_failed[12] >= 2
     assert sum(forward_failed[6:12]) == sum(backward_failed[6:12]) == 0  # the dead server was avoided after
     assert sum(forward_failed[13:]) == sum(backward_failed[13:]) == 0
+
+
+# ------------------------------------------------------------------------------------------------ the runtime
+
+
+class _Threads(nn.Module):
+    """Linear layer that records the thread computing it, and fails on a marker value."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+        self.threads: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import threading
+
+        self.threads.append(threading.get_ident())
+        if bool((x == 1234.0).any()):
+            raise RuntimeError("marker value")
+        return self.linear(x)
+
+
+register_expert_kind(ExpertKind("test_batched_threads", lambda h, **o: _Threads(h),
+                                lambda h, **o: [TensorSpec((h,))]), replace=True)
+
+
+async def test_run_many_computes_idle_experts_in_one_thread_hand_off_and_fails_per_expert():
+    import threading
+
+    import trio
+
+    from moe.runtime import BACKWARD, FORWARD, ExpertComputeError, ExpertRuntime
+
+    experts = {f"thr.{i}": make_expert(f"thr.{i}", "test_batched_threads", HIDDEN, seed=i) for i in range(3)}
+    runtime = ExpertRuntime(experts, inline_threshold=0.0)  # always in a worker thread
+    xs = [torch.randn(2 + i, HIDDEN) for i in range(3)]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runtime.run)
+        outs = await runtime.run_many(FORWARD, [(uid, [x]) for uid, x in zip(experts, xs)])
+        threads = {expert.module.threads[-1] for expert in experts.values()}
+        assert len(threads) == 1 and threads != {threading.get_ident()}  # one hand-off for the three
+        for expert, x, out in zip(experts.values(), xs, outs):
+            assert not isinstance(out, Exception)
+            torch.testing.assert_close(out[0], expert.module.linear(x))
+        bad = xs[1].clone()
+        bad[0, 0] = 1234.0
+        mixed = await runtime.run_many(FORWARD, [("thr.0", [xs[0]]), ("thr.1", [bad])])
+        assert not isinstance(mixed[0], Exception) and isinstance(mixed[1], ExpertComputeError)
+        grads = await runtime.run_many(BACKWARD, [("thr.2", [xs[2], torch.ones_like(xs[2])])])
+        assert not isinstance(grads[0], Exception) and grads[0][0].shape == xs[2].shape
+        assert experts["thr.2"].steps == 1
+        nursery.cancel_scope.cancel()
+    stats = runtime.stats()["per_expert"]
+    assert stats["thr.1"]["failures"] == 1 and stats["thr.0"]["batches"]["forward"] == 2
