@@ -319,3 +319,32 @@ async def test_run_many_computes_idle_experts_in_one_thread_hand_off_and_fails_p
         nursery.cancel_scope.cancel()
     stats = runtime.stats()["per_expert"]
     assert stats["thr.1"]["failures"] == 1 and stats["thr.0"]["batches"]["forward"] == 2
+
+
+def test_one_dimensional_search_shortcut_equals_the_general_search():
+    """The 1-D grid shortcut (`GridSearch._choose_flat`) picks what the general heap search picks on the same
+    experts laid out as a (1, N) grid, ties, bans and exclusions included."""
+    import random
+
+    from moe.beam_search import ExpertLocation, GridSearch
+
+    rng = random.Random(5)
+    for trial in range(30):
+        n, batch, k = rng.randint(1, 12), rng.randint(1, 9), rng.randint(1, 5)
+        alive = [c for c in range(n) if rng.random() < 0.8]
+        location = ExpertLocation("127.0.0.1", 1, "ab" * 20)
+        banned_coords = {c for c in alive if rng.random() < 0.2}
+        rows = [[round(rng.gauss(0, 1), 1) for _ in range(n)] for _ in range(batch)]  # rounding makes ties
+        excluded = [{c for c in alive if rng.random() < 0.2} for _ in range(batch)]
+        flat = GridSearch("ffn", (n,), [rows], k, banned=lambda uid, loc: int(uid.split(".")[-1]) in banned_coords,
+                          exclude=[{f"ffn.{c}" for c in e} for e in excluded])
+        flat.provide({"ffn.": {c: ["127.0.0.1", 1, "ab" * 20] for c in alive}})
+        general = GridSearch("grid", (1, n), [[[0.0]] * batch, rows], k,
+                             banned=lambda uid, loc: int(uid.split(".")[-1]) in banned_coords,
+                             exclude=[{f"grid.0.{c}" for c in e} for e in excluded])
+        general.provide({"grid.": {0: None}})
+        general.provide({"grid.0.": {c: ["127.0.0.1", 1, "ab" * 20] for c in alive}})
+        assert flat.done and general.done
+        got = [[(c.coords[0], c.score, c.location) for c in sample] for sample in flat.results()]
+        want = [[(c.coords[1], c.score, location) for c in sample] for sample in general.results()]
+        assert got == want, trial
