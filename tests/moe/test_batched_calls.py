@@ -336,11 +336,13 @@ def test_one_dimensional_search_shortcut_equals_the_general_search():
         banned_coords = {c for c in alive if rng.random() < 0.2}
         rows = [[round(rng.gauss(0, 1), 1) for _ in range(n)] for _ in range(batch)]  # rounding makes ties
         excluded = [{c for c in alive if rng.random() < 0.2} for _ in range(batch)]
-        flat = GridSearch("ffn", (n,), [rows], k, banned=lambda uid, loc: int(uid.split(".")[-1]) in banned_coords,
-                          exclude=[{f"ffn.{c}" for c in e} for e in excluded])
+        def banned(uid, location, banned_coords=banned_coords):
+            return int(uid.split(".")[-1]) in banned_coords
+
+        flat = GridSearch("ffn", (n,), [rows], k, banned=banned, exclude=[{f"ffn.{c}" for c in e} for e in excluded])
         flat.provide({"ffn.": {c: ["127.0.0.1", 1, "ab" * 20] for c in alive}})
         general = GridSearch("grid", (1, n), [[[0.0]] * batch, rows], k,
-                             banned=lambda uid, loc: int(uid.split(".")[-1]) in banned_coords,
+                             banned=banned,
                              exclude=[{f"grid.0.{c}" for c in e} for e in excluded])
         general.provide({"grid.": {0: None}})
         general.provide({"grid.0.": {c: ["127.0.0.1", 1, "ab" * 20] for c in alive}})
@@ -348,3 +350,32 @@ def test_one_dimensional_search_shortcut_equals_the_general_search():
         got = [[(c.coords[0], c.score, c.location) for c in sample] for sample in flat.results()]
         want = [[(c.coords[1], c.score, location) for c in sample] for sample in general.results()]
         assert got == want, trial
+
+
+def test_server_refuses_malformed_batched_calls_and_answers_bad_entries_alone(harness):
+    from moe.errors import BadExpertInput
+
+    server = harness.server(_experts(0, lr=0.0))
+    swarm = harness.client()
+    good = {"uid": "la.0", "inputs": [torch.randn(2, HIDDEN)]}
+
+    async def check() -> None:
+        for args, why in [
+            ({"experts": []}, "expected arguments"),
+            ({"experts": "la.0"}, "expected arguments"),
+            (["la.0"], "expected arguments"),
+            ({"experts": [good, good]}, "at most once"),
+            ({"experts": [good] + [{"uid": f"x.{i}", "inputs": []} for i in range(8)]}, "at most once"),
+            ({"experts": [good], "compression": 9}, "compression"),
+        ]:
+            with pytest.raises(BadExpertInput, match=why):
+                await swarm.rpc.call(server.address, calls.FORWARD_BATCH, args, timeout=TIMEOUT)
+        reply = await swarm.rpc.call(server.address, calls.FORWARD_BATCH, {"experts": [
+            good, {"uid": "la.1", "inputs": [torch.randn(2, HIDDEN + 1)]}, "garbage"]}, timeout=TIMEOUT)
+        first, second, third = reply["results"]
+        assert first["outputs"][0].shape == (2, HIDDEN)
+        assert second["error"][0] == BadExpertInput.code and "shape" in second["error"][1]
+        assert third["error"][0] == BadExpertInput.code
+
+    swarm.bridge.run(check)
+    assert server.server.stats()["rpc_calls"][calls.FORWARD_BATCH] == 1  # refused calls are not counted
