@@ -7,7 +7,9 @@ size, seeds and held-out set, trained twice:
   swarm with its CollaborativeOptimizer (alone in its run, `--target-batch-size` = `--batch-size`, so it applies
   one update per step like the local run).
 Prints both held-out accuracies and training wall times; ends with one JSON line holding `swarm_accuracy`,
-`local_accuracy`, `time_ratio` (swarm / local training seconds). Targets: accuracy within 1 point, ratio <= 1.5.
+`local_accuracy`, `time_ratio` (swarm / local training seconds). Targets: accuracy within 1 point, ratio <= 1.5
+at hidden 64 and <= 1.0 at hidden 512. Local and swarm runs alternate seed by seed (the daemons already up), so
+load changes on a shared machine hit both alike.
 
     .venv/bin/python benchmarks/bench_train.py [--steps 300] [--hidden-dim 64] [--daemons 2] [--repeats 3]
 """
@@ -18,8 +20,10 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,17 +61,29 @@ def stop(processes: list[PeerProcess]) -> None:
         process.stop(timeout=15)
 
 
-def run(options: list[str]) -> dict:
-    """One `peer train` run in this process, its JSON lines swallowed; returns the result line."""
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run(options: list[str], daemons: list[PeerProcess] = ()) -> dict:
+    """One `peer train` run in this process, its JSON lines swallowed; returns the result line, with
+    `cpu_seconds`: the CPU time this process and `daemons` used during the run (a figure the machine's load
+    barely changes, unlike wall time)."""
     args = train.build_parser().parse_args(options)
+    started = time.process_time() + sum(cpu_seconds(d.pid) for d in daemons)
     with contextlib.redirect_stdout(io.StringIO()):
-        return train.run_training(args)
+        result = train.run_training(args)
+    result["cpu_seconds"] = time.process_time() + sum(cpu_seconds(d.pid) for d in daemons) - started
+    return result
 
 
 def summarize(runs: list[dict]) -> dict:
     return {"accuracy": sum(r["accuracy"] for r in runs) / len(runs),
             "accuracies": [r["accuracy"] for r in runs],
-            "train_seconds": sum(r["train_seconds"] for r in runs) / len(runs)}
+            "train_seconds": sum(r["train_seconds"] for r in runs) / len(runs),
+            "cpu_seconds": sum(r["cpu_seconds"] for r in runs) / len(runs)}
 
 
 def main() -> None:
@@ -88,34 +104,41 @@ def main() -> None:
     print(f"digits, {options.steps} steps of {options.batch_size}, hidden {options.hidden_dim}, "
           f"{options.grid} ffn experts, k_best {options.k_best}, {options.repeats} seeds")
 
-    local_runs = [run(common + ["--local-experts", "--run-id", "bench-local", "--seed", str(seed)])
-                  for seed in range(options.repeats)]
+    # The daemons start first and local and swarm runs alternate, seed by seed, so that a change in the machine's
+    # load (shared cores) hits both alike; idle daemons cost the local runs nothing measurable.
+    daemons, bootstrap = start_daemons(options.daemons, options.grid, options.hidden_dim)
+    local_runs, swarm_runs = [], []
+    try:
+        for seed in range(options.repeats):
+            local_runs.append(run(common + ["--local-experts", "--run-id", "bench-local", "--seed", str(seed)]))
+            swarm_runs.append(run(common + ["--initial-peers", bootstrap, "--run-id", f"bench-swarm-{seed}",
+                                            "--target-batch-size", str(options.batch_size), "--seed", str(seed)],
+                                  daemons))
+    finally:
+        stop(daemons)
     local = summarize(local_runs)
     print(f"local : held-out accuracy {local['accuracy']:.4f} (runs: {local['accuracies']}), "
           f"training {local['train_seconds']:.2f} s per run")
-
-    daemons, bootstrap = start_daemons(options.daemons, options.grid, options.hidden_dim)
-    try:
-        swarm_runs = [run(common + ["--initial-peers", bootstrap, "--run-id", f"bench-swarm-{seed}",
-                                    "--target-batch-size", str(options.batch_size), "--seed", str(seed)])
-                      for seed in range(options.repeats)]
-    finally:
-        stop(daemons)
     swarm = summarize(swarm_runs)
     failed_calls = sum(r.get("failed_expert_calls", 0) for r in swarm_runs)
     failed_steps = sum(r["failed_steps"] for r in swarm_runs)
     print(f"swarm : held-out accuracy {swarm['accuracy']:.4f} (runs: {swarm['accuracies']}), "
           f"training {swarm['train_seconds']:.2f} s per run on {options.daemons} daemons, "
           f"{failed_calls} failed expert calls, {failed_steps} failed steps")
+    print(f"CPU per run (trainer + daemons): swarm {swarm['cpu_seconds']:.2f} s, local {local['cpu_seconds']:.2f} s")
     ratio = swarm["train_seconds"] / local["train_seconds"]
+    pair_ratios = [s["train_seconds"] / r["train_seconds"] for s, r in zip(swarm_runs, local_runs)]
     gap = abs(swarm["accuracy"] - local["accuracy"])
     print(f"time ratio swarm/local {ratio:.2f} (target <= 1.5); accuracy gap {100 * gap:.2f} points "
           f"(target <= 1)")
     print(json.dumps({
         "swarm_accuracy": round(swarm["accuracy"], 4), "local_accuracy": round(local["accuracy"], 4),
-        "time_ratio": round(ratio, 3),
+        "time_ratio": round(ratio, 3), "time_ratios_per_seed": [round(r, 3) for r in pair_ratios],
         "accuracy_gap_points": round(100 * gap, 2), "swarm_train_s": round(swarm["train_seconds"], 3),
-        "local_train_s": round(local["train_seconds"], 3), "seeds": options.repeats, "steps": options.steps,
+        "local_train_s": round(local["train_seconds"], 3),
+        "swarm_cpu_s": round(swarm["cpu_seconds"], 3), "local_cpu_s": round(local["cpu_seconds"], 3),
+        "cpu_ratio": round(swarm["cpu_seconds"] / local["cpu_seconds"], 3),
+        "seeds": options.repeats, "steps": options.steps,
         "batch_size": options.batch_size,
         "hidden_dim": options.hidden_dim, "daemons": options.daemons,
     }))

@@ -186,7 +186,34 @@ class GridSearch:
         return self.uid_prefix + ".".join(str(c) for c in coords)
 
     def _advance_all(self) -> None:
+        if len(self.grid_size) == 1 and self.uid_prefix in self._children:
+            self._choose_flat()
+            return
         self._pending = [b for b in self._pending if self._advance(b)]
+
+    def _choose_flat(self) -> None:
+        """A one-dimensional grid, once its experts are known: each sample's top k directly (ties to the lower
+        coordinate, as the heap orders them), checking bans once per expert instead of once per sample and
+        candidate. Same answer as `_advance`; about 10x less Python for the grids a small model uses."""
+        children = self._children[self.uid_prefix]
+        candidates: list[tuple[int, str, ExpertLocation]] = []
+        for coord, location in children.items():
+            assert location is not None  # the last level's children carry locations
+            uid = self._uid((coord,))
+            if self._banned is None or not self._banned(uid, location):
+                candidates.append((coord, uid, location))
+        for b in self._pending:
+            row = self._scores[0][b]
+            pool = candidates
+            if self._exclude is not None and self._exclude[b]:
+                excluded = self._exclude[b]
+                pool = [c for c in candidates if c[1] not in excluded]
+            results = self._results[b]
+            wanted = self._k[b] - len(results)
+            for coord, uid, location in heapq.nlargest(wanted, pool, key=lambda c: (row[c[0]], -c[0])):
+                results.append(ExpertChoice(uid, (coord,), 0.0 + row[coord], location))
+            self._heaps[b].clear()
+        self._pending = []
 
     def _advance(self, b: int) -> bool:
         """Emit complete experts and expand known prefixes until the best candidate is an unexplored prefix.

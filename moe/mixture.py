@@ -1,8 +1,10 @@
 """Fault-tolerant mixture-of-experts layers whose experts live on other peers.
 
 `RemoteMixtureOfExperts` scores every grid coordinate with a linear gate, finds each sample's k best alive experts
-(`moe.beam_search`), calls them in parallel (one batched call per expert: all samples routed to it travel
-together) and mixes their outputs with a softmax over the gate scores of the experts that answered.
+(`moe.beam_search`), calls them in parallel and mixes their outputs with a softmax over the gate scores of the
+experts that answered. Calls are batched twice: all samples routed to one expert travel together (one tensor per
+expert), and all experts of one server travel in one RPC (`moe.calls.forward_batch` / `backward_batch`), so a
+layer's forward and backward cost one call per server, not one per expert.
 
 Fault tolerance is the point, and it lives in `MixtureClient`, the trio side of the layer:
 - the forward proceeds once every sample has `k_min` answers, then waits at most `timeout_after_k_min` for the
@@ -14,6 +16,8 @@ Fault tolerance is the point, and it lives in `MixtureClient`, the trio side of 
 - a sample whose experts hang (a partitioned peer never answers, and no error arrives) is given its next best
   experts once the others answered a grace period ago (hedging), so one silent peer costs two grace periods,
   not `forward_timeout`;
+- faults stay per expert: an expert's own error fails it alone, a server's failure (unreachable, too slow)
+  fails all its experts in that call, and the logic below treats each failed expert as before;
 - the backward asks the experts that answered the forward for input gradients and tolerates failures likewise:
   a missing expert contributes a zero gradient, and `backward_k_min` answers per sample are required;
 - experts that failed are banned for `ban_time` seconds (the whole peer when it could not be reached), so the
@@ -41,7 +45,7 @@ from dht.client import SwarmHandle
 from moe import calls
 from moe.beam_search import ChildrenOracle, DHTGridOracle, ExpertChoice, find_best_experts, normalize_prefix
 from moe.declare import ExpertLocation
-from moe.errors import NotEnoughExperts
+from moe.errors import BadExpertOutput, NotEnoughExperts
 from peer.p2p import wire
 from peer.p2p.identity import PeerID
 from peer.p2p.net import Address
@@ -185,6 +189,15 @@ class _Progress:
         return sum(self.in_flight)
 
 
+def _by_server(expert_calls: Sequence[ExpertCall]) -> list[list[ExpertCall]]:
+    """The calls grouped by the server that hosts their experts: one RPC per server carries all of its experts."""
+    groups: dict[tuple[Address, str], list[ExpertCall]] = {}
+    for call in expert_calls:
+        location = call.choice.location
+        groups.setdefault((location.address, location.peer_id_hex), []).append(call)
+    return list(groups.values())
+
+
 # ----------------------------------------------------------------------------------------------- trio side
 
 
@@ -214,6 +227,7 @@ class MixtureClient:
         self.compression = compression
         self.stats: dict[str, float] = {
             "forward_calls": 0, "forward_failures": 0, "backward_calls": 0, "backward_failures": 0,
+            "forward_rpcs": 0, "backward_rpcs": 0,
             "replacement_searches": 0, "hedged_samples": 0, "backward_skipped": 0,
             "search_seconds": 0.0, "forward_seconds": 0.0, "backward_seconds": 0.0,
         }
@@ -239,15 +253,12 @@ class MixtureClient:
         progress = _Progress(batch_size, k_best)
         failures: dict[str, str] = {}
 
-        async def run_call(call: ExpertCall) -> None:
-            index = torch.tensor(call.samples, dtype=torch.long)
+        async def run_group(group: list[ExpertCall]) -> None:
             try:
-                call.outputs = await self._forward_call(call, inputs.index_select(0, index), deadline)
-                self.stats["forward_calls"] += 1
-            except calls.CALL_FAILURES as error:
-                self._failed(call, error, failures, "forward")
-            finally:
-                progress.finish(call)
+                await self._forward_group(group, inputs, deadline, failures)
+            finally:  # also when cut by the grace period or the deadline: then neither outputs nor an error
+                for call in group:
+                    progress.finish(call)
 
         async def launch(need: list[int], nursery: trio.Nursery) -> None:
             if not any(need):
@@ -261,8 +272,8 @@ class MixtureClient:
             for sample, (wanted, chosen) in enumerate(zip(need, choices)):
                 if len(chosen) < wanted:
                     progress.exhausted.add(sample)
-            for call in progress.assign(choices):
-                nursery.start_soon(run_call, call)
+            for group in _by_server(progress.assign(choices)):
+                nursery.start_soon(run_group, group)
 
         grace_deadline = math.inf
         with trio.move_on_at(deadline):
@@ -372,43 +383,57 @@ class MixtureClient:
         failures: dict[str, str] = {}
         finished: set[int] = set()  # id() of calls that answered or failed
         changed = [trio.Event()]
-        in_flight = [len(merged)]
 
-        async def run_call(call: ExpertCall) -> None:
+        def answered_by(call: ExpertCall) -> None:
+            for sample in call.samples:
+                answered[sample] += 1
+            finished.add(id(call))
+
+        sent: list[ExpertCall] = []
+        requests: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for call in merged:
             samples = torch.tensor(call.samples, dtype=torch.long)
-            slots = torch.tensor(call.slots, dtype=torch.long)
-            grads = grad_outputs[samples, slots].contiguous()
+            grads = grad_outputs[samples, torch.tensor(call.slots, dtype=torch.long)].contiguous()
+            if not bool(grads.any()):
+                # nothing to learn (e.g. a hedged expert whose output was not used): no call, no step
+                answered_by(call)
+                self.stats["backward_skipped"] += 1
+                continue
+            requests[id(call)] = (samples, grads)
+            sent.append(call)
+        in_flight = [len(sent)]
+
+        async def run_group(group: list[ExpertCall]) -> None:
+            location = group[0].choice.location
             try:
-                if not bool(grads.any()):
-                    # nothing to learn (e.g. a hedged expert whose output was not used): no call, no step
-                    for sample in call.samples:
-                        answered[sample] += 1
-                    self.stats["backward_skipped"] += 1
-                    finished.add(id(call))
-                    return
-                location = call.choice.location
-                sent = inputs.index_select(0, samples)
-                grad, = await calls.backward(
-                    self.rpc, location.address, PeerID.from_hex(location.peer_id_hex), call.uid, [sent], [grads],
+                batch = [(call.uid, [inputs.index_select(0, requests[id(call)][0])], [requests[id(call)][1]])
+                         for call in group]
+                answers = await calls.backward_batch(
+                    self.rpc, location.address, PeerID.from_hex(location.peer_id_hex), batch,
                     timeout=self._timeout(deadline), compression=self.compression)
-                grad_inputs.index_add_(0, samples, grad.to(inputs.dtype))
-                for sample in call.samples:
-                    answered[sample] += 1
-                self.stats["backward_calls"] += 1
-                finished.add(id(call))
-            except calls.CALL_FAILURES as error:
-                self._failed(call, error, failures, "backward")
-                finished.add(id(call))
+                self.stats["backward_rpcs"] += 1
+                for call, answer in zip(group, answers):
+                    if isinstance(answer, Exception):
+                        self._failed(call, answer, failures, "backward")
+                        finished.add(id(call))
+                        continue
+                    grad_inputs.index_add_(0, requests[id(call)][0], answer[0].to(inputs.dtype))
+                    answered_by(call)
+                    self.stats["backward_calls"] += 1
+            except calls.CALL_FAILURES as error:  # the whole server failed: every expert of it in this call
+                for call in group:
+                    self._failed(call, error, failures, "backward")
+                    finished.add(id(call))
             finally:  # also when cut by the grace period: then it is not `finished` and counts as too slow
-                in_flight[0] -= 1
+                in_flight[0] -= len(group)
                 changed[0].set()
                 changed[0] = trio.Event()
 
         grace_deadline = math.inf
         with trio.move_on_at(deadline):
             async with trio.open_nursery() as nursery:
-                for call in merged:
-                    nursery.start_soon(run_call, call)
+                for group in _by_server(sent):
+                    nursery.start_soon(run_group, group)
                 while in_flight[0]:
                     if grace_deadline == math.inf and all(a >= n for a, n in zip(answered, need)):
                         grace_deadline = trio.current_time() + timeout_after_k_min
@@ -432,18 +457,34 @@ class MixtureClient:
     def _timeout(deadline: float) -> float:
         return max(deadline - trio.current_time(), 1e-3)
 
-    async def _forward_call(self, call: ExpertCall, inputs: torch.Tensor, deadline: float) -> torch.Tensor:
-        """One expert's outputs for its samples: one finite floating tensor of the layer's output shape (the first
-        valid answer fixes it when the layer was built without one)."""
-        location = call.choice.location
-        rows = inputs.shape[0]
-        shapes = [(rows, *self.out_shape)] if self.out_shape is not None else None
-        output, = await calls.forward(
-            self.rpc, location.address, PeerID.from_hex(location.peer_id_hex), call.uid, [inputs],
-            timeout=self._timeout(deadline), compression=self.compression, count=1, shapes=shapes, floating=True)
-        if self.out_shape is None:
-            self.out_shape = tuple(output.shape[1:])
-        return output
+    async def _forward_group(self, group: list[ExpertCall], inputs: torch.Tensor, deadline: float,
+                             failures: dict[str, str]) -> None:
+        """One server's experts in one call: each gets one finite floating tensor of the layer's output shape
+        (the first valid answer fixes it when the layer was built without one) or fails alone; when the call
+        itself fails, all of them fail with its error."""
+        location = group[0].choice.location
+        try:
+            requests = [(call.uid, [inputs.index_select(0, torch.tensor(call.samples, dtype=torch.long))])
+                        for call in group]
+            answers = await calls.forward_batch(
+                self.rpc, location.address, PeerID.from_hex(location.peer_id_hex), requests,
+                timeout=self._timeout(deadline), compression=self.compression, out_shape=self.out_shape)
+        except calls.CALL_FAILURES as error:
+            for call in group:
+                self._failed(call, error, failures, "forward")
+            return
+        self.stats["forward_rpcs"] += 1
+        for call, answer in zip(group, answers):
+            if not isinstance(answer, Exception) and self.out_shape is None:
+                self.out_shape = tuple(answer[0].shape[1:])
+            elif not isinstance(answer, Exception) and tuple(answer[0].shape[1:]) != self.out_shape:
+                answer = BadExpertOutput(call.uid, f"output shape {tuple(answer[0].shape[1:])}, expected "
+                                                   f"{self.out_shape} per sample")
+            if isinstance(answer, Exception):
+                self._failed(call, answer, failures, "forward")
+            else:
+                call.outputs = answer[0]
+                self.stats["forward_calls"] += 1
 
     def _failed(self, call: ExpertCall, error: BaseException, failures: dict[str, str], stage: str) -> None:
         call.error = error

@@ -136,6 +136,55 @@ class ExpertRuntime:
         """Gradients w.r.t. `inputs`; the expert takes an optimizer step after the batch containing this request."""
         return await self._submit(uid, BACKWARD, [*inputs, *grad_outputs])
 
+    async def run_many(
+        self, mode: str, requests: Sequence[tuple[str, Sequence[torch.Tensor]]]
+    ) -> list[list[torch.Tensor] | ExpertComputeError | RuntimeNotRunning]:
+        """Several experts' requests of one batched call (`moe.forward_batch`): `mode` is FORWARD or BACKWARD,
+        each request `(uid, tensors)` with tensors as `forward` / `backward` take them (backward: inputs then
+        grad_outputs), distinct uids. Returns each request's outputs, or the error of its expert alone.
+
+        Why not `forward` per request: the experts of an idle server are computed one after the other in ONE
+        worker thread (or inline when all of them together are predicted to take under `inline_threshold`), so
+        a call carrying 6 small experts costs one thread hand-off, not 6 (a hand-off costs ~100 us, and far
+        more when the cores are shared). Requests for experts that are busy or must wait for `min_batch_size`
+        join their queues and are batched with other callers' as usual."""
+        if not self._running:
+            raise RuntimeNotRunning("the expert runtime is not running")
+        results: list[Any] = [None] * len(requests)
+        direct: list[tuple[int, _Slot, Sequence[torch.Tensor], int]] = []
+        queued: list[int] = []
+        for index, (uid, tensors) in enumerate(requests):
+            slot = self._slots[uid]
+            rows = int(tensors[0].shape[0])
+            if rows > self.max_batch_size:
+                raise ValueError(f"{rows} samples exceed max_batch_size {self.max_batch_size}")
+            if (rows >= self.min_batch_size and not slot.lock.locked() and not slot.queues[FORWARD]
+                    and not slot.queues[BACKWARD]):
+                slot.lock.acquire_nowait()  # never blocks, so holding several at once cannot deadlock
+                slot.requests[mode] += 1
+                direct.append((index, slot, tensors, rows))
+            else:
+                queued.append(index)
+
+        async def through_queue(index: int) -> None:
+            uid, tensors = requests[index]
+            try:
+                results[index] = await self._submit(uid, mode, tensors)
+            except (ExpertComputeError, RuntimeNotRunning) as error:
+                results[index] = error
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for index in queued:
+                    nursery.start_soon(through_queue, index)
+                if direct:
+                    for (index, _, _, _), outcome in zip(direct, await self._execute_many(mode, direct)):
+                        results[index] = outcome
+        finally:
+            for _, slot, _, _ in direct:
+                slot.lock.release()
+        return results
+
     async def exclusive(self, uid: str, fn: Callable[[Expert], T]) -> T:
         """Run `fn(expert)` in a thread while no batch of that expert runs (e.g. copy its state to a checkpoint)."""
         slot = self._slots[uid]
@@ -274,34 +323,93 @@ class ExpertRuntime:
         estimate = slot.seconds_per_row[mode]
         return self.inline_threshold == math.inf or (estimate is not None and estimate * rows <= self.inline_threshold)
 
-    async def _execute(self, slot: _Slot, mode: str, tensors: Sequence[torch.Tensor], rows: int) -> list[torch.Tensor]:
-        """Run one batch inline or in a worker thread; raises ExpertComputeError if the module fails."""
-        expert = slot.expert
+    @staticmethod
+    def _compute(expert: Expert, mode: str, tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
+        """One batch of one expert, timed (runs in a worker thread or inline)."""
+        started = time.perf_counter()
+        if mode == FORWARD:
+            outputs = expert.forward(tensors)
+        else:
+            split = len(expert.inputs)
+            outputs = expert.backward(tensors[:split], tensors[split:])
+        return outputs, time.perf_counter() - started
 
-        def timed() -> tuple[list[torch.Tensor], float]:
-            started = time.perf_counter()
-            if mode == FORWARD:
-                outputs = expert.forward(tensors)
-            else:
-                split = len(expert.inputs)
-                outputs = expert.backward(tensors[:split], tensors[split:])
-            return outputs, time.perf_counter() - started
-
-        try:
-            if self._runs_inline(slot, mode, rows):
-                slot.inline_batches += 1
-                outputs, elapsed = timed()
-            else:
-                outputs, elapsed = await trio.to_thread.run_sync(timed, limiter=self._limiter(expert.device))
-        except Exception as error:  # the module itself failed
-            slot.failures += 1
-            raise ExpertComputeError(expert.uid, mode, error) from error
+    def _record(self, slot: _Slot, mode: str, rows: int, elapsed: float) -> None:
         estimate = slot.seconds_per_row[mode]
         per_row = elapsed / rows
         slot.seconds_per_row[mode] = per_row if estimate is None else 0.8 * estimate + 0.2 * per_row
         slot.batches[mode] += 1
         slot.samples[mode] += rows
+
+    async def _execute(self, slot: _Slot, mode: str, tensors: Sequence[torch.Tensor], rows: int) -> list[torch.Tensor]:
+        """Run one batch inline or in a worker thread; raises ExpertComputeError if the module fails."""
+        expert = slot.expert
+        try:
+            if self._runs_inline(slot, mode, rows):
+                slot.inline_batches += 1
+                outputs, elapsed = self._compute(expert, mode, tensors)
+            else:
+                outputs, elapsed = await trio.to_thread.run_sync(self._compute, expert, mode, tensors,
+                                                                 limiter=self._limiter(expert.device))
+        except Exception as error:  # the module itself failed
+            slot.failures += 1
+            raise ExpertComputeError(expert.uid, mode, error) from error
+        self._record(slot, mode, rows, elapsed)
         return outputs
+
+    async def _execute_many(
+        self, mode: str, batches: list[tuple[int, _Slot, Sequence[torch.Tensor], int]]
+    ) -> list[list[torch.Tensor] | ExpertComputeError]:
+        """Batches of several experts (their locks held by the caller), one after the other: inline when all of
+        them are predicted cheap, else in one worker thread per device. Each expert's failure is its own."""
+        outcomes: list[Any] = [None] * len(batches)
+        by_device: dict[str, list[int]] = {}
+        for position, (_, slot, _, _) in enumerate(batches):
+            by_device.setdefault(str(slot.expert.device), []).append(position)
+
+        def compute_all(positions: list[int]) -> list[tuple[list[torch.Tensor] | None, BaseException | None, float]]:
+            done: list[tuple[list[torch.Tensor] | None, BaseException | None, float]] = []
+            for position in positions:
+                _, slot, tensors, _ = batches[position]
+                try:
+                    outputs, elapsed = self._compute(slot.expert, mode, tensors)
+                    done.append((outputs, None, elapsed))
+                except Exception as error:  # the module itself failed: that expert's requests only
+                    done.append((None, error, 0.0))
+            return done
+
+        async def run_device(positions: list[int]) -> None:
+            estimates = [batches[p][1].seconds_per_row[mode] for p in positions]
+            inline = self.inline_threshold == math.inf or (
+                all(e is not None for e in estimates)
+                and sum(e * batches[p][3] for e, p in zip(estimates, positions) if e is not None)
+                <= self.inline_threshold)
+            if inline:
+                for position in positions:
+                    batches[position][1].inline_batches += 1
+                done = compute_all(positions)
+            else:
+                device = batches[positions[0]][1].expert.device
+                done = await trio.to_thread.run_sync(compute_all, positions, limiter=self._limiter(device))
+            for position, (outputs, error, elapsed) in zip(positions, done):
+                _, slot, _, rows = batches[position]
+                if error is not None:
+                    slot.failures += 1
+                    failure = ExpertComputeError(slot.expert.uid, mode, error)
+                    failure.__cause__ = error
+                    outcomes[position] = failure
+                else:
+                    self._record(slot, mode, rows, elapsed)
+                    outcomes[position] = outputs
+
+        if len(by_device) == 1:
+            await run_device(next(iter(by_device.values())))
+        else:
+            async with trio.open_nursery() as nursery:
+                for positions in by_device.values():
+                    nursery.start_soon(run_device, positions)
+        await trio.lowlevel.checkpoint()
+        return outcomes
 
     async def _run_batch(self, slot: _Slot, mode: str, batch: list[_Task]) -> None:
         rows = sum(task.rows for task in batch)

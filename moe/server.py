@@ -12,7 +12,8 @@ How a peer composes it (the daemon does this):
                 await nursery.start(server.run, rpc, dht)  # dht may be None (no declarations)
                 ...                                        # cancelling the nursery stops the server
 
-`run` loads checkpoints, starts the runtime, registers `moe.info` / `moe.forward` / `moe.backward`, declares the
+`run` loads checkpoints, starts the runtime, registers `moe.info` / `moe.forward` / `moe.backward` and their
+batched forms `moe.forward_batch` / `moe.backward_batch` (several experts per call, each failing alone), declares the
 experts every `declare_interval` seconds with expiration `dht.now() + declare_ttl`, saves checkpoints every
 `checkpoint_interval` seconds, and on cancellation unregisters the handlers, waits for running batches and saves
 a final checkpoint. Use `choose_uids` first to pick uids: checkpointed ones and those the same PeerID still declares
@@ -45,7 +46,7 @@ from moe.schema import SchemaError, validate_batch
 from peer.p2p import wire
 from peer.p2p.net import Address
 from peer.p2p.periodic import run_periodic
-from peer.p2p.rpc import CallContext, RPCNode
+from peer.p2p.rpc import CallContext, RemoteError, RPCNode
 
 logger = logging.getLogger(__name__)
 CHECKPOINT_SUFFIX = ".pt"
@@ -184,7 +185,8 @@ class ExpertServer:
         self.checkpoint_interval = checkpoint_interval
         self.declare_ttl = declare_ttl
         self.declare_interval = declare_interval if declare_interval is not None else declare_ttl / 3
-        self._served = {"info": 0, "forward": 0, "backward": 0}
+        self._served = {"info": 0, "forward": 0, "backward": 0}  # per expert request (a batched call holds several)
+        self._rpc_calls = {name: 0 for name in calls.METHODS}  # RPCs received, by method
         self._errors = {"not_found": 0, "bad_input": 0, "expert_failed": 0, "shutting_down": 0}
         self._declarations: _DeclarationStats = {
             "rounds": 0, "failures": 0, "unacknowledged": 0, "last_expiration": None}
@@ -251,7 +253,9 @@ class ExpertServer:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.runtime.run)
                 for name, handler in ((calls.INFO, self._handle_info), (calls.FORWARD, self._handle_forward),
-                                      (calls.BACKWARD, self._handle_backward)):
+                                      (calls.BACKWARD, self._handle_backward),
+                                      (calls.FORWARD_BATCH, self._handle_forward_batch),
+                                      (calls.BACKWARD_BATCH, self._handle_backward_batch)):
                     rpc.register(name, handler)
                     registered.append(name)
                 if dht is not None and address is not None:
@@ -376,52 +380,115 @@ class ExpertServer:
                 validate_batch(expert.outputs, args.get("grad_outputs"), max_batch_size=self.max_batch_size,
                                batch_size=rows, what="grad_outputs")
                 grads = list(args["grad_outputs"])
-            compression = args.get("compression", 0)
-            if compression not in wire.Compression._value2member_map_ or isinstance(compression, bool):
-                raise SchemaError(f"unknown compression {compression!r}")
         except SchemaError as error:
             self._errors["bad_input"] += 1
             raise BadExpertInput(f"{expert.uid}: {error}") from None
         return list(args["inputs"]), grads
 
+    def _codec(self, args: Any) -> wire.Compression:
+        """The codec the caller asked replies in (`"compression": 1` = float16, `2` = 8-bit; default none)."""
+        compression = args.get("compression", 0) if isinstance(args, dict) else 0
+        if compression not in wire.Compression._value2member_map_ or isinstance(compression, bool):
+            self._errors["bad_input"] += 1
+            raise BadExpertInput(f"unknown compression {compression!r}")
+        return wire.Compression(compression)
+
     @staticmethod
-    def _reply_tensors(tensors: list[torch.Tensor], args: dict[str, Any]) -> list[Any]:
-        """Replies use the codec the caller asked for (`"compression": 1` = float16, `2` = 8-bit)."""
-        codec = wire.Compression(args.get("compression", 0))
+    def _reply_tensors(tensors: list[torch.Tensor], codec: wire.Compression) -> list[Any]:
         if codec == wire.Compression.NONE:
             return tensors
         return [wire.compressed(tensor, codec) for tensor in tensors]
+
+    def _compute_error(self, expert: Expert, error: ExpertComputeError | RuntimeNotRunning) -> RemoteError:
+        """What the caller is told when the runtime could not compute its request."""
+        if isinstance(error, ExpertComputeError):
+            self._errors["expert_failed"] += 1
+            return ExpertFailed(str(error))
+        self._errors["shutting_down"] += 1
+        return ServerShuttingDown(f"{expert.uid}: the server is shutting down")
 
     async def _compute(self, expert: Expert, mode: str, *tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         try:
             if mode == "forward":
                 return await self.runtime.forward(expert.uid, tensors[0])
             return await self.runtime.backward(expert.uid, tensors[0], tensors[1])
-        except ExpertComputeError as error:
-            self._errors["expert_failed"] += 1
-            raise ExpertFailed(str(error)) from None
-        except RuntimeNotRunning:
-            self._errors["shutting_down"] += 1
-            raise ServerShuttingDown(f"{expert.uid}: the server is shutting down") from None
+        except (ExpertComputeError, RuntimeNotRunning) as error:
+            raise self._compute_error(expert, error) from None
+
+    @staticmethod
+    def _reply_key(mode: str) -> str:
+        return "outputs" if mode == "forward" else "grad_inputs"
+
+    async def _serve_one(self, mode: str, args: Any, codec: wire.Compression) -> dict[str, Any]:
+        """One expert's forward or backward: the whole of a single call."""
+        expert = self._expert_for(args)
+        inputs, grad_outputs = self._validate(expert, args, backward=mode == "backward")
+        results = await self._compute(expert, mode, inputs, grad_outputs)
+        self._served[mode] += 1
+        return {self._reply_key(mode): self._reply_tensors(results, codec)}
+
+    async def _serve_batch(self, mode: str, method: str, args: Any) -> dict[str, Any]:
+        """Several experts in one call (`moe.calls.forward_batch`): each entry is validated and fails alone
+        (`{"error": [code, text]}` in its place); the valid ones go through their experts' batching runtime
+        together (`ExpertRuntime.run_many`: one thread hand-off for the call, not one per expert)."""
+        entries = args.get("experts") if isinstance(args, dict) else None
+        if not isinstance(entries, list) or not entries:
+            self._errors["bad_input"] += 1
+            raise BadExpertInput("expected arguments {'experts': [{'uid': str, ...}, ...]}")
+        uids = [entry.get("uid") if isinstance(entry, dict) else None for entry in entries]
+        named = [uid for uid in uids if isinstance(uid, str)]
+        if len(entries) > len(self.experts) or len(set(named)) != len(named):
+            self._errors["bad_input"] += 1
+            raise BadExpertInput(f"{len(entries)} entries: each of this server's {len(self.experts)} experts at "
+                                 f"most once per call")
+        codec = self._codec(args)
+        self._rpc_calls[method] += 1
+        results: list[Any] = [None] * len(entries)
+        valid: list[tuple[int, Expert]] = []
+        requests: list[tuple[str, list[torch.Tensor]]] = []
+        for index, entry in enumerate(entries):
+            try:
+                expert = self._expert_for(entry)
+                inputs, grad_outputs = self._validate(expert, entry, backward=mode == "backward")
+            except RemoteError as error:  # that expert's typed refusal; the others still answer
+                results[index] = {"error": [error.code, error.message]}
+                continue
+            valid.append((index, expert))
+            requests.append((expert.uid, [*inputs, *grad_outputs]))
+        if requests:
+            outcomes: list[Any]
+            try:
+                outcomes = await self.runtime.run_many(mode, requests)
+            except RuntimeNotRunning as stopped:
+                outcomes = [stopped] * len(requests)
+            for (index, expert), outcome in zip(valid, outcomes):
+                if isinstance(outcome, (ExpertComputeError, RuntimeNotRunning)):
+                    failure = self._compute_error(expert, outcome)
+                    results[index] = {"error": [failure.code, failure.message]}
+                else:
+                    self._served[mode] += 1
+                    results[index] = {self._reply_key(mode): self._reply_tensors(outcome, codec)}
+        return {"results": results}
 
     async def _handle_info(self, context: CallContext, args: Any) -> dict[str, Any]:
         expert = self._expert_for(args)
         self._served["info"] += 1
+        self._rpc_calls[calls.INFO] += 1
         return expert.info(self.max_batch_size)
 
     async def _handle_forward(self, context: CallContext, args: Any) -> dict[str, Any]:
-        expert = self._expert_for(args)
-        inputs, _ = self._validate(expert, args, backward=False)
-        outputs = await self._compute(expert, "forward", inputs)
-        self._served["forward"] += 1
-        return {"outputs": self._reply_tensors(outputs, args)}
+        self._rpc_calls[calls.FORWARD] += 1
+        return await self._serve_one("forward", args, self._codec(args))
 
     async def _handle_backward(self, context: CallContext, args: Any) -> dict[str, Any]:
-        expert = self._expert_for(args)
-        inputs, grad_outputs = self._validate(expert, args, backward=True)
-        grad_inputs = await self._compute(expert, "backward", inputs, grad_outputs)
-        self._served["backward"] += 1
-        return {"grad_inputs": self._reply_tensors(grad_inputs, args)}
+        self._rpc_calls[calls.BACKWARD] += 1
+        return await self._serve_one("backward", args, self._codec(args))
+
+    async def _handle_forward_batch(self, context: CallContext, args: Any) -> dict[str, Any]:
+        return await self._serve_batch("forward", calls.FORWARD_BATCH, args)
+
+    async def _handle_backward_batch(self, context: CallContext, args: Any) -> dict[str, Any]:
+        return await self._serve_batch("backward", calls.BACKWARD_BATCH, args)
 
     # ---------------------------------------------------------------------------------------- stats
 
@@ -432,6 +499,7 @@ class ExpertServer:
             "running": self._running,
             "requests": dict(self._served),
             "requests_total": sum(self._served.values()),
+            "rpc_calls": dict(self._rpc_calls),
             "batches": runtime["batches"],
             "samples": runtime["samples"],
             "errors": dict(self._errors),

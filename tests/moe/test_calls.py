@@ -64,8 +64,9 @@ def test_server_registers_exactly_the_client_method_names():
     from moe import server
 
     source = inspect.getsource(server.ExpertServer.run)
-    assert all(f"calls.{name}" in source for name in ("INFO", "FORWARD", "BACKWARD"))
-    assert calls.METHODS == ("moe.info", "moe.forward", "moe.backward")
+    names = ("INFO", "FORWARD", "BACKWARD", "FORWARD_BATCH", "BACKWARD_BATCH")
+    assert all(f"calls.{name}," in source or f"calls.{name})" in source for name in names)
+    assert calls.METHODS == ("moe.info", "moe.forward", "moe.backward", "moe.forward_batch", "moe.backward_batch")
 
 
 async def test_call_expert_refuses_unknown_methods():
