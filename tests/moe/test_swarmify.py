@@ -144,6 +144,7 @@ def test_swarmify_hugging_face_models_train_and_generate(family):
         generator = torch.Generator().manual_seed(2)
         batches = [(torch.randint(0, 10, (4, 12), generator=generator), None) for _ in range(2)]
         losses = _train(model, batches, _lm_loss, 30)
-        out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False)
+        # min_new_tokens: an untrained model may emit its EOS id early (Llama's default eos is 2), ending generation
+        out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, min_new_tokens=4, do_sample=False)
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5
     assert out.shape == (1, 7)
