@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -92,24 +93,26 @@ def project_objects() -> dict[str, list[str]]:
             "networks": docker("network", "ls", "--quiet", "--filter", label).stdout.split()}
 
 
-def inspect(container: str) -> dict:
-    return json.loads(docker("inspect", container).stdout)[0]
+def inspect(container: str) -> dict[str, Any]:
+    info: dict[str, Any] = json.loads(docker("inspect", container).stdout)[0]
+    return info
 
 
-def service_of(info: dict) -> str:
-    return info["Config"]["Labels"]["com.docker.compose.service"]
+def service_of(info: dict[str, Any]) -> str:
+    return str(info["Config"]["Labels"]["com.docker.compose.service"])
 
 
-def result_line(container: str) -> dict:
+def result_line(container: str) -> dict[str, Any]:
     logs = docker("logs", container).stdout.splitlines()
-    return json.loads(next(line for line in reversed(logs) if '"event": "result"' in line))
+    result: dict[str, Any] = json.loads(next(line for line in reversed(logs) if '"event": "result"' in line))
+    return result
 
 
 def has_progress(container: str) -> bool:
     return '"event": "progress"' in docker("logs", container).stdout
 
 
-def test_compose_swarm_trains_through_a_killed_volunteer_container_and_down_leaves_nothing(docker_daemon):
+def test_compose_swarm_trains_through_a_killed_volunteer_container_and_down_leaves_nothing(docker_daemon: None) -> None:
     compose = [*compose_tool(), "--project-name", PROJECT, "--file", str(COMPOSE_FILE)]
     if os.geteuid() != 0 and docker("image", "inspect", "swarmd-base:bookworm", check=False).returncode != 0:
         pytest.skip("making the local base image (debootstrap) needs root")
