@@ -132,6 +132,8 @@ def test_compose_swarm_trains_through_a_killed_volunteer_container_and_down_leav
     victim_service = topology.volunteer_name(1)
     healthy_seen: set[str] = set()
     started = time.monotonic()
+    # what a run killed before its `down` may have left; the assertion at the end is about this run
+    subprocess.run([*compose, "down", "--volumes", "--remove-orphans"], capture_output=True, timeout=300)
     try:
         up = subprocess.run([*compose, "up", "--detach", "--no-build"], capture_output=True, text=True,
                             timeout=600)
