@@ -4,7 +4,7 @@ PYTHON ?= python3
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: run test test-fast lint bench clean-venv
+.PHONY: run test test-fast lint bench clean-venv docker-image
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,13 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	for bench in benchmarks/bench_*.py; do $(BIN)/python $$bench || exit 1; done
+
+# The peer image, swarmd:latest: a wheelhouse of the project's dependency set (the only step that uses the network),
+# then docker/Dockerfile built from it with no network. DOCKER_BASE=local builds FROM a Debian base made with
+# debootstrap (root; made once, cached by tag) for machines with no container registry; the default base is
+# python:3.11-slim. Prints the image size.
+docker-image: $(STAMP)
+	PYTHON=$(BIN)/python docker/build-image.sh $(if $(filter local,$(DOCKER_BASE)),--local-base)
 
 clean-venv:
 	rm -rf $(VENV)

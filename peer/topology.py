@@ -81,12 +81,15 @@ class Topology:
 
 
 def render_compose(topology: Topology) -> str:
-    """docker/compose.yaml for `topology`: every peer in its own container on a private network."""
+    """docker/compose.yaml for `topology`: every peer in its own container on a private network.
+
+    Written for both Debian's docker-compose 1.29 and current Compose: no top-level `name:` (1.29 rejects it;
+    the project name comes from `-p`), and only keys both accept (extension fields, `depends_on` conditions).
+    """
     bootstrap = f"{topology.volunteer_name(0)}:{COMPOSE_PORT}"
     lines = [
         "# Generated from peer/topology.py by `peer swarm compose`; tests/test_swarm.py checks it is current.",
-        "# Run: docker compose -f docker/compose.yaml up --build",
-        "name: swarmd",
+        "# Run: docker compose -p swarmd -f docker/compose.yaml up --build   (README: Docker; docker-compose 1.29 too)",
         "x-peer: &peer",
         "  build:",
         "    context: ..",
