@@ -28,7 +28,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import trio
@@ -46,6 +46,9 @@ from peer.p2p.net import Address, Network, RealNetwork
 from peer.p2p.rpc import CallContext, RPCNode
 from peer.replicas import ReplicaAverager
 from peer.status import STATUS_METHOD
+
+if TYPE_CHECKING:
+    from peer.metrics import PeerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +82,7 @@ class DaemonConfig:
     seed: int | None = None
     replicate: bool = _JOIN["replicate"]
     average_every: float = _JOIN["average_every"]
+    metrics_port: int | None = _JOIN["metrics_port"]
 
 
 @dataclass
@@ -90,6 +94,7 @@ class DaemonInfo:
     experts: list[str]
     pattern: str | None = None  # the grid the experts were chosen from
     hidden_dim: int | None = None
+    metrics_address: Address | None = None  # where /metrics is served (--metrics-port)
 
     @property
     def join_command(self) -> str:
@@ -187,8 +192,12 @@ class Daemon:
                         await nursery.start(self.replicas.run)
                     self.directory = PeerDirectory(dht)
                     await nursery.start(self.directory.run, announced, self.identity.peer_id, self._summary)
+                    metrics_address = None
+                    if config.metrics_port is not None:
+                        metrics_address = await nursery.start(self._metrics().serve, config.host,
+                                                              config.metrics_port)
                     task_status.started(DaemonInfo(str(self.identity.peer_id), announced, uids, self.pattern,
-                                                   config.hidden_dim))
+                                                   config.hidden_dim, metrics_address))
                     await trio.sleep_forever()
 
     async def _swarm_pattern(self, dht: DHTNode, count: int) -> str:
@@ -246,6 +255,13 @@ class Daemon:
             checkpoint_interval=config.checkpoint_interval if config.checkpoint_dir else math.inf,
             declare_ttl=config.declare_ttl,
         )
+
+    def _metrics(self) -> PeerMetrics:
+        from peer.metrics import peer_metrics  # prometheus_client and the HTTP stack only with --metrics-port
+
+        server, replicas = self.expert_server, self.replicas
+        return peer_metrics(self.rpc, self.dht, experts=server.stats if server else None,
+                            replicas=replicas.stats if replicas else None)
 
     def _summary(self) -> dict[str, Any]:
         """The short description published in the peer directory: read by `peer status` without a call, and by

@@ -48,8 +48,12 @@ def plural(count: int, noun: str, plural_noun: str | None = None) -> str:
 
 
 async def gather_status(rpc: RPCNode, dht: DHTClient, *, timeout: float = 3.0,
-                        runs_reader: RunsReader | None = None) -> dict[str, Any]:
-    entries = await list_peers(dht)
+                        runs_reader: RunsReader | None = None,
+                        entries: list[PeerEntry] | None = None) -> dict[str, Any]:
+    """One `peer.status` call per peer of `entries` (read from the directory when None: the dashboard passes the
+    listing it keeps, so a refresh costs one call per peer)."""
+    if entries is None:
+        entries = await list_peers(dht)
     replies: dict[str, dict[str, Any]] = {}
 
     async def ask(entry: PeerEntry) -> None:
@@ -76,6 +80,11 @@ async def gather_status(rpc: RPCNode, dht: DHTClient, *, timeout: float = 3.0,
             "reachable": reachable,
             "error": reply.get("error"),
             "uptime_s": reply.get("uptime_s"),
+            "version": reply.get("version"),
+            "bytes_sent": (reply.get("rpc") or {}).get("bytes_sent"),
+            "bytes_received": (reply.get("rpc") or {}).get("bytes_received"),
+            "expert_requests": {uid: sum((stats.get("requests") or {}).values()) for uid, stats in
+                                ((reply.get("experts") or {}).get("per_expert") or {}).items()},
             "dht_table_size": (reply.get("dht") or {}).get("routing_table_size"),
             "dht_rebootstraps": (reply.get("dht") or {}).get("rebootstraps"),
             "experts": experts,
@@ -83,6 +92,7 @@ async def gather_status(rpc: RPCNode, dht: DHTClient, *, timeout: float = 3.0,
             "failures_seen": (failed_calls(reply.get("rpc")) or {}).get("total"),
             "failed_calls": failed_calls(reply.get("rpc")),
             "averaging_rounds": (reply.get("averaging") or {}).get("rounds"),
+            "averaging_failures": (reply.get("averaging") or {}).get("failures"),
             "last_group_size": (reply.get("averaging") or {}).get("last_group_size"),
         })
         for uid in experts:

@@ -1,0 +1,160 @@
+"""`peer dashboard` without a browser: in-process daemons on 127.0.0.1, the watcher and the HTTP app served by
+Hypercorn in this trio loop; /api/v1/state against its schema, 404s, is_reachable, a swarm that is not there yet,
+and the view's core on its own."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import jsonschema
+import pytest
+import trio
+
+from peer.daemon import Daemon, DaemonConfig
+from peer.dashboard.http import serve_asgi
+from peer.dashboard.server import build_app, load_schema
+from peer.dashboard.view import SwarmView
+from peer.dashboard.watcher import Watcher
+from peer.directory import PeerEntry
+from peer.options import DASHBOARD
+from peer.p2p.net import RealNetwork
+
+
+def fetch(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+async def get(base: str, path: str) -> tuple[int, bytes]:
+    return await trio.to_thread.run_sync(fetch, base + path)
+
+
+async def state(base: str) -> dict:
+    status, body = await get(base, "/api/v1/state")
+    assert status == 200
+    return json.loads(body)
+
+
+async def wait_for(base: str, predicate, timeout: float = 30.0) -> dict:
+    with trio.fail_after(timeout):
+        while True:
+            current = await state(base)
+            if predicate(current):
+                return current
+            await trio.sleep(0.2)
+
+
+async def start_daemon(nursery: trio.Nursery, **config) -> Daemon:
+    daemon = Daemon(DaemonConfig(hidden_dim=8, **config))
+    await nursery.start(daemon.run)
+    return daemon
+
+
+async def serve(nursery: trio.Nursery, watcher: Watcher) -> str:
+    await nursery.start(watcher.run)
+    host, port = await nursery.start(serve_asgi, build_app(watcher), "127.0.0.1", 0, "dashboard")
+    return f"http://{host}:{port}"
+
+
+async def test_state_api_follows_the_swarm_and_matches_its_schema():
+    schema = load_schema()
+    async with trio.open_nursery() as nursery:
+        first = await start_daemon(nursery, experts="ffn.[0:2]")
+        second = await start_daemon(nursery, experts="ffn.[2:4]", initial_peers=[first.rpc.address])
+        watcher = Watcher([first.rpc.address], refresh=0.3, timeout=2.0, directory_every=2)
+        base = await serve(nursery, watcher)
+        current = await wait_for(base, lambda s: sum(p["state"] == "online" for p in s["peers"]) == 2)
+        jsonschema.validate(current, schema)
+        assert current["dashboard"]["async_library"] == "trio"  # served by Hypercorn's trio worker
+        assert current["swarm"]["reachable"]
+        cells = current["experts"]["ffn"]["cells"]
+        assert [cell["uid"] for cell in cells] == ["ffn.0", "ffn.1", "ffn.2", "ffn.3"]
+        assert {cell["hosts"][0]["peer_id"] for cell in cells} == {str(first.identity.peer_id),
+                                                                  str(second.identity.peer_id)}
+        assert current["cost"]["per_peer_per_refresh"] is not None
+
+        peer_id = str(second.identity.peer_id)
+        status, body = await get(base, f"/api/v1/is_reachable/{peer_id}")
+        assert status == 200 and json.loads(body)["reachable"] is True
+        assert (await get(base, "/api/v1/is_reachable/" + "0" * 40))[0] == 404
+        for path in ("/nope", "/api/v2/state", "/static/missing.js", "/api/v1/state/extra"):
+            assert (await get(base, path))[0] == 404, path
+        status, body = await get(base, "/")
+        assert status == 200 and b"/static/dashboard.js" in body
+        assert (await get(base, "/static/dashboard.js"))[0] == 200
+        nursery.cancel_scope.cancel()
+
+
+async def test_dashboard_says_the_swarm_is_unreachable_and_recovers_when_it_comes():
+    from peer.daemon import pick_free_port
+
+    port = pick_free_port("127.0.0.1")
+    async with trio.open_nursery() as nursery:
+        watcher = Watcher([("127.0.0.1", port)], refresh=0.3, timeout=1.0, directory_every=1,
+                          network=RealNetwork())
+        base = await serve(nursery, watcher)
+        lost = await wait_for(base, lambda s: s["events"] and not s["swarm"]["reachable"])
+        assert "unreachable" in lost["swarm"]["message"]
+        jsonschema.validate(lost, load_schema())
+        await start_daemon(nursery, experts="ffn.[0:1]", port=port)
+        found = await wait_for(base, lambda s: s["swarm"]["reachable"] and s["experts"], timeout=60)
+        assert [cell["uid"] for cell in found["experts"]["ffn"]["cells"]] == ["ffn.0"]
+        nursery.cancel_scope.cancel()
+
+
+def _entry(n: int) -> PeerEntry:
+    return PeerEntry(f"{n:040x}", ("127.0.0.1", 7000 + n), {"experts": 1, "grid": "ffn.[0:4]", "hidden_dim": 8},
+                     1e9)
+
+
+def _row(n: int, reachable: bool, served: int = 0) -> dict:
+    return {"peer_id": f"{n:040x}", "address": f"127.0.0.1:{7000 + n}", "reachable": reachable,
+            "error": None if reachable else "timed out", "experts": [f"ffn.{n}"] if reachable else [],
+            "requests_served": served, "expert_requests": {f"ffn.{n}": served}, "averaging_failures": 0}
+
+
+def test_view_marks_a_silent_peer_unreachable_then_forgets_it():
+    view = SwarmView(["127.0.0.1:7001"], started_at=0.0)
+    entries = [_entry(1), _entry(2)]
+    view.observe({"peers": [_row(1, True, 10), _row(2, True, 0)]}, entries, [], {}, 1.0, requests=2)
+    view.observe({"peers": [_row(1, True, 30), _row(2, False)]}, entries, [], {}, 3.0, requests=2)
+    snapshot = view.snapshot(3.0)
+    states = {peer["peer_id"][-1]: peer["state"] for peer in snapshot["peers"]}
+    assert states == {"1": "online", "2": "unreachable"}
+    assert snapshot["peers"][0]["requests_per_s"] == 10.0
+    assert [cell["uid"] for cell in snapshot["experts"]["ffn"]["cells"]] == ["ffn.1"]  # ffn.2 left the grid
+    assert snapshot["experts"]["ffn"]["grid"] == [4]
+    view.observe({"peers": [_row(1, True, 30)]}, entries[:1], [], {}, 40.0, requests=1)
+    kinds = [event["kind"] for event in view.snapshot(40.0)["events"]]
+    assert kinds == ["peer_joined", "peer_joined", "peer_unreachable", "peer_expired"]
+    assert view.snapshot(40.0)["cost"]["per_peer_per_refresh"] == 1.0
+    jsonschema.validate(view.snapshot(40.0), load_schema())
+
+
+def test_view_keeps_a_loss_history_point_per_new_step():
+    view = SwarmView([], started_at=0.0)
+    run = {"run_id": "digits", "epoch": 1, "trainers": 1, "trainers_in_epoch": 1, "samples": 10,
+           "target_batch_size": 128, "samples_per_s": 5.0, "recent_groups": []}
+    for t, step in ((1.0, 20), (2.0, 20), (3.0, 40)):
+        point = {"step": step, "loss": 2.0 / step, "accuracy": 0.5, "samples_per_s": 100.0, "epoch": 1}
+        view.observe({"peers": [_row(1, True)]}, [_entry(1)], [run], {"digits": {"ab" * 20: point}}, t)
+    history = view.snapshot(3.0)["runs"][0]["history"]
+    assert [point["step"] for point in history] == [20, 40]  # the same step twice is one point
+
+
+def test_dashboard_binds_loopback_by_default():
+    assert DASHBOARD["host"].default == "127.0.0.1"
+
+
+async def test_a_busy_port_is_one_clear_error():
+    watcher = Watcher([("127.0.0.1", 9)], refresh=1.0)
+    async with trio.open_nursery() as nursery:
+        _, port = await nursery.start(serve_asgi, build_app(watcher), "127.0.0.1", 0, "dashboard")
+        with pytest.raises(OSError, match="dashboard: cannot listen on 127.0.0.1"):
+            await serve_asgi(build_app(watcher), "127.0.0.1", port, "dashboard")
+        nursery.cancel_scope.cancel()
