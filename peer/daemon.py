@@ -181,6 +181,8 @@ class Daemon:
                                        f"{error.strerror or error}") from None
                 self.dht = dht
                 rpc.register(STATUS_METHOD, self._handle_status)
+                # made before the services start, so their first DHT operations are timed too
+                metrics = self._metrics() if config.metrics_port is not None else None
                 self.expert_server = await self._make_expert_server(dht)  # before the nursery: plain errors
                 async with trio.open_nursery() as nursery:
                     uids = sorted(self.expert_server.experts)
@@ -193,9 +195,8 @@ class Daemon:
                     self.directory = PeerDirectory(dht)
                     await nursery.start(self.directory.run, announced, self.identity.peer_id, self._summary)
                     metrics_address = None
-                    if config.metrics_port is not None:
-                        metrics_address = await nursery.start(self._metrics().serve, config.host,
-                                                              config.metrics_port)
+                    if metrics is not None and config.metrics_port is not None:
+                        metrics_address = await nursery.start(metrics.serve, config.host, config.metrics_port)
                     task_status.started(DaemonInfo(str(self.identity.peer_id), announced, uids, self.pattern,
                                                    config.hidden_dim, metrics_address))
                     await trio.sleep_forever()
@@ -259,9 +260,13 @@ class Daemon:
     def _metrics(self) -> PeerMetrics:
         from peer.metrics import peer_metrics  # prometheus_client and the HTTP stack only with --metrics-port
 
-        server, replicas = self.expert_server, self.replicas
-        return peer_metrics(self.rpc, self.dht, experts=server.stats if server else None,
-                            replicas=replicas.stats if replicas else None)
+        def experts() -> dict[str, Any] | None:
+            return self.expert_server.stats() if self.expert_server else None
+
+        def replicas() -> dict[str, Any] | None:
+            return self.replicas.stats() if self.replicas else None
+
+        return peer_metrics(self.rpc, self.dht, experts=experts, replicas=replicas)
 
     def _summary(self) -> dict[str, Any]:
         """The short description published in the peer directory: read by `peer status` without a call, and by
