@@ -238,19 +238,19 @@ class SwarmView:
             })
         runs = []
         for run_id in sorted(self.runs):
-            track = self.runs[run_id]
-            info = track.info
+            run = self.runs[run_id]
+            info = run.info
             runs.append({
                 "run_id": run_id,
                 "epoch": info.get("epoch"),
-                "trainers": info.get("trainers", len(track.points)),
+                "trainers": info.get("trainers", len(run.points)),
                 "trainers_in_epoch": info.get("trainers_in_epoch"),
                 "samples": info.get("samples"),
                 "target_batch_size": info.get("target_batch_size"),
                 "samples_per_s": info.get("samples_per_s"),
                 "recent_groups": info.get("recent_groups", []),
-                "latest": {peer: dict(point) for peer, point in sorted(track.points.items())},
-                "history": list(track.history),
+                "latest": {peer: dict(point) for peer, point in sorted(run.points.items())},
+                "history": list(run.history),
             })
         return {
             "version": STATE_VERSION,
