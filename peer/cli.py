@@ -208,10 +208,8 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     from peer.dashboard.server import run_dashboard
 
     configure_logging("warning")
-    try:
-        trio.run(run_dashboard, args)
-    except KeyboardInterrupt:
-        print("peer: dashboard stopped", file=sys.stderr, flush=True)
+    trio.run(run_dashboard, args)  # returns after SIGINT / SIGTERM
+    print("peer: dashboard stopped", file=sys.stderr, flush=True)
     return 0
 
 

@@ -55,6 +55,13 @@ async def start_daemon(nursery: trio.Nursery, **config) -> Daemon:
     return daemon
 
 
+async def daemon_in_own_scope(config: dict, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """A daemon whose life the test ends by cancelling the scope passed to `started`."""
+    async with trio.open_nursery() as inner:
+        await inner.start(Daemon(DaemonConfig(hidden_dim=8, **config)).run)
+        task_status.started(inner.cancel_scope)
+
+
 async def serve(nursery: trio.Nursery, watcher: Watcher) -> str:
     await nursery.start(watcher.run)
     host, port = await nursery.start(serve_asgi, build_app(watcher), "127.0.0.1", 0, "dashboard")
@@ -158,3 +165,51 @@ async def test_a_busy_port_is_one_clear_error():
         with pytest.raises(OSError, match="dashboard: cannot listen on 127.0.0.1"):
             await serve_asgi(build_app(watcher), "127.0.0.1", port, "dashboard")
         nursery.cancel_scope.cancel()
+
+
+async def test_a_swarm_that_goes_away_and_comes_back_is_followed():
+    from peer.daemon import pick_free_port
+
+    port = pick_free_port("127.0.0.1")
+    async with trio.open_nursery() as nursery:
+        first_life = await nursery.start(daemon_in_own_scope, {"experts": "ffn.[0:1]", "port": port})
+        watcher = Watcher([("127.0.0.1", port)], refresh=0.3, timeout=1.0, directory_every=1)
+        base = await serve(nursery, watcher)
+        await wait_for(base, lambda s: s["swarm"]["reachable"] and s["experts"])
+        first_life.cancel()  # the whole swarm stops
+        gone = await wait_for(base, lambda s: not s["swarm"]["reachable"])
+        assert not gone["experts"]
+        await start_daemon(nursery, experts="ffn.[3:5]", port=port)  # a new swarm at the same address
+
+        def served(s: dict) -> list[str]:
+            return [cell["uid"] for cell in s["experts"].get("ffn", {}).get("cells", [])]
+
+        back = await wait_for(base, lambda s: s["swarm"]["reachable"] and served(s) == ["ffn.3", "ffn.4"], timeout=90)
+        kinds = [event["kind"] for event in back["events"]]
+        assert "swarm_unreachable" in kinds and kinds.index("swarm_unreachable") < len(kinds) - 1
+        nursery.cancel_scope.cancel()
+
+
+def test_the_command_serves_on_loopback_and_stops_on_sigterm():
+    import re
+    import signal
+
+    from tests.peer_processes import PeerProcess
+
+    process = PeerProcess(["dashboard", "--initial-peers", "127.0.0.1:9", "--port", "0", "--refresh", "0.5"])
+    try:
+        url = process.read_until(r"^dashboard at (http://\S+/)", timeout=60).group(1)
+        assert re.match(r"http://127\.0\.0\.1:\d+/$", url)
+        current = {}
+        for _ in range(200):  # the first failed attach takes a few seconds (bootstrap attempts)
+            status, body = fetch(url + "api/v1/state")
+            current = json.loads(body)
+            if current["events"]:
+                break
+            process.read_line(0.1)
+        assert current["swarm"]["reachable"] is False and "unreachable" in current["swarm"]["message"]
+        process.signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+        assert process.process.stderr.read().strip().splitlines()[-1] == "peer: dashboard stopped"
+    finally:
+        process.kill()

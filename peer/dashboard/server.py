@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -66,9 +67,18 @@ def load_schema() -> dict[str, Any]:
 
 
 async def run_dashboard(args: argparse.Namespace) -> None:
-    """Watch the swarm and serve the page until cancelled (Ctrl-C)."""
+    """Watch the swarm and serve the page until SIGINT (Ctrl-C) or SIGTERM, then return."""
     watcher = Watcher(args.initial_peers, refresh=args.refresh, timeout=args.timeout)
     async with trio.open_nursery() as nursery:
+
+        async def stop_on_signal(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                task_status.started()
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+                    return
+
+        await nursery.start(stop_on_signal)
         await nursery.start(watcher.run)
         host, port = await nursery.start(serve_asgi, build_app(watcher), args.host, args.port, "dashboard")
         shown = f"[{host}]" if ":" in host else host
