@@ -513,7 +513,7 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
                 out.draw_bar(line)
                 training.update(line, samples=samples)
                 if swarm is not None:
-                    _publish_point(swarm, args.run_id, line)
+                    _publish_point(swarm, args.run_id, line, optimizer.stats() if optimizer is not None else None)
                 if on_progress is not None:
                     on_progress(line)
         out.end_bar()
@@ -562,7 +562,7 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
             swarm.close()
 
 
-def _publish_point(swarm: Any, run_id: str, line: dict[str, Any]) -> None:
+def _publish_point(swarm: Any, run_id: str, line: dict[str, Any], averaging: dict[str, Any] | None) -> None:
     """Put this progress line's loss and throughput in the DHT for `peer dashboard` (peer/dashboard/training.py);
     bounded to 2 s, and a failure only costs the dashboard one point."""
     import trio
@@ -571,7 +571,7 @@ def _publish_point(swarm: Any, run_id: str, line: dict[str, Any]) -> None:
 
     async def publish() -> None:
         with trio.move_on_after(2.0):
-            await publish_point(swarm.dht, swarm.peer_id, run_id, line)
+            await publish_point(swarm.dht, swarm.peer_id, run_id, line, averaging)
 
     try:
         swarm.run(publish)

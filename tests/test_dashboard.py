@@ -148,10 +148,47 @@ def test_view_keeps_a_loss_history_point_per_new_step():
     run = {"run_id": "digits", "epoch": 1, "trainers": 1, "trainers_in_epoch": 1, "samples": 10,
            "target_batch_size": 128, "samples_per_s": 5.0, "recent_groups": []}
     for t, step in ((1.0, 20), (2.0, 20), (3.0, 40)):
-        point = {"step": step, "loss": 2.0 / step, "accuracy": 0.5, "samples_per_s": 100.0, "epoch": 1}
+        point = {"step": step, "loss": 2.0 / step, "accuracy": 0.5, "samples_per_s": 100.0, "epoch": 1,
+                 "averaging_rounds": step // 20, "averaging_failures": 0 if step < 40 else 1,
+                 "averaging_seconds": 0.5 * (step // 20)}
         view.observe({"peers": [_row(1, True)]}, [_entry(1)], [run], {"digits": {"ab" * 20: point}}, t)
-    history = view.snapshot(3.0)["runs"][0]["history"]
+    snapshot = view.snapshot(3.0)
+    history = snapshot["runs"][0]["history"]
     assert [point["step"] for point in history] == [20, 40]  # the same step twice is one point
+    assert snapshot["runs"][0]["averaging"] == {"rounds": 2, "failures": 1, "mean_seconds": 0.5}
+    failed = [event for event in snapshot["events"] if event["kind"] == "averaging_failed"]
+    assert len(failed) == 1 and failed[0]["peer_id"] == "ab" * 20
+    jsonschema.validate(snapshot, load_schema())
+
+
+def test_training_points_are_read_only_from_their_signer_and_well_formed():
+    from types import SimpleNamespace
+
+    from peer.dashboard.training import parse_points, point_from_line
+    from peer.p2p.identity import Identity
+
+    honest, other = Identity.generate(), Identity.generate()
+    good = point_from_line({"step": 40, "loss": 1.25, "accuracy": 0.5, "samples_per_s": 90.0, "epoch": 2},
+                           {"averaging_rounds": 3, "averaging_failures": 1, "averaging_seconds": 1.5})
+
+    def entry(owner, value, expiration=100.0):
+        return SimpleNamespace(owner=owner.public_key if owner else None, value=value, expiration_time=expiration)
+
+    record = SimpleNamespace(subkeys={
+        bytes(honest.peer_id): entry(honest, good),
+        bytes(other.peer_id): entry(honest, good),  # written for another trainer: refused
+        bytes(Identity.generate().peer_id): entry(None, good),  # unsigned
+        b"x" * 20: entry(honest, good),
+        bytes(Identity.from_seed(b"1" * 32).peer_id): entry(Identity.from_seed(b"1" * 32), good, expiration=5.0),
+        bytes(Identity.from_seed(b"2" * 32).peer_id): entry(Identity.from_seed(b"2" * 32), [*good[:7], "x"]),
+        bytes(Identity.from_seed(b"3" * 32).peer_id): entry(Identity.from_seed(b"3" * 32), good[:5]),
+        bytes(Identity.from_seed(b"4" * 32).peer_id): entry(Identity.from_seed(b"4" * 32),
+                                                             [good[0], float("nan"), *good[2:]]),
+    })
+    points = parse_points(record, now=10.0)
+    assert points == {honest.peer_id.hex(): {"step": 40, "loss": 1.25, "accuracy": 0.5, "samples_per_s": 90.0,
+                                              "epoch": 2, "averaging_rounds": 3, "averaging_failures": 1,
+                                              "averaging_seconds": 1.5}}
 
 
 def test_dashboard_binds_loopback_by_default():

@@ -23,21 +23,29 @@ def trainlog_key(run_id: str) -> str:
     return f"{KEY_PREFIX}{run_id}"
 
 
-def point_from_line(line: dict[str, Any]) -> list[Any]:
-    """The wire value for one `peer train` progress line: [step, loss, accuracy, samples/s, epoch]."""
+FIELDS = ("step", "loss", "accuracy", "samples_per_s", "epoch", "averaging_rounds", "averaging_failures",
+          "averaging_seconds")
+
+
+def point_from_line(line: dict[str, Any], averaging: dict[str, Any] | None = None) -> list[Any]:
+    """The wire value for one `peer train` progress line and its optimizer's stats (`averaging`, None without
+    a collaborative optimizer): the values of FIELDS, in order."""
+    averaging = averaging or {}
     return [int(line["step"]), float(line["loss"]), float(line["accuracy"]), float(line["samples_per_s"]),
-            int(line.get("epoch") or 0)]
+            int(line.get("epoch") or 0), int(averaging.get("averaging_rounds") or 0),
+            int(averaging.get("averaging_failures") or 0), float(averaging.get("averaging_seconds") or 0.0)]
 
 
-async def publish_point(dht: DHTClient, peer_id: PeerID, run_id: str, line: dict[str, Any]) -> bool:
+async def publish_point(dht: DHTClient, peer_id: PeerID, run_id: str, line: dict[str, Any],
+                        averaging: dict[str, Any] | None = None) -> bool:
     """Store this trainer's latest point (True when a replica acknowledged it)."""
-    return await dht.store(trainlog_key(run_id), point_from_line(line), dht.now() + TTL, subkey=bytes(peer_id),
-                           signed=True)
+    return await dht.store(trainlog_key(run_id), point_from_line(line, averaging), dht.now() + TTL,
+                           subkey=bytes(peer_id), signed=True)
 
 
 def parse_points(record: Any, now: float) -> dict[str, dict[str, Any]]:
-    """trainer PeerID (hex) -> {"step", "loss", "accuracy", "samples_per_s", "epoch"} for every authentic,
-    unexpired, well-formed entry of a trainlog record (anyone can write to the DHT: the rest is skipped)."""
+    """trainer PeerID (hex) -> {FIELDS...} for every authentic, unexpired, well-formed entry of a trainlog record
+    (anyone can write to the DHT: the rest is skipped)."""
     points: dict[str, dict[str, Any]] = {}
     for subkey, entry in (getattr(record, "subkeys", None) or {}).items():
         if not isinstance(subkey, (bytes, bytearray)) or len(subkey) != 20 or entry.expiration_time <= now:
@@ -46,14 +54,17 @@ def parse_points(record: Any, now: float) -> dict[str, dict[str, Any]]:
         if owner is None or PeerID.from_public_key(owner) != bytes(subkey):
             continue
         value = entry.value
-        if not (isinstance(value, list) and len(value) == 5 and all(
+        if not (isinstance(value, list) and len(value) == len(FIELDS) and all(
                 isinstance(item, (int, float)) and not isinstance(item, bool) for item in value)):
             continue
-        step, loss, accuracy, rate, epoch = value
-        if not all(math.isfinite(float(item)) for item in value) or step < 0:
+        if not all(math.isfinite(float(item)) for item in value) or min(value[0], *value[3:]) < 0:
             continue
-        points[bytes(subkey).hex()] = {"step": int(step), "loss": float(loss), "accuracy": float(accuracy),
-                                       "samples_per_s": float(rate), "epoch": int(epoch)}
+        point = dict(zip(FIELDS, value))
+        for name in ("step", "epoch", "averaging_rounds", "averaging_failures"):
+            point[name] = int(point[name])
+        for name in ("loss", "accuracy", "samples_per_s", "averaging_seconds"):
+            point[name] = float(point[name])
+        points[bytes(subkey).hex()] = point
     return points
 
 

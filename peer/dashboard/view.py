@@ -38,6 +38,7 @@ class _PeerTrack:
 class _RunTrack:
     history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=HISTORY_POINTS))
     steps: dict[str, int] = field(default_factory=dict)  # trainer -> step of its last point taken
+    failures: dict[str, int] = field(default_factory=dict)  # trainer -> averaging failures in its last point
     info: dict[str, Any] = field(default_factory=dict)
     points: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -160,6 +161,11 @@ class SwarmView:
                 continue
             for peer, point in fresh.items():
                 track.steps[peer] = point["step"]
+                before = track.failures.get(peer)
+                if before is not None and point["averaging_failures"] > before:
+                    self._event(now, "averaging_failed", f"run {run_id}: trainer {peer[:12]}: "
+                                f"{point['averaging_failures'] - before} averaging round(s) failed", peer)
+                track.failures[peer] = point["averaging_failures"]
             latest = list(trainers.values())
             track.history.append({
                 "time": now,
@@ -249,6 +255,7 @@ class SwarmView:
                 "target_batch_size": info.get("target_batch_size"),
                 "samples_per_s": info.get("samples_per_s"),
                 "recent_groups": info.get("recent_groups", []),
+                "averaging": _averaging(run.points.values()),
                 "latest": {peer: dict(point) for peer, point in sorted(run.points.items())},
                 "history": list(run.history),
             })
@@ -263,6 +270,15 @@ class SwarmView:
             "runs": runs,
             "events": list(self.events),
         }
+
+
+def _averaging(points: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """The run's averaging so far, summed over its live trainers (each counts the rounds it took part in)."""
+    points = list(points)
+    rounds = sum(point["averaging_rounds"] for point in points)
+    seconds = sum(point["averaging_seconds"] for point in points)
+    return {"rounds": rounds, "failures": sum(point["averaging_failures"] for point in points),
+            "mean_seconds": round(seconds / rounds, 3) if rounds else None}
 
 
 def _coords(uid: str) -> list[int] | None:

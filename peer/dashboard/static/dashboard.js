@@ -140,13 +140,16 @@ function drawRuns(state) {
     const trainers = Object.entries(run.latest).map(([peer, p]) =>
       el("li", {}, `${peer.slice(0, 12)}: step ${p.step}, loss ${p.loss.toFixed(3)}, ` +
         `${p.samples_per_s.toFixed(0)} samples/s, epoch ${p.epoch}`));
-    const groups = run.recent_groups.map(group => el("li", {}, group.join(", ")));
+    const groups = run.recent_groups.map(group => el("li", {}, `${group.length} trainers: ${group.join(", ")}`));
+    const avg = run.averaging;
+    const averaging = `averaging: ${avg.rounds} round(s) taken part in, ${avg.failures} failed` +
+      (avg.mean_seconds === null ? "" : `, ${avg.mean_seconds.toFixed(2)} s each on average`);
     return el("div", {class: "run", "data-run-id": run.run_id},
       el("h3", {}, `${run.run_id}: epoch ${run.epoch ?? "-"}, ${run.trainers} trainer(s), ` +
         `${run.samples ?? "-"}/${run.target_batch_size ?? "-"} samples, ${run.samples_per_s ?? "-"} samples/s`),
       el("div", {class: "plots"}, plot(run.history, "loss", "training loss", "loss"),
         plot(run.history, "samples_per_s", "samples/s (all trainers)", "rate")),
-      el("p", {}, "trainers:"), el("ul", {}, ...trainers),
+      el("p", {}, "trainers:"), el("ul", {}, ...trainers), el("p", {class: "averaging"}, averaging),
       el("p", {}, groups.length ? "recent averaging groups:" : "no averaging group yet"), el("ul", {}, ...groups));
   }));
 }
