@@ -45,7 +45,7 @@ from peer.p2p.identity import Identity
 from peer.p2p.net import Address, Network, RealNetwork
 from peer.p2p.rpc import CallContext, RPCNode
 from peer.replicas import ReplicaAverager
-from peer.status import STATUS_METHOD
+from peer.status import MAX_REPLICA_KEYS, STATUS_METHOD
 
 if TYPE_CHECKING:
     from peer.metrics import PeerMetrics
@@ -294,4 +294,23 @@ class Daemon:
         }
 
     async def _handle_status(self, context: CallContext, args: Any) -> dict[str, Any]:
-        return self.status()
+        status = self.status()
+        keys = args.get("replicas") if isinstance(args, dict) else None
+        if isinstance(keys, list):
+            status["replicas"] = self.replicas_held(keys)
+        return status
+
+    def replicas_held(self, keys: list[Any]) -> dict[str, Any]:
+        """The records this node holds as a DHT replica for `keys` (at most MAX_REPLICA_KEYS, in the DHT's
+        signed encoding), without asking anyone: `peer dashboard` reads the directory and the runs this way, in
+        the status call it makes anyway, instead of DHT lookups."""
+        from dht import records
+
+        assert self.dht is not None
+        held: dict[str, Any] = {}
+        for key in keys[:MAX_REPLICA_KEYS]:
+            if isinstance(key, str) and len(key) <= 200:
+                record = self.dht.local_record(key)
+                if record is not None:
+                    held[key] = records.encode(record)
+        return held

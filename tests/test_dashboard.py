@@ -73,7 +73,7 @@ async def test_state_api_follows_the_swarm_and_matches_its_schema():
     async with trio.open_nursery() as nursery:
         first = await start_daemon(nursery, experts="ffn.[0:2]")
         second = await start_daemon(nursery, experts="ffn.[2:4]", initial_peers=[first.rpc.address])
-        watcher = Watcher([first.rpc.address], refresh=0.3, timeout=2.0, directory_every=2)
+        watcher = Watcher([first.rpc.address], refresh=0.3, timeout=2.0)
         base = await serve(nursery, watcher)
         current = await wait_for(base, lambda s: sum(p["state"] == "online" for p in s["peers"]) == 2)
         jsonschema.validate(current, schema)
@@ -84,6 +84,18 @@ async def test_state_api_follows_the_swarm_and_matches_its_schema():
         assert {cell["hosts"][0]["peer_id"] for cell in cells} == {str(first.identity.peer_id),
                                                                   str(second.identity.peer_id)}
         assert current["cost"]["per_peer_per_refresh"] is not None
+
+        # a peer that joins later is found in the directory replicas the peers return with their status: the
+        # refreshes after the first cost one status call per peer and no DHT lookup
+        third = await start_daemon(nursery, experts="ffn.[4:5]", initial_peers=[first.rpc.address])
+        before = await wait_for(base, lambda s: sum(p["state"] == "online" for p in s["peers"]) == 3)
+        after = await wait_for(base, lambda s: s["swarm"]["refreshes"] >= before["swarm"]["refreshes"] + 5)
+        assert after["cost"]["dht_requests"] == before["cost"]["dht_requests"]
+        assert after["cost"]["last_per_peer"] == 1.0
+        assert after["cost"]["rpc_calls"] - before["cost"]["rpc_calls"] == 3 * (
+            after["swarm"]["refreshes"] - before["swarm"]["refreshes"])
+        assert "ffn.4" in [cell["uid"] for cell in after["experts"]["ffn"]["cells"]]
+        assert str(third.identity.peer_id) in {peer["peer_id"] for peer in after["peers"]}
 
         peer_id = str(second.identity.peer_id)
         status, body = await get(base, f"/api/v1/is_reachable/{peer_id}")
@@ -102,7 +114,7 @@ async def test_dashboard_says_the_swarm_is_unreachable_and_recovers_when_it_come
 
     port = pick_free_port("127.0.0.1")
     async with trio.open_nursery() as nursery:
-        watcher = Watcher([("127.0.0.1", port)], refresh=0.3, timeout=1.0, directory_every=1,
+        watcher = Watcher([("127.0.0.1", port)], refresh=0.3, timeout=1.0,
                           network=RealNetwork())
         base = await serve(nursery, watcher)
         lost = await wait_for(base, lambda s: s["events"] and not s["swarm"]["reachable"])
@@ -210,7 +222,7 @@ async def test_a_swarm_that_goes_away_and_comes_back_is_followed():
     port = pick_free_port("127.0.0.1")
     async with trio.open_nursery() as nursery:
         first_life = await nursery.start(daemon_in_own_scope, {"experts": "ffn.[0:1]", "port": port})
-        watcher = Watcher([("127.0.0.1", port)], refresh=0.3, timeout=1.0, directory_every=1)
+        watcher = Watcher([("127.0.0.1", port)], refresh=0.3, timeout=1.0)
         base = await serve(nursery, watcher)
         await wait_for(base, lambda s: s["swarm"]["reachable"] and s["experts"])
         first_life.cancel()  # the whole swarm stops

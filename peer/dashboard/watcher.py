@@ -2,10 +2,12 @@
 trying when the swarm cannot be reached.
 
 Cost per refresh: one `peer.status` call per listed peer (`peer.status.gather_status` over the listing kept
-here). The directory (8 shard keys), the runs and their training points are DHT reads done every
-`directory_every` refreshes only: the directory entries live 30 s, so re-reading them every 10 s keeps a departed
-peer on the page no longer than its entry lives. What each refresh sent is counted (RPC calls from the RPC node's
-counters, DHT datagrams through `CountingNetwork`) and shown in the state as requests per peer per refresh.
+here), and nothing else. The directory (8 shard keys), the runs and their training points are read with DHT
+lookups when the watcher attaches; after that each status call also asks the peer for the records of those keys
+it holds as a DHT replica (the k peers closest to a key hold it, and the dashboard asks every listed peer
+anyway), and the watcher merges them as a DHT read merges replicas, signatures checked by the DHT's decoder.
+What each refresh sent is counted (RPC calls from the RPC node's counters, DHT datagrams through
+`CountingNetwork`) and shown in the state as requests per peer per refresh.
 """
 
 from __future__ import annotations
@@ -16,14 +18,18 @@ from typing import Any, Callable, Sequence
 
 import trio
 
+from averaging.progress import RUNS_KEY, progress_key, run_targets, runs_from_records
+from dht import records
 from dht.errors import DHTError
+from dht.node import key_id_of
+from dht.records import Record
 from peer.client import open_client_peer
-from peer.dashboard.training import read_points
+from peer.dashboard.training import parse_points, read_points, trainlog_key
 from peer.dashboard.view import SwarmView
-from peer.directory import PeerEntry, list_peers
+from peer.directory import SHARD_KEYS, PeerEntry, entries_from_records, list_peers
 from peer.p2p.net import Address, Network, RealNetwork, UDPEndpoint
 from peer.p2p.rpc import RPCNode
-from peer.status import gather_status
+from peer.status import MAX_REPLICA_KEYS, gather_status
 
 logger = logging.getLogger(__name__)
 
@@ -72,12 +78,11 @@ class Watcher:
     """Owns the view and the client peer that feeds it; `run` in a nursery until cancelled."""
 
     def __init__(self, initial_peers: Sequence[Address], *, refresh: float = 2.0, timeout: float = 3.0,
-                 directory_every: int = 5, network: Network | None = None,
+                 network: Network | None = None,
                  clock: Callable[[], float] = time.time, runs_reader: Any = None):
         self.initial_peers = list(initial_peers)
         self.refresh = refresh
         self.timeout = timeout
-        self.directory_every = directory_every
         self.network = CountingNetwork(network or RealNetwork())
         self.clock = clock
         self.runs_reader = runs_reader if runs_reader is not None else _default_runs_reader()
@@ -101,12 +106,17 @@ class Watcher:
             await trio.sleep(self.refresh)
 
     async def _watch(self, rpc: RPCNode, dht: Any) -> None:
-        """Refresh until UNANSWERED_REFRESHES refreshes in a row got no answer (then the caller reattaches)."""
+        """Refresh until UNANSWERED_REFRESHES refreshes in a row got no answer (then the caller reattaches).
+
+        The directory and the runs are read with DHT lookups once; after that they come from the records the
+        peers hold as replicas, returned in the status call of each refresh (`Daemon.replicas_held`), so a
+        refresh is one call per peer and nothing else. The lookups are done again only when no peer holds the
+        directory any more."""
         entries: list[PeerEntry] = []
         runs: list[dict[str, Any]] = []
         points: dict[str, dict[str, dict[str, Any]]] = {}
+        run_ids: list[str] = []
         unanswered = 0
-        count = 0
         while unanswered < UNANSWERED_REFRESHES:
             started = trio.current_time()
             before = rpc.stats["calls_sent"] + self.network.datagrams_sent
@@ -114,15 +124,16 @@ class Watcher:
             failure = "the refresh timed out"
             with trio.move_on_after(max(self.refresh, 3 * self.timeout)):
                 try:
-                    if count % self.directory_every == 0 or not entries:
+                    if not entries:
                         now = dht.now()
                         entries = [entry for entry in await list_peers(dht) if entry.expiration_time > now]
                         runs = await self.runs_reader(dht) if self.runs_reader is not None else []
-                        points = await read_points(dht, [run["run_id"] for run in runs])
-                    status = await gather_status(rpc, dht, timeout=self.timeout, entries=entries)
+                        run_ids = [run["run_id"] for run in runs]
+                        points = await read_points(dht, run_ids)
+                    status = await gather_status(rpc, dht, timeout=self.timeout, entries=entries,
+                                                 replicas=replica_keys(run_ids))
                 except DHTError as error:  # a DHT read failed outright: this refresh shows nothing new
                     failure = f"reading the directory failed: {error}"
-            count += 1
             if status is None:
                 unanswered += 1
                 self.view.detached(failure, self.clock())
@@ -130,11 +141,50 @@ class Watcher:
                 unanswered = 0 if status["peers_reachable"] else unanswered + 1
                 spent = rpc.stats["calls_sent"] + self.network.datagrams_sent - before
                 self.view.observe(status, entries, runs, points, self.clock(), requests=spent)
+                held = merge_replicas(status.get("replicas") or [], dht.now())
+                entries, runs, points, run_ids = from_replicas(held, dht.now(), run_ids)
             self.view.count_requests(rpc.stats["calls_sent"], self.network.datagrams_sent)
             await trio.sleep_until(started + self.refresh)
 
     def snapshot(self) -> dict[str, Any]:
         return self.view.snapshot(self.clock())
+
+
+def replica_keys(run_ids: Sequence[str]) -> list[str]:
+    """The DHT keys a refresh asks the peers' replicas of: the directory's shards, the runs' listing, and each
+    known run's progress and training points."""
+    keys = [*SHARD_KEYS, RUNS_KEY]
+    for run_id in run_ids:
+        keys += [progress_key(run_id), trainlog_key(run_id)]
+    return keys[:MAX_REPLICA_KEYS]
+
+
+def merge_replicas(replies: list[dict[str, Any]], now: float) -> dict[str, Record]:
+    """key -> the records the peers returned for it, decoded (forged and expired entries dropped by the DHT's
+    own decoder) and merged as a DHT read merges replicas."""
+    merged: dict[str, Record] = {}
+    for reply in replies:
+        for key, stored in reply.items():
+            if not isinstance(key, str):
+                continue
+            record = records.decode(key_id_of(key), stored, now)
+            combined = records.merge(merged.get(key), record, now)
+            if combined is not None:
+                merged[key] = combined
+    return merged
+
+
+def from_replicas(held: dict[str, Record], now: float, run_ids: Sequence[str]) -> tuple[
+        list[PeerEntry], list[dict[str, Any]], dict[str, dict[str, dict[str, Any]]], list[str]]:
+    """The directory, the runs, their points and the run ids to ask about next time, from merged replicas (no
+    directory at all: empty entries, so the next refresh reads the DHT)."""
+    entries = [entry for entry in entries_from_records([held.get(key) for key in SHARD_KEYS], now)
+               if entry.expiration_time > now]
+    listing = held.get(RUNS_KEY)
+    runs = runs_from_records(listing, held, now)
+    known = sorted(set(run_ids) | set(run_targets(listing)))
+    points = {run_id: parse_points(held.get(trainlog_key(run_id)), now) for run_id in known}
+    return entries, runs, {run_id: found for run_id, found in points.items() if found}, known
 
 
 def _default_runs_reader() -> Any:
