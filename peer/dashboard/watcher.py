@@ -88,7 +88,6 @@ class Watcher:
         self.runs_reader = runs_reader if runs_reader is not None else _default_runs_reader()
         self.view = SwarmView([f"{host}:{port}" for host, port in self.initial_peers], started_at=clock())
         self.attachments = 0
-        self._rpc: RPCNode | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Attach, refresh until the swarm stops answering, detach, retry; `started` at once (the page is served
