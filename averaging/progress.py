@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import trio
 
@@ -410,17 +410,28 @@ async def list_runs(dht: DHTClient) -> list[dict[str, Any]]:
     """Every training run with live trainers, as `peer status` shows it: run id, epoch, trainers in that epoch,
     estimated samples toward the target, and the swarm's throughput."""
     listing = await dht.get(RUNS_KEY, latest=True)
-    now = dht.now()
+    run_ids = run_targets(listing)
+    if not run_ids:
+        return []
+    records = await dht.get_many([progress_key(run_id) for run_id in run_ids], latest=True)
+    return runs_from_records(listing, records, dht.now())
+
+
+def run_targets(listing: Any) -> dict[str, int]:
+    """run id -> target batch size, from the record of RUNS_KEY."""
     targets: dict[str, int] = {}
     for subkey, entry in (getattr(listing, "subkeys", None) or {}).items():
         value = entry.value
         if isinstance(subkey, str) and subkey and isinstance(value, list) and value and isinstance(value[0], int):
             targets[subkey] = max(1, value[0])
-    if not targets:
-        return []
-    records = await dht.get_many([progress_key(run_id) for run_id in targets], latest=True)
+    return targets
+
+
+def runs_from_records(listing: Any, records: Mapping[Any, Any], now: float) -> list[dict[str, Any]]:
+    """`list_runs`'s answer from the record of RUNS_KEY and the runs' progress records (keyed by
+    `progress_key(run_id)`), however they were read."""
     runs = []
-    for run_id, target in sorted(targets.items()):
+    for run_id, target in sorted(run_targets(listing).items()):
         reports = parse_records(records.get(progress_key(run_id)), now)
         if not reports:
             continue

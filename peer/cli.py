@@ -1,5 +1,5 @@
-"""The `peer` command line: `join` runs a volunteer daemon, `status` shows the swarm, `train` is the example
-trainer, `swarm up/compose` runs a local swarm or writes its compose file.
+"""The `peer` command line: `join` runs a volunteer daemon, `status` shows the swarm, `dashboard` serves a live
+web page of it, `train` is the example trainer, `swarm up/compose` runs a local swarm or writes its compose file.
 
 Every failure a user can cause (bad option, port in use, unreachable bootstrap peer, bad key file, unwritable
 checkpoint directory) ends with one line on stderr and a non-zero exit code, never a traceback: 2 for usage
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from peer import __version__
-from peer.options import JOIN, STATUS, SWARM_COMPOSE, SWARM_UP, TRAIN, OptionParser, UsageError
+from peer.options import DASHBOARD, JOIN, STATUS, SWARM_COMPOSE, SWARM_UP, TRAIN, OptionParser, UsageError
 
 if TYPE_CHECKING:  # the daemon imports torch: only the type, at parse time
     from peer.daemon import DaemonInfo
@@ -79,6 +79,8 @@ async def _run_join(options: dict[str, Any]) -> int:
             print(f"peer {info.peer_id} listening on {info.address[0]}:{info.address[1]}", flush=True)
             print(f"reachability: {info.reachability}", flush=True)
             print_serving(info)
+            if info.metrics_address is not None:
+                print(f"metrics at http://{info.metrics_address[0]}:{info.metrics_address[1]}/metrics", flush=True)
             print(f"others join with: {info.join_command}", flush=True)
             await stop.wait()
         nursery.cancel_scope.cancel()
@@ -198,6 +200,20 @@ def cmd_swarm(args: argparse.Namespace) -> int:
     return handler(args)
 
 
+# ------------------------------------------------------------------------------------------------------- dashboard
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    import trio
+
+    from peer.dashboard.server import run_dashboard
+
+    configure_logging("warning")
+    trio.run(run_dashboard, args)  # returns after SIGINT / SIGTERM
+    print("peer: dashboard stopped", file=sys.stderr, flush=True)
+    return 0
+
+
 # ------------------------------------------------------------------------------------------------------- main
 
 
@@ -224,6 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog=TRAIN_SIGNALS_EPILOG)
     TRAIN.add_to(train)
     train.set_defaults(handler=cmd_train)
+    dashboard = commands.add_parser("dashboard", help="serve a live web page of the swarm (and its state as JSON)",
+                                    description="Attach in client mode and serve a web page that shows the swarm "
+                                                "live: peers, experts, training runs, failures; the same data at "
+                                                "/api/v1/state.")
+    DASHBOARD.add_to(dashboard)
+    dashboard.set_defaults(handler=cmd_dashboard)
     swarm = commands.add_parser("swarm", help="run a whole local swarm (volunteers + trainers) on this machine",
                                 description="Local swarms for demos and tests.")
     add_swarm_arguments(swarm)

@@ -28,7 +28,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import trio
@@ -47,7 +47,10 @@ from peer.p2p.net import Address, Network, RealNetwork
 from peer.p2p.rpc import CallContext, RPCNode
 from peer.reachability import DialBackService, Reachability, check_reachability, fixed
 from peer.replicas import ReplicaAverager
-from peer.status import STATUS_METHOD
+from peer.status import MAX_REPLICA_KEYS, STATUS_METHOD
+
+if TYPE_CHECKING:
+    from peer.metrics import PeerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +87,7 @@ class DaemonConfig:
     accept_weights_from: list[str] = field(default_factory=lambda: list(_JOIN["accept_weights_from"]))
     insecure_transport: bool = _JOIN["insecure_transport"]
     reachability: str = _JOIN["reachability"]
+    metrics_port: int | None = _JOIN["metrics_port"]
 
 
 @dataclass
@@ -96,6 +100,7 @@ class DaemonInfo:
     pattern: str | None = None  # the grid the experts were chosen from
     hidden_dim: int | None = None
     reachability: str | None = None  # `Reachability.describe()`
+    metrics_address: Address | None = None  # where /metrics is served (--metrics-port)
 
     @property
     def join_command(self) -> str:
@@ -258,6 +263,8 @@ class Daemon:
                         await dht.become_server()
                 self.dht = dht
                 rpc.register(STATUS_METHOD, self._handle_status)
+                # made before the services start, so their first DHT operations are timed too
+                metrics = self._metrics() if config.metrics_port is not None else None
                 self.expert_server = await self._make_expert_server(dht)  # before the nursery: plain errors
                 async with trio.open_nursery() as nursery:
                     uids = sorted(self.expert_server.experts)
@@ -271,8 +278,12 @@ class Daemon:
                         await nursery.start(self.replicas.run)
                     self.directory = PeerDirectory(dht)
                     await nursery.start(self.directory.run, announced, self.identity.peer_id, self._summary)
+                    metrics_address = None
+                    if metrics is not None and config.metrics_port is not None:
+                        metrics_address = await nursery.start(metrics.serve, host, config.metrics_port)
                     task_status.started(DaemonInfo(str(self.identity.peer_id), announced, uids, self.pattern,
-                                                   config.hidden_dim, self.reachability.describe()))
+                                                   config.hidden_dim, self.reachability.describe(),
+                                                   metrics_address))
                     await trio.sleep_forever()
 
     async def _swarm_pattern(self, dht: DHTNode, count: int) -> str:
@@ -331,6 +342,17 @@ class Daemon:
             declare_ttl=config.declare_ttl,
         )
 
+    def _metrics(self) -> PeerMetrics:
+        from peer.metrics import peer_metrics  # prometheus_client and the HTTP stack only with --metrics-port
+
+        def experts() -> dict[str, Any] | None:
+            return self.expert_server.stats() if self.expert_server else None
+
+        def replicas() -> dict[str, Any] | None:
+            return self.replicas.stats() if self.replicas else None
+
+        return peer_metrics(self.rpc, self.dht, experts=experts, replicas=replicas)
+
     def _summary(self) -> dict[str, Any]:
         """The short description published in the peer directory: read by `peer status` without a call, and by
         trainers and starting daemons to find the swarm's expert families (`peer.discover`)."""
@@ -358,4 +380,23 @@ class Daemon:
         }
 
     async def _handle_status(self, context: CallContext, args: Any) -> dict[str, Any]:
-        return self.status()
+        status = self.status()
+        keys = args.get("replicas") if isinstance(args, dict) else None
+        if isinstance(keys, list):
+            status["replicas"] = self.replicas_held(keys)
+        return status
+
+    def replicas_held(self, keys: list[Any]) -> dict[str, Any]:
+        """The records this node holds as a DHT replica for `keys` (at most MAX_REPLICA_KEYS, in the DHT's
+        signed encoding), without asking anyone: `peer dashboard` reads the directory and the runs this way, in
+        the status call it makes anyway, instead of DHT lookups."""
+        from dht import records
+
+        assert self.dht is not None
+        held: dict[str, Any] = {}
+        for key in keys[:MAX_REPLICA_KEYS]:
+            if isinstance(key, str) and len(key) <= 200:
+                record = self.dht.local_record(key)
+                if record is not None:
+                    held[key] = records.encode(record)
+        return held

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import trio
 
@@ -72,12 +72,20 @@ class PeerDirectory:
                            task_status=task_status)
 
 
+SHARD_KEYS = [f"{KEY_PREFIX}{shard}" for shard in range(SHARDS)]
+
+
 async def list_peers(dht: DHTClient) -> list[PeerEntry]:
     """Every live peer in the directory, ordered by PeerID. Malformed entries (anyone can write) are skipped."""
-    records = await dht.get_many([f"{KEY_PREFIX}{shard}" for shard in range(SHARDS)])
-    now = dht.now()
+    records = await dht.get_many(SHARD_KEYS)
+    return entries_from_records(records.values(), dht.now())
+
+
+def entries_from_records(records: Iterable[Any], now: float) -> list[PeerEntry]:
+    """The live, well-formed entries of the directory's shard records (from a DHT read, or replicas peers hold:
+    the dashboard gets them in `peer.status` replies), ordered by PeerID."""
     peers: dict[str, PeerEntry] = {}
-    for record in records.values():
+    for record in records:
         if record is None:
             continue
         for subkey, entry in record.subkeys.items():

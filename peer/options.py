@@ -495,6 +495,8 @@ JOIN = OptionSet("peer join", [
     Option("replicate", SWITCH, False, "serve the pattern's experts even where others already do, and keep these "
            "replicas' weights averaged with theirs (hot standby)"),
     Option("average-every", POSITIVE, 30.0, "seconds between replica averaging rounds", metavar="SECONDS"),
+    Option("metrics-port", PORT, None, "serve Prometheus metrics at http://HOST:PORT/metrics, HOST being --host "
+           "(0: any free port, printed)", shown_default="off"),
     Option("log-level", Text(["debug", "info", "warning", "error"]), "info", "what goes to stderr"),
     Option("accept-weights-from", Text(validate=_peer_id_hex, what="a PeerID"), [], "PeerIDs allowed to overwrite "
            "the served experts' weights (upcycling by `moe.swarmify.swarmify(..., upcycle=True)`)", many=True,
@@ -583,6 +585,9 @@ TRAIN = OptionSet("peer train", [
     Option("max-failed-steps", POSITIVE_INT, 50, "give up after this many consecutive attempts without enough "
            "experts (retried with a growing pause, up to 1 s: about 45 s in all with the default)"),
     INSECURE_TRANSPORT,
+    Option("metrics-port", PORT, None, "serve Prometheus metrics at /metrics on this port, on the address that "
+           "faces the swarm (127.0.0.1 with --local-experts; 0: any free port, printed on stderr)",
+           shown_default="off"),
 ], finish=resolve_local_defaults)
 
 # ------------------------------------------------------------------------------------------------------- swarm
@@ -612,5 +617,16 @@ SWARM_UP = OptionSet("peer swarm up", [
 ])
 SWARM_COMPOSE = OptionSet("peer swarm compose", _SHAPE)
 
+# ------------------------------------------------------------------------------------------------------- dashboard
+
+DASHBOARD = OptionSet("peer dashboard", [
+    Option("initial-peers", ADDRESS, [], "any running peers of the swarm", many=True, required=True,
+           shown_default="none: required"),
+    Option("host", TEXT, "127.0.0.1", "address the web page is served on (0.0.0.0 shows it to the network)"),
+    Option("port", PORT, 8470, "port of the web page (0: any free port)"),
+    Option("refresh", POSITIVE, 2.0, "seconds between asking the peers for their status", metavar="SECONDS"),
+    Option("timeout", POSITIVE, 3.0, "seconds to wait for each peer", metavar="SECONDS"),
+])
+
 COMMANDS: dict[str, OptionSet] = {"join": JOIN, "status": STATUS, "train": TRAIN, "swarm up": SWARM_UP,
-                                  "swarm compose": SWARM_COMPOSE}
+                                  "swarm compose": SWARM_COMPOSE, "dashboard": DASHBOARD}

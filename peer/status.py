@@ -18,6 +18,7 @@ from peer.p2p.identity import PeerID
 from peer.p2p.rpc import RPCError, RPCNode
 
 STATUS_METHOD = "peer.status"
+MAX_REPLICA_KEYS = 64  # DHT keys one `peer.status` call may ask the replicas of (peer.daemon.Daemon.replicas_held)
 RunsReader = Callable[[Any], Awaitable[list[dict[str, Any]]]]
 # RPCNode.stats counters of calls this peer served that failed, and of its own calls that failed. Every error reply
 # (a call refused before any handler ran, a typed refusal, a crashed handler) counts once in `error_replies`;
@@ -48,13 +49,20 @@ def plural(count: int, noun: str, plural_noun: str | None = None) -> str:
 
 
 async def gather_status(rpc: RPCNode, dht: DHTClient, *, timeout: float = 3.0,
-                        runs_reader: RunsReader | None = None) -> dict[str, Any]:
-    entries = await list_peers(dht)
+                        runs_reader: RunsReader | None = None,
+                        entries: list[PeerEntry] | None = None, replicas: list[str] | None = None
+                        ) -> dict[str, Any]:
+    """One `peer.status` call per peer of `entries` (read from the directory when None: the dashboard passes the
+    listing it keeps, so a refresh costs one call per peer). With `replicas` (DHT keys) each peer also returns
+    the records it holds for them; the answer then has "replicas": one {key: encoded record} per peer."""
+    if entries is None:
+        entries = await list_peers(dht)
     replies: dict[str, dict[str, Any]] = {}
 
     async def ask(entry: PeerEntry) -> None:
         try:
-            replies[entry.peer_id] = await rpc.call(entry.address, STATUS_METHOD, timeout=timeout,
+            args = {"replicas": replicas} if replicas is not None else None
+            replies[entry.peer_id] = await rpc.call(entry.address, STATUS_METHOD, args, timeout=timeout,
                                                     peer_id=PeerID.from_hex(entry.peer_id))
         except RPCError as error:
             replies[entry.peer_id] = {"error": str(error)}
@@ -76,6 +84,11 @@ async def gather_status(rpc: RPCNode, dht: DHTClient, *, timeout: float = 3.0,
             "reachable": reachable,
             "error": reply.get("error"),
             "uptime_s": reply.get("uptime_s"),
+            "version": reply.get("version"),
+            "bytes_sent": (reply.get("rpc") or {}).get("bytes_sent"),
+            "bytes_received": (reply.get("rpc") or {}).get("bytes_received"),
+            "expert_requests": {uid: sum((stats.get("requests") or {}).values()) for uid, stats in
+                                ((reply.get("experts") or {}).get("per_expert") or {}).items()},
             "dht_table_size": (reply.get("dht") or {}).get("routing_table_size"),
             "dht_rebootstraps": (reply.get("dht") or {}).get("rebootstraps"),
             "experts": experts,
@@ -83,6 +96,7 @@ async def gather_status(rpc: RPCNode, dht: DHTClient, *, timeout: float = 3.0,
             "failures_seen": (failed_calls(reply.get("rpc")) or {}).get("total"),
             "failed_calls": failed_calls(reply.get("rpc")),
             "averaging_rounds": (reply.get("averaging") or {}).get("rounds"),
+            "averaging_failures": (reply.get("averaging") or {}).get("failures"),
             "last_group_size": (reply.get("averaging") or {}).get("last_group_size"),
         })
         for uid in experts:
@@ -90,7 +104,12 @@ async def gather_status(rpc: RPCNode, dht: DHTClient, *, timeout: float = 3.0,
             experts_by_prefix[prefix].append({"uid": uid, "peer_id": entry.peer_id,
                                               "address": f"{entry.address[0]}:{entry.address[1]}"})
     runs = await runs_reader(dht) if runs_reader is not None else []
+    extra: dict[str, Any] = {}
+    if replicas is not None:
+        extra["replicas"] = [reply["replicas"] for reply in replies.values()
+                             if isinstance(reply.get("replicas"), dict)]
     return {
+        **extra,
         "peers": peers,
         "peers_reachable": sum(p["reachable"] for p in peers),
         "experts": {prefix: sorted(items, key=lambda item: item["uid"]) for prefix, items in

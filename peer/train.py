@@ -483,6 +483,7 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
 
     stop = stop or StopSignal()
     swarm = None
+    metrics_bridge = None
     optimizer: Any = None
     started = time.monotonic()
     try:
@@ -531,6 +532,8 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
             )
         meter = _Meter()
         out = _Output()
+        training: dict[str, Any] = {"step": 0, "samples": 0}  # what --metrics-port exports of the loop
+        metrics_bridge = _start_metrics(args, swarm, model, optimizer, training)
         task.before_training(model)
         failed_steps = consecutive_failures = 0
         samples = 0
@@ -585,6 +588,9 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
                     line["swarm_trainers"] = stats.get("swarm_trainers")
                 out.emit(line)
                 out.draw_bar(line)
+                training.update(line, samples=samples)
+                if swarm is not None:
+                    _publish_point(swarm, args.run_id, line, optimizer.stats() if optimizer is not None else None)
                 if on_progress is not None:
                     on_progress(line)
         out.end_bar()
@@ -630,10 +636,57 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
             raise RuntimeError(f"held-out evaluation failed: {evaluation_error}")
         return result
     finally:
+        if metrics_bridge is not None:
+            metrics_bridge.close()
         if optimizer is not None:
             optimizer.close()
         if swarm is not None:
             swarm.close()
+
+
+def _publish_point(swarm: Any, run_id: str, line: dict[str, Any], averaging: dict[str, Any] | None) -> None:
+    """Put this progress line's loss and throughput in the DHT for `peer dashboard` (peer/dashboard/training.py);
+    bounded to 2 s, and a failure only costs the dashboard one point."""
+    import trio
+
+    from peer.dashboard.training import publish_point
+
+    async def publish() -> None:
+        with trio.move_on_after(2.0):
+            await publish_point(swarm.dht, swarm.peer_id, run_id, line, averaging)
+
+    try:
+        swarm.run(publish)
+    except (OSError, RuntimeError) as error:  # the swarm's thread is gone: training reports it elsewhere
+        print(f"peer train: could not publish progress for the dashboard: {error}", file=sys.stderr)
+
+
+def _start_metrics(args: argparse.Namespace, swarm: Any, model: Any, optimizer: Any,
+                   training: dict[str, Any]) -> Any:
+    """With --metrics-port: serve /metrics from a trio thread (the swarm's, or one of its own with
+    --local-experts); returns the Bridge to close with --local-experts, else None."""
+    if args.metrics_port is None:
+        return None
+    from peer.metrics import PeerMetrics, SwarmCollector, peer_metrics
+    from peer.p2p.bridge import Bridge
+
+    sources: dict[str, Any] = {"training": lambda: dict(training)}
+    if swarm is None:
+        bridge, own, host = Bridge.start(), True, "127.0.0.1"
+        metrics = PeerMetrics(SwarmCollector(**sources))
+    else:
+        bridge, own, host = swarm.bridge, False, swarm.dht.address[0]
+        client = model.remote_mixture().client
+        metrics = swarm.run(_make_swarm_metrics, peer_metrics, swarm, {
+            **sources, "expert_client": lambda: dict(client.stats),
+            "averaging": optimizer.stats if optimizer is not None else None})
+    address = bridge.start_and_wait(metrics.serve, host, args.metrics_port)
+    print(f"peer train: metrics at http://{address[0]}:{address[1]}/metrics", file=sys.stderr, flush=True)
+    return bridge if own else None
+
+
+async def _make_swarm_metrics(factory: Any, swarm: Any, sources: dict[str, Any]) -> Any:
+    return factory(swarm.rpc, swarm.dht, **sources)  # in the swarm's trio thread: hooks set where they are used
 
 
 def _plain_args(args: argparse.Namespace) -> dict[str, Any]:

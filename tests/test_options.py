@@ -47,7 +47,7 @@ TABLE: dict[str, dict[str, tuple]] = {
         "expert-kind": (["nonexistent"], ['"nonexistent"', "1"], ("deep_ffn", '"deep_ffn"', "deep_ffn")),
         "hidden-dim": POSITIVE_INT, "max-batch-size": POSITIVE_INT, "optimizer": choice("sgd", "adam", "adamw"),
         "lr": POSITIVE, "checkpoint-dir": PATH, "checkpoint-interval": POSITIVE, "device": STRING,
-        "threads": POSITIVE_INT, "replicate": SWITCH, "average-every": POSITIVE,
+        "threads": POSITIVE_INT, "replicate": SWITCH, "average-every": POSITIVE, "metrics-port": PORT,
         "log-level": choice("debug", "info", "warning", "error"),
         "accept-weights-from": (["xyz"], ['"xyz"', "5"], ("ab" * 20, f'["{"ab" * 20}"]', ["ab" * 20])),
         "insecure-transport": SWITCH, "reachability": choice("auto", "public", "private"),
@@ -64,10 +64,11 @@ TABLE: dict[str, dict[str, tuple]] = {
         "client-mode": SWITCH, "expert-timeout": POSITIVE, "expert-grace": NOT_NEGATIVE, "seed": INTEGER,
         "checkpoint": PATH, "log-every": POSITIVE_INT, "local-experts": SWITCH, "expert-lr": POSITIVE,
         "threads": POSITIVE_INT, "max-failed-steps": POSITIVE_INT, "task": choice("lm", "digits"),
-        "seq-len": POSITIVE_INT, "insecure-transport": SWITCH,
+        "seq-len": POSITIVE_INT, "insecure-transport": SWITCH, "metrics-port": PORT,
     },
     "swarm up": {**TOPOLOGY, "kill-one-at": POSITIVE, "log-dir": PATH},
     "swarm compose": TOPOLOGY,
+    "dashboard": {"initial-peers": ADDRESS, "host": STRING, "port": PORT, "refresh": POSITIVE, "timeout": POSITIVE},
 }
 
 
@@ -130,7 +131,7 @@ def test_a_good_value_means_the_same_as_a_flag_and_as_a_config_key(tmp_path, com
 
 
 def _required(command: str, name: str) -> list[str]:
-    return ["--initial-peers", "127.0.0.1:1"] if command == "status" and name != "initial-peers" else []
+    return ["--initial-peers", "127.0.0.1:1"] if command in ("status", "dashboard") and name != "initial-peers" else []
 
 
 @pytest.mark.parametrize("command", list(TABLE))

@@ -231,6 +231,7 @@ class Connection:
                     self.close_reason = "closed by peer"
                     return
                 events = protocol.receive_data(scratch_view[:received], current_time())
+            self.node.stats["bytes_received"] += received
             if events:
                 self._deliver(events)
             elif protocol.outbox:  # error replies the core queued on its own
@@ -247,6 +248,7 @@ class Connection:
                     continue
                 for buffer in writes:
                     await stream.send_all(buffer)
+                    self.node.stats["bytes_sent"] += memoryview(buffer).nbytes
         except _TRANSPORT_ERRORS as error:
             self._close(f"send failed ({error.__class__.__name__})")
 
@@ -296,6 +298,7 @@ class Connection:
         context = CallContext(self.peer_id, self.remote_listen, method)
         protocol, stats = self.protocol, self.node.stats
         answered = False
+        started = trio.current_time()
         try:
             with scope:
                 try:
@@ -324,6 +327,8 @@ class Connection:
             self.handlers.pop(stream_id, None)
             if not answered:
                 protocol.abandon_request(stream_id)
+            if self.node.on_served is not None:  # metrics (peer/metrics.py): latency by method
+                self.node.on_served(method, trio.current_time() - started, answered)
 
 
 # ------------------------------------------------------------------------------------------------------ node
@@ -367,10 +372,12 @@ class RPCNode:
                 "calls_sent", "calls_failed", "calls_received", "calls_served", "error_replies",
                 "handler_errors", "handler_failures", "handlers_cancelled", "handshake_failures",
                 "protocol_errors", "rejected_messages",
-                "connections_opened", "connections_accepted",
+                "connections_opened", "connections_accepted", "bytes_sent", "bytes_received",
             )
         }
         self._handlers: dict[str, Handler] = {}
+        # called after every served call with (method, seconds, answered); set by whoever exports metrics
+        self.on_served: Callable[[str, float, bool], None] | None = None
         self._connections: dict[Address, Connection] = {}
         self._connecting: dict[Address, _PendingConnect] = {}
         self._all_connections: set[Connection] = set()
