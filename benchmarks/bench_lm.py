@@ -19,7 +19,10 @@ Ends with one JSON line: `swarm_bpb`, `local_bpb`, `bpb_gap`, `time_ratio` (swar
 `gzip_bpb`, `long_bpb`, the profile and the settings. Targets: bpb within 2%, time ratio <= 1.5, long_bpb below
 gzip_bpb.
 
-    .venv/bin/python benchmarks/bench_lm.py [--steps 200] [--batch-size 8] [--daemons 2] [--long-steps 0]
+    .venv/bin/python benchmarks/bench_lm.py [--steps 150] [--batch-size 8] [--daemons 2] [--long-steps 0]
+
+The defaults are `make run`'s shape (150 steps of 8, hidden 64, 2 layers x 12 experts, k_best 2): its
+`local_bpb` is the figure `peer swarm up --task lm` quotes (`peer.swarm.LM_LOCAL_REFERENCE`).
 """
 
 from __future__ import annotations
@@ -142,12 +145,12 @@ def profile_swarm_steps(options: list[str], bootstrap: str, steps: int) -> dict[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--hidden-dim", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--experts-per-layer", type=int, default=8)
+    parser.add_argument("--experts-per-layer", type=int, default=12)
     parser.add_argument("--k-best", type=int, default=2)
     parser.add_argument("--daemons", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)

@@ -42,7 +42,7 @@ _STOP_GRACE_S = 10.0  # daemons: checkpoint and leave
 _DRAIN_S = 5.0  # after a process exits (or is killed), for the rest of its output
 
 # What the same language model reaches trained locally for the same length (experts in one process), measured
-# by `benchmarks/bench_lm.py --steps 150 --batch-size 8 --experts-per-layer 12` (benchmarks/README.md): the
+# by `benchmarks/bench_lm.py` (its defaults are this shape; `local_bpb`, benchmarks/README.md): the
 # summary of `peer swarm up --task lm` quotes it beside the swarm's figure when the run has this shape. Measured,
 # not computed at the end of each run, because a local run of the same length would add a minute to `make run`.
 LM_LOCAL_REFERENCE = {"steps": 150, "batch_size": 8, "hidden_dim": 64, "experts_per_layer": 12, "bpb": 3.877}
