@@ -36,12 +36,15 @@ class ExpertKind:
 
     `inputs` gives the input schema; `outputs` may be None, in which case it is inferred by running the built
     module once on a zero batch (convenient for custom kinds, whose outputs follow from their inputs).
+    `inner_width`: `build` takes `inner=N`, so `NAME@N` names this kind with inner width N (the FFN blocks
+    `moe.swarmify` replaces); other kinds refuse `@N` rather than ignore it.
     """
 
     name: str
     build: ModuleFactory
     inputs: SpecsFactory
     outputs: SpecsFactory | None = None
+    inner_width: bool = False
 
 
 # ------------------------------------------------------------------------------------------------ built-in kinds
@@ -158,12 +161,13 @@ register_expert_kind(ExpertKind("deep_ffn", lambda h, **o: DeepFeedForward(h), _
 register_expert_kind(ExpertKind("transformer", _build_transformer, _sequence_specs, _sequence_specs))
 # the FFN blocks `moe.swarmify` replaces; `KIND@N` sets the inner width (default 4 x hidden), e.g. relu_ffn@2048
 register_expert_kind(ExpertKind("relu_ffn", lambda h, inner=None, **o: DenseFFN(h, inner, "relu"),
-                                _vector_specs, _vector_specs))
+                                _vector_specs, _vector_specs, inner_width=True))
 register_expert_kind(ExpertKind("gelu_ffn", lambda h, inner=None, **o: DenseFFN(h, inner, "gelu"),
-                                _vector_specs, _vector_specs))
+                                _vector_specs, _vector_specs, inner_width=True))
 register_expert_kind(ExpertKind("gpt2_ffn", lambda h, inner=None, **o: DenseFFN(h, inner, "gelu_tanh"),
-                                _vector_specs, _vector_specs))
-register_expert_kind(ExpertKind("swiglu", lambda h, inner=None, **o: SwiGLU(h, inner), _vector_specs, _vector_specs))
+                                _vector_specs, _vector_specs, inner_width=True))
+register_expert_kind(ExpertKind("swiglu", lambda h, inner=None, **o: SwiGLU(h, inner), _vector_specs, _vector_specs,
+                                inner_width=True))
 
 
 def get_expert_kind(name: str) -> ExpertKind:
@@ -178,9 +182,10 @@ def get_expert_kind(name: str) -> ExpertKind:
     base_name, at, width = name.partition("@")
     if at and ":" not in name:  # KIND@N: a registered kind with inner width N
         base = _REGISTRY.get(base_name)
-        if base is None or not width.isdigit() or int(width) < 1:
-            raise UnknownExpertKind(f"unknown expert kind {name!r} (KIND@N takes a registered kind and a positive "
-                                    f"inner width; registered: {', '.join(registered_kinds())})")
+        if base is None or not base.inner_width or not width.isdigit() or int(width) < 1:
+            widths = ", ".join(k for k in registered_kinds() if _REGISTRY[k].inner_width)
+            raise UnknownExpertKind(f"unknown expert kind {name!r} (KIND@N takes a kind with an inner width "
+                                    f"({widths}) and a positive width N)")
         build = base.build
         kind = ExpertKind(name, lambda h, **o: build(h, inner=int(width), **o), base.inputs, base.outputs)
         with _REGISTRY_LOCK:

@@ -80,7 +80,33 @@ class SwarmFFN(nn.Module):
         return self.dropout(out)  # type: ignore[no-any-return]
 
 
+def _child(module: nn.Module, name: str) -> nn.Module:
+    """The submodule `name` of a block swarmify reads; a model whose block lacks it is not a supported layout
+    (ValueError naming it), rather than an AttributeError deep in a weight copy."""
+    child = getattr(module, name, None)
+    if not isinstance(child, nn.Module):
+        raise ValueError(f"swarmify: {type(module).__name__}.{name} is not a module; unsupported block layout")
+    return child
+
+
+def _linear(module: nn.Module, name: str) -> nn.Linear:
+    child = _child(module, name)
+    if not isinstance(child, nn.Linear):
+        raise ValueError(f"swarmify: {type(module).__name__}.{name} is a {type(child).__name__}, not nn.Linear")
+    return child
+
+
+def _parameter(module: nn.Module, name: str) -> torch.Tensor:
+    tensor = getattr(module, name, None)
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"swarmify: {type(module).__name__}.{name} is not a tensor; unsupported block layout")
+    return tensor
+
+
 def _torch_layer_site(path: str, layer: nn.Module) -> _Site:
+    if not isinstance(layer, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+        raise TypeError(f"{path}: {type(layer).__name__} is not a torch transformer layer")
+    torch_layer = layer  # narrowed for the closures below
     activation = getattr(layer, "activation", None)
     if activation in (nn.functional.relu,) or isinstance(activation, nn.ReLU):
         kind = "relu_ffn"
@@ -88,9 +114,8 @@ def _torch_layer_site(path: str, layer: nn.Module) -> _Site:
         kind = "gelu_ffn"
     else:
         raise ValueError(f"{path}: activation {activation!r} has no matching expert kind (relu or gelu)")
-    linear1, linear2 = layer.linear1, layer.linear2
-    assert isinstance(linear1, nn.Linear) and isinstance(linear2, nn.Linear)
-    out_dropout = layer.dropout3 if isinstance(layer, nn.TransformerDecoderLayer) else layer.dropout2
+    linear1, linear2 = _linear(layer, "linear1"), _linear(layer, "linear2")
+    out_dropout = _child(layer, "dropout3" if isinstance(layer, nn.TransformerDecoderLayer) else "dropout2")
 
     def weights() -> dict[str, torch.Tensor]:
         return {"up.weight": linear1.weight, "up.bias": linear1.bias, "down.weight": linear2.weight,
@@ -98,45 +123,53 @@ def _torch_layer_site(path: str, layer: nn.Module) -> _Site:
 
     def install(mixture: RemoteMixtureOfExperts) -> None:
         for name in ("linear1", "linear2", "dropout"):
-            delattr(layer, name)
-        layer.activation_relu_or_gelu = 0  # keeps torch's fused inference path (which reads linear1) off
+            delattr(torch_layer, name)
+        if isinstance(torch_layer, nn.TransformerEncoderLayer):  # the decoder layer has no fused path
+            torch_layer.activation_relu_or_gelu = 0  # keeps torch's fused inference path (reads linear1) off
         # a submodule (so its gate is trained), called where the dense block was: both layer classes call
         # self._ff_block, and an instance attribute shadows the class's method
-        layer.swarm_ffn = SwarmFFN(mixture, out_dropout)
-        layer.__dict__["_ff_block"] = layer.swarm_ffn
+        swarm_ffn = SwarmFFN(mixture, out_dropout)
+        torch_layer.add_module("swarm_ffn", swarm_ffn)
+        torch_layer.__dict__["_ff_block"] = swarm_ffn
 
     return _Site(path, linear1.in_features, f"{kind}@{linear1.out_features}", weights, install)
 
 
 def _gpt2_site(path: str, block: nn.Module) -> _Site:
-    mlp = block.mlp
-    c_fc, c_proj = mlp.c_fc, mlp.c_proj  # transformers' Conv1D: weight [in, out]
+    mlp = _child(block, "mlp")
+    c_fc, c_proj = _child(mlp, "c_fc"), _child(mlp, "c_proj")  # transformers' Conv1D: weight [in, out]
+    up_weight, up_bias = _parameter(c_fc, "weight"), _parameter(c_fc, "bias")
+    down_weight, down_bias = _parameter(c_proj, "weight"), _parameter(c_proj, "bias")
+    dropout = _child(mlp, "dropout")
 
     def weights() -> dict[str, torch.Tensor]:
-        return {"up.weight": c_fc.weight.t(), "up.bias": c_fc.bias, "down.weight": c_proj.weight.t(),
-                "down.bias": c_proj.bias}
+        return {"up.weight": up_weight.t(), "up.bias": up_bias, "down.weight": down_weight.t(),
+                "down.bias": down_bias}
 
     def install(mixture: RemoteMixtureOfExperts) -> None:
-        block.mlp = SwarmFFN(mixture, mlp.dropout)
+        block.mlp = SwarmFFN(mixture, dropout)
 
-    return _Site(path, c_fc.weight.shape[0], f"gpt2_ffn@{c_fc.weight.shape[1]}", weights, install)
+    return _Site(path, up_weight.shape[0], f"gpt2_ffn@{up_weight.shape[1]}", weights, install)
 
 
 def _llama_site(path: str, layer: nn.Module) -> _Site:
-    mlp = layer.mlp
+    mlp = _child(layer, "mlp")
+    gate, up, down = _linear(mlp, "gate_proj"), _linear(mlp, "up_proj"), _linear(mlp, "down_proj")
 
     def weights() -> dict[str, torch.Tensor]:
-        return {"gate.weight": mlp.gate_proj.weight, "up.weight": mlp.up_proj.weight,
-                "down.weight": mlp.down_proj.weight}
+        return {"gate.weight": gate.weight, "up.weight": up.weight, "down.weight": down.weight}
 
     def install(mixture: RemoteMixtureOfExperts) -> None:
         layer.mlp = SwarmFFN(mixture)
 
-    return _Site(path, mlp.gate_proj.in_features, f"swiglu@{mlp.gate_proj.out_features}", weights, install)
+    return _Site(path, gate.in_features, f"swiglu@{gate.out_features}", weights, install)
 
 
-def _hf_classes() -> list[tuple[type, Callable[[str, nn.Module], _Site]]]:
-    found: list[tuple[type, Callable[[str, nn.Module], _Site]]] = []
+_Handler = tuple[type[nn.Module], Callable[[str, nn.Module], _Site]]
+
+
+def _hf_classes() -> list[_Handler]:
+    found: list[_Handler] = []
     try:
         from transformers.models.gpt2.modeling_gpt2 import GPT2Block
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -149,7 +182,7 @@ def _hf_classes() -> list[tuple[type, Callable[[str, nn.Module], _Site]]]:
 
 def find_ffn_blocks(model: nn.Module) -> list[_Site]:
     """The dense FFN blocks `swarmify` would replace, in module order."""
-    handlers: list[tuple[type, Callable[[str, nn.Module], _Site]]] = [
+    handlers: list[_Handler] = [
         (nn.TransformerEncoderLayer, _torch_layer_site), (nn.TransformerDecoderLayer, _torch_layer_site),
         *_hf_classes()]
     sites = []
@@ -174,6 +207,10 @@ def expert_specs(sites: Sequence[_Site], prefix: str, experts_per_layer: int) ->
     return specs
 
 
+# what a daemon's failed `moe.info` answer raises (the call's own failures, or no answer in time)
+_INFO_FAILURES: tuple[type[Exception], ...] = (trio.TooSlowError, *calls.CALL_FAILURES)
+
+
 async def _check_served(swarm: SwarmHandle, specs: Sequence[ExpertSpec], k_min: int, wait: float,
                         timeout: float) -> dict[str, list[tuple[str, Any]]]:
     """Every layer's declared experts (uid -> location), once each layer has at least k_min of them and one of
@@ -195,7 +232,7 @@ async def _check_served(swarm: SwarmHandle, specs: Sequence[ExpertSpec], k_min: 
                     with trio.fail_after(timeout):
                         info = await calls.info(swarm.rpc, location.address, PeerID.from_hex(location.peer_id_hex),
                                                 uid, timeout=timeout)
-                except (trio.TooSlowError, *calls.CALL_FAILURES) as error:
+                except _INFO_FAILURES as error:
                     problem = f"{uid} did not answer moe.info ({type(error).__name__})"
                     break
                 if info.get("kind") != spec.kind or info.get("hidden_dim") != spec.hidden_dim:

@@ -28,6 +28,7 @@ from peer.topology import Topology
 
 # moe/experts.py registers these (a test compares)
 EXPERT_KINDS = ("ffn", "transformer", "deep_ffn", "relu_ffn", "gelu_ffn", "gpt2_ffn", "swiglu")
+INNER_WIDTH_KINDS = ("relu_ffn", "gelu_ffn", "gpt2_ffn", "swiglu")  # the kinds KIND@N applies to
 
 
 class UsageError(Exception):
@@ -210,8 +211,8 @@ class ExpertKindName(Kind):
         if value in EXPERT_KINDS:
             return value
         base, at, width = value.partition("@")
-        if at and base in EXPERT_KINDS and width.isdigit() and int(width) > 0:
-            return value  # KIND@N: a registered kind with inner width N
+        if at and base in INNER_WIDTH_KINDS and width.isdigit() and int(width) > 0:
+            return value  # KIND@N: an FFN kind with inner width N
         if ":" not in value:
             raise OptionError(f"unknown expert kind {value!r} (registered: {', '.join(EXPERT_KINDS)}; or "
                               f"package.module:factory)")

@@ -41,6 +41,12 @@ _TRAINER_GRACE_S = 40.0
 _STOP_GRACE_S = 10.0  # daemons: checkpoint and leave
 _DRAIN_S = 5.0  # after a process exits (or is killed), for the rest of its output
 
+# What the same language model reaches trained locally for the same length (experts in one process), measured
+# by `benchmarks/bench_lm.py` (its defaults are this shape; `local_bpb`, benchmarks/README.md): the
+# summary of `peer swarm up --task lm` quotes it beside the swarm's figure when the run has this shape. Measured,
+# not computed at the end of each run, because a local run of the same length would add a minute to `make run`.
+LM_LOCAL_REFERENCE = {"steps": 150, "batch_size": 8, "hidden_dim": 64, "experts_per_layer": 12, "bpb": 3.877}
+
 
 @dataclass
 class Managed:
@@ -326,7 +332,7 @@ class SwarmLauncher:
                              "reported": bool(result),
                              "accuracy": result.get("accuracy"), "samples_per_s": result.get("samples_per_s"),
                              "bpb": result.get("bpb"), "bpb_start": result.get("bpb_start"),
-                             "sample": result.get("sample"),
+                             "prompt": result.get("prompt"), "sample": result.get("sample"),
                              "steps": result.get("steps"), "steps_planned": result.get("steps_planned"),
                              "averaging_rounds": result.get("averaging_rounds"),
                              "failed_expert_calls": result.get("failed_expert_calls"), "log": str(member.log_path)})
@@ -343,7 +349,16 @@ class SwarmLauncher:
             "leftover_processes": sum(m.process is not None and m.process.returncode is None for m in self.members),
             "pids": {m.name: m.process.pid for m in self.members if m.process is not None},
             "logs": str(self.log_dir),
+            "local_bpb_reference": self._local_reference(),
         }
+
+    def _local_reference(self) -> float | None:
+        """The local figure for a run of this shape (`LM_LOCAL_REFERENCE`), or None for any other run."""
+        topology, reference = self.topology, LM_LOCAL_REFERENCE
+        same = (topology.task == "lm" and topology.steps == reference["steps"]
+                and topology.batch_size == reference["batch_size"] and topology.hidden_dim == reference["hidden_dim"]
+                and topology.grid_size == reference["experts_per_layer"])
+        return float(reference["bpb"]) if same else None
 
     def exit_code(self) -> int:
         """128 + the signal that stopped the swarm (130 for Ctrl-C); else 0 when every trainer finished."""
@@ -376,9 +391,13 @@ class SwarmLauncher:
             if trainer["averaging_rounds"] is not None:
                 self.out.write(f", {trainer['averaging_rounds']} averaging rounds")
             self.out.write(f" (exit {trainer['exit_code']})\n")
+        if summary["local_bpb_reference"] is not None:
+            self.out.write(f"  the same model trained locally for as many steps (benchmarks/bench_lm.py): "
+                           f"{summary['local_bpb_reference']:.3f} bits per byte\n")
         samples = [t for t in summary["trainers"] if t.get("sample")]
         if samples:
-            self.out.write(f"  {samples[0]['name']} continues a held-out prompt with: {samples[0]['sample']!r}\n")
+            self.out.write(f"  {samples[0]['name']} continues a held-out prompt:\n"
+                           f"    prompt:       {samples[0]['prompt']!r}\n    continuation: {samples[0]['sample']!r}\n")
         self.out.write(f"  daemons killed and survived: {summary['daemons_killed']}; logs in {summary['logs']}\n")
         self.out.write(json.dumps(summary) + "\n")
         self.out.flush()
@@ -391,7 +410,8 @@ def _progress_text(member: Managed) -> str:
     parts = []
     if "step" in progress:
         total = progress.get("steps")
-        parts.append(f"step {progress['step']}" + (f"/{total}" if total else ""))
+        bar = _bar(progress["step"], total) + " " if isinstance(total, int) and total > 0 else ""
+        parts.append(f"{bar}step {progress['step']}" + (f"/{total}" if total else ""))
     for key, label, fmt in (("loss", "loss", "{:.3f}"), ("accuracy", "acc", "{:.3f}"),
                             ("samples_per_s", "samples/s", "{:.0f}"), ("step_s", "s/step", "{:.2f}"),
                             ("experts_alive", "experts", "{}"), ("failed_calls", "failed calls", "{}"),
@@ -400,6 +420,12 @@ def _progress_text(member: Managed) -> str:
         if isinstance(value, (int, float)) and not (isinstance(value, float) and math.isnan(value)):
             parts.append(f"{label} {fmt.format(value)}")
     return "  ".join(parts)
+
+
+def _bar(done: int, total: int, width: int = 16) -> str:
+    """A trainer's progress bar in the live view: `[######----------]`."""
+    filled = max(0, min(width, round(width * done / total)))
+    return "[" + "#" * filled + "-" * (width - filled) + "]"
 
 
 def _grid_order(uid: str) -> tuple[str | int, ...]:

@@ -71,8 +71,10 @@ class Topology:
         return args
 
     def trainer_args(self, index: int, *, bootstrap: str) -> list[str]:
-        # the LM routes every token: 2 experts per token keep a step's expert compute near the dense FFN's
-        task = ["--task", self.task, "--k-best", "2"] if self.task == "lm" else []
+        # the LM routes every token: 2 experts per token keep a step's expert compute near the dense FFN's; its
+        # trainers step their own layers every batch and average parameters once per collective epoch (with
+        # gradients averaged, a short demo run would update attention and embeddings only a handful of times)
+        task = ["--task", self.task, "--k-best", "2", "--average", "parameters"] if self.task == "lm" else []
         return ["train", "--initial-peers", bootstrap, *task, "--run-id", self.run_id or self.task,
                 "--expert-prefix", self.prefix, "--grid-size", self.grid_text,
                 "--hidden-dim", str(self.hidden_dim), "--steps", str(self.steps),

@@ -45,6 +45,7 @@ from peer.options import TRAIN, OptionParser, parse_grid_size
 
 if TYPE_CHECKING:
     from moe.mixture import RemoteMixtureOfExperts
+    from peer.lm import LMTask
 
 parse_grid = parse_grid_size  # '12' -> (12,), '4x4' -> (4, 4)
 
@@ -264,7 +265,7 @@ class DigitsTask:
         return {}
 
 
-def make_task(args: argparse.Namespace) -> Any:
+def make_task(args: argparse.Namespace) -> DigitsTask | LMTask:
     """The task object of `--task` (DigitsTask or peer.lm.LMTask)."""
     if getattr(args, "task", "digits") == "lm":
         from peer.lm import LMTask

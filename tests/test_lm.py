@@ -38,6 +38,8 @@ def test_lm_topology_serves_every_layer_from_every_volunteer():
     assert patterns == ["lm.[0:2].[0:4]", "lm.[0:2].[4:8]", "lm.[0:2].[8:12]"]
     args = topology.trainer_args(0, bootstrap="b:1")
     assert args[args.index("--grid-size") + 1] == "2x12" and args[args.index("--task") + 1] == "lm"
+    assert args[args.index("--average") + 1] == "parameters"  # the trainers' own layers learn every step
+    assert "--average" not in Topology().trainer_args(0, bootstrap="b:1")  # digits: as before
 
 
 @pytest.mark.slow
@@ -56,3 +58,30 @@ def test_the_lm_trains_through_a_sigkilled_daemon_and_held_out_bpb_falls_by_one(
         assert final["task"] == "lm" and final["failed_steps"] < final["steps"]
         assert final["bpb_start"] - final["bpb"] >= 1.0, final
         assert final["sample"]
+
+
+def test_the_lm_summary_quotes_the_local_figure_for_a_run_of_its_shape_and_the_sample(tmp_path):
+    """`peer swarm up --task lm` with the shape `make run` uses: the summary gives the benchmark's local figure
+    beside each trainer's bits per byte, and the prompt with its continuation; other shapes get no local figure."""
+    import io
+
+    from peer.swarm import LM_LOCAL_REFERENCE, Managed, SwarmLauncher, _progress_text
+
+    shape = Topology(task="lm", steps=LM_LOCAL_REFERENCE["steps"], batch_size=LM_LOCAL_REFERENCE["batch_size"])
+    for topology, expected in ((shape, LM_LOCAL_REFERENCE["bpb"]), (Topology(task="lm", steps=7), None),
+                               (Topology(), None)):
+        out = io.StringIO()
+        launcher = SwarmLauncher(topology, kill_one_at=None, log_dir=tmp_path, out=out)
+        trainer = Managed("trainer-1", "trainer", [], exit_code=0)
+        trainer.result = {"bpb": 3.8, "bpb_start": 8.0, "prompt": "def f(x):", "sample": "\n    return x",
+                          "steps": topology.steps, "steps_planned": topology.steps}
+        launcher.members.append(trainer)
+        summary = launcher.summary()
+        assert summary["local_bpb_reference"] == expected
+        launcher._print_summary(summary)
+        text = out.getvalue()
+        assert "held-out 3.800 bits per byte (from 8.000)" in text
+        assert ("trained locally for as many steps" in text) == (expected is not None)
+        assert "prompt:       'def f(x):'" in text and "continuation: '\\n    return x'" in text
+    trainer.progress = {"step": 75, "steps": 150, "loss": 2.5}
+    assert _progress_text(trainer).startswith("[########--------] step 75/150  loss 2.500")

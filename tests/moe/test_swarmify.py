@@ -10,9 +10,11 @@ import torch
 import trio
 from torch import nn
 
+from moe.experts import UnknownExpertKind, get_expert_kind, registered_kinds
 from moe.swarmify import SwarmNotServing, find_ffn_blocks, swarmify
 from peer.client import Swarm
 from peer.daemon import Daemon, DaemonConfig
+from peer.options import INNER_WIDTH_KINDS, ExpertKindName, OptionError
 from peer.p2p.bridge import Bridge
 from peer.p2p.identity import Identity
 
@@ -57,6 +59,20 @@ def _encoder() -> nn.Module:
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(HIDDEN, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
     return nn.Sequential(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Linear(HIDDEN, 1))
+
+
+def test_kind_at_width_sets_the_inner_width_and_kinds_without_one_refuse_it():
+    for name, params in (("relu_ffn@24", 2 * (HIDDEN * 24) + 24 + HIDDEN), ("swiglu@24", 3 * HIDDEN * 24)):
+        module = get_expert_kind(name).build(HIDDEN)
+        assert sum(p.numel() for p in module.parameters()) == params, name
+    for name in ("ffn@128", "relu_ffn@0", "relu_ffn@x", "no_such@8"):
+        with pytest.raises(UnknownExpertKind, match="inner width"):
+            get_expert_kind(name)
+    # the option check (which needs no torch) knows the same kinds
+    assert set(INNER_WIDTH_KINDS) == {k for k in registered_kinds() if get_expert_kind(k).inner_width}
+    with pytest.raises(OptionError, match="unknown expert kind"):
+        ExpertKindName().check("ffn@128")
+    assert ExpertKindName().check("swiglu@24") == "swiglu@24"
 
 
 def test_swarmify_without_daemons_is_one_line_naming_what_to_run():
