@@ -187,9 +187,6 @@ class DiLoCoOptimizer:
         self._anchor = [p.detach().clone() for p in self.params]  # overlap: local parameters at the round start
         self.feedback = ErrorFeedback(self.pseudo, self.compression, error_feedback)
         self.hash = state_hash(self._outer_state)
-        raw = sum(p.numel() * p.element_size() for p in self.pseudo)
-        encoded = sum(wire.parts_nbytes(wire.encode(wire.compressed(p, self.compression))) for p in self.pseudo)
-        self._wire_ratio = encoded / max(1, raw)
 
         self._lock = threading.Lock()
         self._stats: dict[str, Any] = {
@@ -266,12 +263,12 @@ class DiLoCoOptimizer:
                 "algorithm": ALGORITHM}, self._outer_state
 
     def _count_traffic(self, result: StepResult) -> None:
-        """Bytes of this all-reduce as they crossed the wire: the round's tensor bytes, scaled by the codec's
-        measured size ratio on our pseudo-gradient (msgpack and RPC framing excluded)."""
+        """Bytes of this all-reduce as they crossed the wire: the encoded chunks pushed and pulled, as the
+        all-reduce counts them (tensor headers and data; the RPC envelope excluded)."""
         if result.allreduce is None:
             return
-        self._stats["bytes_sent"] += int(result.allreduce.bytes_sent * self._wire_ratio)
-        self._stats["bytes_received"] += int(result.allreduce.bytes_received * self._wire_ratio)
+        self._stats["bytes_sent"] += result.allreduce.bytes_sent
+        self._stats["bytes_received"] += result.allreduce.bytes_received
 
     def _canonical(self, progress: SwarmProgress, epoch: int) -> tuple[str | None, list[PeerProgress]]:
         """The swarm's hash at outer step `epoch` (held by the most trainers, me included; ties: the smaller)

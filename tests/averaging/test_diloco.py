@@ -322,3 +322,33 @@ def test_overlap_no_inner_step_waits_when_the_round_is_faster_than_inner_steps(b
     finally:
         for _, opt in made:
             opt.close()
+
+
+# ------------------------------------------------------------------------------------------- traffic counts
+
+
+@pytest.mark.parametrize("compression", [wire.Compression.NONE, INT8])
+async def test_allreduce_counts_the_encoded_bytes_it_sends_and_receives(autojump_clock, compression):
+    from swarm_helpers import Swarm
+
+    from averaging.allreduce_core import AllReduceConfig
+
+    numel = 1 << 16
+    swarm = Swarm("memory", config=AllReduceConfig(chunk_bytes=1 << 16))
+    tensor_sets = [[torch.randn(numel, generator=torch.Generator().manual_seed(seed))] for seed in range(2)]
+    async with trio.open_nursery() as nursery:
+        peers = await swarm.start(nursery, 2)
+        group = swarm.group(peers)
+        for peer, tensors in zip(peers, tensor_sets):
+            peer.start_round(group, tensors, compression=compression, timeout=30)
+        with trio.fail_after(30):
+            for peer in peers:
+                await peer.done.wait()
+        nursery.cancel_scope.cancel()
+    a, b = (peer.result for peer in peers)
+    assert a.fully_averaged and b.fully_averaged
+    # each of the two pushes half its vector and serves the mean of the half it reduces: one vector out, one in
+    per_element = 4 if compression == wire.Compression.NONE else 1 + 4 / wire.INT8_BLOCK
+    for result in (a, b):
+        assert numel * per_element <= result.bytes_sent <= numel * per_element * 1.01 + 2000
+    assert a.bytes_sent == b.bytes_received and b.bytes_sent == a.bytes_received  # what one sent, the other got
