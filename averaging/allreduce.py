@@ -504,8 +504,9 @@ class AllReduceServer:
                 nbytes = round_.partition.chunk_bytes_of(part.chunks[index])
                 reply = await self._call(round_, part, PULL, {
                     "chunk": index, "compression": int(round_.compression)}, nbytes=nbytes)
-                values[index] = core.check_pulled_chunk(part.index, index, reply)
-                core.chunk_pulled(_wire_nbytes(values[index], round_.compression))
+                pulled = core.check_pulled_chunk(part.index, index, reply)
+                values[index] = pulled
+                core.chunk_pulled(_wire_nbytes(pulled, round_.compression))
 
         await run_workers(min(self.config.pulls_in_flight, len(part.chunks)), worker, errors=_PEER_ERRORS)
         return values  # type: ignore[return-value]  # run_workers returned, so every chunk was pulled
