@@ -234,8 +234,9 @@ class AllReduceServer:
     async def _on_push(self, context: CallContext, args: Any) -> None:
         round_, sender = await self._lookup(context, args)
         try:
-            round_.core.receive_push(sender, args.get("part"), args.get("chunk"), args.get("weight"),
-                                     args.get("data") or [], trio.current_time())
+            data = args.get("data") or []
+            round_.core.receive_push(sender, args.get("part"), args.get("chunk"), args.get("weight"), data,
+                                     trio.current_time(), wire_nbytes=_wire_nbytes(data, round_.compression))
         except Excluded:
             raise SenderExcluded("you are counted as failed in this round") from None
         except RemoteProtocolError as error:
@@ -273,9 +274,10 @@ class AllReduceServer:
             raise BadChunk(str(error)) from None
         finally:
             round_.update()
-        if compression == wire.Compression.NONE:
-            return tensors
-        return [wire.compressed(t, compression) for t in tensors]
+        reply: list[Any] = tensors if compression == wire.Compression.NONE else [
+            wire.compressed(t, compression) for t in tensors]
+        round_.core.chunk_served(_wire_nbytes(reply, compression))
+        return reply
 
     async def _on_watch(self, context: CallContext, args: Any) -> None:
         """Held open by each member for the whole round: if the member vanishes, the cancelled handler says so at
@@ -487,7 +489,7 @@ class AllReduceServer:
                 await self._call(round_, part, PUSH, {"chunk": index, "weight": core.weight, "data": data},
                                  nbytes=nbytes, first_contact=not acknowledged)
                 acknowledged = True
-                core.chunk_pushed(part.index, index, nbytes)
+                core.chunk_pushed(part.index, index, _wire_nbytes(data, round_.compression))
                 round_.update()
 
         await run_workers(min(self.config.pushes_in_flight, len(part.chunks)), worker)
@@ -502,8 +504,9 @@ class AllReduceServer:
                 nbytes = round_.partition.chunk_bytes_of(part.chunks[index])
                 reply = await self._call(round_, part, PULL, {
                     "chunk": index, "compression": int(round_.compression)}, nbytes=nbytes)
-                values[index] = core.check_pulled_chunk(part.index, index, reply)
-                core.chunk_pulled(nbytes)
+                pulled = core.check_pulled_chunk(part.index, index, reply)
+                values[index] = pulled
+                core.chunk_pulled(_wire_nbytes(pulled, round_.compression))
 
         await run_workers(min(self.config.pulls_in_flight, len(part.chunks)), worker, errors=_PEER_ERRORS)
         return values  # type: ignore[return-value]  # run_workers returned, so every chunk was pulled
@@ -551,6 +554,19 @@ async def run_workers(count: int, worker: Callable[[], Any],
         while isinstance(error, BaseExceptionGroup):
             error = error.exceptions[0]
         raise error from None
+
+
+def _wire_nbytes(tensors: Sequence[Any], compression: wire.Compression) -> int:
+    """The bytes `tensors` take in a message, as the codec encodes them with `compression` (tensor headers and
+    data; the RPC envelope excluded): what the traffic counts add, not the tensors' nominal sizes. A received
+    tensor was decoded from that encoding; the codecs are idempotent (decoded values encode to the same
+    size), so the receiver counts what the sender sent. Anything but tensors (a hostile chunk) counts 0."""
+    if not isinstance(tensors, (list, tuple)) or not all(
+            isinstance(t, (torch.Tensor, wire.Compressed)) for t in tensors):
+        return 0
+    items = [t if isinstance(t, wire.Compressed) or compression == wire.Compression.NONE
+             else wire.compressed(t, compression) for t in tensors]
+    return wire.parts_nbytes(wire.encode(items))
 
 
 def _compression_arg(value: Any) -> wire.Compression:

@@ -678,9 +678,11 @@ class RoundCore:
 
     # ------------------------------------------------------------------------------------------ reducer side
 
-    def receive_push(self, sender: int, part_index: Any, chunk: Any, weight: Any, data: Any, now: float) -> None:
+    def receive_push(self, sender: int, part_index: Any, chunk: Any, weight: Any, data: Any, now: float,
+                     wire_nbytes: int | None = None) -> None:
         """A chunk from `sender`. Raises Excluded (it is counted as failed) or ChunkRejected (it broke the
-        protocol: it is counted as failed from now on)."""
+        protocol: it is counted as failed from now on). `wire_nbytes`: its encoded size, counted as received
+        (default: its nominal size); the rate estimate always uses the nominal size, as the budget does."""
         reducer = self._reducer_for(sender, part_index, "allreduce.push")
         previous = reducer.last_activity.get(sender)
         try:
@@ -691,7 +693,7 @@ class RoundCore:
             raise
         if chunk != NOTHING:
             nbytes = reducer.chunk_bytes(chunk)
-            self.bytes_received += nbytes
+            self.bytes_received += nbytes if wire_nbytes is None else wire_nbytes
             if previous is not None:
                 self.budget.estimator.observe(nbytes, now - previous)
         self.advance()
@@ -750,8 +752,11 @@ class RoundCore:
             raise RemoteProtocolError(f"no chunk {chunk!r}", peer=self.peer(member), operation="allreduce.pull")
         self.pulled.setdefault(member, set()).add(chunk)
         self.last_pull[member] = now
-        self.bytes_sent += reducer.chunk_bytes(chunk)
         return list(reducer.result[chunk])
+
+    def chunk_served(self, nbytes: int) -> None:
+        """A chunk of our mean went out (`nbytes`: as encoded)."""
+        self.bytes_sent += nbytes
 
     def close(self) -> None:
         """The round is over here (finished, timed out or cancelled). Pending commits are answered: with the mean

@@ -130,7 +130,8 @@ class Averager:
         self._step_lock = trio.Lock()
         self._lifetime: AbstractAsyncContextManager[trio.Nursery] | None = None
         self.last_result: StepResult | None = None
-        self.counters = {"steps": 0, "succeeded": 0, "partial": 0, "no_group": 0, "errors": 0}
+        self.counters = {"steps": 0, "succeeded": 0, "partial": 0, "no_group": 0, "errors": 0,
+                         "bytes_sent": 0, "bytes_received": 0}  # all-reduce payloads as encoded
 
     # ------------------------------------------------------------------------------------------- lifetime
 
@@ -279,6 +280,8 @@ class Averager:
                 result = StepResult(group, False, list(match.failed_peers), match.round, key, str(error),
                                     matchmaking_seconds, trio.current_time() - allreduce_started)
                 return self._remember(result)
+            self.counters["bytes_sent"] += outcome.bytes_sent
+            self.counters["bytes_received"] += outcome.bytes_received
             failed = list(dict.fromkeys([*match.failed_peers, *sorted(outcome.failed_peers)]))
             self.matchmaker.forget(failed)
             finished = outcome.fully_averaged

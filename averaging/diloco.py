@@ -66,6 +66,7 @@ ALGORITHM = "diloco"
 HOLD_ENV = "SWARMD_DILOCO_HOLD_AT"  # tests: "N" blocks this trainer when its part of outer step N is being sent
 ANNOUNCE_ENV = "SWARMD_DILOCO_ANNOUNCE"  # tests: "1" writes a JSON line to stdout when an outer round starts
 TRACE_ENV = "SWARMD_DILOCO_TRACE"  # tests: a directory where every outer step is saved (torch.save, tensors only)
+START_WITH_ENV = "SWARMD_DILOCO_START_WITH"  # tests, benchmarks: "N" sets `start_with` of a `peer train` process
 
 
 def state_hash(tensors: list[torch.Tensor]) -> str:
@@ -152,6 +153,8 @@ class DiLoCoOptimizer:
         max_refresh: float = 2.0,
         publish_interval: float = 0.5,
         should_stop: Callable[[], bool] | None = None,
+        start_with: int = 1,
+        start_timeout: float = 300.0,
     ):
         if inner_steps < 1 or batch_size_per_step < 1:
             raise ValueError("inner_steps and batch_size_per_step must be positive")
@@ -166,6 +169,9 @@ class DiLoCoOptimizer:
         self.averaging_timeout = averaging_timeout
         self.ready_timeout = ready_timeout
         self.load_state_timeout = load_state_timeout
+        env_start = os.environ.get(START_WITH_ENV, "")
+        self.start_with = int(env_start) if env_start.isdigit() else int(start_with)
+        self.start_timeout = start_timeout
         self.outer_step = 0
         self.round_steps = 0
         self.round_samples = 0
@@ -181,9 +187,6 @@ class DiLoCoOptimizer:
         self._anchor = [p.detach().clone() for p in self.params]  # overlap: local parameters at the round start
         self.feedback = ErrorFeedback(self.pseudo, self.compression, error_feedback)
         self.hash = state_hash(self._outer_state)
-        raw = sum(p.numel() * p.element_size() for p in self.pseudo)
-        encoded = sum(wire.parts_nbytes(wire.encode(wire.compressed(p, self.compression))) for p in self.pseudo)
-        self._wire_ratio = encoded / max(1, raw)
 
         self._lock = threading.Lock()
         self._stats: dict[str, Any] = {
@@ -260,12 +263,12 @@ class DiLoCoOptimizer:
                 "algorithm": ALGORITHM}, self._outer_state
 
     def _count_traffic(self, result: StepResult) -> None:
-        """Bytes of this all-reduce as they crossed the wire: the round's tensor bytes, scaled by the codec's
-        measured size ratio on our pseudo-gradient (msgpack and RPC framing excluded)."""
+        """Bytes of this all-reduce as they crossed the wire: the encoded chunks pushed and pulled, as the
+        all-reduce counts them (tensor headers and data; the RPC envelope excluded)."""
         if result.allreduce is None:
             return
-        self._stats["bytes_sent"] += int(result.allreduce.bytes_sent * self._wire_ratio)
-        self._stats["bytes_received"] += int(result.allreduce.bytes_received * self._wire_ratio)
+        self._stats["bytes_sent"] += result.allreduce.bytes_sent
+        self._stats["bytes_received"] += result.allreduce.bytes_received
 
     def _canonical(self, progress: SwarmProgress, epoch: int) -> tuple[str | None, list[PeerProgress]]:
         """The swarm's hash at outer step `epoch` (held by the most trainers, me included; ties: the smaller)
@@ -323,6 +326,13 @@ class DiLoCoOptimizer:
 
     async def _join(self) -> None:
         progress = await self.tracker.fetch()
+        if self.start_with > 1:
+            await self.tracker.publish()  # be counted by the others that wait too
+            deadline = trio.current_time() + self.start_timeout
+            while (len([p for p in progress.peers if p.info.get("alg")]) < self.start_with
+                   and trio.current_time() < deadline):
+                await trio.sleep(self.tracker.min_refresh)
+                progress = await self.tracker.fetch()
         self.last_progress = progress
         if await self._resync(progress):
             self._reset_local()

@@ -31,8 +31,10 @@ def _daemon(processes: ProcessGroup) -> str:
     return address
 
 
-def _trainer(processes: ProcessGroup, address: str, *args: str, env: dict | None = None) -> PeerProcess:
-    full_env = {**os.environ, **(env or {})}
+def _trainer(processes: ProcessGroup, address: str, *args: str, start_with: int, env: dict | None = None
+             ) -> PeerProcess:
+    # start_with: trainers started together begin together, however far apart a loaded machine brings them up
+    full_env = {**os.environ, "SWARMD_DILOCO_START_WITH": str(start_with), **(env or {})}
     return processes.add(PeerProcess(["train", "--initial-peers", address, *TRAINER, *args], env=full_env))
 
 
@@ -48,7 +50,7 @@ def test_four_trainer_processes_agree_and_match_reference_nesterov(processes, tm
     address = _daemon(processes)
     env = {"SWARMD_DILOCO_TRACE": str(tmp_path)}
     trainers = [_trainer(processes, address, "--inner-steps", "20", "--steps", "200", "--seed", str(i),
-                         "--log-every", "20", env=env) for i in range(4)]
+                         "--log-every", "20", start_with=4, env=env) for i in range(4)]
     results = [_result(t) for t in trainers]
     assert all(t.wait(30) == 0 for t in trainers)
     assert {r["outer_step"] for r in results} == {10}
@@ -60,9 +62,9 @@ def test_four_trainer_processes_agree_and_match_reference_nesterov(processes, tm
 def test_trainer_killed_while_sending_its_part_the_others_finish_and_agree(processes, tmp_path):
     address = _daemon(processes)
     common = ["--inner-steps", "20", "--steps", "80", "--log-every", "20"]
-    victim = _trainer(processes, address, *common, "--seed", "9", env={"SWARMD_DILOCO_HOLD_AT": "1"})
-    others = [_trainer(processes, address, *common, "--seed", str(i), env={"SWARMD_DILOCO_TRACE": str(tmp_path)})
-              for i in range(3)]
+    victim = _trainer(processes, address, *common, "--seed", "9", start_with=4, env={"SWARMD_DILOCO_HOLD_AT": "1"})
+    trace = {"SWARMD_DILOCO_TRACE": str(tmp_path)}
+    others = [_trainer(processes, address, *common, "--seed", str(i), start_with=4, env=trace) for i in range(3)]
     victim.read_until(r'"diloco_hold"', 300)
     victim.kill()  # SIGKILL while its part of outer step 2 is being sent
     results = [_result(t) for t in others]
@@ -77,8 +79,8 @@ def test_trainer_killed_while_sending_its_part_the_others_finish_and_agree(proce
 def test_sigint_during_an_outer_step_exits_0_within_10_s(processes):
     address = _daemon(processes)
     common = ["--inner-steps", "10", "--steps", "1000", "--log-every", "5"]
-    frozen = _trainer(processes, address, *common, "--seed", "1", env={"SWARMD_DILOCO_HOLD_AT": "0"})
-    trainer = _trainer(processes, address, *common, "--seed", "0", env={"SWARMD_DILOCO_ANNOUNCE": "1"})
+    frozen = _trainer(processes, address, *common, "--seed", "1", start_with=2, env={"SWARMD_DILOCO_HOLD_AT": "0"})
+    trainer = _trainer(processes, address, *common, "--seed", "0", start_with=2, env={"SWARMD_DILOCO_ANNOUNCE": "1"})
     trainer.read_until(r'"diloco_round"', 120)
     frozen.read_until(r'"diloco_hold"', 120)  # the other stopped in the middle of sending: we are in the round
     started = time.monotonic()
