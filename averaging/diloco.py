@@ -32,6 +32,12 @@ One outer step (`_outer_round`, in the swarm's trio thread):
    (it was slow, or partitioned) does the same, and so does a newcomer before its first inner step.
    A trainer that sees others but finds no group (a partition) applies nothing and keeps its outer step: the
    next round's pseudo-gradient covers both rounds, and when the partition heals it re-syncs.
+5. **Finish.** Steps 1-4 run at the next outer step, so a trainer that missed the *last* one would end the run
+   with its own hash. `finish()` (at the end of training, before `close()`) publishes that this trainer is done
+   (`fin`), waits (at most `finish_timeout`) until every live trainer of the run is done too, downloads the
+   swarm's state if its hash is not the canonical one among the finished trainers (step 4's rule), and keeps
+   serving its own state until all finished trainers hold the same outer step and hash, so a laggard can still
+   download from it. A stop request (SIGINT) skips or cuts it short.
 
 Overlap (`overlap=True`, the "eager / one step delayed" variant): at a round's end the pseudo-gradient is
 handed to a background round and inner steps go on; the averaged update is applied one round later. Local
@@ -42,13 +48,14 @@ pseudo-gradient). `stats()["outer_waits"]` counts round ends that had to wait fo
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 
 import torch
 import trio
@@ -67,6 +74,8 @@ HOLD_ENV = "SWARMD_DILOCO_HOLD_AT"  # tests: "N" blocks this trainer when its pa
 ANNOUNCE_ENV = "SWARMD_DILOCO_ANNOUNCE"  # tests: "1" writes a JSON line to stdout when an outer round starts
 TRACE_ENV = "SWARMD_DILOCO_TRACE"  # tests: a directory where every outer step is saved (torch.save, tensors only)
 START_WITH_ENV = "SWARMD_DILOCO_START_WITH"  # tests, benchmarks: "N" sets `start_with` of a `peer train` process
+
+T = TypeVar("T")
 
 
 def state_hash(tensors: list[torch.Tensor]) -> str:
@@ -155,6 +164,7 @@ class DiLoCoOptimizer:
         should_stop: Callable[[], bool] | None = None,
         start_with: int = 1,
         start_timeout: float = 300.0,
+        finish_timeout: float = 10.0,
     ):
         if inner_steps < 1 or batch_size_per_step < 1:
             raise ValueError("inner_steps and batch_size_per_step must be positive")
@@ -172,6 +182,7 @@ class DiLoCoOptimizer:
         env_start = os.environ.get(START_WITH_ENV, "")
         self.start_with = int(env_start) if env_start.isdigit() else int(start_with)
         self.start_timeout = start_timeout
+        self.finish_timeout = finish_timeout
         self.outer_step = 0
         self.round_steps = 0
         self.round_samples = 0
@@ -191,7 +202,7 @@ class DiLoCoOptimizer:
         self._lock = threading.Lock()
         self._stats: dict[str, Any] = {
             "outer_steps": 0, "rounds": 0, "group_sizes": {}, "solo_steps": 0, "skipped_rounds": 0,
-            "state_loads": 0, "state_load_failures": 0, "resyncs": 0, "outer_waits": 0,
+            "state_loads": 0, "state_load_failures": 0, "resyncs": 0, "final_resyncs": 0, "outer_waits": 0,
             "bytes_sent": 0, "bytes_received": 0, "compute_seconds": 0.0, "blocked_seconds": 0.0,
         }
         self._bytes_at_round: tuple[int, int] = (0, 0)
@@ -288,9 +299,10 @@ class DiLoCoOptimizer:
                    and p.info.get("hash") == best and p.address is not None]
         return best, holders
 
-    async def _resync(self, progress: SwarmProgress) -> bool:
+    async def _resync(self, progress: SwarmProgress, timeout: float | None = None) -> bool:
         """Hold the swarm's outer state: download it when another trainer is at a newer outer step, or at mine
-        with the hash most trainers hold. Returns True when the state was replaced."""
+        with the hash most trainers hold (within `timeout`, default `load_state_timeout`). Returns True when the
+        state was replaced."""
         newest = max((p.epoch for p in progress.peers if p.info.get("alg")), default=self.outer_step)
         epoch = max(newest, self.outer_step)
         best, holders = self._canonical(progress, epoch)
@@ -300,7 +312,8 @@ class DiLoCoOptimizer:
         try:
             loaded = await load_state_from_peers(
                 self.swarm.rpc, [(p.peer_id, p.address) for p in holders if p.address is not None],
-                into=self._outer_state, lock=self._lock, timeout=self.load_state_timeout)
+                into=self._outer_state, lock=self._lock,
+                timeout=self.load_state_timeout if timeout is None else timeout)
         except Exception as error:  # nobody could give it: keep our state, try again at the next round
             self._stats["state_load_failures"] += 1
             logger.warning("diloco: loading the outer state failed: %s", error)
@@ -384,9 +397,13 @@ class DiLoCoOptimizer:
 
     async def _interruptible_round(self, weight: float) -> tuple[str, float]:
         """`_outer_round`, abandoned (as a skipped round: nothing applied) within 0.1 s of `should_stop()`."""
+        return await self._until_stop(("skipped", 0.0), self._outer_round, weight)
+
+    async def _until_stop(self, default: T, work: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """`await work(*args)`, cancelled within 0.1 s of `should_stop()` (then `default` is returned)."""
         if self.should_stop is None:
-            return await self._outer_round(weight)
-        outcome: tuple[str, float] = ("skipped", 0.0)
+            return await work(*args)
+        outcome = default
         async with trio.open_nursery() as nursery:
             async def watch() -> None:
                 # polled: the flag is set by a signal handler in another thread, which cannot set a trio.Event
@@ -394,13 +411,13 @@ class DiLoCoOptimizer:
                     await trio.sleep(0.1)
                 nursery.cancel_scope.cancel()
 
-            async def round_() -> None:
+            async def run_work() -> None:
                 nonlocal outcome
-                outcome = await self._outer_round(weight)
+                outcome = await work(*args)
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(watch)
-            nursery.start_soon(round_)
+            nursery.start_soon(run_work)
         return outcome
 
     async def _background_round(self, weight: float, done: trio.Event) -> None:
@@ -557,6 +574,32 @@ class DiLoCoOptimizer:
         if await self._resync(progress):
             self._reset_local()
 
+    async def _finish(self, timeout: float) -> bool:
+        """Step 5 of the module doc; True when every live trainer of the run finished with my outer step and
+        hash. Polls the run's progress records (the others publish `fin` when they get here)."""
+        me = self.tracker.peer_id
+        with trio.move_on_after(timeout) as scope:
+            await self._wait_background()  # overlap: nothing else may write the outer state meanwhile
+            self.tracker.info["fin"] = True
+            await self.tracker.publish()
+            while True:
+                progress = await self.tracker.fetch()
+                self.last_progress = progress
+                others = [p for p in progress.peers if p.peer_id != me and p.info.get("alg")]
+                finished = [p for p in others if p.info.get("fin")]
+                # only finished trainers: their state is final, so the download is the last one
+                if finished and await self._resync(dataclasses.replace(progress, peers=tuple(finished)),
+                                                   timeout=max(0.0, scope.deadline - trio.current_time())):
+                    self._stats["final_resyncs"] += 1
+                    self._reset_local()
+                    await self.tracker.publish()
+                    continue
+                if len(finished) == len(others) and all(
+                        p.epoch == self.outer_step and p.info.get("hash") == self.hash for p in finished):
+                    return True  # everyone agrees: nobody needs my state any more
+                await trio.sleep(self.tracker.min_refresh)
+        return False
+
     def _end_round_overlapped(self) -> None:
         """Overlap: apply the previous round's average (waiting for it only if it is not done), hand this
         round's pseudo-gradient to a background round, keep training."""
@@ -589,6 +632,16 @@ class DiLoCoOptimizer:
         self.swarm.run(self._start_background, weight)
         if blocked:
             logger.info("diloco: an inner step waited for the outer round")
+
+    def finish(self, timeout: float | None = None) -> bool:
+        """Call once when training ends, before `close()`: a final agreement on the outer state (module doc,
+        step 5), at most `timeout` seconds (default `finish_timeout`). Skipped, or cut short, once
+        `should_stop()` is true. Returns True when all live trainers of the run finished with my outer step and
+        hash."""
+        if self._scope is None or (self.should_stop is not None and self.should_stop()):
+            return False
+        limit = self.finish_timeout if timeout is None else timeout
+        return bool(self.swarm.run(self._until_stop, False, self._finish, limit))
 
     def stats(self) -> dict[str, Any]:
         """What this trainer did: outer steps, group sizes, state loads, bytes, waits, utilization."""

@@ -596,6 +596,8 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
                     on_progress(line)
         out.end_bar()
         train_seconds = time.monotonic() - train_started
+        if optimizer is not None and diloco:
+            optimizer.finish()  # agree on the final outer state (skipped after a stop request)
         evaluation_error: NotEnoughExperts | None = None
         held_out: dict[str, Any] = {"accuracy": None, "loss": None}
         try:
@@ -614,7 +616,8 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
         if optimizer is not None and diloco:
             stats = optimizer.stats()
             result.update({key: stats[key] for key in (*DILOCO_LINE, "group_sizes", "state_loads", "resyncs",
-                                                        "outer_waits", "bytes_received", "peer_id")})
+                                                        "final_resyncs", "outer_waits", "bytes_received",
+                                                        "peer_id")})
         elif optimizer is not None:
             stats = optimizer.stats()
             result.update({

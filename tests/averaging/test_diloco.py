@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import threading
+import time
 from typing import Any
 
 import msgpack
@@ -285,6 +286,72 @@ def test_partitioned_trainer_resyncs_after_the_partition_heals(bridge):
         assert len({opt.outer_step for _, opt in made}) == 1, [opt.stats() for _, opt in made]
         assert last.stats()["state_loads"] >= 1, last.stats()
         assert all(state_hash(opt._outer_state) == opt.hash for _, opt in made)
+    finally:
+        for _, opt in made:
+            opt.close()
+
+
+@pytest.mark.slow
+def test_finish_resyncs_a_trainer_partitioned_during_the_last_outer_round(bridge):
+    memory = MemoryNetwork(latency=0.002)
+    peers = _start_swarm(bridge, memory, 4)
+    made = [_make(SimSwarm(bridge, peer), ready_timeout=3.0, matchmaking_time=1.0, load_state_timeout=4.0,
+                  averaging_timeout=8.0) for peer in peers]
+    names = [peer.name for peer in peers]
+
+    def partition_at(step: int) -> None:
+        if step == 10:  # the last trainer, at the start of the third and last outer round, once the others
+            # have applied the second one too (they may still be pulling the part the last trainer reduced)
+            for _ in range(6000):
+                if all(opt.outer_step == 2 and opt.hash == made[3][1].hash for _, opt in made[:3]):
+                    break
+                threading.Event().wait(0.01)  # polling the optimizers' own state, not a timed sync
+            _in_bridge(bridge, memory.partition, [names[3]], names[:3])
+
+    try:
+        _threads([lambda m=m, o=o, i=i: _train(m, o, 15, seed=i, before_step=partition_at if i == 3 else None)
+                  for i, (m, o) in enumerate(made)])
+        last = made[3][1]
+        # the run ended with the laggard on its own outer state: no later round would ever fix that
+        assert last.hash != made[0][1].hash and {opt.outer_step for _, opt in made[:3]} == {3}
+        _in_bridge(bridge, memory.heal)
+        agreed: list[bool] = [False] * 4
+
+        def finish(index: int) -> None:
+            agreed[index] = made[index][1].finish(timeout=30.0)
+
+        _threads([lambda i=i: finish(i) for i in range(4)])
+        assert agreed == [True] * 4, [opt.stats() for _, opt in made]
+        assert len({opt.hash for _, opt in made}) == 1 and {opt.outer_step for _, opt in made} == {3}
+        assert [opt.stats()["final_resyncs"] for _, opt in made] == [0, 0, 0, 1]
+        assert state_hash(last._outer_state) == last.hash
+        assert all(torch.equal(p, q) for p, q in zip(made[3][0].parameters(), made[0][1].outer_params))
+    finally:
+        for _, opt in made:
+            opt.close()
+
+
+def test_finish_returns_within_its_timeout_when_nobody_is_left_to_agree_with(bridge):
+    memory = MemoryNetwork(latency=0.002)
+    peers = _start_swarm(bridge, memory, 3)
+    made = [_make(SimSwarm(bridge, peer)) for peer in peers]
+    try:
+        _threads([lambda m=m, o=o, i=i: _train(m, o, 5, seed=i) for i, (m, o) in enumerate(made)])
+        assert len({opt.hash for _, opt in made}) == 1
+        made[2][1].close()  # left with a goodbye: not waited for
+        _in_bridge(bridge, memory.isolate, peers[1].name)  # gone without one: its record lives on, never "fin"
+        started = time.monotonic()
+        assert made[0][1].finish(timeout=1.0) is False
+        elapsed = time.monotonic() - started
+        assert 1.0 <= elapsed < 10.0, elapsed  # waited for the silent one until the timeout, then gave up
+        assert made[0][1].stats()["final_resyncs"] == 0
+        # on the peer of the one that left (its state server is gone); the isolated one cannot give the state
+        stopped = _make(SimSwarm(bridge, peers[2]), should_stop=lambda: True, load_state_timeout=2.0)[1]
+        try:
+            assert stopped.finish(timeout=60.0) is False  # a stop request skips the final agreement
+            assert "fin" not in stopped.tracker.info
+        finally:
+            stopped.close()
     finally:
         for _, opt in made:
             opt.close()
