@@ -120,8 +120,7 @@ class _SharedProgressTracker(ProgressTracker):
         self._counts = counts  # () -> (epoch, samples in it, samples ever): the training thread's numbers
         self._seen_total = 0
         self._anchor = (self.dht.now(), time.monotonic())
-        self.fetched_monotonic = -float("inf")  # when the last fetch finished
-        self.view_started = -float("inf")  # when the fetch whose records are the current view started
+        self.fetched_monotonic = -float("inf")
 
     def absorb(self) -> None:
         """Take the training thread's epoch and samples (and feed the rate with the samples since last time)."""
@@ -137,10 +136,8 @@ class _SharedProgressTracker(ProgressTracker):
         return super().local()
 
     async def fetch(self) -> SwarmProgress:
-        started = time.monotonic()
         progress = await super().fetch()
         self.fetched_monotonic = time.monotonic()
-        self.view_started = started
         return progress
 
     async def _due_work(self) -> float:
@@ -211,10 +208,6 @@ class CollaborativeOptimizer:
         # epoch and samples are written by the training thread and read by the tracker in the trio thread
         self._counts_lock = threading.Lock()
         self._last_hint = -float("inf")  # monotonic time the tracker was last woken from the training thread
-        # when the current epoch began, for the lone trainer's prefetched view (inf: no view counts in the first
-        # epoch, whose end is always decided on a fetch made then)
-        self._epoch_began = float("inf")
-        self._nursery: trio.Nursery | None = None
 
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         initialize_optimizer_state(optimizer)
@@ -274,7 +267,6 @@ class CollaborativeOptimizer:
                 async with trio.open_nursery() as nursery:
                     await nursery.start(self.averager.serve)
                     await nursery.start(self.tracker.run)
-                    self._nursery = nursery
                     task_status.started(scope)
             finally:
                 if state_server is not None:
@@ -300,7 +292,9 @@ class CollaborativeOptimizer:
         moment = time.monotonic()
         if now or moment - self._last_hint >= self.tracker.min_refresh:
             self._last_hint = moment
-            self._run_soon(self.tracker.wake)
+            run_soon = getattr(self.swarm.bridge, "run_soon", None)
+            if run_soon is not None:
+                run_soon(self.tracker.wake)
 
     async def _average(self, weight: float) -> Any:
         return await self.averager.step(weight=weight, timeout=self.averaging_timeout)
@@ -360,13 +354,7 @@ class CollaborativeOptimizer:
         # an epoch boundary is due: decide on the swarm's records, not on extrapolation; and never conclude
         # "alone" from an old view (one bridge round trip that also hands the tracker the new count)
         fresh = progress
-        now = time.monotonic()
-        recent = now - self.tracker.fetched_monotonic <= self.tracker.min_refresh
-        if progress.num_peers < 2:
-            # "alone" only on a view fetched within this epoch and recently (the prefetch started when the last
-            # epoch ended, `_move_to`), else fetched now
-            recent = recent and self.tracker.view_started >= self._epoch_began
-        if not recent:
+        if time.monotonic() - self.tracker.fetched_monotonic > self.tracker.min_refresh or progress.num_peers < 2:
             fresh = self.swarm.run(self.tracker.fetch)
         self.last_progress = fresh
         if fresh.epoch > self.epoch + 1:
@@ -494,34 +482,7 @@ class CollaborativeOptimizer:
         with self._counts_lock:
             self.epoch = epoch
             self.local_samples = 0
-        self._epoch_began = time.monotonic()
         self._hint_tracker(now=True)
-        progress = self.last_progress
-        if progress is not None and progress.num_peers < 2:
-            # a lone trainer decides each epoch's end on a view fetched during that epoch: start fetching it
-            # now, in the background, rather than wait for it when the epoch ends (every step, when the
-            # target is one step's batch)
-            self._run_soon(self._prefetch)
-
-    def _run_soon(self, fn: Callable[[], None]) -> None:
-        run_soon = getattr(self.swarm.bridge, "run_soon", None)
-        if run_soon is not None:
-            run_soon(fn)
-
-    def _prefetch(self) -> None:
-        """(trio thread) Fetch the swarm's records in the background; nothing once the service has stopped."""
-        nursery = self._nursery
-        if nursery is not None and self._scope is not None and not self._scope.cancel_called:
-            try:
-                nursery.start_soon(self._fetch_in_background)
-            except RuntimeError:  # the nursery is closing: the optimizer is being closed
-                pass
-
-    async def _fetch_in_background(self) -> None:
-        try:
-            await self.tracker.fetch()
-        except Exception as error:  # a missed prefetch: the epoch's end then fetches on its own
-            logger.debug("collaborative optimizer: background fetch failed: %s", error)
 
 
 __all__ = ["CollaborativeOptimizer", "MODES", "initialize_optimizer_state", "local_host_towards", "state_tensors"]

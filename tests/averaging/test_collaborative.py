@@ -284,33 +284,3 @@ def test_a_step_between_epoch_boundaries_makes_no_bridge_round_trip_and_the_coun
         assert (record.epoch, record.samples) == (0, 200)
         assert record.samples_per_second > 0
         opt.close()
-
-
-def test_a_lone_trainer_decides_each_epoch_end_on_the_view_it_prefetched_during_that_epoch(bootstrap):
-    with Swarm([bootstrap]) as swarm:
-        model = _template()
-        # every step ends an epoch; a long refresh window so that a slow machine cannot age the prefetched view
-        opt = CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), swarm, "lone",
-                                     target_batch_size=8, batch_size_per_step=8, min_refresh=5.0, max_refresh=5.0)
-        x, y = _data(5)
-        nn.functional.mse_loss(model(x), y).backward()
-        assert opt.step() and opt.epoch == 1  # the first epoch's end is decided on a fetch made then
-        round_trips = []
-        original = swarm.bridge.run
-        swarm.bridge.run = lambda fn, *args: (round_trips.append(fn), original(fn, *args))[1]
-        try:
-            async def wait_for_the_prefetch() -> bool:
-                with trio.fail_after(60):  # a hang guard, not a speed bound
-                    while opt.tracker.view_started < opt._epoch_began:
-                        await trio.sleep(0.001)
-                return True
-
-            for epoch in range(1, 6):
-                assert original(wait_for_the_prefetch)
-                nn.functional.mse_loss(model(x), y).backward()
-                assert opt.step() and opt.epoch == epoch + 1
-        finally:
-            swarm.bridge.run = original
-        assert round_trips == []
-        assert opt.stats()["local_transitions"] == 6
-        opt.close()
