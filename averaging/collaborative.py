@@ -287,8 +287,8 @@ class CollaborativeOptimizer:
             return self.epoch, self.local_samples, self._total_samples
 
     def _hint_tracker(self, *, now: bool = False) -> None:
-        """Wake the tracker's background loop to re-plan on the new numbers: on epoch moves (published at once
-        when others train) and at most every `min_refresh` otherwise (no round trip, see `Bridge.run_soon`)."""
+        """Wake the tracker's background loop to re-plan on the new numbers: `now` (an epoch move others must see),
+        else at most every `min_refresh` (no round trip, see `Bridge.run_soon`)."""
         moment = time.monotonic()
         if now or moment - self._last_hint >= self.tracker.min_refresh:
             self._last_hint = moment
@@ -482,7 +482,10 @@ class CollaborativeOptimizer:
         with self._counts_lock:
             self.epoch = epoch
             self.local_samples = 0
-        self._hint_tracker(now=True)
+        # others must stop counting our samples of the old epoch at once; alone, the move can wait for the
+        # tracker's next planned wake-up (a lone trainer may end an epoch every step)
+        progress = self.last_progress
+        self._hint_tracker(now=progress is not None and progress.num_peers > 1)
 
 
 __all__ = ["CollaborativeOptimizer", "MODES", "initialize_optimizer_state", "local_host_towards", "state_tensors"]
