@@ -10,7 +10,11 @@
 What one `step()` does, from a plain synchronous training loop:
 1. **Count.** In `average="gradients"` mode the batch's gradients are added to local accumulators (the wrapped
    optimizer is not stepped); in `average="parameters"` mode the wrapped optimizer steps locally at once. Either
-   way the batch's samples are reported to the progress tracker (`averaging/progress.py`).
+   way the batch's samples are counted for the progress tracker (`averaging/progress.py`). This stays in the
+   training thread: the step estimates the swarm's progress from the records the tracker last fetched, and the
+   tracker, in the trio thread, reads the count whenever it builds a record (publishing and fetching on its own
+   schedule); only a step where an epoch end is due goes through the bridge (a training step on a small model
+   takes a couple of milliseconds, and three bridge round trips plus a DHT read per step cost as much).
 2. **Epoch end.** When the swarm's samples in the current epoch reach `target_batch_size` (every trainer
    estimates this from the same signed DHT records, so they all stop at about the same moment), the trainer
    averages with the peers that are ready, in groups (`averaging.averager.Averager`, through the swarm's bridge):
@@ -43,13 +47,13 @@ import logging
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import trio
 
 from averaging.averager import Averager
-from averaging.progress import ProgressTracker, SwarmProgress
+from averaging.progress import PeerProgress, ProgressTracker, SwarmProgress, estimate
 from averaging.state import install_state_server, load_state_from_peers
 from dht.client import SwarmHandle
 from peer.p2p import wire
@@ -103,6 +107,57 @@ def state_tensors(optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Ten
     return named
 
 
+class _SharedProgressTracker(ProgressTracker):
+    """A `ProgressTracker` whose epoch and sample count belong to the training thread: it reads them (one
+    consistent triple under the owner's lock) whenever it builds or plans a record, instead of being told through
+    `report` / `new_epoch` on the bridge, so that `CollaborativeOptimizer.step` sends nothing through the bridge
+    between epoch boundaries. It also keeps what the training thread needs to estimate the swarm's progress on
+    its own: the others' records (replaced whole by each fetch, never changed in place), the DHT clock anchored
+    to the monotonic clock, and when the last fetch finished."""
+
+    def __init__(self, counts: Callable[[], tuple[int, int, int]], *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._counts = counts  # () -> (epoch, samples in it, samples ever): the training thread's numbers
+        self._seen_total = 0
+        self._anchor = (self.dht.now(), time.monotonic())
+        self.fetched_monotonic = -float("inf")
+
+    def absorb(self) -> None:
+        """Take the training thread's epoch and samples (and feed the rate with the samples since last time)."""
+        epoch, samples, total = self._counts()
+        if total != self._seen_total:
+            self._rate.update(total - self._seen_total, trio.current_time())
+            self._seen_total = total
+        self.epoch, self.samples = epoch, samples
+        self._anchor = (self.dht.now(), time.monotonic())
+
+    def local(self) -> PeerProgress:
+        self.absorb()
+        return super().local()
+
+    async def fetch(self) -> SwarmProgress:
+        progress = await super().fetch()
+        self.fetched_monotonic = time.monotonic()
+        return progress
+
+    async def _due_work(self) -> float:
+        self.absorb()  # plan the publish on the current numbers, not the ones of the last wake-up
+        return await super()._due_work()
+
+    def wake(self) -> None:
+        """Re-plan the background publish and fetch now (the training thread's numbers changed)."""
+        self._wake.set()
+
+    def estimate_from_thread(self, epoch: int, samples: int) -> SwarmProgress:
+        """The swarm's progress as `progress()` would give it, computed in the calling (training) thread from the
+        last fetched records and the given local numbers."""
+        dht_time, monotonic = self._anchor
+        now = dht_time + (time.monotonic() - monotonic)
+        reports = dict(self._others)
+        reports[self.peer_id] = PeerProgress(self.peer_id, epoch, samples, self._rate.value, now, self.client_mode)
+        return estimate(reports.values(), target=self.target, now=now, max_extrapolation=self.ttl / 2)
+
+
 class CollaborativeOptimizer:
     """Wraps any torch optimizer for collaborative training over a `peer.client.Swarm` (see module doc).
 
@@ -149,6 +204,10 @@ class CollaborativeOptimizer:
         self.epoch = 0
         self.local_samples = 0
         self.local_steps = 0
+        self._total_samples = 0
+        # epoch and samples are written by the training thread and read by the tracker in the trio thread
+        self._counts_lock = threading.Lock()
+        self._last_hint = -float("inf")  # monotonic time the tracker was last woken from the training thread
 
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         initialize_optimizer_state(optimizer)
@@ -178,8 +237,8 @@ class CollaborativeOptimizer:
             lock=self._lock,
             serve_state=False,  # this optimizer serves parameters + optimizer state (not gradients) with its epoch
         )
-        self.tracker = ProgressTracker(
-            swarm.dht, run_id, self.target_batch_size, ttl=progress_ttl, min_refresh=min_refresh,
+        self.tracker = _SharedProgressTracker(
+            self._counts, swarm.dht, run_id, self.target_batch_size, ttl=progress_ttl, min_refresh=min_refresh,
             max_refresh=max_refresh, client_mode=not listen,
         )
         host = listen_host
@@ -223,12 +282,19 @@ class CollaborativeOptimizer:
     async def _current(self) -> SwarmProgress:
         return self.tracker.progress()
 
-    async def _report(self, samples: int) -> tuple[SwarmProgress, float]:
-        self.tracker.report(samples)
-        return self.tracker.progress(), self.tracker.last_fetch_age
+    def _counts(self) -> tuple[int, int, int]:
+        with self._counts_lock:
+            return self.epoch, self.local_samples, self._total_samples
 
-    async def _new_epoch(self, epoch: int) -> None:
-        self.tracker.new_epoch(epoch)
+    def _hint_tracker(self, *, now: bool = False) -> None:
+        """Wake the tracker's background loop to re-plan on the new numbers: `now` (an epoch move others must see),
+        else at most every `min_refresh` (no round trip, see `Bridge.run_soon`)."""
+        moment = time.monotonic()
+        if now or moment - self._last_hint >= self.tracker.min_refresh:
+            self._last_hint = moment
+            run_soon = getattr(self.swarm.bridge, "run_soon", None)
+            if run_soon is not None:
+                run_soon(self.tracker.wake)
 
     async def _average(self, weight: float) -> Any:
         return await self.averager.step(weight=weight, timeout=self.averaging_timeout)
@@ -271,25 +337,33 @@ class CollaborativeOptimizer:
             with self._lock:
                 self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.local_samples += samples
+        with self._counts_lock:
+            self.local_samples += samples
+            self._total_samples += samples
         self.local_steps += 1
-        progress, fetch_age = self.swarm.run(self._report, samples)
+        # Between epoch boundaries a step stays in this thread: the estimate is computed here from the records
+        # the tracker last fetched, and the tracker picks up the new count in the background
+        progress = self.tracker.estimate_from_thread(self.epoch, self.local_samples)
         self.last_progress = progress
         if progress.epoch > self.epoch + 1:
             self._catch_up(progress)
             return True
-        if progress.epoch > self.epoch or progress.target_reached:
-            fresh = progress
-            if fetch_age > self.tracker.min_refresh or progress.num_peers < 2:
-                # decide on the swarm's records, not on extrapolation; and never conclude "alone" from an old view
-                fresh = self.swarm.run(self.tracker.fetch)
-            self.last_progress = fresh
-            if fresh.epoch > self.epoch + 1:
-                self._catch_up(fresh)
-                return True
-            if fresh.epoch > self.epoch or fresh.target_reached:
-                self._end_epoch(fresh)
-                return True
+        if not (progress.epoch > self.epoch or progress.target_reached):
+            self._hint_tracker()
+            return False
+        # an epoch boundary is due: decide on the swarm's records, not on extrapolation; and never conclude
+        # "alone" from an old view (one bridge round trip that also hands the tracker the new count)
+        fresh = progress
+        if time.monotonic() - self.tracker.fetched_monotonic > self.tracker.min_refresh or progress.num_peers < 2:
+            fresh = self.swarm.run(self.tracker.fetch)
+        self.last_progress = fresh
+        if fresh.epoch > self.epoch + 1:
+            self._catch_up(fresh)
+            return True
+        if fresh.epoch > self.epoch or fresh.target_reached:
+            self._end_epoch(fresh)
+            return True
+        self._hint_tracker()
         return False
 
     def stats(self) -> dict[str, Any]:
@@ -405,9 +479,13 @@ class CollaborativeOptimizer:
     def _move_to(self, epoch: int) -> None:
         if epoch > self.epoch:
             self._stats["epochs"] += epoch - self.epoch
-        self.epoch = epoch
-        self.local_samples = 0
-        self.swarm.run(self._new_epoch, epoch)
+        with self._counts_lock:
+            self.epoch = epoch
+            self.local_samples = 0
+        # others must stop counting our samples of the old epoch at once; alone, the move can wait for the
+        # tracker's next planned wake-up (a lone trainer may end an epoch every step)
+        progress = self.last_progress
+        self._hint_tracker(now=progress is not None and progress.num_peers > 1)
 
 
 __all__ = ["CollaborativeOptimizer", "MODES", "initialize_optimizer_state", "local_host_towards", "state_tensors"]

@@ -33,8 +33,10 @@ from peer import train  # noqa: E402
 from tests.peer_processes import PeerProcess, start_daemon  # noqa: E402
 
 
-def start_daemons(count: int, grid: int, hidden_dim: int) -> tuple[list[PeerProcess], str]:
-    """`peer join` processes serving ffn.[0:grid] split between them; returns them and the bootstrap address."""
+def start_daemons(count: int, grid: int, hidden_dim: int, threads: int | None = None
+                  ) -> tuple[list[PeerProcess], str]:
+    """`peer join` processes serving ffn.[0:grid] split between them (`--threads` torch threads each when
+    given); returns them and the bootstrap address."""
     processes: list[PeerProcess] = []
     bootstrap = None
     per = -(-grid // count)
@@ -42,6 +44,8 @@ def start_daemons(count: int, grid: int, hidden_dim: int) -> tuple[list[PeerProc
         for index in range(count):
             first, last = index * per, min(grid, (index + 1) * per)
             args = ["--experts", f"ffn.[{first}:{last}]", "--hidden-dim", str(hidden_dim), "--log-level", "warning"]
+            if threads is not None:
+                args += ["--threads", str(threads)]
             if bootstrap:
                 args += ["--initial-peers", bootstrap]
             process, _, address = start_daemon(*args, timeout=60.0, capture_stderr=False)
@@ -94,6 +98,8 @@ def main() -> None:
     parser.add_argument("--grid", type=int, default=12)
     parser.add_argument("--k-best", type=int, default=4)
     parser.add_argument("--daemons", type=int, default=2)
+    parser.add_argument("--daemon-threads", type=int, default=None,
+                        help="torch threads per daemon (`peer join --threads`; default: torch's own choice)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs of each, with seeds 0..N-1 (batch order); accuracies and times are averaged")
     options = parser.parse_args()
@@ -106,7 +112,7 @@ def main() -> None:
 
     # The daemons start first and local and swarm runs alternate, seed by seed, so that a change in the machine's
     # load (shared cores) hits both alike; idle daemons cost the local runs nothing measurable.
-    daemons, bootstrap = start_daemons(options.daemons, options.grid, options.hidden_dim)
+    daemons, bootstrap = start_daemons(options.daemons, options.grid, options.hidden_dim, options.daemon_threads)
     local_runs, swarm_runs = [], []
     try:
         for seed in range(options.repeats):

@@ -18,6 +18,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
+from torch.optim import optimizer as torch_optimizer
+from torch.optim.adam import adam as functional_adam
 from torch.optim.lr_scheduler import LambdaLR
 
 from moe.schema import SchemaError, TensorSpec, dtype_name, specs_to_wire
@@ -301,34 +303,187 @@ class Expert:
 
     def backward(self, inputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Gradients w.r.t. the inputs of the forward recomputed here; then one optimizer step on the expert."""
+        leaves, outputs = self._recompute(inputs)
         with torch.enable_grad():
-            leaves = [
-                x.to(self.device).detach().requires_grad_(x.is_floating_point()) for x in inputs
-            ]
-            outputs = _as_list(self.module(*leaves))
-            grads = [g.to(self.device) for g in grad_outputs]
-            torch.autograd.backward(outputs, grads)
-        grad_inputs = [
-            (leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)).detach().to("cpu").contiguous()
-            for leaf in leaves
-        ]
-        # Finite inputs can still overflow into inf/NaN gradients; one such step would ruin the expert for every
-        # caller, so it is skipped (the norm is one fused pass; clipping reuses it). Without clipping, the norm
-        # alone: clip_grad_norm_ also rescales every gradient, ~10x the cost of the norm for a small expert.
+            torch.autograd.backward(outputs, [g.to(self.device) for g in grad_outputs])
+        grad_inputs = self._grad_inputs(leaves)
+        if self._gradients_finite():
+            self.optimizer.step()
+            self._stepped()
+        else:
+            self.skipped_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_inputs
+
+    @staticmethod
+    def backward_many(
+        experts: Sequence["Expert"], requests: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]]
+    ) -> list[list[torch.Tensor] | Exception]:
+        """`backward` of several distinct experts (one batch each, `(inputs, grad_outputs)`), with the same
+        gradients, steps and skips as calling `backward` on each, but one autograd pass over all of them and one
+        fused optimizer kernel per group of experts with equal Adam settings. Returns each expert's input
+        gradients, or the exception its own computation raised (the others are unaffected).
+
+        Why: a daemon serving many small experts gets one backward call carrying several of them per trainer
+        step; per expert, the autograd engine's start-up and the optimizer's Python wrapper cost more than the
+        arithmetic (hidden 64: 6 experts 2.9 ms one by one, about 2 ms together)."""
+        outcomes: list[list[torch.Tensor] | Exception | None] = [None] * len(experts)
+        live: list[int] = []
+        recomputed: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        outputs: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        for index, (expert, (inputs, grad_outputs)) in enumerate(zip(experts, requests)):
+            try:
+                leaves, expert_outputs = expert._recompute(inputs)
+                expert_grads = [g.to(expert.device) for g in grad_outputs]
+                if len(expert_grads) != len(expert_outputs) or any(
+                        g.shape != y.shape for g, y in zip(expert_grads, expert_outputs)):
+                    raise ValueError(f"{len(expert_grads)} gradients of shapes {[tuple(g.shape) for g in expert_grads]}"
+                                     f" for outputs of shapes {[tuple(y.shape) for y in expert_outputs]}")
+            except Exception as error:  # that expert's module failed: its request alone
+                outcomes[index] = error
+                continue
+            live.append(index)
+            recomputed[index] = (leaves, expert_outputs)
+            outputs.extend(expert_outputs)
+            grads.extend(expert_grads)
+        try:
+            with torch.enable_grad():
+                torch.autograd.backward(outputs, grads)
+        except Exception:  # some expert's graph failed: drop the partial gradients, find out whose one by one
+            for index in live:
+                experts[index].optimizer.zero_grad(set_to_none=True)
+            for index in live:
+                try:
+                    outcomes[index] = experts[index].backward(*requests[index])
+                except Exception as error:
+                    outcomes[index] = error
+            return [outcome if outcome is not None else RuntimeError("no outcome") for outcome in outcomes]
+        for index in live:
+            outcomes[index] = experts[index]._grad_inputs(recomputed[index][0])
+        Expert._step_many([experts[index] for index in live], outcomes, live)
+        return [outcome if outcome is not None else RuntimeError("no outcome") for outcome in outcomes]
+
+    @staticmethod
+    def _step_many(experts: Sequence["Expert"], outcomes: list[Any], positions: Sequence[int]) -> None:
+        """The optimizer steps of `backward_many`: skip experts whose gradients are not finite (checked together
+        first: all finite is the usual case), then one fused kernel per group of experts whose fused Adam(W)
+        settings agree (elementwise per tensor, so the same values as stepping each), `optimizer.step` for the
+        rest. An expert whose step raised gets that error as its outcome."""
+        plain = [e for e in experts if e.clip_grad_norm is None]
+        all_finite = False
+        if plain:
+            grads = [p.grad for e in plain for p in e.module.parameters() if p.grad is not None]
+            all_finite = not grads or bool(torch.isfinite(
+                torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(grads)]))))
+        stepping: list[tuple[int, Expert]] = []
+        for position, expert in zip(positions, experts):
+            if (expert.clip_grad_norm is None and all_finite) or expert._gradients_finite():
+                stepping.append((position, expert))
+            else:
+                expert.skipped_steps += 1
+        groups: dict[Any, list[tuple[int, Expert]]] = {}
+        for position, expert in stepping:
+            key = expert._fused_adam_key()
+            if key is None:
+                groups[("alone", position)] = [(position, expert)]
+            else:
+                groups.setdefault(key, []).append((position, expert))
+        for key, members in groups.items():
+            try:
+                if key[0] == "alone" or len(members) == 1:
+                    for _, expert in members:
+                        expert.optimizer.step()
+                else:
+                    Expert._fused_adam_step([expert for _, expert in members])
+                for _, expert in members:
+                    expert._stepped()
+            except Exception as error:  # the optimizer itself failed: those experts' requests
+                for position, _ in members:
+                    outcomes[position] = error
+        for expert in experts:
+            expert.optimizer.zero_grad(set_to_none=True)
+
+    def _recompute(self, inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The forward with autograd: the input leaves and the outputs to backpropagate from."""
+        with torch.enable_grad():
+            leaves = [x.to(self.device).detach().requires_grad_(x.is_floating_point()) for x in inputs]
+            return leaves, _as_list(self.module(*leaves))
+
+    @staticmethod
+    def _grad_inputs(leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return [(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)).detach().to("cpu").contiguous()
+                for leaf in leaves]
+
+    def _gradients_finite(self) -> bool:
+        """Whether this batch's parameter gradients are finite (clipping them first when configured).
+
+        Finite inputs can still overflow into inf/NaN gradients; one such step would ruin the expert for every
+        caller, so it is skipped (the norm is one fused pass; clipping reuses it). Without clipping, the norm
+        alone: clip_grad_norm_ also rescales every gradient, ~10x the cost of the norm for a small expert."""
         if self.clip_grad_norm is not None:
             norm = nn.utils.clip_grad_norm_(self.module.parameters(), self.clip_grad_norm)
         else:
             grads = [p.grad for p in self.module.parameters() if p.grad is not None]
             norms = [n.float() for n in torch._foreach_norm(grads)] if grads else [torch.zeros(())]
             norm = torch.linalg.vector_norm(torch.stack(norms))
-        if bool(torch.isfinite(norm)):
-            self.optimizer.step()
-            self.scheduler.step()
-            self.steps += 1
-        else:
-            self.skipped_steps += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_inputs
+        return bool(torch.isfinite(norm))
+
+    def _stepped(self) -> None:
+        self.scheduler.step()
+        self.steps += 1
+
+    def _fused_adam_key(self) -> tuple[Any, ...] | None:
+        """What must agree for several experts' steps to be one fused Adam(W) kernel call, or None when this
+        optimizer's `step` does more than that kernel (other optimizers, hooks, amsgrad, a first step that still
+        has to create the state...)."""
+        optimizer = self.optimizer
+        if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or len(optimizer.param_groups) != 1:
+            return None
+        if (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+                or getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None)
+                is not None or torch_optimizer._global_optimizer_pre_hooks
+                or torch_optimizer._global_optimizer_post_hooks):
+            return None
+        group = optimizer.param_groups[0]
+        if (not group.get("fused") or group.get("amsgrad") or group.get("maximize") or group.get("capturable")
+                or group.get("differentiable") or isinstance(group["lr"], torch.Tensor)
+                or any(isinstance(beta, torch.Tensor) for beta in group["betas"])):
+            return None
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if p.grad is None or p.is_complex() or not state or "step" not in state:
+                return None
+        return ("adam", group["lr"], tuple(group["betas"]), group["eps"], group["weight_decay"],
+                bool(group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW)))
+
+    @staticmethod
+    def _fused_adam_step(experts: Sequence["Expert"]) -> None:
+        """One `torch.optim.adam.adam(fused=True)` call over the parameters of experts sharing a `_fused_adam_key`:
+        what each one's `Adam.step` would do, with the lists concatenated."""
+        params: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        exp_avgs: list[torch.Tensor] = []
+        exp_avg_sqs: list[torch.Tensor] = []
+        steps: list[torch.Tensor] = []
+        for expert in experts:
+            optimizer = expert.optimizer
+            for p in optimizer.param_groups[0]["params"]:
+                state = optimizer.state[p]
+                params.append(p)
+                grads.append(p.grad)
+                exp_avgs.append(state["exp_avg"])
+                exp_avg_sqs.append(state["exp_avg_sq"])
+                steps.append(state["step"])
+        group = experts[0].optimizer.param_groups[0]
+        with torch.no_grad():
+            functional_adam(
+                params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=None, capturable=False,
+                differentiable=False, fused=True, grad_scale=None, found_inf=None, has_complex=False,
+                decoupled_weight_decay=bool(group.get("decoupled_weight_decay",
+                                                      type(experts[0].optimizer) is torch.optim.AdamW)),
+                amsgrad=False, beta1=group["betas"][0], beta2=group["betas"][1], lr=group["lr"],
+                weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a restarted server needs to continue where this one stopped (weights_only-loadable).

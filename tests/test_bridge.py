@@ -60,3 +60,18 @@ def test_rpc_call_from_synchronous_code():
         client, address = bridge.start_and_wait(serve)
         results = [bridge.run(lambda n=n: client.call(address, "square", n, timeout=5)) for n in range(20)]
         assert results == [n * n for n in range(20)]
+
+
+def test_run_soon_runs_plain_functions_in_order_before_a_later_run_and_refuses_once_closed():
+    bridge = Bridge.start()
+    seen: list[tuple[int, bool]] = []
+    for index in range(50):
+        bridge.run_soon(lambda i=index: seen.append((i, bridge.in_bridge_thread)))
+
+    async def snapshot() -> list[tuple[int, bool]]:
+        return list(seen)
+
+    assert bridge.run(snapshot) == [(i, True) for i in range(50)]
+    bridge.close()
+    with pytest.raises(BridgeClosed):
+        bridge.run_soon(seen.clear)

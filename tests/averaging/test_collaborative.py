@@ -14,6 +14,7 @@ import trio
 from torch import nn
 
 from averaging.collaborative import CollaborativeOptimizer, initialize_optimizer_state, state_tensors
+from averaging.progress import parse_records
 from dht import DHTNode
 from peer.client import Swarm
 from peer.p2p.bridge import Bridge
@@ -254,3 +255,32 @@ def test_a_late_or_lagging_trainer_downloads_the_swarms_state_and_epoch(bootstra
         assert all(torch.equal(p, q) for p, q in zip(_params(lagging_model), _params(leader_model)))
         for opt in (leader, late, lagging):
             opt.close()
+
+
+# ------------------------------------------------------------------------------------------- the per-step path
+
+
+def test_a_step_between_epoch_boundaries_makes_no_bridge_round_trip_and_the_count_is_still_published(bootstrap):
+    with Swarm([bootstrap]) as swarm, Swarm([bootstrap]) as reader:
+        model = _template()
+        opt = CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), swarm, "local-steps",
+                                     target_batch_size=10**9, batch_size_per_step=8)
+        round_trips = []
+        original = swarm.bridge.run
+        swarm.bridge.run = lambda fn, *args: (round_trips.append(fn), original(fn, *args))[1]
+        try:
+            x, y = _data(4)
+            for _ in range(25):
+                nn.functional.mse_loss(model(x), y).backward()
+                assert not opt.step()
+        finally:
+            swarm.bridge.run = original
+        assert round_trips == []
+        assert opt.last_progress.samples == 200 and opt.last_progress.epoch == 0
+        # the tracker takes the count when it builds its next record: another trainer reads all 200 samples
+        swarm.run(opt.tracker.publish)
+        records = reader.run(lambda: reader.dht.get("local-steps.progress", latest=True))
+        (record,) = parse_records(records, reader.dht.now()).values()
+        assert (record.epoch, record.samples) == (0, 200)
+        assert record.samples_per_second > 0
+        opt.close()

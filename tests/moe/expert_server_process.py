@@ -78,17 +78,19 @@ class PhaseHooks:
                 print(json.dumps({"armed": words[1]}), flush=True)
 
     def wrap(self, expert) -> None:
-        forward, backward = expert.forward, expert.backward
+        # backward: the forward's recomputation, which both the single-expert backward and a batched call's
+        # `Expert.backward_many` go through for each expert
+        forward, recompute = expert.forward, expert._recompute
 
         def held_forward(inputs):
             self._maybe_hold("forward", expert.uid)
             return forward(inputs)
 
-        def held_backward(inputs, grad_outputs):
+        def held_recompute(inputs):
             self._maybe_hold("backward", expert.uid)
-            return backward(inputs, grad_outputs)
+            return recompute(inputs)
 
-        expert.forward, expert.backward = held_forward, held_backward
+        expert.forward, expert._recompute = held_forward, held_recompute
 
     def _maybe_hold(self, phase: str, uid: str) -> None:
         with self._lock:
