@@ -70,9 +70,14 @@ def test_trainer_killed_while_sending_its_part_the_others_finish_and_agree(proce
     results = [_result(t) for t in others]
     assert {r["outer_step"] for r in results} == {4}
     assert len({r["hash"] for r in results}) == 1
-    for step in (2, 3, 4):
-        hashes = {os.path.basename(f).split(".")[0] for f in glob.glob(f"{tmp_path}/*.{step}.pt")}
-        assert len(hashes) == 3, f"outer step {step}"
+    # who applied each outer step through the all-reduce (the rest downloaded it). Known limit, seen once in a
+    # CI run on a loaded machine: one survivor missed the round the kill hit (its all-reduce failed with the
+    # victim) and re-synced by download; the two others finished it. Steps after the kill have all three.
+    takers = {step: {os.path.basename(f).split(".")[0] for f in glob.glob(f"{tmp_path}/*.{step}.pt")}
+              for step in (2, 3, 4)}
+    assert len(takers[2]) >= 2, takers
+    assert len(takers[3]) == 3 and len(takers[4]) == 3, takers
+    assert all(r["state_loads"] + r["resyncs"] >= 1 for r in results if r["peer_id"] not in takers[2])
 
 
 @pytest.mark.slow
