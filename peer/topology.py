@@ -58,7 +58,7 @@ class Topology:
         return f"trainer-{index + 1}"
 
     def volunteer_args(self, index: int, *, host: str, port: int, bootstrap: str | None,
-                       announce: str | None = None) -> list[str]:
+                       announce: str | None = None, reachability: str | None = None) -> list[str]:
         first = index * self.experts_per_volunteer
         rows = f".[0:{self.lm_layers}]" if self.task == "lm" else ""
         args = ["join", "--host", host, "--port", str(port),
@@ -66,6 +66,8 @@ class Topology:
                 "--hidden-dim", str(self.hidden_dim), "--threads", "1"]
         if announce:
             args += ["--announce", announce]
+        if reachability:
+            args += ["--reachability", reachability]
         if bootstrap and index > 0:
             args += ["--initial-peers", bootstrap]
         return args
@@ -102,8 +104,10 @@ def render_compose(topology: Topology) -> str:
     ]
     for index in range(topology.volunteers):
         name = topology.volunteer_name(index)
+        # every container sits on one bridge network, reachable by all: no dial-back check (it judged the
+        # volunteers private there, dialing their compose host names back; see the issue on NAT)
         args = topology.volunteer_args(index, host="0.0.0.0", port=COMPOSE_PORT, bootstrap=bootstrap,
-                                       announce=f"{name}:{COMPOSE_PORT}")
+                                       announce=f"{name}:{COMPOSE_PORT}", reachability="public")
         lines += [f"  {name}:", "    <<: *peer", f"    hostname: {name}", f"    command: {_yaml_list(args)}"]
         lines += ["    healthcheck:",
                   f"      test: [\"CMD\", \"peer\", \"status\", \"--initial-peers\", \"{name}:{COMPOSE_PORT}\"]",

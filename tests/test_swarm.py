@@ -32,7 +32,7 @@ def test_compose_runs_each_launcher_command_in_its_own_container():
     bootstrap = "bootstrap:31337"
     for index in range(topology.volunteers):
         args = topology.volunteer_args(index, host="0.0.0.0", port=31337, bootstrap=bootstrap,
-                                       announce=f"{topology.volunteer_name(index)}:31337")
+                                       announce=f"{topology.volunteer_name(index)}:31337", reachability="public")
         assert json.dumps(args) in compose
     for index in range(topology.trainers):
         assert f"  {topology.trainer_name(index)}:" in compose
