@@ -203,9 +203,7 @@ def _reference_check(trace_dir: str, steps: int, count: int) -> None:
 def test_four_trainers_agree_after_every_outer_step_and_match_reference_nesterov(bridge, tmp_path):
     memory = MemoryNetwork(latency=0.002)
     peers = _start_swarm(bridge, memory, 4)
-    # start_with: the four threads wait for each other before the first inner step (on a loaded machine one
-    # started late, and the others took an outer step without it: 2 traces at step 3 instead of 4)
-    made = [_make(SimSwarm(bridge, peer), start_with=4) for peer in peers]
+    made = [_make(SimSwarm(bridge, peer)) for peer in peers]
     for _, opt in made:
         opt._trace = str(tmp_path)
     try:
