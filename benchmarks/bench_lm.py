@@ -33,7 +33,6 @@ import gzip
 import io
 import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -46,38 +45,17 @@ import torch  # noqa: E402
 
 from peer import train  # noqa: E402
 from peer.corpus import WindowStream, load_corpus  # noqa: E402
-from tests.peer_processes import PeerProcess, start_daemon  # noqa: E402
+from tests.peer_processes import PeerProcess, start_daemon_chain, stop_all  # noqa: E402
 
 PREFIX = "lm"
 
 
 def start_daemons(count: int, layers: int, per_layer: int, hidden_dim: int) -> tuple[list[PeerProcess], str]:
     """`peer join` processes each serving its slice of every layer's grid; returns them and the bootstrap."""
-    processes: list[PeerProcess] = []
-    bootstrap = None
     per = -(-per_layer // count)
-    try:
-        for index in range(count):
-            first, last = index * per, min(per_layer, (index + 1) * per)
-            args = ["--experts", f"{PREFIX}.[0:{layers}].[{first}:{last}]", "--hidden-dim", str(hidden_dim),
-                    "--log-level", "warning"]
-            if bootstrap:
-                args += ["--initial-peers", bootstrap]
-            process, _, address = start_daemon(*args, timeout=120.0, capture_stderr=False)
-            processes.append(process)
-            bootstrap = bootstrap or address
-    except BaseException:
-        stop(processes)
-        raise
-    assert bootstrap is not None
-    return processes, bootstrap
-
-
-def stop(processes: list[PeerProcess]) -> None:
-    for process in processes:  # all at once, then wait for each
-        process.signal(signal.SIGTERM)
-    for process in processes:
-        process.stop(timeout=15)
+    slices = [["--experts", f"{PREFIX}.[0:{layers}].[{index * per}:{min(per_layer, (index + 1) * per)}]",
+               "--hidden-dim", str(hidden_dim), "--log-level", "warning"] for index in range(count)]
+    return start_daemon_chain(slices, timeout=120.0)
 
 
 def run(options: list[str]) -> dict[str, Any]:
@@ -189,7 +167,7 @@ def main() -> None:
         profile = (profile_swarm_steps(common, bootstrap, options.profile_steps)
                    if options.profile_steps > 0 else None)
     finally:
-        stop(daemons)
+        stop_all(daemons)
     print(f"swarm : held-out {swarm['bpb']:.3f} bits per byte (from {swarm['bpb_start']:.3f}), "
           f"training {swarm['train_seconds']:.2f} s on {options.daemons} daemons, "
           f"{swarm.get('failed_expert_calls', 0)} failed expert calls, {swarm['failed_steps']} failed steps")

@@ -21,7 +21,6 @@ import contextlib
 import io
 import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -30,39 +29,20 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from peer import train  # noqa: E402
-from tests.peer_processes import PeerProcess, start_daemon  # noqa: E402
+from tests.peer_processes import PeerProcess, start_daemon_chain, stop_all  # noqa: E402
 
 
 def start_daemons(count: int, grid: int, hidden_dim: int, threads: int | None = None
                   ) -> tuple[list[PeerProcess], str]:
     """`peer join` processes serving ffn.[0:grid] split between them (`--threads` torch threads each when
     given); returns them and the bootstrap address."""
-    processes: list[PeerProcess] = []
-    bootstrap = None
     per = -(-grid // count)
-    try:
-        for index in range(count):
-            first, last = index * per, min(grid, (index + 1) * per)
-            args = ["--experts", f"ffn.[{first}:{last}]", "--hidden-dim", str(hidden_dim), "--log-level", "warning"]
-            if threads is not None:
-                args += ["--threads", str(threads)]
-            if bootstrap:
-                args += ["--initial-peers", bootstrap]
-            process, _, address = start_daemon(*args, timeout=60.0, capture_stderr=False)
-            processes.append(process)
-            bootstrap = bootstrap or address
-    except BaseException:
-        stop(processes)
-        raise
-    assert bootstrap is not None
-    return processes, bootstrap
-
-
-def stop(processes: list[PeerProcess]) -> None:
-    for process in processes:  # all at once, then wait for each
-        process.signal(signal.SIGTERM)
-    for process in processes:
-        process.stop(timeout=15)
+    slices = []
+    for index in range(count):
+        first, last = index * per, min(grid, (index + 1) * per)
+        args = ["--experts", f"ffn.[{first}:{last}]", "--hidden-dim", str(hidden_dim), "--log-level", "warning"]
+        slices.append(args + (["--threads", str(threads)] if threads is not None else []))
+    return start_daemon_chain(slices, timeout=60.0)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -121,7 +101,7 @@ def main() -> None:
                                             "--target-batch-size", str(options.batch_size), "--seed", str(seed)],
                                   daemons))
     finally:
-        stop(daemons)
+        stop_all(daemons)
     local = summarize(local_runs)
     print(f"local : held-out accuracy {local['accuracy']:.4f} (runs: {local['accuracies']}), "
           f"training {local['train_seconds']:.2f} s per run")

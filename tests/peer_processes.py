@@ -151,6 +151,33 @@ def start_daemon(*args: str, timeout: float = 60.0, capture_stderr: bool = True)
     return process, match.group(1), match.group(2)
 
 
+def start_daemon_chain(slices: Sequence[Sequence[str]], *, timeout: float = 60.0
+                       ) -> tuple[list[PeerProcess], str]:
+    """One `peer join ARGS` per entry of `slices`, each after the first joining through the first; returns the
+    processes and the bootstrap address. A failed start stops the ones already running."""
+    processes: list[PeerProcess] = []
+    bootstrap: str | None = None
+    try:
+        for args in slices:
+            extra = ["--initial-peers", bootstrap] if bootstrap else []
+            process, _, address = start_daemon(*args, *extra, timeout=timeout, capture_stderr=False)
+            processes.append(process)
+            bootstrap = bootstrap or address
+    except BaseException:
+        stop_all(processes)
+        raise
+    assert bootstrap is not None, "no daemon to start"
+    return processes, bootstrap
+
+
+def stop_all(processes: Sequence[ChildProcess], timeout: float = 15.0) -> None:
+    """SIGTERM every process at once, then wait for each (they checkpoint and exit in parallel)."""
+    for process in processes:
+        process.signal(signal.SIGTERM)
+    for process in processes:
+        process.stop(timeout=timeout)
+
+
 def run_peer(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
     """`peer ARGS`; a `join` listens on 127.0.0.1 unless ARGS say --host (see `loopback_join`)."""
     if args and args[0] == "join":
