@@ -53,7 +53,7 @@ import torch
 import trio
 
 from averaging.averager import Averager
-from averaging.progress import PeerProgress, ProgressTracker, SwarmProgress, estimate
+from averaging.progress import PeerProgress, ProgressTracker, SwarmProgress, _Rate, estimate
 from averaging.state import install_state_server, load_state_from_peers
 from dht.client import SwarmHandle
 from peer.p2p import wire
@@ -121,12 +121,15 @@ class _SharedProgressTracker(ProgressTracker):
         self._seen_total = 0
         self._anchor = (self.dht.now(), time.monotonic())
         self.fetched_monotonic = -float("inf")
+        # the training thread steps in real time and absorb() may first run after many steps: measure the rate
+        # on the monotonic clock from now, so the first absorbed count already yields a rate
+        self._rate = _Rate(self._rate.horizon, start=time.monotonic())
 
     def absorb(self) -> None:
         """Take the training thread's epoch and samples (and feed the rate with the samples since last time)."""
         epoch, samples, total = self._counts()
         if total != self._seen_total:
-            self._rate.update(total - self._seen_total, trio.current_time())
+            self._rate.update(total - self._seen_total, time.monotonic())
             self._seen_total = total
         self.epoch, self.samples = epoch, samples
         self._anchor = (self.dht.now(), time.monotonic())

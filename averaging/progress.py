@@ -181,22 +181,27 @@ def parse_records(record: Any, now: float) -> dict[PeerID, PeerProgress]:
 
 
 class _Rate:
-    """Samples per second, smoothed over recent intervals (an EWMA weighted by interval length)."""
+    """Samples per second, smoothed over recent intervals (an EWMA weighted by interval length).
 
-    def __init__(self, horizon: float = 10.0):
+    The first observation only anchors the clock unless `start` anchors it earlier; samples seen at the same
+    instant as the previous observation are kept for the next interval rather than dropped."""
+
+    def __init__(self, horizon: float = 10.0, start: float | None = None):
         self.horizon = horizon
         self.value = 0.0
-        self._last: float | None = None
+        self._last: float | None = start
+        self._pending = 0
 
     def update(self, samples: int, now: float) -> None:
         if self._last is None:
             self._last = now
             return
+        self._pending += samples
         interval = now - self._last
         if interval <= 0:
             return
         self._last = now
-        instant = samples / interval
+        instant, self._pending = self._pending / interval, 0
         alpha = min(1.0, interval / self.horizon) if self.value else 1.0
         self.value = (1 - alpha) * self.value + alpha * instant
 
