@@ -244,7 +244,7 @@ def test_unreadable_hellos_are_not_a_peer(payload):
 def test_parse_hello_returns_the_fields():
     payload = msgpack.packb({"v": 2, "pk": b"k" * 32, "nonce": b"n" * 32, "listen": ["h", 9], "eph": b"e" * 32,
                              "transport": PLAINTEXT}, use_bin_type=True)
-    assert parse_hello(payload) == (b"k" * 32, b"n" * 32, ("h", 9), b"e" * 32, PLAINTEXT)
+    assert parse_hello(payload) == (b"k" * 32, b"n" * 32, ("h", 9), b"e" * 32, PLAINTEXT, False)  # not private
 
 
 @pytest.mark.parametrize("frame, reason", [

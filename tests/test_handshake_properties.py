@@ -109,7 +109,7 @@ def test_valid_hello_parses(public_key, nonce, listen, ephemeral, transport):
     hello = msgpack.packb({"v": rpc.PROTOCOL_VERSION, "pk": public_key, "nonce": nonce, "listen": listen,
                            "eph": ephemeral, "transport": transport}, use_bin_type=True)
     assert tuple(parse_hello(hello)) == (public_key, nonce, tuple(listen) if listen else None, ephemeral,
-                                         transport)
+                                         transport, False)
 
 
 @given(hello_mutations())

@@ -21,9 +21,26 @@ transcript as salt, one key per direction (`HandshakeComplete.keys`).
 
 Both sides must agree on the transport: a `plaintext` peer (`--insecure-transport`, for trusted clusters only)
 and an encrypting one refuse each other (`TransportMismatch`), so nobody falls back to plaintext by accident.
-HELLO keys beyond these are ignored and still covered by the transcript: that is the room for new fields (a swarm
-key's proof would be one). An ERROR control frame is the other side's refusal. The handshake reads exactly its
-own two frames and hands whatever followed them on (`HandshakeComplete.leftover`: the first sealed records).
+HELLO keys beyond these are ignored and still covered by the transcript: that is the room for new fields. An
+ERROR control frame is the other side's refusal. The handshake reads exactly its own two frames and hands
+whatever followed them on (`HandshakeComplete.leftover`: the first sealed records).
+
+Private swarms (`--swarm-key`): a peer holding a swarm key says so in its HELLO (`"private": true`) and its
+PROOF is `tag || signature`, the tag being HMAC-SHA256, under a key derived from the swarm key (label
+`rpc-proof`), of the very message it signs (role and transcript). The tag is checked before the signature, so a
+peer that cannot show the key gets no further than its PROOF. What this gives: a holder and a non-holder fail on
+both sides at the HELLO, each knowing why (`SwarmKeyMismatch`: one side is private, the other not); two holders of
+different keys both fail at the PROOF (a tag is bound to this transcript, so no tag seen elsewhere is replayable).
+A non-holder learns that the peer is private and the public HELLO fields (its public key, nonce, listen address),
+nothing of the key: an HMAC tag reveals nothing of its key, and a 256-bit key cannot be guessed from tags offline.
+The swarm key is also mixed into the session keys (label `rpc-session`), so the records of a private swarm are
+opened only by holders even if an identity key leaks. An open swarm (no key) sends exactly the version-2 bytes
+it always did. On top, `allowed_peers` (`--allow-peers`) refuses any PeerID not listed (`PeerNotAllowed`), at its
+HELLO, before we sign anything, with an ERROR frame telling the remote why.
+
+After a failure, `data_to_send()` still holds what was queued before it (our PROOF when the remote's was bad, an
+ERROR refusal): the driver sends it before closing, so the remote reaches its own verdict instead of seeing a
+closed connection.
 
 Failures are `HandshakeFailed` subclasses (all `RemoteProtocolError`s: the remote's doing); feeding a finished or
 failed handshake is a `LocalProtocolError` (ours).
@@ -33,6 +50,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import hmac
 import os
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Union
@@ -43,7 +61,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from peer.p2p import framing, seal
-from peer.p2p.identity import Identity, PeerID, verify_signature
+from peer.p2p.identity import SIGNATURE_BYTES, Identity, PeerID, SwarmKey, verify_signature
 from peer.p2p.rpc_protocol import Address, LocalProtocolError, RemoteProtocolError
 
 PROTOCOL_VERSION = 2
@@ -53,6 +71,10 @@ EPHEMERAL_BYTES = 32
 SEALED = seal.CIPHER
 PLAINTEXT = "plaintext"
 _KEYS_INFO = b"swarmd-rpc-v2 session keys"
+PRIVATE = "private"  # the HELLO field (true) of a peer holding a swarm key
+TAG_BYTES = 32
+PROOF_LABEL = b"rpc-proof"
+SESSION_LABEL = b"rpc-session"
 _MAX_FRAME_BYTES = max(framing.CHUNK_BYTES, framing.MAX_CONTROL_BYTES) + framing.TOTAL.size + framing.HEADER.size
 
 
@@ -103,6 +125,15 @@ class TransportMismatch(HandshakeFailed):
     """One side seals its frames and the other runs with `--insecure-transport`: both must agree."""
 
 
+class SwarmKeyMismatch(HandshakeFailed):
+    """The two sides are not in the same private swarm: one holds a swarm key and the other none, or they hold
+    different keys (the remote's key proof did not verify)."""
+
+
+class PeerNotAllowed(HandshakeFailed):
+    """The remote proved nothing wrong, but its PeerID is not on this peer's allow list (`--allow-peers`)."""
+
+
 # ------------------------------------------------------------------------------------------------------- events
 
 
@@ -112,6 +143,7 @@ class Hello(NamedTuple):
     listen: Address | None
     ephemeral: bytes = b""
     transport: str = SEALED
+    private: bool = False  # it holds a swarm key
 
 
 @dataclass(frozen=True)
@@ -154,13 +186,16 @@ def parse_hello(payload: bytes) -> Hello:
         raise NotAPeer("hello without a valid ephemeral key")
     if transport not in (SEALED, PLAINTEXT):
         raise NotAPeer(f"hello with an unknown transport {str(transport)[:40]!r}")
+    private = hello.get(PRIVATE, False)
+    if type(private) is not bool:
+        raise NotAPeer("hello with a malformed private flag")
     address: Address | None = None
     if listen is not None:
         if (not isinstance(listen, list) or len(listen) != 2 or not isinstance(listen[0], str)
                 or type(listen[1]) is not int or not 0 < listen[1] < 65536):  # a bool is no port
             raise NotAPeer("hello with a malformed listen address")
         address = (listen[0], listen[1])
-    return Hello(public_key, nonce, address, ephemeral, transport)
+    return Hello(public_key, nonce, address, ephemeral, transport, private)
 
 
 def transcript_hash(initiator_hello: bytes, responder_hello: bytes) -> bytes:
@@ -174,6 +209,12 @@ def transcript_hash(initiator_hello: bytes, responder_hello: bytes) -> bytes:
 def proof_message(signer: Role, transcript: bytes) -> bytes:
     """What a PROOF signs: the signer's role (so a PROOF reflected to its author fails) and the transcript."""
     return DOMAIN + signer.value.encode() + b"|" + transcript
+
+
+def swarm_tag(proof_key: bytes, signer: Role, transcript: bytes) -> bytes:
+    """A private swarm's key proof: HMAC-SHA256 under `proof_key` (`SwarmKey.derive(PROOF_LABEL)`) of what the
+    PROOF signs, so it is bound to the signer's role and to this exchange."""
+    return hmac.new(proof_key, proof_message(signer, transcript), hashlib.sha256).digest()
 
 
 class _State(enum.Enum):
@@ -190,8 +231,9 @@ class Handshake:
 
     `listen` is the address announced to the remote (None: client mode); `expected_peer`, if given, fails the
     handshake before we sign anything when the remote is someone else; `secure` False is `--insecure-transport`
-    (the remote must say the same); `nonce_source(n)` gives n random bytes, for the nonce and the ephemeral key
-    (tests pass a seeded one)."""
+    (the remote must say the same); `swarm_key` makes this a private swarm's peer (only holders of the same key
+    complete); `allowed_peers`, if given, refuses every other PeerID; `nonce_source(n)` gives n random bytes, for
+    the nonce and the ephemeral key (tests pass a seeded one)."""
 
     def __init__(
         self,
@@ -202,6 +244,8 @@ class Handshake:
         expected_peer: PeerID | None = None,
         version: int = PROTOCOL_VERSION,
         secure: bool = True,
+        swarm_key: SwarmKey | None = None,
+        allowed_peers: frozenset[PeerID] | None = None,
         nonce_source: Callable[[int], bytes] = os.urandom,
     ):
         if version != PROTOCOL_VERSION:
@@ -211,17 +255,21 @@ class Handshake:
         self.expected_peer = expected_peer
         self.version = version
         self.transport = SEALED if secure else PLAINTEXT
+        self.private = swarm_key is not None
+        self._proof_key = swarm_key.derive(PROOF_LABEL) if swarm_key is not None else b""
+        self._session_secret = swarm_key.derive(SESSION_LABEL) if swarm_key is not None else b""
+        self.allowed_peers = allowed_peers
         self._nonce = nonce_source(NONCE_BYTES)
         if not isinstance(self._nonce, bytes) or len(self._nonce) != NONCE_BYTES:
             raise LocalProtocolError(f"the nonce source gave {self._nonce!r}, not {NONCE_BYTES} bytes")
         self._ephemeral = X25519PrivateKey.from_private_bytes(nonce_source(EPHEMERAL_BYTES))
         ephemeral_public = self._ephemeral.public_key().public_bytes(serialization.Encoding.Raw,
                                                                       serialization.PublicFormat.Raw)
-        self._hello_payload = msgpack.packb(
-            {"v": version, "pk": identity.public_key, "eph": ephemeral_public, "nonce": self._nonce,
-             "listen": [listen[0], listen[1]] if listen else None, "transport": self.transport},
-            use_bin_type=True,
-        )
+        hello = {"v": version, "pk": identity.public_key, "eph": ephemeral_public, "nonce": self._nonce,
+                 "listen": [listen[0], listen[1]] if listen else None, "transport": self.transport}
+        if self.private:
+            hello[PRIVATE] = True  # an open swarm's HELLO stays byte for byte what it always was
+        self._hello_payload = msgpack.packb(hello, use_bin_type=True)
         self._outgoing = bytearray(framing.control_frame(framing.HELLO, self._hello_payload))
         self._buffer = bytearray()
         self._state = _State.WAIT_HELLO
@@ -308,6 +356,13 @@ class Handshake:
                 "agree" if hello.transport == PLAINTEXT else
                 "this peer runs with --insecure-transport (unencrypted) and the peer encrypts; both sides must "
                 "agree", peer_id)
+        if hello.private != self.private:
+            raise SwarmKeyMismatch(
+                "the peer is not part of this private swarm (it has no swarm key)" if self.private else
+                "the peer belongs to a private swarm; pass its --swarm-key to reach it", peer_id)
+        if self.allowed_peers is not None and peer_id not in self.allowed_peers:
+            self._outgoing += framing.control_frame(framing.ERROR, b"your PeerID is not on this peer's allow list")
+            raise PeerNotAllowed(f"the peer {peer_id.short()} is not on the allow list", peer_id)
         try:
             shared = self._ephemeral.exchange(X25519PublicKey.from_public_bytes(hello.ephemeral))
         except ValueError:  # a low-order point: the shared secret would be all zeros
@@ -317,13 +372,15 @@ class Handshake:
                             else transcript_hash(theirs, mine))
         if self.transport == SEALED:
             both = HKDF(algorithm=hashes.SHA256(), length=2 * seal.KEY_BYTES, salt=self._transcript,
-                        info=_KEYS_INFO).derive(shared)
+                        info=_KEYS_INFO).derive(shared + self._session_secret)
             to_responder, to_initiator = both[:seal.KEY_BYTES], both[seal.KEY_BYTES:]
             self._keys = (seal.SessionKeys(send=to_responder, receive=to_initiator) if self.role is Role.INITIATOR
                           else seal.SessionKeys(send=to_initiator, receive=to_responder))
         self._hello, self._peer_id = hello, peer_id
-        self._outgoing += framing.control_frame(framing.PROOF,
-                                                self.identity.sign(proof_message(self.role, self._transcript)))
+        proof = self.identity.sign(proof_message(self.role, self._transcript))
+        if self.private:
+            proof = swarm_tag(self._proof_key, self.role, self._transcript) + proof
+        self._outgoing += framing.control_frame(framing.PROOF, proof)
         self._state = _State.WAIT_PROOF
 
     def _on_proof(self, kind: int, payload: bytes) -> HandshakeComplete:
@@ -332,6 +389,12 @@ class Handshake:
         if kind != framing.PROOF:
             raise NotAPeer("not a swarmd peer: a second hello", peer_id)
         remote_role = Role.RESPONDER if self.role is Role.INITIATOR else Role.INITIATOR
+        if self.private:  # the key proof first: a non-holder's signature is never even looked at
+            expected = swarm_tag(self._proof_key, remote_role, self._transcript)
+            if len(payload) != TAG_BYTES + SIGNATURE_BYTES or not hmac.compare_digest(payload[:TAG_BYTES], expected):
+                raise SwarmKeyMismatch("the peer holds a different swarm key (not part of this private swarm)",
+                                       peer_id)
+            payload = payload[TAG_BYTES:]
         if not verify_signature(hello.public_key, payload, proof_message(remote_role, self._transcript)):
             raise BadProof("the peer could not prove it holds its key for this exchange", peer_id)
         self._state = _State.DONE

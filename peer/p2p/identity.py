@@ -3,6 +3,11 @@
 The PeerID is SHA-1 of the raw 32-byte public key, which also makes it the peer's Kademlia node id: a peer can
 only choose its place in the DHT by grinding keys, and any signature it makes can be attributed to that place.
 PeerIDs are shown as lowercase hex everywhere (logs, CLI, status).
+
+A private swarm's shared secret lives here too (`SwarmKey`): like an identity it is a key file that must stay the
+owner's, and everything that proves membership (the RPC handshake, the DHT's datagram MACs) derives its own key
+from it under its own label, so no two uses ever share key material. `load_peer_list` reads an `--allow-peers`
+file.
 """
 
 from __future__ import annotations
@@ -13,13 +18,17 @@ import stat
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
 PEER_ID_BYTES = 20
 _KEY_FILE_MAGIC = b"swarmd-ed25519-v1\n"
+SWARM_KEY_BYTES = 32
+_SWARM_KEY_MAGIC = b"swarmd-swarm-key-v1\n"
+_SWARM_KEY_INFO = b"swarmd swarm key|"
 
 
 class IdentityError(Exception):
@@ -69,16 +78,16 @@ def verify_signature(public_key: bytes, signature: bytes, data: bytes) -> bool:
     return True
 
 
-def _check_private(path: Path) -> None:
+def _check_private(path: Path, what: str = "identity file") -> None:
     """Refuse a key file that group or others may read (as ssh does): whoever can read it can act as this peer.
     Files this module writes are 0600, so this fires only for a file copied or made by hand, or loosened later;
     fixing it is one command, losing the identity to another user is not undoable."""
     try:
         mode = stat.S_IMODE(os.stat(path).st_mode)
     except OSError as error:
-        raise IdentityError(f"cannot read identity file {path}: {error.strerror}") from error
+        raise IdentityError(f"cannot read {what} {path}: {error.strerror}") from error
     if mode & 0o077:
-        raise IdentityError(f"identity file {path} is accessible by group or others (mode {mode:04o}); "
+        raise IdentityError(f"{what} {path} is accessible by group or others (mode {mode:04o}); "
                             f"run `chmod 600 {path}`")
 
 
@@ -150,3 +159,91 @@ class Identity:
 
     def __repr__(self) -> str:
         return f"Identity({self.peer_id.short()})"
+
+
+# --------------------------------------------------------------------------------------------- private swarms
+
+
+class SwarmKeyError(IdentityError):
+    """A swarm key file that cannot be used (missing, corrupt, readable by others, or one that keygen would
+    overwrite)."""
+
+
+class SwarmKey:
+    """The shared secret of a private swarm: 32 random bytes, never sent anywhere.
+
+    Why derived keys (`derive`): the handshake's key proof and the DHT's datagram MAC are different protocols;
+    HKDF with a distinct label per use means a tag from one can never be replayed as the other, and learning one
+    derived key (a bug, a side channel) reveals neither the secret nor the other keys."""
+
+    def __init__(self, secret: bytes):
+        if not isinstance(secret, bytes) or len(secret) != SWARM_KEY_BYTES:
+            raise ValueError(f"a swarm key is {SWARM_KEY_BYTES} bytes")
+        self._secret = secret
+
+    @classmethod
+    def generate(cls) -> "SwarmKey":
+        return cls(os.urandom(SWARM_KEY_BYTES))
+
+    def derive(self, label: bytes, length: int = 32) -> bytes:
+        """The key for one use of the swarm key (`label` names it, e.g. b"rpc-proof", b"dht-mac")."""
+        return HKDF(algorithm=hashes.SHA256(), length=length, salt=None,
+                    info=_SWARM_KEY_INFO + label).derive(self._secret)
+
+    def save(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> None:
+        """Write the key readable by the owner only (0600). An existing file is kept unless `overwrite`: losing
+        a swarm's key by a repeated command cuts this peer off from its swarm, which no one can undo."""
+        path = Path(path)
+        if path.exists() and not overwrite:
+            raise SwarmKeyError(f"{path} exists; pass --force to replace it (peers holding the old key will no "
+                                f"longer reach this one)")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(path.name + ".tmp")
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "wb") as file:
+            file.write(_SWARM_KEY_MAGIC + self._secret.hex().encode() + b"\n")
+        os.chmod(temporary, 0o600)
+        os.replace(temporary, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> "SwarmKey":
+        path = Path(path)
+        try:
+            content = path.read_bytes()
+        except OSError as error:
+            raise SwarmKeyError(f"cannot read swarm key file {path}: {error.strerror}") from error
+        if not content.startswith(_SWARM_KEY_MAGIC):
+            raise SwarmKeyError(f"{path} is not a swarmd swarm key file (missing header; "
+                                f"`peer keygen --swarm-key FILE` writes one)")
+        try:
+            key = cls(bytes.fromhex(content[len(_SWARM_KEY_MAGIC):].decode("ascii").strip()))
+        except (ValueError, UnicodeDecodeError):
+            raise SwarmKeyError(f"{path} is corrupt: not {SWARM_KEY_BYTES} hex-encoded bytes") from None
+        try:
+            _check_private(path, "swarm key file")
+        except IdentityError as error:
+            raise SwarmKeyError(str(error)) from None
+        return key
+
+    def __repr__(self) -> str:
+        return "SwarmKey(…)"  # never the secret, not even in a traceback
+
+
+def load_peer_list(path: str | os.PathLike[str]) -> frozenset[PeerID]:
+    """An `--allow-peers` file: one PeerID in hex per line; blank lines and `#` comments are skipped."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) else "not UTF-8 text"
+        raise IdentityError(f"cannot read peer list {path}: {reason}") from None
+    peers: set[PeerID] = set()
+    for number, line in enumerate(lines, 1):
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        try:
+            peers.add(PeerID.from_hex(text))
+        except ValueError:
+            raise IdentityError(f"{path}:{number}: {text[:60]!r} is not a PeerID (40 hex digits)") from None
+    return frozenset(peers)

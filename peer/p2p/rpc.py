@@ -33,8 +33,16 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import trio
 
 from peer.p2p import framing, wire
-from peer.p2p.handshake import PROTOCOL_VERSION, Handshake, HandshakeComplete, HandshakeFailed, Role
-from peer.p2p.identity import Identity, PeerID
+from peer.p2p.handshake import (
+    PROTOCOL_VERSION,
+    Handshake,
+    HandshakeComplete,
+    HandshakeFailed,
+    PeerNotAllowed,
+    Role,
+    SwarmKeyMismatch,
+)
+from peer.p2p.identity import Identity, PeerID, SwarmKey
 from peer.p2p.lifetime import owned_nursery
 from peer.p2p.net import Address, Network, ReceiveInto, receiver_into
 from peer.p2p.rpc_protocol import (
@@ -48,6 +56,8 @@ from peer.p2p.rpc_protocol import (
     HandlerFailed,
     HandshakeError,
     LocalProtocolError,
+    NotAllowed,
+    NotInSwarm,
     RemoteError,
     RemoteProtocolError,
     RequestCancelled,
@@ -60,7 +70,8 @@ from peer.p2p.rpc_protocol import (
 )
 
 __all__ = [
-    "PROTOCOL_VERSION", "RPCError", "CallTimeout", "ConnectionFailed", "HandshakeError", "ResponseRejected",
+    "PROTOCOL_VERSION", "RPCError", "CallTimeout", "ConnectionFailed", "HandshakeError", "NotInSwarm", "NotAllowed",
+    "ResponseRejected",
     "RemoteError", "UnknownMethod", "BadRequest", "HandlerFailed", "LocalProtocolError", "RemoteProtocolError",
     "register_error_code", "CallContext", "Handler", "Connection", "RPCNode",
 ]
@@ -352,6 +363,8 @@ class RPCNode:
         idle_timeout: float = 300.0,
         announce: Address | None = None,
         secure: bool = True,
+        swarm_key: SwarmKey | None = None,
+        allowed_peers: frozenset[PeerID] | None = None,
     ):
         self.identity = identity
         self.peer_id: PeerID = identity.peer_id
@@ -363,6 +376,8 @@ class RPCNode:
         self.address: Address | None = None
         self.announce = announce
         self.secure = secure  # False: `--insecure-transport`, frames unsealed (the remote must agree)
+        self.swarm_key = swarm_key  # a private swarm's: only holders complete a handshake (peer/p2p/handshake.py)
+        self.allowed_peers = allowed_peers  # `--allow-peers`: None accepts any PeerID
         # Failed calls, as `peer status` counts them: served ones refused before a handler ran (error_replies),
         # answered with a typed error (handler_errors), crashed (handler_failures) or cut short by the caller's
         # deadline or cancellation (handlers_cancelled); and this node's own calls that failed (calls_failed).
@@ -371,6 +386,7 @@ class RPCNode:
             for key in (
                 "calls_sent", "calls_failed", "calls_received", "calls_served", "error_replies",
                 "handler_errors", "handler_failures", "handlers_cancelled", "handshake_failures",
+                "handshakes_not_in_swarm",
                 "protocol_errors", "rejected_messages",
                 "connections_opened", "connections_accepted", "bytes_sent", "bytes_received",
             )
@@ -433,6 +449,8 @@ class RPCNode:
             handshake = await self._handshake(stream, Role.RESPONDER)
         except HandshakeError as error:
             self.stats["handshake_failures"] += 1
+            if isinstance(error, NotInSwarm):  # someone outside a private swarm (or with the wrong key) knocked
+                self.stats["handshakes_not_in_swarm"] += 1
             logger.debug("rejected incoming connection: %s", error)
             return
         self.stats["connections_accepted"] += 1
@@ -566,7 +584,7 @@ class RPCNode:
                          expected_peer: PeerID | None = None) -> HandshakeComplete:
         """Drive a `Handshake` over `stream` within `handshake_timeout`; every failure is a `HandshakeError`."""
         handshake = Handshake(self.identity, role, listen=self.announced_address, expected_peer=expected_peer,
-                              secure=self.secure)
+                              secure=self.secure, swarm_key=self.swarm_key, allowed_peers=self.allowed_peers)
         with trio.move_on_after(self.handshake_timeout):
             try:
                 await stream.send_all(handshake.data_to_send())
@@ -583,5 +601,19 @@ class RPCNode:
             except _TRANSPORT_ERRORS as error:
                 raise HandshakeError(f"connection lost during handshake ({error.__class__.__name__})") from None
             except HandshakeFailed as error:
-                raise HandshakeError(str(error), peer=error.peer_id) from None
+                await self._send_last_words(stream, handshake.data_to_send())
+                kind = (NotInSwarm if isinstance(error, SwarmKeyMismatch) else
+                        NotAllowed if isinstance(error, PeerNotAllowed) else HandshakeError)
+                raise kind(str(error), peer=error.peer_id) from None
         raise HandshakeError(f"handshake not completed within {self.handshake_timeout:.3g} s")
+
+    async def _send_last_words(self, stream: trio.abc.Stream, data: bytes) -> None:
+        """What a failed handshake still queued (our PROOF, an ERROR refusal), so the remote reaches its own
+        verdict rather than seeing a closed connection; best effort, briefly bounded."""
+        if not data:
+            return
+        with trio.move_on_after(min(1.0, self.handshake_timeout)):
+            try:
+                await stream.send_all(data)
+            except _TRANSPORT_ERRORS:
+                pass

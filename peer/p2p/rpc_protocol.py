@@ -112,6 +112,15 @@ class HandshakeError(ConnectionFailed):
     """The other side could not prove its identity, spoke another protocol version, or was not the peer expected."""
 
 
+class NotInSwarm(HandshakeError):
+    """The other side is not in this peer's private swarm: one of the two holds a swarm key and the other none,
+    or they hold different keys (peer/p2p/handshake.py)."""
+
+
+class NotAllowed(HandshakeError):
+    """The other side's PeerID is not on this peer's allow list (`--allow-peers`)."""
+
+
 class ResponseRejected(RPCError):
     """The peer's answer broke the wire limits or could not be decoded."""
 
