@@ -67,7 +67,7 @@ from dht.records import Record, Subkey
 from dht.routing import RoutingTable
 from dht.server import MAX_REPLY_BYTES, NO_REPLY, Server
 from dht.storage import DEFAULT_MAX_BYTES, DEFAULT_SHARE, DEFAULT_STOCK_TTL, LOCAL, Storage
-from peer.p2p.identity import Identity
+from peer.p2p.identity import Identity, SwarmKey
 from peer.p2p.lifetime import owned_nursery
 from peer.p2p.net import Address, Network, RealNetwork, UDPEndpoint
 from peer.p2p.periodic import run_periodic
@@ -162,7 +162,7 @@ class DHTNode:
 
     def __init__(self, identity: Identity, endpoint: UDPEndpoint, nursery: trio.Nursery, *, client_mode: bool,
                  clock: Callable[[], float], config: DHTConfig, rng: random.Random,
-                 random_bytes: Callable[[int], bytes] = os.urandom):
+                 random_bytes: Callable[[int], bytes] = os.urandom, swarm_key: SwarmKey | None = None):
         self.identity = identity
         self.peer_id = identity.peer_id
         self.client_mode = client_mode
@@ -171,8 +171,9 @@ class DHTNode:
         self._endpoint = endpoint
         self._nursery = nursery
         self._rng = rng
+        self._swarm_key = swarm_key  # a private swarm's: datagrams carry its MAC (dht/protocol.py)
         self._protocol = proto.DatagramProtocol(random_bytes=random_bytes,
-                                                flags=proto.FLAG_CLIENT if client_mode else 0)
+                                                flags=proto.FLAG_CLIENT if client_mode else 0, swarm_key=swarm_key)
         self._waiters: dict[bytes, _Waiter] = {}
         self._table = RoutingTable(self.peer_id, config.k, trio.current_time())
         self._peers = PeerBook(min_timeout=config.min_timeout, max_timeout=config.max_timeout,
@@ -208,8 +209,9 @@ class DHTNode:
     async def open(cls, host: str, port: int, initial_peers: Sequence[Address] = (), *,
                    identity: Identity | None = None, network: Network | None = None, client_mode: bool = False,
                    clock: Callable[[], float] = time.time, config: DHTConfig | None = None,
-                   seed: int | None = None) -> AsyncIterator["DHTNode"]:
+                   seed: int | None = None, swarm_key: SwarmKey | None = None) -> AsyncIterator["DHTNode"]:
         """Bind UDP host:port, join through `initial_peers` (none: start a new DHT), serve until the block ends.
+        With `swarm_key` the node is part of that private swarm only (every datagram MACed, others dropped).
 
         Raises BootstrapFailed when initial peers were given and none of them answered."""
         network = network or RealNetwork()
@@ -222,7 +224,7 @@ class DHTNode:
         endpoint = await network.open_udp(host, port)
         async with endpoint, owned_nursery() as nursery:
             node = cls(identity, endpoint, nursery, client_mode=client_mode, clock=clock, config=config, rng=rng,
-                       random_bytes=random_bytes)
+                       random_bytes=random_bytes, swarm_key=swarm_key)
             node._network = network
             nursery.start_soon(node._receive_loop)
             await node._bootstrap([(h, p) for h, p in initial_peers])
@@ -269,6 +271,7 @@ class DHTNode:
             "peer_id": str(self.peer_id),
             "address": list(self.address),
             "client_mode": self.client_mode,
+            "private_swarm": self._protocol.private,
             "routing_table_size": len(self._table),
             "buckets": len(self._table.buckets),
             "records_held": len(self._storage),
@@ -440,7 +443,7 @@ class DHTNode:
         assert self._network is not None, "open the node with DHTNode.open"
         endpoint = await self._network.open_udp(self._endpoint.address[0], 0)
         try:
-            protocol = proto.DatagramProtocol(flags=proto.FLAG_CLIENT)
+            protocol = proto.DatagramProtocol(flags=proto.FLAG_CLIENT, swarm_key=self._swarm_key)
             _msg_id, datagram = protocol.request(address, "stun", [])
             await endpoint.sendto(datagram, address)
             with trio.move_on_after(timeout):

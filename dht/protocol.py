@@ -11,17 +11,29 @@ str, bytes as bin, tuples and lists as arrays, floats as float64. Stock RPCs are
 reply is accepted only from the address the request went to (the stock package matches by msg id alone, so any
 host that sees a msg id can forge the answer). No sockets, clocks or trio here: the driver in `dht/node.py` does
 the waiting and the timeouts, and tests feed this object arbitrary bytes.
+
+Private swarms (`--swarm-key`): every datagram, request and reply, ends with a 16-byte tag, HMAC-SHA256 truncated,
+under a key derived from the swarm key with its own label (`dht-mac`, never the handshake's key), over all the
+bytes before it. `receive` checks the tag before anything else is decoded and drops a datagram with a bad or
+missing one (`Dropped("bad_mac")`, counted in the node's stats), so a non-holder's datagram is never parsed,
+never answered and never reaches the routing table or the store: all it learns is that the port answers nothing.
+Stock `kademlia` nodes cannot take part (they send no tag), which is what a private swarm means. The tag covers
+the msg id, so a reply cannot be moved to another request; what it does not stop is an eavesdropper replaying a
+holder's datagram verbatim (a duplicate request: the same answers or the same store again). An open swarm (no
+key) sends and accepts exactly rpcudp's bytes, as before.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import msgpack
 
+from peer.p2p.identity import SwarmKey
 from peer.p2p.net import Address
 
 REQUEST = 0x00
@@ -32,6 +44,8 @@ MAX_REQUEST_PAYLOAD = 8192  # rpcudp refuses to send [name, args] packed larger 
 MAX_DATAGRAM = 65507
 
 STOCK_VALUE_TYPES = (int, float, bool, str, bytes)
+MAC_BYTES = 16  # 128 bits: a forger's chance per datagram is 2**-128, at the cost of 16 bytes
+MAC_LABEL = b"dht-mac"
 
 
 def pack(obj: Any) -> bytes:
@@ -243,8 +257,11 @@ class _Outstanding:
 class DatagramProtocol:
     """Frames requests and replies and matches replies to requests by (msg id, address)."""
 
-    def __init__(self, random_bytes: Callable[[int], bytes] = os.urandom, flags: int | None = None):
-        """`flags`: mark our msg ids as a swarmd node's (see SWARMD_MARK); None sends plain rpcudp ids."""
+    def __init__(self, random_bytes: Callable[[int], bytes] = os.urandom, flags: int | None = None,
+                 swarm_key: SwarmKey | None = None):
+        """`flags`: mark our msg ids as a swarmd node's (see SWARMD_MARK); None sends plain rpcudp ids.
+        `swarm_key`: a private swarm's; every datagram carries a MAC and others are dropped (see the module)."""
+        self._mac_key = swarm_key.derive(MAC_LABEL) if swarm_key is not None else None
         self._random_bytes = random_bytes
         self._flags = flags
         self._outstanding: dict[bytes, _Outstanding] = {}
@@ -252,7 +269,7 @@ class DatagramProtocol:
     def request(self, address: Address, name: str, args: list[Any] | tuple[Any, ...]) -> tuple[bytes, bytes]:
         """Returns (msg_id, datagram) and remembers the request until `forget(msg_id)` or its reply."""
         msg_id = new_msg_id(self._random_bytes, self._flags)
-        datagram = encode_request(msg_id, name, args)
+        datagram = self._tagged(encode_request(msg_id, name, args))
         self._outstanding[msg_id] = _Outstanding(name, address)
         return msg_id, datagram
 
@@ -269,9 +286,24 @@ class DatagramProtocol:
         return len(self._outstanding)
 
     def reply(self, request: Request, result: Any) -> bytes:
-        return encode_reply(request.msg_id, result)
+        return self._tagged(encode_reply(request.msg_id, result))
+
+    @property
+    def private(self) -> bool:
+        return self._mac_key is not None
+
+    def _tagged(self, datagram: bytes) -> bytes:
+        if self._mac_key is None:
+            return datagram
+        return datagram + hmac.new(self._mac_key, datagram, hashlib.sha256).digest()[:MAC_BYTES]
 
     def receive(self, data: bytes, address: Address) -> Event:
+        if self._mac_key is not None:  # before any decoding: a datagram without the swarm's tag is not looked at
+            body = bytes(data[:-MAC_BYTES])
+            if (len(data) < MAC_BYTES or not hmac.compare_digest(
+                    hmac.new(self._mac_key, body, hashlib.sha256).digest()[:MAC_BYTES], bytes(data[-MAC_BYTES:]))):
+                return Dropped("bad_mac", address)
+            data = body
         if len(data) < 1 + MSG_ID_BYTES + 1:
             return Dropped("too_short", address)
         kind = data[0]
