@@ -20,11 +20,13 @@ class DHTError(Exception):
 class BootstrapFailed(DHTError):
     """None of the initial peers answered: joining would silently start a separate DHT, so refuse instead."""
 
-    def __init__(self, addresses: Sequence[Address], attempts: int):
+    def __init__(self, addresses: Sequence[Address], attempts: int, private: bool = False):
         tried = ", ".join(f"{host}:{port}" for host, port in addresses)
+        # a private swarm's peers stay silent to anyone without their key: say so, it is the likely cause
+        hint = "; only peers holding this --swarm-key answer: check that the key file is the swarm's" if private else ""
         super().__init__(
             f"DHT bootstrap failed: none of the initial peers answered after {attempts} attempt(s) each "
-            f"(tried {tried})",
+            f"(tried {tried}){hint}",
             operation="bootstrap",
         )
         self.addresses = list(addresses)

@@ -925,7 +925,7 @@ class DHTNode:
                 break
             timeout = min(self.config.max_timeout, timeout * 2)
         if not answered:
-            raise BootstrapFailed(initial_peers, self.config.bootstrap_attempts)
+            raise BootstrapFailed(initial_peers, self.config.bootstrap_attempts, private=self._protocol.private)
         await self._settle()
 
     async def _ping_all(self, addresses: list[Address], timeout: float,

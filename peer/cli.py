@@ -1,5 +1,6 @@
 """The `peer` command line: `join` runs a volunteer daemon, `status` shows the swarm, `dashboard` serves a live
-web page of it, `train` is the example trainer, `swarm up/compose` runs a local swarm or writes its compose file.
+web page of it, `train` is the example trainer, `swarm up/compose` runs a local swarm or writes its compose file,
+`keygen` writes a private swarm's key.
 
 Every failure a user can cause (bad option, port in use, unreachable bootstrap peer, bad key file, unwritable
 checkpoint directory) ends with one line on stderr and a non-zero exit code, never a traceback: 2 for usage
@@ -17,7 +18,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from peer import __version__
-from peer.options import DASHBOARD, JOIN, STATUS, SWARM_COMPOSE, SWARM_UP, TRAIN, OptionParser, UsageError
+from peer.options import (
+    DASHBOARD,
+    JOIN,
+    KEYGEN,
+    STATUS,
+    SWARM_COMPOSE,
+    SWARM_UP,
+    TRAIN,
+    OptionParser,
+    UsageError,
+)
 
 if TYPE_CHECKING:  # the daemon imports torch: only the type, at parse time
     from peer.daemon import DaemonInfo
@@ -104,9 +115,12 @@ def cmd_join(args: argparse.Namespace) -> int:
 
 async def _run_status(args: argparse.Namespace) -> int:
     from peer.client import open_client_peer
+    from peer.p2p.identity import load_membership
     from peer.status import format_status, gather_status, to_json
 
-    async with open_client_peer(args.initial_peers, secure=not args.insecure_transport) as (rpc, dht):
+    swarm_key, _ = load_membership(args.swarm_key, None)
+    async with open_client_peer(args.initial_peers, secure=not args.insecure_transport,
+                                swarm_key=swarm_key) as (rpc, dht):
         status = await gather_status(rpc, dht, timeout=args.timeout, runs_reader=_runs_reader())
     print(to_json(status) if args.json else format_status(status), flush=True)
     return 0 if status["peers_reachable"] else EXIT_FAILURE
@@ -125,6 +139,20 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     configure_logging("warning")
     return trio.run(_run_status, args)
+
+
+# ------------------------------------------------------------------------------------------------------- keygen
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    """A fresh random swarm key, written 0600; an existing file is kept unless --force (whoever still holds the
+    old key would be cut off, and a lost key cannot be recovered)."""
+    from peer.p2p.identity import SwarmKey
+
+    SwarmKey.generate().save(args.swarm_key, overwrite=args.force)
+    print(f"wrote a new swarm key to {args.swarm_key} (mode 0600): copy it to every member of the private swarm "
+          f"over a channel you trust; each passes --swarm-key FILE", flush=True)
+    return 0
 
 
 # ------------------------------------------------------------------------------------------------------- train
@@ -246,6 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "/api/v1/state.")
     DASHBOARD.add_to(dashboard)
     dashboard.set_defaults(handler=cmd_dashboard)
+    keygen = commands.add_parser("keygen", help="write a private swarm's key (--swarm-key FILE)",
+                                 description="Write a fresh random swarm key (mode 0600). Peers started with "
+                                             "--swarm-key FILE form a private swarm: only holders of the key "
+                                             "complete an RPC handshake or get an answer from the DHT.")
+    KEYGEN.add_to(keygen)
+    keygen.set_defaults(handler=cmd_keygen)
     swarm = commands.add_parser("swarm", help="run a whole local swarm (volunteers + trainers) on this machine",
                                 description="Local swarms for demos and tests.")
     add_swarm_arguments(swarm)

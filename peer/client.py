@@ -7,6 +7,7 @@ bridge: `swarm.run(async_fn, ...)` blocks until the coroutine finishes in the sw
 
 from __future__ import annotations
 
+import os
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
@@ -14,7 +15,7 @@ import trio
 
 from dht.node import DHTNode
 from peer.p2p.bridge import Bridge
-from peer.p2p.identity import Identity, PeerID
+from peer.p2p.identity import Identity, PeerID, SwarmKey
 from peer.p2p.net import Address, Network, RealNetwork, parse_address
 from peer.p2p.rpc import RPCNode
 
@@ -39,17 +40,20 @@ async def open_client_peer(
     network: Network | None = None,
     host: str | None = None,
     secure: bool = True,
+    swarm_key: SwarmKey | None = None,
+    allowed_peers: frozenset[PeerID] | None = None,
 ) -> AsyncIterator[tuple[RPCNode, DHTNode]]:
     """A client-mode peer for the duration of the block: an RPC node that calls others and a client-mode DHT node
     joined through `initial_peers` (`host`: see `client_host`). The one composition `Swarm` and `peer status`
-    share. `secure` False is `--insecure-transport`. Raises dht.BootstrapFailed when no initial peer answers."""
+    share. `secure` False is `--insecure-transport`; `swarm_key` makes it a private swarm's member,
+    `allowed_peers` refuses handshakes with others. Raises dht.BootstrapFailed when no initial peer answers."""
     peers = normalize_peers(initial_peers)
     identity = identity or Identity.generate()
     network = network or RealNetwork()
-    async with RPCNode(identity, network, secure=secure) as rpc:
+    async with RPCNode(identity, network, secure=secure, swarm_key=swarm_key, allowed_peers=allowed_peers) as rpc:
         resolved = [await network.resolve(peer) for peer in peers]
         async with DHTNode.open(host or client_host(resolved), 0, resolved, identity=identity, network=network,
-                                client_mode=True) as dht:
+                                client_mode=True, swarm_key=swarm_key) as dht:
             yield rpc, dht
 
 
@@ -70,7 +74,10 @@ class Swarm:
         network: Network | None = None,
         start: bool = True,
         secure: bool = True,
+        swarm_key: SwarmKey | str | os.PathLike[str] | None = None,
+        allowed_peers: frozenset[PeerID] | None = None,
     ):
+        """`swarm_key`: a private swarm's key, or the path of its key file (`--swarm-key`)."""
         self.initial_peers = normalize_peers(initial_peers)
         if not self.initial_peers:
             raise ValueError("a Swarm needs at least one initial peer (HOST:PORT of any running `peer join`)")
@@ -79,6 +86,8 @@ class Swarm:
         self.host = host
         self.network = network or RealNetwork()
         self.secure = secure  # False: `--insecure-transport`
+        self.swarm_key = swarm_key if swarm_key is None or isinstance(swarm_key, SwarmKey) else SwarmKey.load(swarm_key)
+        self.allowed_peers = allowed_peers
         self._bridge: Bridge | None = None
         self._nodes: tuple[RPCNode, DHTNode] | None = None
         if start:
@@ -118,7 +127,8 @@ class Swarm:
     async def _serve(self, task_status: trio.TaskStatus[tuple[RPCNode, DHTNode]] = trio.TASK_STATUS_IGNORED
                      ) -> None:
         async with open_client_peer(self.initial_peers, identity=self.identity, network=self.network,
-                                    host=self.host, secure=self.secure) as nodes:
+                                    host=self.host, secure=self.secure, swarm_key=self.swarm_key,
+                                    allowed_peers=self.allowed_peers) as nodes:
             task_status.started(nodes)
             await trio.sleep_forever()
 

@@ -42,7 +42,7 @@ from peer import __version__
 from peer.directory import PeerDirectory
 from peer.discover import SwarmMismatch, choose_family, discover_families, summary_fields
 from peer.options import JOIN
-from peer.p2p.identity import Identity
+from peer.p2p.identity import Identity, load_membership
 from peer.p2p.net import Address, Network, RealNetwork
 from peer.p2p.rpc import CallContext, RPCNode
 from peer.reachability import DialBackService, Reachability, check_reachability, fixed
@@ -86,6 +86,8 @@ class DaemonConfig:
     average_every: float = _JOIN["average_every"]
     accept_weights_from: list[str] = field(default_factory=lambda: list(_JOIN["accept_weights_from"]))
     insecure_transport: bool = _JOIN["insecure_transport"]
+    swarm_key: Path | None = _JOIN["swarm_key"]
+    allow_peers: Path | None = _JOIN["allow_peers"]
     reachability: str = _JOIN["reachability"]
     metrics_port: int | None = _JOIN["metrics_port"]
 
@@ -101,10 +103,12 @@ class DaemonInfo:
     hidden_dim: int | None = None
     reachability: str | None = None  # `Reachability.describe()`
     metrics_address: Address | None = None  # where /metrics is served (--metrics-port)
+    swarm_key: str | None = None  # the private swarm's key file (--swarm-key): others need a copy to join
 
     @property
     def join_command(self) -> str:
-        return f"peer join --initial-peers {self.address[0]}:{self.address[1]}"
+        key = f" --swarm-key {self.swarm_key}" if self.swarm_key else ""
+        return f"peer join --initial-peers {self.address[0]}:{self.address[1]}{key}"
 
 
 DEFAULT_PATTERN = "ffn.[0:12]"  # the family a daemon without --experts starts in a new swarm
@@ -204,6 +208,8 @@ class Daemon:
         if identity is None:
             identity = Identity.load_or_create(config.identity) if config.identity else Identity.generate()
         self.identity = identity
+        # a private swarm's key and the allow list, read at once so a bad file stops the start with one line
+        self.swarm_key, self.allowed_peers = load_membership(config.swarm_key, config.allow_peers)
         self.started_at = time.time()
         self.rpc: RPCNode | None = None
         self.dht: DHTNode | None = None
@@ -232,7 +238,8 @@ class Daemon:
             raise StartupError("a daemon on a simulated network needs DaemonConfig.host (its host's name)")
         host = config.host if config.host is not None else default_listen_host(peers)
         async with RPCNode(self.identity, self.network, announce=config.announce,
-                           secure=not config.insecure_transport) as rpc:
+                           secure=not config.insecure_transport, swarm_key=self.swarm_key,
+                           allowed_peers=self.allowed_peers) as rpc:
             self.rpc = rpc
             port = config.port
             if port == 0 and isinstance(self.network, RealNetwork):
@@ -247,7 +254,7 @@ class Daemon:
                 try:
                     dht = await stack.enter_async_context(DHTNode.open(
                         host, address[1], peers, identity=self.identity, network=self.network,
-                        client_mode=client_first))
+                        client_mode=client_first, swarm_key=self.swarm_key))
                 except OSError as error:
                     raise StartupError(f"cannot open UDP {host}:{address[1]} for the DHT: "
                                        f"{error.strerror or error}") from None
@@ -283,7 +290,8 @@ class Daemon:
                         metrics_address = await nursery.start(metrics.serve, host, config.metrics_port)
                     task_status.started(DaemonInfo(str(self.identity.peer_id), announced, uids, self.pattern,
                                                    config.hidden_dim, self.reachability.describe(),
-                                                   metrics_address))
+                                                   metrics_address,
+                                                   str(config.swarm_key) if config.swarm_key else None))
                     await trio.sleep_forever()
 
     async def _swarm_pattern(self, dht: DHTNode, count: int) -> str:

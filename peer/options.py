@@ -465,6 +465,15 @@ INSECURE_TRANSPORT = Option(
     "insecure-transport", SWITCH, False, "send RPC frames unencrypted and unauthenticated after the handshake "
     "(trusted clusters only); every peer it talks to must pass it too, an encrypting peer refuses it")
 
+# One option for every command that takes part in a swarm: a private swarm's members hold its key.
+SWARM_KEY = Option(
+    "swarm-key", PATH, None, "a private swarm's key file (`peer keygen --swarm-key FILE` writes one, 0600): only "
+    "peers holding the same key complete an RPC handshake or get an answer from the DHT",
+    shown_default="none: an open swarm", metavar="FILE")
+ALLOW_PEERS = Option(
+    "allow-peers", PATH, None, "file of PeerIDs (hex, one per line, # comments): RPC handshakes with any other peer "
+    "are refused", shown_default="any peer", metavar="FILE")
+
 JOIN = OptionSet("peer join", [
     Option("host", TEXT, None, "address to listen on, TCP and UDP (127.0.0.1 for a swarm on this machine only)",
            shown_default="the interface toward the initial peers; all interfaces in a new swarm"),
@@ -503,6 +512,8 @@ JOIN = OptionSet("peer join", [
            "the served experts' weights (upcycling by `moe.swarmify.swarmify(..., upcycle=True)`)", many=True,
            shown_default="nobody", metavar="PEER_ID"),
     INSECURE_TRANSPORT,
+    SWARM_KEY,
+    ALLOW_PEERS,
     Option("reachability", Text(["auto", "public", "private"]), "auto", "auto: up to 3 initial peers dial this "
            "one back on TCP and UDP; a private peer takes part in the DHT as a client only (never in others' "
            "routing tables, never holding records); public or private: skip the check"),
@@ -516,6 +527,7 @@ STATUS = OptionSet("peer status", [
     Option("json", SWITCH, False, "machine-readable output"),
     Option("timeout", POSITIVE, 3.0, "seconds to wait for each peer", metavar="SECONDS"),
     INSECURE_TRANSPORT,
+    SWARM_KEY,
 ])
 
 # ------------------------------------------------------------------------------------------------------- train
@@ -586,6 +598,8 @@ TRAIN = OptionSet("peer train", [
     Option("max-failed-steps", POSITIVE_INT, 50, "give up after this many consecutive attempts without enough "
            "experts (retried with a growing pause, up to 1 s: about 45 s in all with the default)"),
     INSECURE_TRANSPORT,
+    SWARM_KEY,
+    ALLOW_PEERS,
     Option("metrics-port", PORT, None, "serve Prometheus metrics at /metrics on this port, on the address that "
            "faces the swarm (127.0.0.1 with --local-experts; 0: any free port, printed on stderr)",
            shown_default="off"),
@@ -627,7 +641,18 @@ DASHBOARD = OptionSet("peer dashboard", [
     Option("port", PORT, 8470, "port of the web page (0: any free port)"),
     Option("refresh", POSITIVE, 2.0, "seconds between asking the peers for their status", metavar="SECONDS"),
     Option("timeout", POSITIVE, 3.0, "seconds to wait for each peer", metavar="SECONDS"),
+    SWARM_KEY,
+])
+
+# ------------------------------------------------------------------------------------------------------- keygen
+
+KEYGEN = OptionSet("peer keygen", [
+    Option("swarm-key", PATH, None, "write a fresh random swarm key to this file (mode 0600); hand it to every "
+           "member of the private swarm", required=True, shown_default="none: required",
+           metavar="FILE"),
+    Option("force", SWITCH, False, "replace an existing key file (peers holding the old key no longer reach this "
+           "one)"),
 ])
 
 COMMANDS: dict[str, OptionSet] = {"join": JOIN, "status": STATUS, "train": TRAIN, "swarm up": SWARM_UP,
-                                  "swarm compose": SWARM_COMPOSE, "dashboard": DASHBOARD}
+                                  "swarm compose": SWARM_COMPOSE, "dashboard": DASHBOARD, "keygen": KEYGEN}

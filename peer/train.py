@@ -494,10 +494,13 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
             # parameter lives in this trainer (the setting DiLoCo is made for)
             from averaging.collaborative import local_host_towards
             from peer.client import Swarm, normalize_peers
+            from peer.p2p.identity import load_membership
 
             peers = normalize_peers(args.initial_peers)
+            swarm_key, allowed_peers = load_membership(getattr(args, "swarm_key", None),
+                                                       getattr(args, "allow_peers", None))
             swarm = Swarm(initial_peers=peers, host=local_host_towards(peers[0]),
-                          secure=not args.insecure_transport)
+                          secure=not args.insecure_transport, swarm_key=swarm_key, allowed_peers=allowed_peers)
             if not args.local_experts:
                 args = task.discover(args, swarm)
         experts_swarm = None if args.local_experts else swarm  # where the experts live (None: in this process)

@@ -51,8 +51,10 @@ TABLE: dict[str, dict[str, tuple]] = {
         "log-level": choice("debug", "info", "warning", "error"),
         "accept-weights-from": (["xyz"], ['"xyz"', "5"], ("ab" * 20, f'["{"ab" * 20}"]', ["ab" * 20])),
         "insecure-transport": SWITCH, "reachability": choice("auto", "public", "private"),
+        "swarm-key": PATH, "allow-peers": PATH,
     },
-    "status": {"initial-peers": ADDRESS, "json": SWITCH, "timeout": POSITIVE, "insecure-transport": SWITCH},
+    "status": {"initial-peers": ADDRESS, "json": SWITCH, "timeout": POSITIVE, "insecure-transport": SWITCH,
+               "swarm-key": PATH},
     "train": {
         "initial-peers": ADDRESS, "run-id": STRING, "steps": POSITIVE_INT, "batch-size": POSITIVE_INT,
         "target-batch-size": POSITIVE_INT, "expert-prefix": STRING,
@@ -65,10 +67,13 @@ TABLE: dict[str, dict[str, tuple]] = {
         "checkpoint": PATH, "log-every": POSITIVE_INT, "local-experts": SWITCH, "expert-lr": POSITIVE,
         "threads": POSITIVE_INT, "max-failed-steps": POSITIVE_INT, "task": choice("lm", "digits"),
         "seq-len": POSITIVE_INT, "insecure-transport": SWITCH, "metrics-port": PORT,
+        "swarm-key": PATH, "allow-peers": PATH,
     },
     "swarm up": {**TOPOLOGY, "kill-one-at": POSITIVE, "log-dir": PATH},
     "swarm compose": TOPOLOGY,
-    "dashboard": {"initial-peers": ADDRESS, "host": STRING, "port": PORT, "refresh": POSITIVE, "timeout": POSITIVE},
+    "dashboard": {"initial-peers": ADDRESS, "host": STRING, "port": PORT, "refresh": POSITIVE, "timeout": POSITIVE,
+                  "swarm-key": PATH},
+    "keygen": {"swarm-key": PATH, "force": SWITCH},
 }
 
 
@@ -131,6 +136,8 @@ def test_a_good_value_means_the_same_as_a_flag_and_as_a_config_key(tmp_path, com
 
 
 def _required(command: str, name: str) -> list[str]:
+    if command == "keygen":
+        return ["--swarm-key", "some/key"] if name != "swarm-key" else []
     return ["--initial-peers", "127.0.0.1:1"] if command in ("status", "dashboard") and name != "initial-peers" else []
 
 

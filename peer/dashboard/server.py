@@ -20,6 +20,7 @@ import trio
 
 from peer.dashboard.http import serve_asgi
 from peer.dashboard.watcher import Watcher
+from peer.p2p.identity import load_membership
 
 HERE = Path(__file__).resolve().parent
 STATIC = HERE / "static"
@@ -68,7 +69,8 @@ def load_schema() -> dict[str, Any]:
 
 async def run_dashboard(args: argparse.Namespace) -> None:
     """Watch the swarm and serve the page until SIGINT (Ctrl-C) or SIGTERM, then return."""
-    watcher = Watcher(args.initial_peers, refresh=args.refresh, timeout=args.timeout)
+    watcher = Watcher(args.initial_peers, refresh=args.refresh, timeout=args.timeout,
+                      swarm_key=load_membership(args.swarm_key, None)[0])
     async with trio.open_nursery() as nursery:
 
         async def stop_on_signal(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

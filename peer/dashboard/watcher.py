@@ -27,6 +27,7 @@ from peer.client import open_client_peer
 from peer.dashboard.training import parse_points, read_points, trainlog_key
 from peer.dashboard.view import SwarmView
 from peer.directory import SHARD_KEYS, PeerEntry, entries_from_records, list_peers
+from peer.p2p.identity import SwarmKey
 from peer.p2p.net import Address, Network, RealNetwork, UDPEndpoint
 from peer.p2p.rpc import RPCNode
 from peer.status import MAX_REPLICA_KEYS, gather_status
@@ -79,8 +80,9 @@ class Watcher:
 
     def __init__(self, initial_peers: Sequence[Address], *, refresh: float = 2.0, timeout: float = 3.0,
                  network: Network | None = None,
-                 clock: Callable[[], float] = time.time, runs_reader: Any = None):
+                 clock: Callable[[], float] = time.time, runs_reader: Any = None, swarm_key: SwarmKey | None = None):
         self.initial_peers = list(initial_peers)
+        self.swarm_key = swarm_key  # `--swarm-key`: watch a private swarm
         self.refresh = refresh
         self.timeout = timeout
         self.network = CountingNetwork(network or RealNetwork())
@@ -95,7 +97,8 @@ class Watcher:
         task_status.started()
         while True:
             try:
-                async with open_client_peer(self.initial_peers, network=self.network) as (rpc, dht):
+                async with open_client_peer(self.initial_peers, network=self.network,
+                                            swarm_key=self.swarm_key) as (rpc, dht):
                     self.attachments += 1
                     await self._watch(rpc, dht)
                 reason = "no peer answered for a while; attaching again"

@@ -229,6 +229,14 @@ class SwarmKey:
         return "SwarmKey(…)"  # never the secret, not even in a traceback
 
 
+def load_membership(swarm_key: str | os.PathLike[str] | None, allow_peers: str | os.PathLike[str] | None
+                    ) -> tuple[SwarmKey | None, frozenset[PeerID] | None]:
+    """`--swarm-key FILE` and `--allow-peers FILE` as the RPC and DHT nodes take them (None: open swarm, any
+    peer); the one place every command (join, status, train, dashboard, `peer.client.Swarm`) reads them."""
+    return (SwarmKey.load(swarm_key) if swarm_key is not None else None,
+            load_peer_list(allow_peers) if allow_peers is not None else None)
+
+
 def load_peer_list(path: str | os.PathLike[str]) -> frozenset[PeerID]:
     """An `--allow-peers` file: one PeerID in hex per line; blank lines and `#` comments are skipped."""
     path = Path(path)
