@@ -114,6 +114,7 @@ def test_keygen_writes_0600_and_never_overwrites_without_force(tmp_path):
     assert missing.returncode == 2 and "--swarm-key is required" in missing.stderr
 
 
+@pytest.mark.slow  # a daemon process and three `peer status` runs, two of them waiting out a bootstrap
 def test_peer_status_works_with_the_key_and_a_wrong_key_is_one_line_and_exit_1(keys):
     daemon, peer_id, address = start_daemon("--experts", "ffn.[0:1]", "--hidden-dim", "8",
                                             "--swarm-key", str(keys["swarm"]))
@@ -126,8 +127,8 @@ def test_peer_status_works_with_the_key_and_a_wrong_key_is_one_line_and_exit_1(k
             lines = bad.stderr.strip().splitlines()
             assert bad.returncode == 1 and len(lines) == 1, bad.stderr
             assert lines[0].startswith("peer: error:") and "Traceback" not in bad.stderr
-            assert peer_id not in bad.stdout + bad.stderr
-        assert "--swarm-key" in run_peer("status", "--initial-peers", address, "--swarm-key",
-                                         str(keys["other"])).stderr
+            assert peer_id not in bad.stdout + bad.stderr  # nothing learned, not even who runs there
+            if wrong:
+                assert "--swarm-key" in lines[0]
     finally:
         stop_all([daemon])
