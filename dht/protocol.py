@@ -295,13 +295,13 @@ class DatagramProtocol:
     def _tagged(self, datagram: bytes) -> bytes:
         if self._mac_key is None:
             return datagram
-        return datagram + hmac.new(self._mac_key, datagram, hashlib.sha256).digest()[:MAC_BYTES]
+        return datagram + hmac.digest(self._mac_key, datagram, "sha256")[:MAC_BYTES]
 
     def receive(self, data: bytes, address: Address) -> Event:
         if self._mac_key is not None:  # before any decoding: a datagram without the swarm's tag is not looked at
             body = bytes(data[:-MAC_BYTES])
-            if (len(data) < MAC_BYTES or not hmac.compare_digest(
-                    hmac.new(self._mac_key, body, hashlib.sha256).digest()[:MAC_BYTES], bytes(data[-MAC_BYTES:]))):
+            if len(data) < MAC_BYTES or not hmac.compare_digest(
+                    hmac.digest(self._mac_key, body, "sha256")[:MAC_BYTES], bytes(data[-MAC_BYTES:])):
                 return Dropped("bad_mac", address)
             data = body
         if len(data) < 1 + MSG_ID_BYTES + 1:
