@@ -1,13 +1,14 @@
 """Private swarms in the RPC handshake (peer/p2p/handshake.py) and the RPC node (peer/p2p/rpc.py).
 
 Sans-I/O part (bytes only): two holders of one swarm key complete with session keys that differ from an open
-swarm's; a holder and a non-holder, or holders of different keys, fail on BOTH sides with `SwarmKeyMismatch` and a
-one-line message, whatever way the bytes are split; a peer off the allow list is refused before we sign anything,
-with an ERROR frame; an open swarm's HELLO is byte for byte what it was; nothing sent depends on the key except
-the tag (property: flipping the key changes no HELLO byte, and the tag of another transcript never verifies).
+swarm's; a holder and a non-holder, or holders of different keys, fail on BOTH sides with a typed one-line error,
+whatever way the bytes are split; a private listener sends a stranger no byte at all (its HELLO waits for the
+dialer's sealed HELLO to open), and a sealed HELLO shows none of its fields; a peer off the allow list is refused
+before we sign anything, with an ERROR frame; an open swarm's HELLO is byte for byte what it was.
 
 Socket part (real 127.0.0.1 TCP between separate RPC nodes): with the key a call works; with another key or none
-both sides count a failed handshake and the caller gets the typed `NotInSwarm`; `--allow-peers` gives `NotAllowed`
+both sides count a failed handshake and the caller gets a typed error (`NotInSwarm`, or a `HandshakeError` naming
+`--swarm-key` when it holds no key); `--allow-peers` gives `NotAllowed`
 on the listening side and a refusal on the caller's.
 """
 
@@ -25,8 +26,10 @@ from hypothesis import strategies as st
 from peer.p2p import framing
 from peer.p2p.handshake import (
     PRIVATE,
+    SEALED_HELLO,
     TAG_BYTES,
     Handshake,
+    HandshakeFailed,
     HandshakeRefused,
     PeerNotAllowed,
     Role,
@@ -84,6 +87,9 @@ def exchange(alice: Handshake, bob: Handshake, split: int | None = None) -> dict
             inbox[other] += side.data_to_send()
         if not progressed:
             break
+    for name, (side, other) in sides.items():  # a side whose remote failed sees the connection close
+        if name not in outcome and isinstance(outcome.get(other), Exception):
+            outcome[name] = side.connection_closed()
     return outcome
 
 
@@ -100,8 +106,17 @@ def test_two_holders_complete_with_keys_of_their_own():
 def test_an_open_swarm_hello_is_unchanged_and_a_private_one_says_so():
     open_hello = msgpack.unpackb(frames(Handshake(ALICE, Role.INITIATOR).data_to_send())[0].payload)
     assert PRIVATE not in open_hello and set(open_hello) == {"v", "pk", "eph", "nonce", "listen", "transport"}
-    private_hello = msgpack.unpackb(frames(Handshake(ALICE, Role.INITIATOR, swarm_key=KEY).data_to_send())[0].payload)
-    assert private_hello[PRIVATE] is True
+    sealed = frames(Handshake(ALICE, Role.INITIATOR, swarm_key=KEY).data_to_send())[0].payload
+    assert sealed[0] == SEALED_HELLO and ALICE.public_key not in sealed and PRIVATE.encode() not in sealed
+    assert Handshake(BOB, Role.RESPONDER, swarm_key=KEY).data_to_send() == b""  # a private listener waits
+    bob = Handshake(BOB, Role.RESPONDER, swarm_key=KEY)
+    with pytest.raises(SwarmKeyMismatch):  # a stranger's open HELLO: bob fails and still has nothing to send
+        bob.receive_data(Handshake(ALICE, Role.INITIATOR).data_to_send())
+    assert bob.data_to_send() == b""
+    bob = Handshake(BOB, Role.RESPONDER, swarm_key=KEY)
+    with pytest.raises(SwarmKeyMismatch):  # a sealed HELLO under another key does not open
+        bob.receive_data(Handshake(ALICE, Role.INITIATOR, swarm_key=OTHER_KEY).data_to_send())
+    assert bob.data_to_send() == b""
 
 
 @pytest.mark.parametrize("alice_key, bob_key", [(KEY, None), (None, KEY)])
@@ -110,16 +125,18 @@ def test_a_holder_and_a_non_holder_fail_on_both_sides_at_the_hello(alice_key, bo
     done = exchange(alice, bob)
     for name in ("alice", "bob"):
         error = done[name]
-        assert isinstance(error, SwarmKeyMismatch), (name, error)
+        assert isinstance(error, HandshakeFailed), (name, error)
         assert "\n" not in str(error) and "swarm" in str(error)
     private_side = done["alice"] if alice_key else done["bob"]
-    assert "not part of this private swarm" in str(private_side)
+    assert isinstance(private_side, SwarmKeyMismatch) and "not part of this private swarm" in str(private_side)
     open_side = done["bob"] if alice_key else done["alice"]
     assert "--swarm-key" in str(open_side)
+    # the open side that dialed a private listener got no byte: it only saw the connection close
+    assert isinstance(open_side, SwarmKeyMismatch) == bool(alice_key)
 
 
 @pytest.mark.parametrize("split", [None, 1, 7, 60, 150, 200])
-def test_different_keys_fail_on_both_sides_at_the_proof_however_the_bytes_are_split(split):
+def test_different_keys_fail_on_both_sides_at_the_hello_however_the_bytes_are_split(split):
     done = exchange(*pair(KEY, OTHER_KEY), split=split)
     for name in ("alice", "bob"):
         assert isinstance(done[name], SwarmKeyMismatch), (name, done[name])
@@ -131,7 +148,10 @@ def test_the_proof_without_the_right_tag_fails_even_with_a_valid_signature(mangl
     alice, bob = pair(KEY, KEY)
     to_bob, to_alice = alice.data_to_send(), bob.data_to_send()
     bob.receive_data(to_bob)
-    proof = frames(bob.data_to_send())[0].payload
+    to_alice = bob.data_to_send()  # the private responder's HELLO comes with its PROOF
+    hello_frame, proof_frame = frames(to_alice)
+    proof = proof_frame.payload
+    to_alice = framing.control_frame(framing.HELLO, hello_frame.payload)
     assert len(proof) == TAG_BYTES + SIGNATURE_BYTES
     alice.receive_data(to_alice)
     own_proof = frames(alice.data_to_send())[0].payload  # alice's, as initiator
@@ -143,11 +163,17 @@ def test_the_proof_without_the_right_tag_fails_even_with_a_valid_signature(mangl
 
 
 @given(st.binary(min_size=32, max_size=32), st.binary(min_size=32, max_size=32), st.integers(0, 2**32))
-def test_property_hellos_never_depend_on_the_key_and_only_the_same_key_completes(key_a, key_b, seed):
-    """Nothing a non-holder can see before the PROOF depends on the key, and tags verify only under one key."""
+def test_property_sealed_hellos_show_nothing_and_only_the_same_key_completes(key_a, key_b, seed):
+    """A sealed HELLO carries none of its fields in clear, a private listener answers another key with nothing,
+    and only the same key completes."""
     first = Handshake(ALICE, Role.INITIATOR, swarm_key=SwarmKey(key_a), nonce_source=nonces(seed))
-    second = Handshake(ALICE, Role.INITIATOR, swarm_key=SwarmKey(key_b), nonce_source=nonces(seed))
-    assert first.data_to_send() == second.data_to_send()
+    sealed = first.data_to_send()
+    assert ALICE.public_key not in sealed and first._nonce not in sealed
+    listener = Handshake(BOB, Role.RESPONDER, swarm_key=SwarmKey(key_b), nonce_source=nonces(seed + 1))
+    if key_a != key_b:
+        with pytest.raises(SwarmKeyMismatch):
+            listener.receive_data(sealed)
+        assert listener.data_to_send() == b""
     alice = Handshake(ALICE, Role.INITIATOR, swarm_key=SwarmKey(key_a), nonce_source=nonces(seed))
     bob = Handshake(BOB, Role.RESPONDER, swarm_key=SwarmKey(key_b), nonce_source=nonces(seed + 1))
     done = exchange(alice, bob)
@@ -205,14 +231,14 @@ async def test_holders_call_each_other_over_real_sockets():
     assert result == b"hi" and server_stats["handshake_failures"] == 0
 
 
-@pytest.mark.parametrize("server_key, client_key, words", [
-    (KEY, OTHER_KEY, "different swarm key"),
-    (KEY, None, "private swarm; pass its --swarm-key"),
-    (None, KEY, "not part of this private swarm"),
+@pytest.mark.parametrize("server_key, client_key, words, kind", [
+    (KEY, OTHER_KEY, "different swarm key", NotInSwarm),
+    (KEY, None, "private swarm, pass its --swarm-key", HandshakeError),  # it got no byte: it cannot be sure
+    (None, KEY, "not part of this private swarm", NotInSwarm),
 ])
-async def test_a_wrong_or_missing_key_fails_typed_on_both_sides(server_key, client_key, words):
+async def test_a_wrong_or_missing_key_fails_typed_on_both_sides(server_key, client_key, words, kind):
     result, server_stats, client_stats = await _serve_and_call(server_key, client_key)
-    assert isinstance(result, NotInSwarm), result
+    assert isinstance(result, kind), result
     assert words in str(result) and "\n" not in str(result)
     assert server_stats["handshake_failures"] == 1 and client_stats["handshake_failures"] == 1
     assert server_stats["handshakes_not_in_swarm"] == 1  # the listening side's failure is a NotInSwarm too

@@ -25,18 +25,20 @@ HELLO keys beyond these are ignored and still covered by the transcript: that is
 ERROR control frame is the other side's refusal. The handshake reads exactly its own two frames and hands
 whatever followed them on (`HandshakeComplete.leftover`: the first sealed records).
 
-Private swarms (`--swarm-key`): a peer holding a swarm key says so in its HELLO (`"private": true`) and its
-PROOF is `tag || signature`, the tag being HMAC-SHA256, under a key derived from the swarm key (label
-`rpc-proof`), of the very message it signs (role and transcript). The tag is checked before the signature, so a
-peer that cannot show the key gets no further than its PROOF. What this gives: a holder and a non-holder fail on
-both sides at the HELLO, each knowing why (`SwarmKeyMismatch`: one side is private, the other not); two holders of
-different keys both fail at the PROOF (a tag is bound to this transcript, so no tag seen elsewhere is replayable).
-A non-holder learns that the peer is private and the public HELLO fields (its public key, nonce, listen address),
-nothing of the key: an HMAC tag reveals nothing of its key, and a 256-bit key cannot be guessed from tags offline.
-The swarm key is also mixed into the session keys (label `rpc-session`), so the records of a private swarm are
-opened only by holders even if an identity key leaks. An open swarm (no key) sends exactly the version-2 bytes
-it always did. On top, `allowed_peers` (`--allow-peers`) refuses any PeerID not listed (`PeerNotAllowed`), at its
-HELLO, before we sign anything, with an ERROR frame telling the remote why.
+Private swarms (`--swarm-key`): a peer holding a swarm key seals its HELLO (`SEALED_HELLO` marker byte, a
+random 12-byte nonce, then AES-256-GCM under a key derived from the swarm key, label `rpc-hello`; inside it says
+`"private": true`), and a private *responder* sends nothing at all until the initiator's HELLO has opened under
+its key. Its PROOF is `tag || signature`, the tag being HMAC-SHA256, under a key derived with label `rpc-proof`,
+of the very message it signs (role and transcript); the tag is checked before the signature. What this gives: a
+non-holder that dials a private peer gets no byte back (the connection closes: it learns that a TCP port is open,
+nothing else, not even the PeerID); a private peer that dials a non-holder reads the non-holder's open HELLO and
+fails (`SwarmKeyMismatch`), and the non-holder sees a sealed HELLO it cannot open and fails too, each knowing why;
+two holders of different keys fail at the HELLO (it does not open), the dialer seeing the listener close before
+its HELLO. A replayed sealed HELLO gets an attacker nowhere: the PROOF needs the identity key and the tag is bound
+to this transcript. The swarm key is also mixed into the session keys (label `rpc-session`), so the records of a
+private swarm are opened only by holders even if an identity key leaks. An open swarm (no key) sends exactly the
+version-2 bytes it always did. On top, `allowed_peers` (`--allow-peers`) refuses any PeerID not listed
+(`PeerNotAllowed`), at its HELLO, before we sign anything, with an ERROR frame telling the remote why.
 
 After a failure, `data_to_send()` still holds what was queued before it (our PROOF when the remote's was bad, an
 ERROR refusal): the driver sends it before closing, so the remote reaches its own verdict instead of seeing a
@@ -56,8 +58,10 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple, Union
 
 import msgpack
+from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from peer.p2p import framing, seal
@@ -75,6 +79,10 @@ PRIVATE = "private"  # the HELLO field (true) of a peer holding a swarm key
 TAG_BYTES = 32
 PROOF_LABEL = b"rpc-proof"
 SESSION_LABEL = b"rpc-session"
+HELLO_LABEL = b"rpc-hello"
+SEALED_HELLO = 0xC1  # first byte of a sealed HELLO payload: a byte msgpack never uses, so no open HELLO starts so
+_HELLO_NONCE_BYTES = 12
+_HELLO_AAD = DOMAIN + b"hello"
 _MAX_FRAME_BYTES = max(framing.CHUNK_BYTES, framing.MAX_CONTROL_BYTES) + framing.TOTAL.size + framing.HEADER.size
 
 
@@ -258,6 +266,7 @@ class Handshake:
         self.private = swarm_key is not None
         self._proof_key = swarm_key.derive(PROOF_LABEL) if swarm_key is not None else b""
         self._session_secret = swarm_key.derive(SESSION_LABEL) if swarm_key is not None else b""
+        self._hello_cipher = AESGCM(swarm_key.derive(HELLO_LABEL)) if swarm_key is not None else None
         self.allowed_peers = allowed_peers
         self._nonce = nonce_source(NONCE_BYTES)
         if not isinstance(self._nonce, bytes) or len(self._nonce) != NONCE_BYTES:
@@ -270,7 +279,13 @@ class Handshake:
         if self.private:
             hello[PRIVATE] = True  # an open swarm's HELLO stays byte for byte what it always was
         self._hello_payload = msgpack.packb(hello, use_bin_type=True)
-        self._outgoing = bytearray(framing.control_frame(framing.HELLO, self._hello_payload))
+        if self._hello_cipher is not None:
+            seal_nonce = nonce_source(_HELLO_NONCE_BYTES)
+            self._hello_payload = (bytes([SEALED_HELLO]) + seal_nonce
+                                   + self._hello_cipher.encrypt(seal_nonce, self._hello_payload, _HELLO_AAD))
+        self._outgoing = bytearray()
+        if not (self.private and role is Role.RESPONDER):  # a private listener speaks only to holders
+            self._outgoing += framing.control_frame(framing.HELLO, self._hello_payload)
         self._buffer = bytearray()
         self._state = _State.WAIT_HELLO
         self._hello: Hello | None = None
@@ -315,6 +330,12 @@ class Handshake:
     def connection_closed(self) -> HandshakeFailed:
         """The remote closed the stream before finishing: the failure to raise (and the handshake is over)."""
         self._state = _State.FAILED
+        if self._hello is None and self.role is Role.INITIATOR:  # a private listener closes on strangers
+            if self.private:
+                return SwarmKeyMismatch("the peer closed the connection before its hello: it holds a different "
+                                        "swarm key or none (not part of this private swarm), or it went away")
+            return HandshakeFailed("connection closed during handshake (before its hello; if the peer belongs to "
+                                   "a private swarm, pass its --swarm-key)")
         return HandshakeFailed(f"connection closed during handshake ({self._state_before_close()})", self._peer_id)
 
     def _state_before_close(self) -> str:
@@ -346,7 +367,22 @@ class Handshake:
     def _on_hello(self, kind: int, payload: bytes) -> None:
         if kind != framing.HELLO:
             raise NotAPeer("not a swarmd peer: proof before hello")
-        hello = parse_hello(payload)
+        sealed = payload[:1] == bytes([SEALED_HELLO])
+        if sealed and self._hello_cipher is None:
+            raise SwarmKeyMismatch("the peer belongs to a private swarm; pass its --swarm-key to reach it")
+        if sealed:
+            assert self._hello_cipher is not None
+            try:
+                opened = self._hello_cipher.decrypt(payload[1:1 + _HELLO_NONCE_BYTES],
+                                                    payload[1 + _HELLO_NONCE_BYTES:], _HELLO_AAD)
+            except (InvalidTag, ValueError):
+                raise SwarmKeyMismatch("the peer holds a different swarm key (not part of this private swarm)") \
+                    from None
+            hello = parse_hello(opened)
+            if not hello.private:
+                raise NotAPeer("a sealed hello that does not say it is private")
+        else:
+            hello = parse_hello(payload)
         peer_id = PeerID.from_public_key(hello.public_key)
         if self.expected_peer is not None and peer_id != self.expected_peer:
             raise UnexpectedPeer(f"the peer is {peer_id.short()}, not {self.expected_peer.short()}", peer_id)
@@ -356,7 +392,7 @@ class Handshake:
                 "agree" if hello.transport == PLAINTEXT else
                 "this peer runs with --insecure-transport (unencrypted) and the peer encrypts; both sides must "
                 "agree", peer_id)
-        if hello.private != self.private:
+        if hello.private != self.private or sealed != self.private:
             raise SwarmKeyMismatch(
                 "the peer is not part of this private swarm (it has no swarm key)" if self.private else
                 "the peer belongs to a private swarm; pass its --swarm-key to reach it", peer_id)
@@ -377,6 +413,8 @@ class Handshake:
             self._keys = (seal.SessionKeys(send=to_responder, receive=to_initiator) if self.role is Role.INITIATOR
                           else seal.SessionKeys(send=to_initiator, receive=to_responder))
         self._hello, self._peer_id = hello, peer_id
+        if self.private and self.role is Role.RESPONDER:  # the initiator proved the key: now it may see our HELLO
+            self._outgoing += framing.control_frame(framing.HELLO, self._hello_payload)
         proof = self.identity.sign(proof_message(self.role, self._transcript))
         if self.private:
             proof = swarm_tag(self._proof_key, self.role, self._transcript) + proof
