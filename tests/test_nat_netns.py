@@ -11,6 +11,7 @@ iproute2 or iptables.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 import pytest
@@ -20,7 +21,7 @@ from tests.netns import NatInternet, nat_available
 from tests.peer_processes import ChildProcess, PeerProcess
 
 AVAILABLE, WHY_NOT = nat_available()
-pytestmark = [pytest.mark.slow, pytest.mark.netns, pytest.mark.skipif(not AVAILABLE, reason=WHY_NOT)]
+pytestmark = [pytest.mark.netns, pytest.mark.skipif(not AVAILABLE, reason=WHY_NOT)]
 PORT = 31337
 RELAY_PORT = 31400
 PUNCH = [sys.executable, "-m", "tests.nat_punch_process"]  # -m: this checkout's packages
@@ -45,6 +46,23 @@ def unsolicited_connect(net: NatInternet, source, address: str, port: int) -> bo
     return result.stdout.strip() == "connected"
 
 
+def test_the_closed_internet_has_no_way_out_and_is_removed_even_after_a_failure():
+    with pytest.raises(RuntimeError, match="the test failed"), NatInternet() as net:
+        public = net.add_public("public")
+        router = net.add_router("home", uplink_mbit=10)
+        inside = net.add_behind(router, "inside")
+        namespaces = {net.hub, public.namespace, router.namespace, inside.namespace}
+        for host in (public, router):  # no default route anywhere but behind a router, toward it
+            assert "default" not in net.run(host, ["ip", "route"]).stdout
+        assert net.run(inside, ["ip", "route"]).stdout.startswith(f"default via {router.lan_prefix}.1")
+        assert "tbf" in net.run(router, ["tc", "qdisc", "show", "dev", "wan"]).stdout
+        assert router.counters()["inbound_new_accepted"] == 0
+        raise RuntimeError("the test failed")
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert not namespaces & {line.split()[0] for line in listed.splitlines() if line.strip()}
+
+
+@pytest.mark.slow
 def test_behind_masquerade_routers_peers_join_as_private_and_punch_a_direct_connection():
     processes: list[ChildProcess] = []
     with NatInternet() as net:
