@@ -6,6 +6,7 @@ punch gives a direct connection authenticated to the right peer; through a symme
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import msgpack
@@ -193,3 +194,77 @@ async def test_a_punched_connection_to_someone_else_is_refused(autojump_clock):
     outcomes, punchers, _ = await _punch_between("masquerade", wrong_peer=True)
     assert isinstance(outcomes["a"], PunchFailed)  # the other end proved another identity
     assert punchers["a"].stats()["relayed"] == 1
+
+
+# --------------------------------------------------------------------------------------------- real sockets
+
+
+async def _loopback_relay(nursery: trio.Nursery):
+    """`byte_relay` on 127.0.0.1 with real sockets: records each connection's peer address, splices two."""
+    seen: list = []
+    waiting: list = []
+
+    async def splice(source, sink) -> None:
+        try:
+            async for data in source:
+                await sink.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    async def handler(stream) -> None:
+        seen.append(tuple(stream.socket.getpeername()[:2]))
+        if not waiting:
+            done = trio.Event()
+            waiting.append((stream, done))
+            await done.wait()
+            return
+        first, done = waiting.pop()
+        try:
+            async with trio.open_nursery() as splices:
+                splices.start_soon(splice, first, stream)
+                splices.start_soon(splice, stream, first)
+        finally:
+            done.set()
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
+    return listeners[0].socket.getsockname()[:2], seen
+
+
+async def _real_punch():
+    """Two punchers on 127.0.0.1 (no NAT: a successful simultaneous open needs routers that drop rather than
+    reset early SYNs, tests/test_nat_netns.py has them), their side channels through `_loopback_relay`."""
+    from peer.p2p.net import RealNetwork
+
+    network = RealNetwork()
+    outcomes: dict = {}
+    async with trio.open_nursery() as nursery:
+        relay, seen = await _loopback_relay(nursery)
+        rpcs = {"a": await nursery.start(_rpc, A, network), "b": await nursery.start(_rpc, B, network)}
+        sides = {}
+        for name in ("a", "b"):
+            sides[name] = await network.connect_tcp(relay)  # a plain connect: its port is not shareable
+            with trio.fail_after(10):
+                while len(seen) < len(sides):
+                    await trio.sleep(0.01)
+        observed = {"a": seen[0], "b": seen[1]}
+        expected = {"a": B.peer_id, "b": A.peer_id}
+
+        async def one(name) -> None:
+            try:
+                outcomes[name] = await HolePuncher(rpcs[name], timeout=20, min_window=10).punch(
+                    sides[name], observed[name], expected[name])
+            except PunchFailed as error:
+                outcomes[name] = error
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as punching:
+                punching.start_soon(one, "a")
+                punching.start_soon(one, "b")
+        nursery.cancel_scope.cancel()
+    return outcomes, observed
+
+
+async def test_on_real_sockets_a_side_channel_port_that_cannot_be_shared_fails_at_once():
+    outcomes, _ = await _real_punch()
+    for error in outcomes.values():
+        assert isinstance(error, PunchFailed) and "cannot connect from port" in str(error)

@@ -24,6 +24,7 @@ is its trio driver and keeps the counts of direct, upgraded and relayed connecti
 from __future__ import annotations
 
 import enum
+import errno
 import os
 import struct
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ MAX_MESSAGE_BYTES = 1024
 _LENGTH = struct.Struct(">H")
 CONNECT, SYNC = "connect", "sync"
 OPERATION = "punch"
+RETRY_PAUSE = 0.05  # seconds before connecting again after a reset or a failed handshake
 
 
 class PunchFailed(ConnectionFailed):
@@ -185,12 +187,15 @@ class PunchCoordinator:
             raise LocalProtocolError(f"a punch cannot succeed in state {self._state.value}")
         self._state = _State.DONE
 
-    def expire(self, now: float) -> PunchFailed:
-        """The deadline passed (or the driver gave up): the punch failed; the error says how far it got."""
+    def expire(self, now: float, detail: str | None = None) -> PunchFailed:
+        """The deadline passed (or the driver gave up): the punch failed; the error says how far it got, and
+        `detail` (the driver's last error) why."""
         if self._state is _State.DONE:
             raise LocalProtocolError("this punch already succeeded")
         stage = ("no answer on the side channel" if self._state is _State.EXCHANGE
                  else f"no direct connection to {self.remote_address} within the dial window")
+        if detail:
+            stage += f" (last: {detail})"
         self._state = _State.FAILED
         return PunchFailed(f"hole punch failed: {stage}", peer=self.remote_peer, address=self.remote_address,
                            method=OPERATION)
@@ -241,7 +246,8 @@ class HolePuncher:
         owning it) and connect directly; `observed` is this side's address as a third peer sees the side
         channel's mapping, `local_port` the port to punch from (default: the side channel's own). Raises
         `PunchFailed` when no direct connection authenticated in time (the caller keeps its circuit),
-        `PunchProtocolError` when the other side broke the exchange."""
+        `PunchProtocolError` when the other side broke the exchange. On real sockets the side channel must have
+        been opened with `Network.connect_tcp_from` (both sockets need SO_REUSEPORT to share the port)."""
         self.counters["punch_attempts"] += 1
         try:
             result = await self._punch(side_channel, observed, expected_peer, local_port)
@@ -274,16 +280,20 @@ class HolePuncher:
                 pass
         if dial is None:
             raise core.expire(trio.current_time())
-        punched = await self._dial(dial, port, core.role, expected_peer)
+        punched, last_error = await self._dial(dial, port, core.role, expected_peer)
         if punched is None:
-            raise core.expire(trio.current_time())
+            raise core.expire(trio.current_time(), last_error)
         core.succeeded()
         return punched
 
-    async def _dial(self, dial: Dial, port: int | None, role: Role, expected_peer: PeerID) -> Punched | None:
+    async def _dial(self, dial: Dial, port: int | None, role: Role,
+                    expected_peer: PeerID) -> tuple[Punched | None, str | None]:
         """Connect again and again within the window (a reset or a refusal is retried after a pause: the other
-        side may not have sent its SYN yet); the first connection whose handshake proves `expected_peer` wins."""
+        side may not have sent its SYN yet); the first connection whose handshake proves `expected_peer` wins.
+        Returns it, or None and the last error seen. A port another socket holds without SO_REUSEPORT ends the
+        attempt at once: retrying cannot help."""
         network = self.rpc.network
+        last_error: str | None = None
         await trio.sleep_until(dial.at)
         with trio.move_on_at(dial.until):
             while True:
@@ -292,14 +302,18 @@ class HolePuncher:
                         stream = await network.connect_tcp(dial.address)
                     else:
                         stream = await network.connect_tcp_from(dial.address, port)
-                except OSError:
-                    await trio.sleep(0.05)
+                except OSError as error:
+                    last_error = f"connect: {error.strerror or error}"
+                    if error.errno in (errno.EADDRINUSE, errno.EOPNOTSUPP):
+                        return None, f"cannot connect from port {port}: {error.strerror or error}"
+                    await trio.sleep(RETRY_PAUSE)
                     continue
                 try:
                     handshake = await self.rpc._handshake(stream, role, expected_peer=expected_peer)
-                except ConnectionFailed:
+                except ConnectionFailed as error:
+                    last_error = f"handshake: {error}"
                     await trio.aclose_forcefully(stream)
-                    await trio.sleep(0.05)
+                    await trio.sleep(RETRY_PAUSE)
                     continue
-                return Punched(stream, handshake, dial.address)
-        return None
+                return Punched(stream, handshake, dial.address), None
+        return None, last_error
