@@ -268,3 +268,14 @@ async def test_on_real_sockets_a_side_channel_port_that_cannot_be_shared_fails_a
     outcomes, _ = await _real_punch()
     for error in outcomes.values():
         assert isinstance(error, PunchFailed) and "cannot connect from port" in str(error)
+
+
+async def test_a_simulated_punch_is_deterministic(autojump_clock):
+    runs = []
+    for _ in range(2):
+        started = trio.current_time()
+        outcomes, _, seen = await _punch_between("masquerade")
+        runs.append((seen, outcomes["a"].address, outcomes["b"].stream.local_address,
+                     trio.current_time() - started))
+    assert runs[0][:3] == runs[1][:3]  # the same mappings, ports and addresses
+    assert runs[0][3] == pytest.approx(runs[1][3], abs=1e-9)  # and the same virtual duration
