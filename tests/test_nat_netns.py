@@ -83,6 +83,18 @@ def test_behind_masquerade_routers_peers_join_as_private_and_punch_a_direct_conn
             assert private_reach.startswith("private"), private_reach
             assert "bootstrap failed" not in "\n".join(private.lines)
 
+            # listening on all interfaces it announces what the bootstrap observes, its router's mapping: the
+            # dial-backs then reach the router, which drops them
+            before = routers[1].counters()
+            wildcard = PeerProcess(["join", "--initial-peers", bootstrap, "--host", "0.0.0.0", "--port", str(PORT),
+                                    "--experts", "ffn.[12:16]", "--hidden-dim", "64"], prefix=inside[1].command())
+            processes.append(wildcard)
+            announced = wildcard.read_until(r"^peer [0-9a-f]{40} listening on (\S+)$", timeout=120).group(1)
+            assert wildcard.read_until(r"^reachability: (.*)$", timeout=60).group(1).startswith("private")
+            assert announced == f"{routers[1].address}:{PORT}"  # MASQUERADE kept the UDP port
+            assert routers[1].counters()["inbound_dropped"] > before["inbound_dropped"]
+            wildcard.kill()
+
             # the routers drop what nobody inside asked for: a connect to the router's address from outside
             before = routers[0].counters()
             assert not unsolicited_connect(net, boot_host, routers[0].address, PORT)
