@@ -74,6 +74,14 @@ class Network(ABC):
         await trio.lowlevel.checkpoint()
         return address
 
+    async def connect_tcp_from(self, address: Address, local_port: int) -> trio.abc.Stream:
+        """Open a byte stream to `address` from `local_port`, which other sockets of this host may use at the
+        same time (SO_REUSEADDR/SO_REUSEPORT). Why: a hole punch must leave through the NAT mapping an open
+        connection already holds, so its outbound socket shares that connection's local port
+        (`peer.p2p.punch`). Networks that cannot bind an outbound socket say so with an OSError."""
+        await trio.lowlevel.checkpoint()
+        raise OSError(errno.EOPNOTSUPP, f"{type(self).__name__} cannot bind an outbound connection to a port")
+
 
 async def _run_handler_and_close(handler: StreamHandler, stream: trio.abc.Stream) -> None:
     try:
@@ -130,6 +138,20 @@ class RealNetwork(Network):
     async def connect_tcp(self, address: Address) -> trio.abc.Stream:
         host, port = address
         return await trio.open_tcp_stream(host, port)
+
+    async def connect_tcp_from(self, address: Address, local_port: int) -> trio.abc.Stream:
+        host, port = await self.resolve(address)
+        sock = trio.socket.socket(stdlib_socket.AF_INET, stdlib_socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(stdlib_socket.SOL_SOCKET, stdlib_socket.SO_REUSEADDR, 1)
+            if hasattr(stdlib_socket, "SO_REUSEPORT"):
+                sock.setsockopt(stdlib_socket.SOL_SOCKET, stdlib_socket.SO_REUSEPORT, 1)
+            await sock.bind(("0.0.0.0", local_port))
+            await sock.connect((host, port))
+        except BaseException:
+            sock.close()
+            raise
+        return trio.SocketStream(sock)
 
     async def serve_tcp(
         self, handler: StreamHandler, host: str, port: int, *,
@@ -223,9 +245,13 @@ class MemoryStream(trio.abc.HalfCloseableStream):
     `receive_into(buffer)` mirrors a real socket's `recv_into`: the RPC reader uses `receive_into` on both kinds of
     stream (see `receiver_into`), so simulated connections run the same zero-copy receive path as real ones."""
 
-    def __init__(self, outgoing: _Pipe, incoming: _Pipe):
+    def __init__(self, outgoing: _Pipe, incoming: _Pipe, *, local_address: Address | None = None,
+                 remote_address: Address | None = None):
         self._outgoing = outgoing
         self._incoming = incoming
+        # as a socket's getsockname() / getpeername(): behind a simulated NAT the remote end sees the mapping
+        self.local_address = local_address
+        self.remote_address = remote_address
         self._send_guard = _Exclusive("another task is already sending on this stream")
         self._receive_guard = _Exclusive("another task is already receiving on this stream")
         self._closed = False
@@ -390,6 +416,112 @@ class _MemoryUDPEndpoint(UDPEndpoint):
             self.waker.notify()
 
 
+NAT_KINDS = ("masquerade", "symmetric")
+SYN_RETRY = 1.0  # seconds between simulated SYN retransmissions (Linux's initial RTO)
+
+
+@dataclass
+class _Mapping:
+    """One NAT translation: the inside endpoint, its public port, and the remote endpoints it sent to (the
+    only ones whose packets the router lets back in: address-and-port dependent filtering, as conntrack's)."""
+
+    inside: Address
+    public_port: int
+    remotes: set[Address]
+    last_used: float
+    pipes: list[_Pipe]
+
+    def live(self, now: float, timeout: float) -> bool:
+        if now - self.last_used <= timeout:
+            return True
+        return any(not (p.sender_closed and p.receiver_closed) and not p.reset for p in self.pipes)
+
+
+class MemoryNAT:
+    """A home router in front of some hosts of a MemoryNetwork: hosts behind it reach out, nobody reaches in.
+
+    `masquerade` is a Linux MASQUERADE router with a DROP policy for new inbound packets: each inside endpoint
+    (host, port) gets one public port on the router (its own port number when free, as Linux keeps it) for every
+    destination, and a packet from outside reaches it only when it comes from an endpoint the inside one has sent
+    to (conntrack ESTABLISHED,RELATED). So replies and simultaneous opens pass, dial-backs and unsolicited
+    connections are dropped silently (a connect hangs until the caller's timeout, as through a real DROP rule).
+    `symmetric` gives every (inside endpoint, remote endpoint) pair a fresh public port, so the address a third
+    peer observed is useless to anyone else and hole punching fails. Mappings not used for `timeout` seconds
+    (and, for TCP, held by no open connection) expire. Protocols ("tcp", "udp") have separate tables, as in
+    conntrack. `stats()` counts what was translated, forwarded in and dropped."""
+
+    def __init__(self, name: str, kind: str = "masquerade", *, timeout: float = 120.0):
+        if kind not in NAT_KINDS:
+            raise ValueError(f"unknown NAT kind {kind!r} (expected one of {', '.join(NAT_KINDS)})")
+        self.name = name
+        self.kind = kind
+        self.timeout = timeout
+        self.hosts: set[str] = set()
+        self._by_port: dict[str, dict[int, _Mapping]] = {"tcp": {}, "udp": {}}
+        self._by_inside: dict[str, dict[tuple[Address, Address | None], _Mapping]] = {"tcp": {}, "udp": {}}
+        self._next_port = 20000
+        self.counters: dict[str, int] = {
+            f"{protocol}_{what}": 0 for protocol in ("tcp", "udp")
+            for what in ("mappings", "outbound", "inbound_forwarded", "inbound_dropped")
+        }
+
+    def stats(self) -> dict[str, int | str]:
+        return {"name": self.name, "kind": self.kind, **self.counters}
+
+    def _free(self, protocol: str, port: int, now: float) -> bool:
+        mapping = self._by_port[protocol].get(port)
+        return mapping is None or not mapping.live(now, self.timeout)
+
+    def _allocate(self, protocol: str, preferred: int | None, now: float) -> int:
+        if preferred is not None and self._free(protocol, preferred, now):
+            return preferred
+        for _ in range(65536):
+            port = self._next_port
+            self._next_port = 1024 + (self._next_port - 1024 + 1) % (65536 - 1024)
+            if self._free(protocol, port, now):
+                return port
+        raise OSError(errno.EADDRNOTAVAIL, f"NAT {self.name} has no free {protocol} port left")
+
+    def outbound(self, protocol: str, inside: Address, remote: Address, now: float) -> _Mapping:
+        """Translate a packet from `inside` to `remote`: the mapping it leaves through (made when needed), which
+        from now on lets `remote`'s packets in."""
+        self.counters[f"{protocol}_outbound"] += 1
+        key = (inside, remote if self.kind == "symmetric" else None)
+        mapping = self._by_inside[protocol].get(key)
+        if mapping is None or not mapping.live(now, self.timeout) or \
+                self._by_port[protocol].get(mapping.public_port) is not mapping:
+            port = self._allocate(protocol, inside[1] if self.kind == "masquerade" else None, now)
+            mapping = _Mapping(inside, port, set(), now, [])
+            self._by_inside[protocol][key] = mapping
+            self._by_port[protocol][port] = mapping
+            self.counters[f"{protocol}_mappings"] += 1
+        mapping.remotes.add(remote)
+        mapping.last_used = now
+        return mapping
+
+    def inbound(self, protocol: str, public_port: int, remote: Address, now: float) -> _Mapping | None:
+        """The mapping a packet from `remote` to this router's `public_port` is forwarded through, or None when
+        the router drops it (nothing inside sent to `remote` from that port)."""
+        mapping = self._by_port[protocol].get(public_port)
+        if mapping is None or not mapping.live(now, self.timeout) or remote not in mapping.remotes:
+            self.counters[f"{protocol}_inbound_dropped"] += 1
+            return None
+        self.counters[f"{protocol}_inbound_forwarded"] += 1
+        mapping.last_used = now
+        return mapping
+
+
+class _Attempt:
+    """A connect in flight from `local` toward `remote` (as dialed): a SYN sent, waiting for an answer. An
+    inbound SYN from exactly `remote` to `local` meanwhile completes it instead (TCP simultaneous open)."""
+
+    def __init__(self, local: Address, remote: Address):
+        self.local = local
+        self.remote = remote
+        self.stream: MemoryStream | None = None
+        self.done = trio.Event()
+
+
 class _Listener:
     def __init__(self, host: str, port: int):
         self.host = host
@@ -403,6 +535,11 @@ class MemoryNetwork:
     Conditions are per directed link, with a default for all links. Partitions cut links: streams across a cut
     stall (as TCP would until a timeout) and datagrams are dropped. `crash(host)` models SIGKILL: its connections
     are reset and its ports close; `freeze(host)` models a hung machine: it simply stops answering.
+
+    `add_nat(router)` and `host(name, behind=router)` put hosts behind a NAT (`MemoryNAT`): others see their
+    traffic come from the router's name and a mapped port, and reach them only through what the NAT lets in.
+    Hosts behind the same router reach each other by name (one LAN); a host's own name is not routed from
+    outside it. Link conditions and partitions stay per host name (the router adds no delay of its own).
     """
 
     def __init__(self, *, latency: float = 0.0, loss: float = 0.0, bandwidth: float | None = None, seed: int = 0):
@@ -418,9 +555,70 @@ class MemoryNetwork:
         self._sequence = itertools.count()
         self.datagrams_sent = 0
         self.datagrams_dropped = 0
+        self._nats: dict[str, MemoryNAT] = {}
+        self._behind: dict[str, MemoryNAT] = {}
+        self._attempts: dict[tuple[Address, Address], _Attempt] = {}
+        self._ephemeral = itertools.count()
 
-    def host(self, name: str) -> "MemoryHost":
+    def host(self, name: str, *, behind: str | None = None) -> "MemoryHost":
+        """Host `name`'s view of the network; `behind` puts it behind that router's NAT (see `add_nat`)."""
+        if behind is not None:
+            self.place_behind(name, behind)
         return MemoryHost(self, name)
+
+    # --------------------------------------------------------------------------------------------- NAT
+
+    def add_nat(self, router: str, kind: str = "masquerade", *, timeout: float = 120.0) -> MemoryNAT:
+        """A NAT router named `router` (its name is the public address of the hosts behind it)."""
+        if router in self._nats or router in self._behind:
+            raise ValueError(f"{router!r} is already a router or a host behind one")
+        nat = self._nats[router] = MemoryNAT(router, kind, timeout=timeout)
+        return nat
+
+    def place_behind(self, host: str, router: str) -> None:
+        nat = self._nats.get(router)
+        if nat is None:
+            raise ValueError(f"no NAT router {router!r}: add it with add_nat first")
+        current = self._behind.get(host)
+        if current is not None and current is not nat:
+            raise ValueError(f"{host!r} is already behind {current.name!r}")
+        if host in self._nats:
+            raise ValueError(f"{host!r} is a router")
+        nat.hosts.add(host)
+        self._behind[host] = nat
+
+    def nat(self, router: str) -> MemoryNAT:
+        return self._nats[router]
+
+    def behind(self, host: str) -> MemoryNAT | None:
+        """The NAT `host` sits behind, or None for a public host."""
+        return self._behind.get(host)
+
+    def _outbound(self, protocol: str, source: Address, destination: Address,
+                  now: float) -> tuple[Address, _Mapping | None] | None:
+        """What leaves `source`'s side for `destination`: the source address others see (after its router's
+        translation) and the mapping used; None when the packet goes nowhere (a private name from outside, or
+        a router's own public address from behind it: no hairpinning)."""
+        source_nat = self._behind.get(source[0])
+        destination_nat = self._behind.get(destination[0])
+        if destination_nat is not None:
+            return (source, None) if destination_nat is source_nat else None
+        if source_nat is None:
+            return source, None
+        if destination[0] == source_nat.name:
+            return None
+        mapping = source_nat.outbound(protocol, source, destination, now)
+        return (source_nat.name, mapping.public_port), mapping
+
+    def _inbound(self, protocol: str, seen: Address, destination: Address,
+                 now: float) -> tuple[Address, _Mapping | None] | None:
+        """Where a packet from `seen` to `destination` arrives: the inside endpoint behind a router (None when
+        the router drops it), else `destination` itself."""
+        nat = self._nats.get(destination[0])
+        if nat is None:
+            return destination, None
+        mapping = nat.inbound(protocol, destination[1], seen, now)
+        return None if mapping is None else (mapping.inside, mapping)
 
     # --------------------------------------------------------------------------------------------- conditions
 
@@ -435,6 +633,11 @@ class MemoryNetwork:
     def link_up(self, source: str, destination: str) -> bool:
         if source in self._down or destination in self._down:
             return False
+        if self._behind:
+            for host in (source, destination):
+                nat = self._behind.get(host)
+                if nat is not None and nat.name in self._down:  # the router itself is cut off
+                    return False
         return frozenset((source, destination)) not in self._cut
 
     def partition(self, *groups: list[str] | set[str]) -> None:
@@ -484,11 +687,24 @@ class MemoryNetwork:
 
     def _deliver_datagram(self, source: Address, destination: Address, data: bytes) -> None:
         self.datagrams_sent += 1
+        if self._nats:
+            now = trio.current_time()
+            outbound = self._outbound("udp", source, destination, now)
+            inbound = None if outbound is None else self._inbound("udp", outbound[0], destination, now)
+            if outbound is None or inbound is None:
+                self.datagrams_dropped += 1
+                return
+            # link conditions between the two hosts; the receiver sees the translated source
+            self._deliver_translated(source[0], outbound[0], inbound[0], data)
+            return
+        self._deliver_translated(source[0], source, destination, data)
+
+    def _deliver_translated(self, source_host: str, source: Address, destination: Address, data: bytes) -> None:
         endpoint = self._udp.get(destination)
-        conditions = self.conditions(source[0], destination[0])
+        conditions = self.conditions(source_host, destination[0])
         if (
             endpoint is None
-            or not self.link_up(source[0], destination[0])
+            or not self.link_up(source_host, destination[0])
             or (conditions.loss and self.random.random() < conditions.loss)
         ):
             self.datagrams_dropped += 1
@@ -505,8 +721,14 @@ class MemoryNetwork:
             if (host, port) not in self._listeners and (host, port) not in self._udp:
                 return port
 
-    async def _connect(self, source: str, address: Address) -> MemoryStream:
+    def _ephemeral_port(self) -> int:
+        return 32768 + next(self._ephemeral) % 28232  # Linux's default ip_local_port_range
+
+    async def _connect(self, source: str, address: Address, local_port: int | None = None) -> MemoryStream:
+        if self._nats or local_port is not None or self._attempts:
+            return await self._connect_through(source, address, local_port or self._ephemeral_port())
         host, port = address
+        local = (source, self._ephemeral_port())
         rtt = self.conditions(source, host).latency + self.conditions(host, source).latency
         while not self.link_up(source, host):  # noqa: ASYNC110 (a simulated SYN retransmission, not a wait on our own state)
             await trio.sleep(1.0)  # SYN retransmission: hangs until the caller's deadline or the link heals
@@ -514,17 +736,86 @@ class MemoryNetwork:
         listener = self._listeners.get((host, port))
         if listener is None:
             raise ConnectionRefusedError(errno.ECONNREFUSED, f"connection refused by {host}:{port}")
-        client, server = self.stream_pair(source, host)
+        client, server = self.stream_pair(source, host, client_address=local, server_address=address)
         listener.send_channel.send_nowait(server)
         return client
 
-    def stream_pair(self, source: str, destination: str) -> tuple[MemoryStream, MemoryStream]:
+    async def _connect_through(self, source: str, address: Address, local_port: int) -> MemoryStream:
+        """A connect where NATs or simultaneous opens may play a part: a SYN leaves `source` (its router maps it
+        at once), arrives one link latency later where the destination's router filters it, and is answered by a
+        connect in flight from there toward this very source (simultaneous open), else by a listener, else by a
+        reset. A dropped SYN is sent again every `SYN_RETRY` s until the caller gives up, as a kernel would."""
+        local = (source, local_port)
+        key = (local, address)
+        if key in self._attempts:
+            raise OSError(errno.EADDRINUSE, f"a connect from {source}:{local_port} to {address[0]}:{address[1]} "
+                                            f"is already in flight")
+        attempt = self._attempts[key] = _Attempt(local, address)
+        try:
+            while attempt.stream is None:
+                retry_at = trio.current_time() + SYN_RETRY
+                now = trio.current_time()
+                outbound = self._outbound("tcp", local, address, now) if self.link_up(source, address[0]) else None
+                if outbound is not None:
+                    seen, mapping = outbound
+                    with trio.move_on_after(self.conditions(source, address[0]).latency):
+                        await attempt.done.wait()  # the other side's SYN may complete it first
+                    if attempt.stream is not None:
+                        break
+                    if self._syn_arrives(attempt, seen, mapping):
+                        await trio.sleep(self.conditions(address[0], source).latency)  # the SYN-ACK
+                        break
+                with trio.move_on_at(retry_at):
+                    await attempt.done.wait()
+        finally:
+            del self._attempts[key]
+        assert attempt.stream is not None
+        return attempt.stream
+
+    def _syn_arrives(self, attempt: _Attempt, seen: Address, mapping: _Mapping | None) -> bool:
+        """The SYN of `attempt` (coming from `seen`) reaches its destination now: True when a connection was made
+        (both ends set), False when a router dropped it; ConnectionRefusedError when nothing takes it."""
+        now = trio.current_time()
+        inbound = self._inbound("tcp", seen, attempt.remote, now)
+        if inbound is None or not self.link_up(attempt.local[0], inbound[0][0]):
+            return False
+        inside, inside_mapping = inbound
+        counterpart = self._attempts.get((inside, seen))
+        if counterpart is not None and counterpart.stream is not None:
+            counterpart = None  # that connect already completed another way
+        listener = self._listeners.get(inside)
+        if counterpart is None and listener is None:
+            raise ConnectionRefusedError(errno.ECONNREFUSED,
+                                         f"connection refused by {attempt.remote[0]}:{attempt.remote[1]}")
+        client, server = self.stream_pair(attempt.local[0], inside[0], client_address=attempt.local,
+                                          server_address=inside, seen_by_client=attempt.remote, seen_by_server=seen)
+        for held in (mapping, inside_mapping):
+            if held is not None:
+                held.pipes.extend((client._outgoing, client._incoming))
+        attempt.stream = client
+        attempt.done.set()
+        if counterpart is not None:
+            counterpart.stream = server
+            counterpart.done.set()
+        else:
+            assert listener is not None
+            listener.send_channel.send_nowait(server)
+        return True
+
+    def stream_pair(self, source: str, destination: str, *, client_address: Address | None = None,
+                    server_address: Address | None = None, seen_by_client: Address | None = None,
+                    seen_by_server: Address | None = None) -> tuple[MemoryStream, MemoryStream]:
         """Both ends of a new connection from host `source` to host `destination`, under the links' conditions
-        (what `connect_tcp` builds once a listener accepted; tests use it to get a bare pair)."""
+        (what `connect_tcp` builds once a listener accepted; tests use it to get a bare pair). The addresses are
+        what each end's `local_address` / `remote_address` say (by default each end sees the other's own)."""
         forward = _Pipe(self, source, destination)
         backward = _Pipe(self, destination, source)
         self._pipes.extend((forward, backward))
-        return MemoryStream(forward, backward), MemoryStream(backward, forward)
+        client = MemoryStream(forward, backward, local_address=client_address,
+                              remote_address=seen_by_client or server_address)
+        server = MemoryStream(backward, forward, local_address=server_address,
+                              remote_address=seen_by_server or client_address)
+        return client, server
 
     def prune(self) -> None:
         """Forget pipes whose both ends are closed; long simulations call this now and then."""
@@ -540,6 +831,9 @@ class MemoryHost(Network):
 
     async def connect_tcp(self, address: Address) -> trio.abc.Stream:
         return await self.network._connect(self.name, address)
+
+    async def connect_tcp_from(self, address: Address, local_port: int) -> trio.abc.Stream:
+        return await self.network._connect(self.name, address, local_port or None)
 
     async def serve_tcp(
         self, handler: StreamHandler, host: str, port: int, *,
