@@ -51,6 +51,7 @@ TABLE: dict[str, dict[str, tuple]] = {
         "log-level": choice("debug", "info", "warning", "error"),
         "accept-weights-from": (["xyz"], ['"xyz"', "5"], ("ab" * 20, f'["{"ab" * 20}"]', ["ab" * 20])),
         "insecure-transport": SWITCH, "reachability": choice("auto", "public", "private"),
+        "relay-limit": POSITIVE_INT, "relay-rate": POSITIVE, "relay-total-rate": POSITIVE, "no-relay": SWITCH,
     },
     "status": {"initial-peers": ADDRESS, "json": SWITCH, "timeout": POSITIVE, "insecure-transport": SWITCH},
     "train": {

@@ -38,7 +38,13 @@ import trio
 
 from peer.p2p.identity import PeerID
 from peer.p2p.net import Address, Network
-from peer.p2p.rpc_protocol import LocalProtocolError, RemoteError, RemoteProtocolError, register_error_code
+from peer.p2p.rpc_protocol import (
+    LocalProtocolError,
+    RemoteError,
+    RemoteProtocolError,
+    register_error_code,
+    remote_error,
+)
 
 MAGIC = b"SWRELAY1"
 PREFIX = "relay:"
@@ -90,12 +96,10 @@ for _cls in (RelayError, NoReservation, CircuitToSelf, RelayLimitReached, Malfor
 
 
 def _error_for(code: Any, message: Any) -> RelayError:
-    from peer.p2p.rpc_protocol import _ERROR_CLASSES
-
-    cls = _ERROR_CLASSES.get(code) if isinstance(code, str) else None
-    if cls is None or not issubclass(cls, RelayError):
-        cls = RelayError
-    return cls(str(message)[:200])  # type: ignore[return-value]
+    """A relay's refusal as its typed error; a code that is no relay error's is still a `RelayError`."""
+    text = str(message)[:200]
+    error = remote_error(code, text) if isinstance(code, str) else None
+    return error if isinstance(error, RelayError) else RelayError(text)
 
 
 # ---------------------------------------------------------------------------------------------- addresses
@@ -145,7 +149,7 @@ def parse_relayed(address: Address) -> RelayedAddress:
 
 
 def _encode(message: dict[str, Any], *, magic: bool) -> bytes:
-    body = msgpack.packb(message, use_bin_type=True)
+    body: bytes = msgpack.packb(message, use_bin_type=True)
     if len(body) > MAX_MESSAGE_BYTES:
         raise LocalProtocolError(f"relay message of {len(body)} bytes, the limit is {MAX_MESSAGE_BYTES}")
     return (MAGIC if magic else b"") + _LENGTH.pack(len(body)) + body
@@ -201,7 +205,7 @@ class _MessageReader:
             return len(self._prefix) + _LENGTH.size - len(self._buffer)
         return len(self._prefix) + _LENGTH.size + self._length - len(self._buffer)
 
-    def _feed(self, data: bytes) -> dict[str, Any] | None:
+    def _feed(self, data: bytes | bytearray | memoryview) -> dict[str, Any] | None:
         """Any split of the message's bytes; never bytes past its end (`next_read_size` says how many remain)."""
         head = len(self._prefix) + _LENGTH.size
         if self._length is None:
@@ -240,7 +244,7 @@ class RequestReader(_MessageReader):
     def __init__(self) -> None:
         super().__init__(MAGIC)
 
-    def receive_data(self, data: bytes) -> Request | None:
+    def receive_data(self, data: bytes | bytearray | memoryview) -> Request | None:
         message = self._feed(data)
         if message is None:
             return None
@@ -269,7 +273,7 @@ class ResponseReader(_MessageReader):
     def __init__(self) -> None:
         super().__init__(b"")
 
-    def receive_data(self, data: bytes) -> CircuitOpened | None:
+    def receive_data(self, data: bytes | bytearray | memoryview) -> CircuitOpened | None:
         message = self._feed(data)
         if message is None:
             return None

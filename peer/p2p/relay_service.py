@@ -273,19 +273,26 @@ class RelayReservations:
             return None
         return relay.RelayedAddress(self.rpc.peer_id, tuple(self.relays.items())[:relay.MAX_RELAYS]).to_address()
 
+    async def wait_reserved(self) -> None:
+        """Until the first reservation holds (the caller bounds the wait)."""
+        await self._first.wait()
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         started = False
+        delay = self.retry
         async with owned_nursery() as nursery:
             while True:
                 if len(self.relays) < self.want:
                     picked = await self._pick(self.want - len(self.relays))
                     for peer, address in picked:
                         await self._start(nursery, peer, address)
+                    # nobody new to ask: ask the candidates less often, up to every 8 retries
+                    delay = self.retry if picked else min(2 * delay, 8 * self.retry)
                 if self.relays and not started:
                     task_status.started()
                     started = True
                 self._changed = trio.Event()
-                with trio.move_on_after(self.retry if len(self.relays) < self.want else math.inf):
+                with trio.move_on_after(delay if len(self.relays) < self.want else math.inf):
                     await self._changed.wait()
 
     async def _pick(self, count: int) -> list[tuple[PeerID, Address]]:

@@ -472,7 +472,8 @@ class RPCNode:
             self.stats["handshake_failures"] += 1
             logger.debug("rejected incoming connection: %s", error)
             return
-        self.stats["connections_accepted"] += 1
+        if dispatch:  # a circuit counts as circuits_accepted (`accept`)
+            self.stats["connections_accepted"] += 1
         connection = Connection(self, stream, handshake, dialed=None)
         self._all_connections.add(connection)
         await connection.run()

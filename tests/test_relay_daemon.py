@@ -1,0 +1,120 @@
+"""Private daemons served through relays: in-process daemons on 127.0.0.1 (separate peers, real sockets) and on
+the in-memory network (virtual time). A daemon forced `--reachability private` is dialed by nobody directly: it
+announces and declares only relayed addresses, and its RPC listener accepts no connection."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import trio
+import trio.testing
+
+from dht.node import DHTNode
+from moe.calls import forward
+from moe.declare import get_experts
+from peer.daemon import Daemon, DaemonConfig
+from peer.p2p import relay
+from peer.p2p.identity import Identity, PeerID
+from peer.p2p.net import MemoryNetwork, RealNetwork
+from peer.p2p.rpc import RPCNode
+
+
+async def run_daemon(config: DaemonConfig, network=None, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """One daemon in its own cancel scope: `started` with (daemon, scope); cancelling the scope kills it."""
+    host = "127.0.0.1" if network is None else config.host  # tests never bind the real interfaces
+    daemon = Daemon(dataclasses.replace(config, host=host), network=network.host(host) if network else None)
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(daemon.run)
+            task_status.started((daemon, scope))
+
+
+async def use_expert(network, bootstrap, uid: str, *, host: str = "127.0.0.1",
+                     avoid: PeerID | None = None) -> relay.RelayedAddress:
+    """A trainer's view: find `uid` in the DHT (declared through a relay, and not through `avoid` first), call its
+    forward; returns the relayed address it went through."""
+    async with RPCNode(Identity.generate(), network) as rpc:
+        async with DHTNode.open(host, 0, [bootstrap], network=network, client_mode=True) as dht:
+            while True:
+                location = (await get_experts(dht, [uid]))[uid]
+                if location is not None and relay.is_relayed(location.address):
+                    relayed = relay.parse_relayed(location.address)
+                    if relayed.relays[0][0] != avoid:
+                        break
+                await trio.sleep(0.2)
+            outputs = await forward(rpc, location.address, PeerID.from_hex(location.peer_id_hex), uid,
+                                    [torch.ones(3, 8)], timeout=10)
+            assert outputs[0].shape == (3, 8)
+            assert rpc.stats["circuits_dialed"] == 1
+            return relayed
+
+
+async def private_swarm(nursery, network=None, hosts=("127.0.0.1",) * 3):
+    public = [await nursery.start(run_daemon, DaemonConfig(host=hosts[0], port=4000 if network else 0,
+                                                           experts="pub.[0:1]", hidden_dim=8,
+                                                           reachability="public"), network)]
+    bootstrap = public[0][0].rpc.address
+    public.append(await nursery.start(run_daemon, DaemonConfig(
+        host=hosts[1], port=4000 if network else 0, experts="pub.[1:2]", hidden_dim=8, reachability="public",
+        initial_peers=[bootstrap]), network))
+    private, _ = await nursery.start(run_daemon, DaemonConfig(
+        host=hosts[2], port=4000 if network else 0, experts="priv.[0:2]", hidden_dim=8, reachability="private",
+        initial_peers=[bootstrap], declare_ttl=3.0), network)
+    return public, private, bootstrap
+
+
+async def check_private_daemon_through_relays(network, trainer_host, public, private, bootstrap):
+    with trio.fail_after(60):
+        while len(private.relaying.reservations.relays) < 2:
+            await trio.sleep(0.1)
+        used = await use_expert(network, bootstrap, "priv.0", host=trainer_host)
+    assert used.target == private.identity.peer_id
+    assert private.expert_server.stats()["requests_total"] >= 1
+    assert private.rpc.stats["connections_accepted"] == 0  # nothing came in but through a relay
+    assert private.rpc.stats["circuits_accepted"] >= 1
+    status = private.status()
+    assert status["reachability"]["how"] == "relay" and status["relay"]["role"] == "relayed"
+    assert public[0][0].status()["relay"]["role"] == "relay"
+
+    # the relay the trainer went through dies: the private peer keeps the other, declares it first, and a
+    # trainer uses its experts through that one
+    victim = used.relays[0][0]
+    for daemon, scope in public:
+        if daemon.identity.peer_id == victim:
+            scope.cancel()
+    with trio.fail_after(60):
+        while victim in private.relaying.reservations.relays:
+            await trio.sleep(0.1)
+        assert victim.hex() not in private.rpc.announced_address[0]
+        survivor = next(daemon for daemon, _ in public if daemon.identity.peer_id != victim)
+        again = await use_expert(network, survivor.rpc.address, "priv.1", host=trainer_host, avoid=victim)
+    assert again.relays[0][0] == survivor.identity.peer_id
+    assert private.relaying.reservations.stats["relay_failures"] == 1
+
+
+async def test_a_private_daemon_serves_experts_through_relays_and_survives_losing_one():
+    async with trio.open_nursery() as nursery:
+        public, private, bootstrap = await private_swarm(nursery)
+        await check_private_daemon_through_relays(RealNetwork(), "127.0.0.1", public, private, bootstrap)
+        nursery.cancel_scope.cancel()
+
+
+async def test_on_the_memory_network_the_private_daemon_moves_within_10_virtual_seconds(autojump_clock):
+    memory = MemoryNetwork(latency=0.001, seed=8)
+    async with trio.open_nursery() as nursery:
+        public, private, bootstrap = await private_swarm(nursery, memory, hosts=("a", "b", "p"))
+        with trio.fail_after(60):
+            while len(private.relaying.reservations.relays) < 2:
+                await trio.sleep(0.1)
+        victim, scope = public[1]
+        killed_at = trio.current_time()
+        scope.cancel()
+        while victim.identity.peer_id in private.relaying.reservations.relays:
+            await trio.sleep(0.05)
+        assert trio.current_time() - killed_at < 10
+        with trio.fail_after(60):
+            used = await use_expert(memory.host("t"), bootstrap, "priv.0", host="t", avoid=victim.identity.peer_id)
+        assert used.relays[0][0] == public[0][0].identity.peer_id
+        assert private.rpc.stats["connections_accepted"] == 0
+        nursery.cancel_scope.cancel()
