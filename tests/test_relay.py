@@ -362,14 +362,16 @@ async def test_a_circuit_request_flood_beyond_the_limit_is_refused_and_bounded(n
 
 
 class CorruptingStream(trio.abc.Stream):
-    """Forwards to `inner`, flipping one bit of the `nth` chunk sent through it."""
+    """Forwards to `inner`, flipping one bit of the `nth` chunk sent through it (or dropping that chunk)."""
 
-    def __init__(self, inner: trio.abc.Stream, nth: int):
-        self.inner, self.nth, self.sent = inner, nth, 0
+    def __init__(self, inner: trio.abc.Stream, nth: int, drop: bool = False):
+        self.inner, self.nth, self.sent, self.drop = inner, nth, 0, drop
 
     async def send_all(self, data) -> None:
         self.sent += 1
         if self.sent == self.nth:
+            if self.drop:
+                return
             data = bytearray(data)
             data[len(data) // 2] ^= 0x10
         await self.inner.send_all(data)
@@ -384,27 +386,29 @@ class CorruptingStream(trio.abc.Stream):
         await self.inner.aclose()
 
 
-def corrupting_relay(toward: str, nth: int):
+def corrupting_relay(toward: str, nth: int, drop: bool = False):
     class CorruptingRelay(RelayService):
         async def _splice(self, dialer, target):
             if toward == "dialer":
-                await super()._splice(CorruptingStream(dialer, nth), target)
+                await super()._splice(CorruptingStream(dialer, nth, drop), target)
             else:
-                await super()._splice(dialer, CorruptingStream(target, nth))
+                await super()._splice(dialer, CorruptingStream(target, nth, drop))
 
     return CorruptingRelay
 
 
-@pytest.mark.parametrize("toward, nth, error", [
-    ("dialer", 2, HandshakeError),  # chunk 1 is the relay's ok, then the private peer's hello and proof
-    ("dialer", 5, ConnectionFailed),  # a sealed reply
-    ("private", 4, ConnectionFailed),  # a sealed request (chunks 1, 2: the dialer's hello, proof)
+@pytest.mark.parametrize("toward, nth, drop, error", [
+    ("dialer", 2, False, HandshakeError),  # chunk 1 is the relay's ok, then the private peer's hello and proof
+    ("dialer", 5, False, ConnectionFailed),  # a sealed reply
+    ("private", 4, False, ConnectionFailed),  # a sealed request (chunks 1, 2: the dialer's hello, proof)
+    ("private", 4, True, RPCError),  # a dropped request: the next record fails, or the call times out
 ])
 async def test_a_relay_that_corrupts_spliced_bytes_fails_the_connection_with_a_typed_error(net, clock, toward, nth,
-                                                                                           error):
+                                                                                           drop, error):
     served: list = []
     async with AsyncExitStack() as stack:
-        relay_node, _ = await stack.enter_async_context(net.relay("r", service_class=corrupting_relay(toward, nth)))
+        relay_node, _ = await stack.enter_async_context(net.relay(
+            "r", service_class=corrupting_relay(toward, nth, drop)))
         private, reservations = await stack.enter_async_context(net.private("p", [relay_node], served, want=1))
         with trio.fail_after(30):
             while not reservations.relays:

@@ -118,3 +118,18 @@ async def test_on_the_memory_network_the_private_daemon_moves_within_10_virtual_
         assert used.relays[0][0] == public[0][0].identity.peer_id
         assert private.rpc.stats["connections_accepted"] == 0
         nursery.cancel_scope.cancel()
+
+
+async def test_a_no_relay_peer_offers_nothing_and_a_private_peer_then_stays_unreached(autojump_clock):
+    memory = MemoryNetwork(latency=0.001, seed=9)
+    async with trio.open_nursery() as nursery:
+        public, _ = await nursery.start(run_daemon, DaemonConfig(
+            host="a", port=4000, experts="pub.[0:1]", hidden_dim=8, reachability="public", no_relay=True), memory)
+        private, _ = await nursery.start(run_daemon, DaemonConfig(
+            host="p", port=4000, experts="priv.[0:1]", hidden_dim=8, reachability="private",
+            initial_peers=[("a", 4000)]), memory)
+        assert public.status()["relay"] is None and "relay" not in public._summary()
+        assert private.relaying.reservations.relays == {}
+        assert private.status()["reachability"]["how"] == "none"
+        assert not relay.is_relayed(private.rpc.announced_address)
+        nursery.cancel_scope.cancel()
