@@ -361,6 +361,34 @@ async def test_a_circuit_request_flood_beyond_the_limit_is_refused_and_bounded(n
         assert service.core.circuits == 0 and service.core.stats["circuits_refused"] == 9
 
 
+async def test_idle_circuit_streams_are_capped_and_timed_out(net, clock):
+    """A flood of streams that send the magic and nothing more: beyond 4 x limit they are refused at once, the
+    others end at the request timeout, and the relay serves a reservation afterwards."""
+    async with AsyncExitStack() as stack:
+        relay_node, service = await stack.enter_async_context(net.relay("r", limit=2))
+        refused = 0
+        streams = []
+        with trio.fail_after(30):
+            for _ in range(12):
+                stream = await net.network("f").connect_tcp(relay_node.address)
+                await stream.send_all(relay.MAGIC)
+                streams.append(stream)
+            unanswered = 0
+            for stream in streams:  # the streams' handlers may run in any order: count the outcomes
+                try:
+                    await relay.read_message(stream, ResponseReader())
+                except RelayLimitReached:
+                    refused += 1
+                except trio.BrokenResourceError:  # closed by the relay at its request timeout, unanswered
+                    unanswered += 1
+                await stream.aclose()
+        assert (refused, unanswered) == (4, 8) and service._requests == 0
+        from peer.p2p.relay_service import RESERVE_METHOD
+
+        dialer = await stack.enter_async_context(net.dialer("d"))
+        await dialer.call(relay_node.address, RESERVE_METHOD, None, timeout=5)
+
+
 class CorruptingStream(trio.abc.Stream):
     """Forwards to `inner`, flipping one bit of the `nth` chunk sent through it (or dropping that chunk)."""
 

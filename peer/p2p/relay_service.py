@@ -63,6 +63,8 @@ class RelayService:
         # token -> where the accept handler hands its stream (and the event it waits on until the splice ends)
         self._accepted: dict[bytes, trio.MemorySendChannel[tuple[trio.abc.Stream, trio.Event]]] = {}
         self._circuits: set[trio.CancelScope] = set()
+        self._requests = 0  # circuit streams whose request is being read (a flood of idle ones is cut at a cap)
+        self.max_requests = 4 * limit
         self._running = False
 
     def stats(self) -> dict[str, Any]:
@@ -87,7 +89,7 @@ class RelayService:
                 scope.cancel()
             for name in (INFO_METHOD, RESERVE_METHOD, POLL_METHOD):
                 rpc.unregister(name)
-            rpc._stream_handlers.pop(relay.MAGIC, None)
+            rpc.unregister_stream(relay.MAGIC)
 
     async def _expire_loop(self) -> None:
         while True:
@@ -127,16 +129,23 @@ class RelayService:
 
     async def _handle_stream(self, stream: trio.abc.Stream, first: bytes) -> None:
         """A circuit stream (runs in the RPC listener's task for it; the stream closes when this returns)."""
+        if self._requests >= self.max_requests:
+            await self._refuse(stream, relay.RelayLimitReached(f"{self._requests} circuit requests are being read"))
+            return
         reader = relay.RequestReader()
         request = None
-        with trio.move_on_after(REQUEST_TIMEOUT):
-            try:
-                request = reader.receive_data(first) or await relay.read_message(stream, reader)
-            except relay.MalformedRequest as error:
-                await self._refuse(stream, error)
-                return
-            except _TRANSPORT_ERRORS:
-                return
+        self._requests += 1
+        try:
+            with trio.move_on_after(REQUEST_TIMEOUT):
+                try:
+                    request = reader.receive_data(first) or await relay.read_message(stream, reader)
+                except relay.MalformedRequest as error:
+                    await self._refuse(stream, error)
+                    return
+                except _TRANSPORT_ERRORS:
+                    return
+        finally:
+            self._requests -= 1
         if request is None:
             return
         if isinstance(request, relay.ConnectRequest):
@@ -348,8 +357,12 @@ class RelayReservations:
         """Poll the relay for offered circuits until it fails; then drop it and wake the picker."""
         try:
             while True:
-                offers = await self.rpc.call(address, POLL_METHOD, None, timeout=POLL_SECONDS + POLL_SLACK,
-                                             peer_id=peer)
+                try:
+                    offers = await self.rpc.call(address, POLL_METHOD, None, timeout=POLL_SECONDS + POLL_SLACK,
+                                                 peer_id=peer)
+                except relay.NoReservation:  # the relay forgot it (restarted, or a poll came too late): renew
+                    await self.rpc.call(address, RESERVE_METHOD, None, timeout=self.timeout, peer_id=peer)
+                    continue
                 for offer in offers if isinstance(offers, list) else []:
                     token = offer.get("token") if isinstance(offer, dict) else None
                     if isinstance(token, bytes) and len(token) == relay.TOKEN_BYTES:

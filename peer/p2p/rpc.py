@@ -441,6 +441,9 @@ class RPCNode:
             raise ValueError(f"a stream prefix is {len(relay.MAGIC)} bytes, registered once: {prefix!r}")
         self._stream_handlers[prefix] = handler
 
+    def unregister_stream(self, prefix: bytes) -> None:
+        self._stream_handlers.pop(prefix, None)
+
     async def accept(self, stream: trio.abc.Stream) -> None:
         """Serve RPC on a stream that reached this node another way than its listener (a relay circuit):
         the handshake runs on it as on any accepted connection."""
