@@ -73,6 +73,9 @@ async def run_relaying(rpc: RPCNode, dht: DHTClient, reachability: Reachability,
             task_status.started(relaying)
             return
         direct = rpc.announced_address
+        # connections opened so far (the dial-back check's) told their remotes the direct address in their
+        # handshakes: they would keep using it, and nobody can reach it
+        rpc.close_connections("this peer is private: reached through relays from now on")
 
         def changed(address: Address | None) -> None:
             rpc.announce = address if address is not None else direct

@@ -11,7 +11,7 @@ import trio
 import trio.testing
 
 from dht.node import DHTNode
-from moe.calls import forward
+from moe.calls import forward, info
 from moe.declare import get_experts
 from peer.daemon import Daemon, DaemonConfig
 from peer.p2p import relay
@@ -33,7 +33,8 @@ async def run_daemon(config: DaemonConfig, network=None, *, task_status=trio.TAS
 async def use_expert(network, bootstrap, uid: str, *, host: str = "127.0.0.1",
                      avoid: PeerID | None = None) -> relay.RelayedAddress:
     """A trainer's view: find `uid` in the DHT (declared through a relay, and not through `avoid` first), call its
-    forward; returns the relayed address it went through."""
+    forward (on the memory network its `moe.info`: the forward's compute runs in a worker thread, which virtual
+    time does not wait for); returns the relayed address it went through."""
     async with RPCNode(Identity.generate(), network) as rpc:
         async with DHTNode.open(host, 0, [bootstrap], network=network, client_mode=True) as dht:
             while True:
@@ -43,9 +44,12 @@ async def use_expert(network, bootstrap, uid: str, *, host: str = "127.0.0.1",
                     if relayed.relays[0][0] != avoid:
                         break
                 await trio.sleep(0.2)
-            outputs = await forward(rpc, location.address, PeerID.from_hex(location.peer_id_hex), uid,
-                                    [torch.ones(3, 8)], timeout=10)
-            assert outputs[0].shape == (3, 8)
+            peer = PeerID.from_hex(location.peer_id_hex)
+            if isinstance(network, RealNetwork):
+                outputs = await forward(rpc, location.address, peer, uid, [torch.ones(3, 8)], timeout=10)
+                assert outputs[0].shape == (3, 8)
+            else:
+                assert (await info(rpc, location.address, peer, uid, timeout=10))["hidden_dim"] == 8
             assert rpc.stats["circuits_dialed"] == 1
             return relayed
 
@@ -132,4 +136,39 @@ async def test_a_no_relay_peer_offers_nothing_and_a_private_peer_then_stays_unre
         assert private.relaying.reservations.relays == {}
         assert private.status()["reachability"]["how"] == "none"
         assert not relay.is_relayed(private.rpc.announced_address)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_private_replica_averages_and_answers_status_through_a_relay(autojump_clock):
+    """Above RPC nothing changes: the replica all-reduce (its matchmaking and parts) and `peer status` reach the
+    private daemon at the relayed address it declared."""
+    from peer.status import gather_status
+
+    memory = MemoryNetwork(latency=0.001, seed=10)
+    async with trio.open_nursery() as nursery:
+        public, _ = await nursery.start(run_daemon, DaemonConfig(
+            host="a", port=4000, experts="ffn.[0:2]", hidden_dim=8, reachability="public", replicate=True,
+            average_every=1000, seed=0), memory)
+        private, _ = await nursery.start(run_daemon, DaemonConfig(
+            host="p", port=4000, experts="ffn.[0:2]", hidden_dim=8, reachability="private", replicate=True,
+            average_every=1000, seed=100, initial_peers=[("a", 4000)]), memory)
+        assert relay.is_relayed(private.rpc.announced_address)
+        before = [[p.detach().clone() for p in daemon.expert_server.experts["ffn.0"].module.parameters()]
+                  for daemon in (public, private)]
+        results = []
+
+        async def average(daemon: Daemon) -> None:
+            results.append(await daemon.replicas.average_once())
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as rounds:
+                rounds.start_soon(average, public)
+                rounds.start_soon(average, private)
+        assert all(result is not None and result.finished and result.group_size == 2 for result in results)
+        after = [p.detach() for p in private.expert_server.experts["ffn.0"].module.parameters()]
+        for index, value in enumerate(after):
+            assert torch.allclose(value, (before[0][index] + before[1][index]) / 2, atol=1e-6)
+        assert private.rpc.stats["connections_accepted"] == 0
+        status = await gather_status(public.rpc, public.dht)
+        assert status["peers_reachable"] == 2
         nursery.cancel_scope.cancel()

@@ -269,6 +269,7 @@ class RelayReservations:
         self.retry = retry
         self.timeout = timeout
         self.relays: dict[PeerID, Address] = {}  # in the order they were reserved
+        self._pending: dict[PeerID, Address] = {}  # picked, being reserved: already in the announced address
         self.rtts: dict[PeerID, float] = {}
         self.failed: dict[PeerID, float] = {}  # relay -> when it failed (not picked again for a while)
         self.stats = {"reservations": 0, "relay_failures": 0, "circuits_accepted": 0, "accept_failures": 0}
@@ -278,9 +279,10 @@ class RelayReservations:
 
     @property
     def address(self) -> Address | None:
-        if not self.relays:
+        relays = {**self.relays, **self._pending}
+        if not relays:
             return None
-        return relay.RelayedAddress(self.rpc.peer_id, tuple(self.relays.items())[:relay.MAX_RELAYS]).to_address()
+        return relay.RelayedAddress(self.rpc.peer_id, tuple(relays.items())[:relay.MAX_RELAYS]).to_address()
 
     async def wait_reserved(self) -> None:
         """Until the first reservation holds (the caller bounds the wait)."""
@@ -293,6 +295,8 @@ class RelayReservations:
             while True:
                 if len(self.relays) < self.want:
                     picked = await self._pick(self.want - len(self.relays))
+                    self._pending = dict(picked)
+                    self._announce()  # before the reservations' connections: their handshakes announce it
                     for peer, address in picked:
                         await self._start(nursery, peer, address)
                     # nobody new to ask: ask the candidates less often, up to every 8 retries
@@ -305,7 +309,9 @@ class RelayReservations:
                     await self._changed.wait()
 
     async def _pick(self, count: int) -> list[tuple[PeerID, Address]]:
-        """The `count` candidates with the lowest RTT of a `relay.info` call (a second call, after the connect)."""
+        """The `count` candidates with the lowest RTT of a fresh connection and handshake (`RPCNode.probe`: no
+        pooled connection is opened before the relayed address is announced, so every pooled connection's
+        handshake tells the remote the relayed address)."""
         try:
             with trio.move_on_after(self.timeout):
                 candidates = await self.candidates()
@@ -320,9 +326,8 @@ class RelayReservations:
 
         async def measure(peer: PeerID, address: Address) -> None:
             try:
-                await self.rpc.call(address, INFO_METHOD, None, timeout=self.timeout, peer_id=peer)
                 start = trio.current_time()
-                await self.rpc.call(address, INFO_METHOD, None, timeout=self.timeout, peer_id=peer)
+                await self.rpc.probe(address, peer_id=peer, timeout=self.timeout)
                 measured.append((trio.current_time() - start, peer, address))
             except RPCError as error:
                 logger.debug("relay candidate %s: %s", peer.short(), error)
@@ -341,7 +346,10 @@ class RelayReservations:
         except RPCError as error:
             logger.info("relay %s refused a reservation: %s", peer.short(), error)
             self.failed[peer] = trio.current_time()
+            self._pending.pop(peer, None)
+            self._announce()
             return
+        self._pending.pop(peer, None)
         self.relays[peer] = address
         self.stats["reservations"] += 1
         self._announce()

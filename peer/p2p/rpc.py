@@ -614,6 +614,13 @@ class RPCNode:
     def connection_count(self) -> int:
         return len(self._all_connections)
 
+    def close_connections(self, reason: str) -> None:
+        """Close every connection (calls on them fail with `ConnectionFailed`). A handshake announces this node's
+        address once per connection, so after the announced address changed for good (a private peer now reached
+        through relays) the connections that told the old one are closed; the next calls open fresh ones."""
+        for connection in list(self._all_connections):
+            connection._close(reason)
+
 
     # ----------------------------------------------------------------------------------- handshake
 
