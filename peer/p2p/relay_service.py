@@ -23,7 +23,7 @@ import trio
 from peer.p2p import relay
 from peer.p2p.identity import PeerID
 from peer.p2p.lifetime import owned_nursery
-from peer.p2p.net import Address
+from peer.p2p.net import Address, receiver_into
 from peer.p2p.rpc import CallContext, RPCError, RPCNode
 
 logger = logging.getLogger(__name__)
@@ -225,17 +225,21 @@ class RelayService:
         limiter = self.core.circuit_limiter()
 
         async def pump(source: trio.abc.Stream, sink: trio.abc.Stream) -> None:
+            # one buffer per direction, reused: `receive_some` would allocate (and, this large, mmap) per read
+            buffer = bytearray(SPLICE_CHUNK)
+            view = memoryview(buffer)
+            receive_into = receiver_into(source)
             try:
                 while True:
-                    data = await source.receive_some(SPLICE_CHUNK)
-                    if not data:
+                    size = await receive_into(buffer)
+                    if not size:
                         break
                     now = trio.current_time()
                     scope.deadline = now + self.idle_timeout
-                    delay = self.core.relayed(len(data), limiter, now)
+                    delay = self.core.relayed(size, limiter, now)
                     if delay > 0:
                         await trio.sleep(delay)
-                    await sink.send_all(data)
+                    await sink.send_all(view[:size])  # sent before it returns: the buffer is free again
             except _TRANSPORT_ERRORS:
                 pass
             scope.cancel()  # one side ended: the circuit ends (the RPC layer has no half-closed connections)
