@@ -465,3 +465,22 @@ async def test_a_dead_relay_in_a_relayed_address_is_skipped_for_the_next(net, cl
             assert (await dialer.call(address, "echo", 7, timeout=10))["args"] == 7
         with pytest.raises(RPCError):
             await dialer.call(RelayedAddress(private.peer_id, (dead,)).to_address(), "echo", 7, timeout=5)
+
+
+@pytest.mark.parametrize("caps", [{"rate": 100_000.0}, {"total_rate": 100_000.0}])
+async def test_the_byte_caps_hold_a_circuit_to_its_rate_in_virtual_time(autojump_clock, caps):
+    """300 kB each way through a relay capped at 100 kB/s (one second's burst): at least 5 s of virtual time."""
+    net = Net("memory")
+    async with AsyncExitStack() as stack:
+        relay_node, service = await stack.enter_async_context(net.relay("r", **caps))
+        private, reservations = await stack.enter_async_context(net.private("p", [relay_node], want=1))
+        with trio.fail_after(30):
+            while not reservations.relays:
+                await trio.sleep(0.05)
+        dialer = await stack.enter_async_context(net.dialer("d"))
+        await dialer.call(private.announce, "echo", 0, timeout=10)  # the circuit and handshake first
+        start = trio.current_time()
+        reply = await dialer.call(private.announce, "echo", b"\0" * 300_000, timeout=60)
+        assert len(reply["args"]) == 300_000
+        assert trio.current_time() - start >= 5.0 - 0.1
+        assert service.core.stats["bytes_relayed"] >= 600_000
