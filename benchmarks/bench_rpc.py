@@ -11,6 +11,12 @@ The server runs in a separate process (a separate peer, as in production), the c
     over plain TCP streams (one stream per caller, no codec, framing or RPC), so `echo_ratio_to_raw_N` says what
     our RPC costs over the bare event loop and socket on whatever machine and day it runs; and 16 callers over an
     insecure connection, so `secure_echo_ratio_16` says what the sealing costs small calls.
+(d) relays: a third process runs a relay (`peer.p2p.relay_service.RelayService`, byte caps off: the figures are
+    the relay's own cost, the caps a policy), the server process a second, non-listening peer reserved with it;
+    one small call at a time directly and through the circuit (`direct_p50_ms`, `relay_p50_ms`), the tensor
+    round trip through the circuit against the direct sealed one (`relay_tensor_ratio_to_direct`), and the time
+    from an in-process `--reachability private` daemon's start until a trainer (its own RPC node and DHT client)
+    has used one of its experts through a relay (`private_expert_ready_s`).
 The last line of output is one JSON object with the figures; the `*_ratio*` ones compare across days.
 
 Usage: python benchmarks/bench_rpc.py [--mib 64] [--seconds 3]
@@ -30,8 +36,9 @@ import time
 import torch
 import trio
 
-from peer.p2p.identity import Identity
+from peer.p2p.identity import Identity, PeerID
 from peer.p2p.net import RealNetwork
+from peer.p2p.relay_service import RelayReservations, RelayService
 from peer.p2p.rpc import RPCNode
 
 # -------------------------------------------------------------------------------------------- server process
@@ -71,22 +78,47 @@ def serve_raw_echo(listener: socket.socket) -> None:
         threading.Thread(target=echo, args=(connection,), daemon=True).start()
 
 
-async def serve_rpc(raw_port: int, echo_port: int) -> None:
+async def serve_rpc(raw_port: int, echo_port: int, relay: tuple[str, int] | None) -> None:
     async with RPCNode(Identity.generate(), RealNetwork()) as node, \
-            RPCNode(Identity.generate(), RealNetwork(), secure=False) as plain:
+            RPCNode(Identity.generate(), RealNetwork(), secure=False) as plain, \
+            RPCNode(Identity.generate(), RealNetwork()) as private, trio.open_nursery() as nursery:
         async def echo(ctx, args):
             return args
 
         node.register("echo", echo)
         plain.register("echo", echo)
+        private.register("echo", echo)
         address = await node.listen("127.0.0.1", 0)
         plain_address = await plain.listen("127.0.0.1", 0)
+        relayed = None
+        if relay is not None:  # the private peer: never listens, reached through the relay process only
+            relay_id, relay_port = PeerID.from_hex(relay[0]), relay[1]
+
+            async def candidates():
+                return [(relay_id, ("127.0.0.1", relay_port))]
+
+            def changed(where):
+                private.announce = where
+
+            reservations = RelayReservations(private, candidates, on_change=changed, want=1)
+            nursery.start_soon(reservations.run)
+            with trio.fail_after(30):
+                await reservations.wait_reserved()
+            relayed = list(private.announce)
         print(json.dumps({"rpc_port": address[1], "plain_port": plain_address[1], "raw_port": raw_port,
-                          "echo_port": echo_port}), flush=True)
+                          "echo_port": echo_port, "relayed": relayed}), flush=True)
         await trio.sleep_forever()
 
 
-def server_main() -> None:
+async def serve_relay() -> None:
+    async with RPCNode(Identity.generate(), RealNetwork()) as node, trio.open_nursery() as nursery:
+        address = await node.listen("127.0.0.1", 0)
+        await nursery.start(RelayService(node, limit=64).run)
+        print(json.dumps({"relay": [node.peer_id.hex(), address[1]]}), flush=True)
+        await trio.sleep_forever()
+
+
+def server_main(relay: tuple[str, int] | None) -> None:
     torch.set_num_threads(1)
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -96,7 +128,7 @@ def server_main() -> None:
     echo_listener.bind(("127.0.0.1", 0))
     echo_listener.listen(512)
     threading.Thread(target=serve_raw_echo, args=(echo_listener,), daemon=True).start()
-    trio.run(serve_rpc, listener.getsockname()[1], echo_listener.getsockname()[1])
+    trio.run(serve_rpc, listener.getsockname()[1], echo_listener.getsockname()[1], relay)
 
 
 # -------------------------------------------------------------------------------------------- client
@@ -178,6 +210,54 @@ async def raw_echo_load(port: int, concurrency: int, seconds: float) -> float:
     return count / elapsed
 
 
+async def alternating_p50_ms(node: RPCNode, addresses: list, seconds: float) -> list[float]:
+    """One small call at a time for `seconds`, to each address in turn (so a loaded machine's moods hit all
+    alike): the median latency of each."""
+    latencies: list[list[float]] = [[] for _ in addresses]
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for index, address in enumerate(addresses):
+            start = time.perf_counter()
+            await node.call(address, "echo", b"x" * 8, timeout=10)
+            latencies[index].append(time.perf_counter() - start)
+    return [statistics.median(each) * 1e3 for each in latencies]
+
+
+async def private_expert_ready() -> float:
+    """Seconds from a private daemon's start until a trainer has used one of its experts through a relay."""
+    from dht.node import DHTNode
+    from moe.calls import forward
+    from moe.declare import get_experts
+    from peer.daemon import Daemon, DaemonConfig
+    from peer.p2p.relay import is_relayed
+
+    async with trio.open_nursery() as nursery:
+        public = Daemon(DaemonConfig(host="127.0.0.1", experts="pub.[0:1]", hidden_dim=8, reachability="public"))
+        await nursery.start(public.run)
+        assert public.rpc is not None and public.rpc.address is not None
+        bootstrap = public.rpc.address
+        start = time.perf_counter()
+        private = Daemon(DaemonConfig(host="127.0.0.1", experts="priv.[0:1]", hidden_dim=8,
+                                      reachability="private", initial_peers=[bootstrap]))
+        nursery.start_soon(private.run)
+        async with RPCNode(Identity.generate(), RealNetwork()) as rpc, \
+                DHTNode.open("127.0.0.1", 0, [bootstrap], client_mode=True) as dht:
+            with trio.fail_after(60):
+                while True:
+                    location = (await get_experts(dht, ["priv.0"]))["priv.0"]
+                    if location is not None and is_relayed(location.address):
+                        try:
+                            await forward(rpc, location.address, PeerID.from_hex(location.peer_id_hex), "priv.0",
+                                          [torch.ones(2, 8)], timeout=5)
+                            break
+                        except Exception as error:  # noqa: BLE001 - a bench retries whatever the first try met
+                            print(f"(d) not ready yet: {error}")
+                    await trio.sleep(0.02)
+        ready = time.perf_counter() - start
+        nursery.cancel_scope.cancel()
+    return ready
+
+
 async def client_main(args: argparse.Namespace, ports: dict) -> dict:
     size = args.mib * 1024 * 1024
     tensor = torch.rand(size // 4)
@@ -221,6 +301,26 @@ async def client_main(args: argparse.Namespace, ports: dict) -> dict:
                       f"p50 {plain['p50_ms']:.2f} ms: sealed/insecure {secure_ratio:.2f}")
                 figures["plain_echo_calls_per_s_16"] = round(plain["calls_per_s"])
                 figures["secure_echo_ratio_16"] = round(secure_ratio, 3)
+        relayed = tuple(ports["relayed"])
+        await node.call(relayed, "echo", None, timeout=10)  # the circuit and its handshake outside the timings
+        direct_p50, relay_p50 = await alternating_p50_ms(node, [address, relayed], args.seconds)
+        print(f"(d) one small call at a time: direct p50 {direct_p50:.3f} ms, through a relay {relay_p50:.3f} ms "
+              f"(target <= {1.5 * direct_p50 + 0.5:.3f} ms)")
+        direct_times, times = [], []
+        for _ in range(args.repeats):  # alternating, as the small calls
+            direct_times.append(await rpc_roundtrip(node, address, tensor))
+            times.append(await rpc_roundtrip(node, relayed, tensor))
+        relay_gbps = 2 * size / min(times) / 1e9
+        tensor_ratio = min(direct_times) / min(times)
+        print(f"(d) {args.mib} MiB tensor through a relay: {relay_gbps:.2f} GB/s = {tensor_ratio:.0%} of direct "
+              f"sealed (target >= 40%)")
+        figures.update(direct_p50_ms=round(direct_p50, 3), relay_p50_ms=round(relay_p50, 3),
+                       relay_tensor_gbytes_per_s=round(relay_gbps, 3),
+                       relay_tensor_ratio_to_direct=round(tensor_ratio, 3))
+    ready = await private_expert_ready()
+    print(f"(d) a private daemon's expert used by a trainer through a relay {ready:.2f} s after its start "
+          f"(target <= 5 s)")
+    figures["private_expert_ready_s"] = round(ready, 2)
     return figures
 
 
@@ -230,18 +330,29 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-relay", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--relay", nargs=2, help=argparse.SUPPRESS)  # the relay's PeerID (hex) and port
     args = parser.parse_args()
+    if args.serve_relay:
+        trio.run(serve_relay)
+        return
     if args.serve:
-        server_main()
+        server_main((args.relay[0], int(args.relay[1])) if args.relay else None)
         return
     torch.set_num_threads(1)
-    server = subprocess.Popen([sys.executable, __file__, "--serve"], stdout=subprocess.PIPE, text=True)
+    relay = subprocess.Popen([sys.executable, __file__, "--serve-relay"], stdout=subprocess.PIPE, text=True)
+    server = None
     try:
+        relay_id, relay_port = json.loads(relay.stdout.readline())["relay"]
+        server = subprocess.Popen([sys.executable, __file__, "--serve", "--relay", relay_id, str(relay_port)],
+                                  stdout=subprocess.PIPE, text=True)
         ports = json.loads(server.stdout.readline())
         figures = trio.run(client_main, args, ports)
     finally:
-        server.kill()
-        server.wait()
+        for process in (server, relay):
+            if process is not None:
+                process.kill()
+                process.wait()
     print(json.dumps(figures))
 
 

@@ -260,8 +260,11 @@ class ExpertServer:
                     registered.append(name)
                 if dht is not None and address is not None:
                     # the first round runs before `started`: the experts are findable once `run` has started
+                    async def declare_round() -> None:  # the address read every round: relays may change it
+                        await self.declare(dht, announce or rpc.announced_address or address, rpc.peer_id)
+
                     await nursery.start(functools.partial(
-                        run_periodic, functools.partial(self.declare, dht, address, rpc.peer_id),
+                        run_periodic, declare_round,
                         self.declare_interval, name=f"declaring {len(self.experts)} experts",
                         retry=self.declare_interval / 4, max_retry=self.declare_interval,
                         on_failure=self._declaration_failed, log=logger))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import logging
 import math
@@ -46,6 +47,7 @@ from peer.p2p.identity import Identity, load_membership
 from peer.p2p.net import Address, Network, RealNetwork
 from peer.p2p.rpc import CallContext, RPCNode
 from peer.reachability import DialBackService, Reachability, check_reachability, fixed
+from peer.relays import Relaying, run_relaying
 from peer.replicas import ReplicaAverager
 from peer.status import MAX_REPLICA_KEYS, STATUS_METHOD
 
@@ -90,6 +92,10 @@ class DaemonConfig:
     allow_peers: Path | None = _JOIN["allow_peers"]
     reachability: str = _JOIN["reachability"]
     metrics_port: int | None = _JOIN["metrics_port"]
+    relay_limit: int = _JOIN["relay_limit"]
+    relay_rate: float = _JOIN["relay_rate"]
+    relay_total_rate: float = _JOIN["relay_total_rate"]
+    no_relay: bool = _JOIN["no_relay"]
 
 
 @dataclass
@@ -218,6 +224,7 @@ class Daemon:
         self.replicas: ReplicaAverager | None = None
         self.pattern: str | None = None  # the grid pattern the served experts come from
         self.reachability: Reachability | None = None
+        self.relaying: Relaying | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[DaemonInfo] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled. Reports a DaemonInfo through `task_status` once the peer is reachable."""
@@ -274,6 +281,12 @@ class Daemon:
                 metrics = self._metrics() if config.metrics_port is not None else None
                 self.expert_server = await self._make_expert_server(dht)  # before the nursery: plain errors
                 async with trio.open_nursery() as nursery:
+                    # a relay service (public), or reservations and a relayed announced address (private): before
+                    # anything publishes where this peer is reached
+                    self.relaying = await nursery.start(functools.partial(
+                        run_relaying, rpc, dht, self.reachability, limit=config.relay_limit,
+                        rate_mb_s=config.relay_rate, total_rate_mb_s=config.relay_total_rate,
+                        offer=not config.no_relay))
                     uids = sorted(self.expert_server.experts)
                     await nursery.start(self.expert_server.run, rpc, dht)
                     # always registered: a peer outside the allow list gets a typed refusal, not "no such method"
@@ -284,7 +297,8 @@ class Daemon:
                                                         interval=config.average_every)
                         await nursery.start(self.replicas.run)
                     self.directory = PeerDirectory(dht)
-                    await nursery.start(self.directory.run, announced, self.identity.peer_id, self._summary)
+                    await nursery.start(self.directory.run, lambda: rpc.announced_address or announced,
+                                        self.identity.peer_id, self._summary)
                     metrics_address = None
                     if metrics is not None and config.metrics_port is not None:
                         metrics_address = await nursery.start(metrics.serve, host, config.metrics_port)
@@ -365,7 +379,9 @@ class Daemon:
         """The short description published in the peer directory: read by `peer status` without a call, and by
         trainers and starting daemons to find the swarm's expert families (`peer.discover`)."""
         served = len(self.expert_server.experts) if self.expert_server else 0
-        summary = {"experts": served, "version": __version__}
+        summary: dict[str, Any] = {"experts": served, "version": __version__}
+        if self.relaying is not None and self.relaying.service is not None:
+            summary["relay"] = True  # private peers pick their relays among these
         if served and self.pattern is not None:
             summary.update(summary_fields(self.pattern, served, self.config.hidden_dim))
         return summary
@@ -385,6 +401,7 @@ class Daemon:
             "hidden_dim": self.config.hidden_dim,
             "averaging": self.replicas.stats() if self.replicas else None,
             "reachability": self.reachability.stats() if self.reachability else None,
+            "relay": self.relaying.stats() if self.relaying else None,
         }
 
     async def _handle_status(self, context: CallContext, args: Any) -> dict[str, Any]:

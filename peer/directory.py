@@ -55,13 +55,16 @@ class PeerDirectory:
         return await self.dht.store(shard_key(peer_id), value, self.dht.now() + self.ttl, subkey=peer_id.hex(),
                                     signed=True)
 
-    async def run(self, address: Address, peer_id: PeerID, summary: Callable[[], dict[str, Any]], *,
+    async def run(self, address: Address | Callable[[], Address], peer_id: PeerID,
+                  summary: Callable[[], dict[str, Any]], *,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Declare now, then every `interval` seconds until cancelled; `started` once the first declaration was
-        tried. A failed round is retried sooner (the entry expires `ttl` after the last success), never later."""
+        tried. A failed round is retried sooner (the entry expires `ttl` after the last success), never later.
+        `address` may be a function, read every round (a private peer's relayed address changes with its relays)."""
 
         async def declare_round() -> None:
-            if not await self.declare(address, peer_id, summary()):
+            where = address() if callable(address) else address
+            if not await self.declare(where, peer_id, summary()):
                 self.failures += 1  # nobody acknowledged: no exception, but the entry was not refreshed
 
         def failed(error: Exception) -> None:

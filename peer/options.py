@@ -517,6 +517,11 @@ JOIN = OptionSet("peer join", [
     Option("reachability", Text(["auto", "public", "private"]), "auto", "auto: up to 3 initial peers dial this "
            "one back on TCP and UDP; a private peer takes part in the DHT as a client only (never in others' "
            "routing tables, never holding records); public or private: skip the check"),
+    Option("relay-limit", POSITIVE_INT, 64, "circuits this peer relays at once for private peers when it is "
+           "public (further requests are refused)", metavar="N"),
+    Option("relay-rate", POSITIVE, 16.0, "MB/s (10^6 bytes) one relayed circuit may carry", metavar="MB_S"),
+    Option("relay-total-rate", POSITIVE, 64.0, "MB/s all relayed circuits together may carry", metavar="MB_S"),
+    Option("no-relay", SWITCH, False, "offer no relay service, even when public"),
 ])
 
 # ------------------------------------------------------------------------------------------------------- status

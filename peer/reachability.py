@@ -63,7 +63,8 @@ class Reachability:
 
     def describe(self) -> str:
         """The join line's words, e.g. `public, reached directly (dialed back by 2 of 2 peers)`."""
-        reached = "reached directly" if self.how == "direct" else "not reachable from outside: DHT client mode"
+        reached = {"direct": "reached directly", "relay": "reached through relays, DHT client mode"}.get(
+            self.how, "not reachable from outside: DHT client mode")
         if self.source == "dial-back":
             check = f"dialed back on TCP and UDP by {self.both} of {self.answered} peers"
         elif self.source == "unverified":

@@ -32,7 +32,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import trio
 
-from peer.p2p import framing, wire
+from peer.p2p import framing, relay, wire
 from peer.p2p.handshake import (
     PROTOCOL_VERSION,
     Handshake,
@@ -95,6 +95,8 @@ class CallContext:
 
 
 Handler = Callable[[CallContext, Any], Awaitable[Any]]
+# a raw protocol sharing the RPC port (the relay's circuits): gets the stream and the prefix bytes already read
+StreamHandler = Callable[[trio.abc.Stream, bytes], Awaitable[None]]
 
 
 class _PendingCall:
@@ -389,9 +391,13 @@ class RPCNode:
                 "handshakes_not_in_swarm",
                 "protocol_errors", "rejected_messages",
                 "connections_opened", "connections_accepted", "bytes_sent", "bytes_received",
+                "circuits_dialed", "circuits_accepted",
             )
         }
         self._handlers: dict[str, Handler] = {}
+        self._stream_handlers: dict[bytes, StreamHandler] = {}  # by the 8-byte prefix their streams start with
+        # called with each circuit this node dials through a relay (a direct-connection upgrade can use it)
+        self.on_circuit: Callable[[relay.Circuit], None] | None = None
         # called after every served call with (method, seconds, answered); set by whoever exports metrics
         self.on_served: Callable[[str, float, bool], None] | None = None
         self._connections: dict[Address, Connection] = {}
@@ -444,16 +450,51 @@ class RPCNode:
     def announced_address(self) -> Address | None:
         return self.announce or self.address
 
-    async def _accept(self, stream: trio.abc.Stream) -> None:
+    def register_stream(self, prefix: bytes, handler: StreamHandler) -> None:
+        """Serve incoming streams that start with the 8 bytes `prefix` with `handler` instead of RPC (the relay
+        service's circuit requests share the RPC port, so a private peer needs to reach one port only)."""
+        if len(prefix) != len(relay.MAGIC) or prefix in self._stream_handlers:
+            raise ValueError(f"a stream prefix is {len(relay.MAGIC)} bytes, registered once: {prefix!r}")
+        self._stream_handlers[prefix] = handler
+
+    def unregister_stream(self, prefix: bytes) -> None:
+        self._stream_handlers.pop(prefix, None)
+
+    async def accept(self, stream: trio.abc.Stream) -> None:
+        """Serve RPC on a stream that reached this node another way than its listener (a relay circuit):
+        the handshake runs on it as on any accepted connection."""
+        self.stats["circuits_accepted"] += 1
+        await self._accept(stream, dispatch=False)
+
+    async def _accept(self, stream: trio.abc.Stream, dispatch: bool = True) -> None:
+        first = b""
+        if dispatch and self._stream_handlers:  # read the prefix before our hello: it may be no RPC peer
+            with trio.move_on_after(self.handshake_timeout):
+                try:
+                    while len(first) < len(relay.MAGIC):
+                        data = await stream.receive_some(len(relay.MAGIC) - len(first))
+                        if not data:
+                            return
+                        first += data
+                except _TRANSPORT_ERRORS:
+                    return
+            handler = self._stream_handlers.get(first)
+            if handler is not None:
+                await handler(stream, first)
+                return
+            if len(first) < len(relay.MAGIC):
+                self.stats["handshake_failures"] += 1
+                return
         try:
-            handshake = await self._handshake(stream, Role.RESPONDER)
+            handshake = await self._handshake(stream, Role.RESPONDER, initial=first)
         except HandshakeError as error:
             self.stats["handshake_failures"] += 1
             if isinstance(error, NotInSwarm):  # someone outside a private swarm (or with the wrong key) knocked
                 self.stats["handshakes_not_in_swarm"] += 1
             logger.debug("rejected incoming connection: %s", error)
             return
-        self.stats["connections_accepted"] += 1
+        if dispatch:  # a circuit counts as circuits_accepted (`accept`)
+            self.stats["connections_accepted"] += 1
         connection = Connection(self, stream, handshake, dialed=None)
         self._all_connections.add(connection)
         await connection.run()
@@ -536,12 +577,26 @@ class RPCNode:
 
     async def _open(self, address: Address) -> tuple[trio.abc.Stream, HandshakeComplete]:
         with trio.move_on_after(self.connect_timeout):
+            expected = None
             try:
-                stream = await self.network.connect_tcp(address)
+                if relay.is_relayed(address):  # through a relay's circuit; the handshake runs end to end
+                    relayed = relay.parse_relayed(address)
+                    circuit = await relay.open_circuit(self.network, relayed, source=self.peer_id,
+                                                       timeout=self.connect_timeout)
+                    stream, expected = circuit.stream, relayed.target
+                    self.stats["circuits_dialed"] += 1
+                    if self.on_circuit is not None:
+                        self.on_circuit(circuit)
+                else:
+                    stream = await self.network.connect_tcp(address)
             except OSError as error:
                 raise ConnectionFailed(f"cannot connect: {error.strerror or error}", address=address) from None
+            except relay.RelayError as error:
+                raise type(error)(error.message, address=address) from None
+            except relay.RelayProtocolError as error:
+                raise ConnectionFailed(str(error), address=address) from None
             try:
-                handshake = await self._handshake(stream, Role.INITIATOR)
+                handshake = await self._handshake(stream, Role.INITIATOR, expected_peer=expected)
             except BaseException:
                 await trio.aclose_forcefully(stream)
                 raise
@@ -577,16 +632,26 @@ class RPCNode:
     def connection_count(self) -> int:
         return len(self._all_connections)
 
+    def close_connections(self, reason: str) -> None:
+        """Close every connection (calls on them fail with `ConnectionFailed`). A handshake announces this node's
+        address once per connection, so after the announced address changed for good (a private peer now reached
+        through relays) the connections that told the old one are closed; the next calls open fresh ones."""
+        for connection in list(self._all_connections):
+            connection._close(reason)
+
 
     # ----------------------------------------------------------------------------------- handshake
 
     async def _handshake(self, stream: trio.abc.Stream, role: Role,
-                         expected_peer: PeerID | None = None) -> HandshakeComplete:
-        """Drive a `Handshake` over `stream` within `handshake_timeout`; every failure is a `HandshakeError`."""
+                         expected_peer: PeerID | None = None, initial: bytes = b"") -> HandshakeComplete:
+        """Drive a `Handshake` over `stream` within `handshake_timeout`; every failure is a `HandshakeError`.
+        `initial`: bytes of the remote's already read (the prefix `_accept` looked at)."""
         handshake = Handshake(self.identity, role, listen=self.announced_address, expected_peer=expected_peer,
                               secure=self.secure, swarm_key=self.swarm_key, allowed_peers=self.allowed_peers)
         with trio.move_on_after(self.handshake_timeout):
             try:
+                if initial:
+                    handshake.receive_data(initial)  # a prefix is shorter than any frame: no event yet
                 await stream.send_all(handshake.data_to_send())
                 while True:
                     data = await stream.receive_some(framing.MAX_CONTROL_BYTES)

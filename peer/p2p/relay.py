@@ -1,0 +1,513 @@
+"""Circuit relays: the sans-I/O protocol core, relayed addresses, and the dialer's side of opening a circuit.
+
+Why relays: a peer behind a home router or a campus firewall can open connections but accept none. A public peer
+that it keeps a reservation with (an authenticated RPC exchange, `peer.p2p.relay_service`) splices the byte
+stream of anyone who asks for a circuit to it with a stream the private peer opens to the relay on request. The
+RPC handshake then runs end to end through the splice, so the relay forwards sealed records it can neither read
+nor forge: a flipped byte fails the record's AEAD tag at the far end (`peer.p2p.seal`), a relay that answers
+for someone else fails the handshake's `expected_peer` check.
+
+The wire: a circuit stream opens on the relay's ordinary RPC port with `MAGIC` (8 bytes no RPC handshake begins
+with: read as a frame length it is over a gigabyte), then one length-prefixed msgpack request, answered by one
+length-prefixed msgpack response; after an `ok` response the stream is a raw splice. Requests:
+- `{"op": "connect", "target": PeerID, "source": PeerID}` -- a dialer asks for a circuit to a reserved peer
+  (`source` is only a claim, used to refuse a circuit to oneself; the end-to-end handshake authenticates);
+- `{"op": "accept", "token": bytes}` -- the reserved peer takes the circuit the relay offered it over its
+  reservation (the token is a capability only that peer was told).
+The `ok` response carries the other end's address as the relay observes it (`observed`), which is what a
+direct-connection upgrade (hole punching) needs; `open_circuit` returns it with the stream.
+
+Each side reads exactly the bytes of its message (`next_read_size`), never past them, so after the response the
+caller holds the bare transport stream and the RPC layer's zero-copy receive path stays as it is.
+
+Relayed addresses fit in an ordinary `Address`, so every place that publishes or dials addresses (peer
+directory, expert declarations, averaging and state announcements, `RPCNode.call`) carries them unchanged:
+host `relay:TARGET;RELAY@HOST:PORT;RELAY@HOST:PORT` (PeerIDs in hex, up to `MAX_RELAYS` relays tried in order),
+port the first relay's port.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any, Union
+
+import msgpack
+import trio
+
+from peer.p2p.identity import PeerID
+from peer.p2p.net import Address, Network
+from peer.p2p.rpc_protocol import (
+    LocalProtocolError,
+    RemoteError,
+    RemoteProtocolError,
+    register_error_code,
+    remote_error,
+)
+
+MAGIC = b"SWRELAY1"
+PREFIX = "relay:"
+MAX_RELAYS = 3
+MAX_MESSAGE_BYTES = 1024
+TOKEN_BYTES = 16
+_LENGTH = struct.Struct("!I")
+
+# ------------------------------------------------------------------------------------------------------- errors
+
+
+class RelayError(RemoteError):
+    """A relay refused or could not make a circuit; the subclass says why. Also sent as the error of the
+    relay's RPC methods (`relay.reserve`, `relay.poll`)."""
+
+    code = "relay.failed"
+
+
+class NoReservation(RelayError):
+    """The relay holds no reservation for the target peer (or no offered circuit for the accept token)."""
+
+    code = "relay.no_reservation"
+
+
+class CircuitToSelf(RelayError):
+    """A circuit from a peer to itself, or to the relay itself (dial the relay directly)."""
+
+    code = "relay.self"
+
+
+class RelayLimitReached(RelayError):
+    """The relay runs `--relay-limit` circuits (or holds as many reservations) already."""
+
+    code = "relay.limit"
+
+
+class MalformedRequest(RelayError):
+    """A circuit request that is not one: bad magic, bad length, bad msgpack, unknown op, bad fields."""
+
+    code = "relay.malformed"
+
+
+class RelayProtocolError(RemoteProtocolError):
+    """The relay's response is not a response (a relay that speaks garbage, or not a relay at all)."""
+
+
+for _cls in (RelayError, NoReservation, CircuitToSelf, RelayLimitReached, MalformedRequest):
+    register_error_code(_cls.code, _cls)
+
+
+def _error_for(code: Any, message: Any) -> RelayError:
+    """A relay's refusal as its typed error; a code that is no relay error's is still a `RelayError`."""
+    text = str(message)[:200]
+    error = remote_error(code, text) if isinstance(code, str) else None
+    return error if isinstance(error, RelayError) else RelayError(text)
+
+
+# ---------------------------------------------------------------------------------------------- addresses
+
+
+@dataclass(frozen=True)
+class RelayedAddress:
+    """`target` reached through any of `relays` (PeerID, relay's RPC address), tried in order."""
+
+    target: PeerID
+    relays: tuple[tuple[PeerID, Address], ...]
+
+    def to_address(self) -> Address:
+        if not 0 < len(self.relays) <= MAX_RELAYS:
+            raise LocalProtocolError(f"a relayed address names 1 to {MAX_RELAYS} relays, not {len(self.relays)}")
+        parts = [self.target.hex()] + [f"{relay.hex()}@{host}:{port}" for relay, (host, port) in self.relays]
+        return (PREFIX + ";".join(parts), int(self.relays[0][1][1]))
+
+
+def is_relayed(address: Address) -> bool:
+    return isinstance(address[0], str) and address[0].startswith(PREFIX)
+
+
+def parse_relayed(address: Address) -> RelayedAddress:
+    """The relayed address in `address`; `MalformedRequest` when it starts like one but is not."""
+    host = address[0]
+    if not is_relayed(address):
+        raise MalformedRequest(f"{host[:60]!r} is no relayed address")
+    parts = host[len(PREFIX):].split(";")
+    try:
+        target = PeerID(bytes.fromhex(parts[0]))
+        relays = []
+        for part in parts[1:]:
+            relay_hex, _, where = part.partition("@")
+            relay_host, _, port = where.rpartition(":")
+            if not relay_host or not 0 < int(port) < 65536:
+                raise ValueError(part)
+            relays.append((PeerID(bytes.fromhex(relay_hex)), (relay_host, int(port))))
+    except ValueError:
+        raise MalformedRequest(f"malformed relayed address {host[:80]!r}") from None
+    if not 0 < len(relays) <= MAX_RELAYS:
+        raise MalformedRequest(f"a relayed address names 1 to {MAX_RELAYS} relays, not {len(relays)}")
+    return RelayedAddress(target, tuple(relays))
+
+
+# ------------------------------------------------------------------------------------------------- messages
+
+
+def _encode(message: dict[str, Any], *, magic: bool) -> bytes:
+    body: bytes = msgpack.packb(message, use_bin_type=True)
+    if len(body) > MAX_MESSAGE_BYTES:
+        raise LocalProtocolError(f"relay message of {len(body)} bytes, the limit is {MAX_MESSAGE_BYTES}")
+    return (MAGIC if magic else b"") + _LENGTH.pack(len(body)) + body
+
+
+def connect_request(target: PeerID, source: PeerID) -> bytes:
+    return _encode({"op": "connect", "target": bytes(target), "source": bytes(source)}, magic=True)
+
+
+def accept_request(token: bytes) -> bytes:
+    return _encode({"op": "accept", "token": bytes(token)}, magic=True)
+
+
+def ok_response(observed: Address | None) -> bytes:
+    return _encode({"ok": True, "observed": list(observed) if observed else None}, magic=False)
+
+
+def error_response(error: RelayError) -> bytes:
+    return _encode({"ok": False, "code": error.code, "message": error.message}, magic=False)
+
+
+@dataclass(frozen=True)
+class ConnectRequest:
+    target: PeerID
+    source: PeerID
+
+
+@dataclass(frozen=True)
+class AcceptRequest:
+    token: bytes
+
+
+@dataclass(frozen=True)
+class CircuitOpened:
+    """The relay spliced the circuit; `observed` is the other end's address as the relay sees it."""
+
+    observed: Address | None
+
+
+Request = Union[ConnectRequest, AcceptRequest]
+
+
+class _MessageReader:
+    """Reads one length-prefixed message, asking for exactly the bytes it still needs (never more)."""
+
+    def __init__(self, prefix: bytes):
+        self._prefix = prefix
+        self._buffer = bytearray()
+        self._length: int | None = None
+
+    def next_read_size(self) -> int:
+        if self._length is None:
+            return len(self._prefix) + _LENGTH.size - len(self._buffer)
+        return len(self._prefix) + _LENGTH.size + self._length - len(self._buffer)
+
+    def _feed(self, data: bytes | bytearray | memoryview) -> dict[str, Any] | None:
+        """Any split of the message's bytes; never bytes past its end (`next_read_size` says how many remain)."""
+        head = len(self._prefix) + _LENGTH.size
+        if self._length is None:
+            take = head - len(self._buffer)
+            self._buffer += data[:take]
+            data = data[take:]
+            if len(self._buffer) < head:
+                return None
+            if bytes(self._buffer[:len(self._prefix)]) != self._prefix:
+                raise self._malformed("not a relay message (bad magic)")
+            (self._length,) = _LENGTH.unpack_from(self._buffer, len(self._prefix))
+            if not 0 < self._length <= MAX_MESSAGE_BYTES:
+                raise self._malformed(f"message length {self._length} (1 to {MAX_MESSAGE_BYTES})")
+        if len(data) > self.next_read_size():
+            raise LocalProtocolError("fed bytes past the end of the message (read next_read_size() at most)")
+        self._buffer += data
+        if len(self._buffer) < head + self._length:
+            return None
+        try:
+            message = msgpack.unpackb(bytes(self._buffer[head:]), raw=False, max_bin_len=MAX_MESSAGE_BYTES,
+                                      max_str_len=MAX_MESSAGE_BYTES, max_array_len=8, max_map_len=8)
+        except Exception as error:  # msgpack raises several unrelated types for garbage
+            raise self._malformed(f"unreadable message ({error.__class__.__name__})") from None
+        if not isinstance(message, dict):
+            raise self._malformed("the message is no map")
+        return message
+
+    def _malformed(self, message: str) -> Exception:
+        raise NotImplementedError
+
+
+class RequestReader(_MessageReader):
+    """The relay's side of a circuit stream's first message: `MAGIC` already matched by the RPC node's dispatch
+    is part of what this reads. Raises `MalformedRequest` (ours to answer) on anything invalid."""
+
+    def __init__(self) -> None:
+        super().__init__(MAGIC)
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> Request | None:
+        message = self._feed(data)
+        if message is None:
+            return None
+        op = message.get("op")
+        if op == "connect":
+            target, source = message.get("target"), message.get("source")
+            if not (isinstance(target, bytes) and len(target) == 20 and isinstance(source, bytes)
+                    and len(source) == 20):
+                raise MalformedRequest("connect without a 20-byte target and source PeerID")
+            return ConnectRequest(PeerID(target), PeerID(source))
+        if op == "accept":
+            token = message.get("token")
+            if not isinstance(token, bytes) or len(token) != TOKEN_BYTES:
+                raise MalformedRequest(f"accept without a {TOKEN_BYTES}-byte token")
+            return AcceptRequest(token)
+        raise MalformedRequest(f"unknown op {str(op)[:40]!r}")
+
+    def _malformed(self, message: str) -> Exception:
+        return MalformedRequest(message)
+
+
+class ResponseReader(_MessageReader):
+    """The dialer's (or accepter's) side: the relay's one response. Returns `CircuitOpened`, raises the relay's
+    typed refusal (a `RelayError` subclass), or `RelayProtocolError` for a response that is none."""
+
+    def __init__(self) -> None:
+        super().__init__(b"")
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> CircuitOpened | None:
+        message = self._feed(data)
+        if message is None:
+            return None
+        if message.get("ok") is True:
+            observed = message.get("observed")
+            if observed is None:
+                return CircuitOpened(None)
+            if (isinstance(observed, list) and len(observed) == 2 and isinstance(observed[0], str)
+                    and type(observed[1]) is int):
+                return CircuitOpened((observed[0], observed[1]))
+            raise RelayProtocolError("relay response with a malformed observed address")
+        if message.get("ok") is False:
+            raise _error_for(message.get("code"), message.get("message", ""))
+        raise RelayProtocolError("relay response without ok")
+
+    def _malformed(self, message: str) -> Exception:
+        return RelayProtocolError(f"malformed relay response: {message}")
+
+
+# ---------------------------------------------------------------------------------------------- relay core
+
+
+class RateLimiter:
+    """A token bucket over bytes: `delay(n, now)` takes n bytes and says how long to wait before sending them
+    (0 within the rate). `rate` None: no limit. The burst is one second's worth, so a cap is a cap per second."""
+
+    def __init__(self, rate: float | None):
+        self.rate = rate
+        self._level = rate or 0.0
+        self._updated: float | None = None
+
+    def delay(self, size: int, now: float) -> float:
+        if not self.rate:
+            return 0.0
+        if self._updated is not None:
+            self._level = min(self.rate, self._level + (now - self._updated) * self.rate)
+        self._updated = now
+        self._level -= size
+        return 0.0 if self._level >= 0 else -self._level / self.rate
+
+
+@dataclass
+class Offer:
+    """A circuit the relay offered a reserved peer: told over its reservation, waiting for its accept."""
+
+    token: bytes
+    target: PeerID
+    source: PeerID
+    observed: Address | None  # the dialer, as the relay sees it
+    deadline: float
+    closed: bool = False  # withdrawn, or its circuit ended: its slot is free again
+
+
+@dataclass
+class _Reservation:
+    polls: int = 0
+    expires: float = math.inf
+    offers: list[Offer] | None = None
+
+
+class RelayCore:
+    """What a relay decides, with no I/O: reservations (peer -> offered circuits), the circuit count against
+    `limit`, accept tokens, and the byte-rate limiters. Time comes in as `now` (seconds, any clock).
+
+    A reservation lives while its peer has a poll outstanding and `grace` seconds after its last one ended, so a
+    private peer that vanishes is forgotten within `grace`; an offer not accepted by its `deadline` is dropped
+    and its dialer is told `CircuitFailed`-like `RelayError`."""
+
+    def __init__(self, peer_id: PeerID, *, limit: int, rate: float | None = None, total_rate: float | None = None,
+                 max_reservations: int = 256, grace: float = 10.0, accept_timeout: float = 5.0):
+        self.peer_id = peer_id
+        self.limit = limit
+        self.rate = rate
+        self.total = RateLimiter(total_rate)
+        self.max_reservations = max_reservations
+        self.grace = grace
+        self.accept_timeout = accept_timeout
+        self.reservations: dict[PeerID, _Reservation] = {}
+        self.offers: dict[bytes, Offer] = {}
+        self.circuits = 0  # spliced circuits running, plus offers waiting for their accept
+        self.stats = {"circuits_opened": 0, "circuits_refused": 0, "bytes_relayed": 0, "reservations": 0}
+
+    # reservations
+    def reserve(self, peer: PeerID, now: float) -> None:
+        self.expire(now)
+        if peer == self.peer_id:
+            raise CircuitToSelf("a relay cannot hold a reservation for itself")
+        if peer not in self.reservations:
+            if len(self.reservations) >= self.max_reservations:
+                raise RelayLimitReached(f"this relay holds {self.max_reservations} reservations already")
+            self.reservations[peer] = _Reservation(offers=[])
+            self.stats["reservations"] += 1
+        self.reservations[peer].expires = max(self.reservations[peer].expires, now + self.grace)
+
+    def poll_started(self, peer: PeerID, now: float) -> list[Offer]:
+        """A reserved peer waits for offers: the ones already queued are handed over at once."""
+        self.expire(now)
+        reservation = self.reservations.get(peer)
+        if reservation is None:
+            raise NoReservation("no reservation: call relay.reserve first")
+        reservation.polls += 1
+        reservation.expires = math.inf
+        queued, reservation.offers = reservation.offers or [], []
+        return queued
+
+    def poll_ended(self, peer: PeerID, now: float) -> None:
+        reservation = self.reservations.get(peer)
+        if reservation is not None:
+            reservation.polls -= 1
+            if reservation.polls <= 0:
+                reservation.expires = now + self.grace
+
+    def take_offers(self, peer: PeerID) -> list[Offer]:
+        reservation = self.reservations.get(peer)
+        if reservation is None or not reservation.offers:
+            return []
+        queued, reservation.offers = reservation.offers, []
+        return queued
+
+    def is_reserved(self, peer: PeerID) -> bool:
+        return peer in self.reservations
+
+    # circuits
+    def request_circuit(self, request: ConnectRequest, observed: Address | None, token: bytes,
+                        now: float) -> Offer:
+        """A dialer's connect: refused with a typed error, or an `Offer` to deliver to the target's poll."""
+        self.expire(now)
+        try:
+            if request.target == self.peer_id:
+                raise CircuitToSelf("a circuit to the relay itself: dial it directly")
+            if request.target == request.source:
+                raise CircuitToSelf("a circuit from a peer to itself")
+            if request.target not in self.reservations:
+                raise NoReservation(f"peer {request.target.short()} holds no reservation here")
+            if self.circuits >= self.limit:
+                raise RelayLimitReached(f"this relay runs {self.limit} circuits already (--relay-limit)")
+        except RelayError:
+            self.stats["circuits_refused"] += 1
+            raise
+        offer = Offer(token, request.target, request.source, observed, now + self.accept_timeout)
+        self.offers[token] = offer
+        reservation = self.reservations[request.target]
+        assert reservation.offers is not None
+        reservation.offers.append(offer)
+        self.circuits += 1
+        return offer
+
+    def accept(self, request: AcceptRequest, now: float) -> Offer:
+        self.expire(now)
+        offer = self.offers.pop(request.token, None)
+        if offer is None or offer.closed:
+            raise NoReservation("no circuit offered for this token (expired, or never offered)")
+        self.stats["circuits_opened"] += 1
+        return offer
+
+    def withdraw(self, offer: Offer) -> None:
+        """The offer expired, its dialer gave up, or its circuit ended: free its slot (once, whatever the
+        order these happen in)."""
+        if offer.closed:
+            return
+        offer.closed = True
+        self.offers.pop(offer.token, None)
+        reservation = self.reservations.get(offer.target)
+        if reservation is not None and reservation.offers and offer in reservation.offers:
+            reservation.offers.remove(offer)
+        self.circuits -= 1
+
+    def circuit_limiter(self) -> RateLimiter:
+        return RateLimiter(self.rate)
+
+    def relayed(self, size: int, circuit: RateLimiter, now: float) -> float:
+        """`size` bytes pass a circuit: the seconds to wait before forwarding them (both caps)."""
+        self.stats["bytes_relayed"] += size
+        return max(circuit.delay(size, now), self.total.delay(size, now))
+
+    def expire(self, now: float) -> None:
+        for offer in list(self.offers.values()):
+            if offer.deadline <= now:
+                self.withdraw(offer)
+        for peer, reservation in list(self.reservations.items()):
+            if reservation.polls <= 0 and reservation.expires <= now:
+                for offer in reservation.offers or []:
+                    self.withdraw(offer)
+                del self.reservations[peer]
+
+
+# --------------------------------------------------------------------------------------------- trio helpers
+
+
+async def read_message(stream: trio.abc.ReceiveStream, reader: RequestReader | ResponseReader) -> Any:
+    """Feed `reader` exactly the bytes of one message from `stream` (the caller bounds the wait)."""
+    while True:
+        data = await stream.receive_some(reader.next_read_size())
+        if not data:
+            raise trio.BrokenResourceError("the stream ended inside a relay message")
+        result = reader.receive_data(data)
+        if result is not None:
+            return result
+
+
+@dataclass
+class Circuit:
+    """An open circuit: the raw stream to the far end through `relay`, and the far end's address as the relay
+    observed it (what a hole-punching upgrade exchanges; None if the relay did not say)."""
+
+    stream: trio.abc.Stream
+    relay: PeerID
+    relay_address: Address
+    remote_observed: Address | None
+
+
+async def open_circuit(network: Network, relayed: RelayedAddress, *, source: PeerID, timeout: float) -> Circuit:
+    """Ask the relays of `relayed` in order for a circuit to its target; the first that splices one wins.
+    Raises the last relay's `RelayError` (typed), or `OSError` when no relay could be reached at all."""
+    deadline = trio.current_time() + timeout
+    last: Exception = OSError("no relay to try")
+    for relay, address in relayed.relays:
+        stream = None
+        with trio.move_on_at(deadline):
+            try:
+                stream = await network.connect_tcp(address)
+                await stream.send_all(connect_request(relayed.target, source))
+                opened = await read_message(stream, ResponseReader())
+                return Circuit(stream, relay, address, opened.observed)
+            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as error:
+                last = error if isinstance(error, OSError) else OSError(f"relay {relay.short()} closed the "
+                                                                         "circuit request")
+            except (RelayError, RelayProtocolError) as error:
+                last = error
+            if stream is not None:
+                await trio.aclose_forcefully(stream)
+            continue
+        if stream is not None:
+            await trio.aclose_forcefully(stream)
+        last = OSError(f"no circuit through relay {relay.short()} within {timeout:.3g} s")
+        break
+    raise last

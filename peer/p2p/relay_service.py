@@ -1,0 +1,412 @@
+"""The trio drivers of circuit relays (`peer.p2p.relay` holds the protocol core): the relay service a public peer
+runs, and the reservations a private peer keeps.
+
+Why reservations are RPC calls: the private peer's connection to its relay is an ordinary authenticated RPC
+connection (so the relay knows which PeerID it holds a reservation for, and the private peer that it talks to the
+relay it chose). `relay.reserve` registers, then `relay.poll` is a long poll the relay answers with the circuits
+offered since (a token each, and the dialer's observed address); the private peer opens one fresh outbound
+connection to the relay per circuit and sends `accept` with the token, and the relay splices it to the dialer.
+Everything a private peer does is outbound, which is all a NAT lets through. A relay that dies fails the
+outstanding poll at once (its connection resets) or within `POLL_SECONDS + POLL_SLACK`, and the private peer
+replaces it from the candidates it is given.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Any, Awaitable, Callable
+
+import trio
+
+from peer.p2p import relay
+from peer.p2p.identity import PeerID
+from peer.p2p.lifetime import owned_nursery
+from peer.p2p.net import Address, receiver_into
+from peer.p2p.rpc import CallContext, RPCError, RPCNode
+
+logger = logging.getLogger(__name__)
+
+INFO_METHOD = "relay.info"
+RESERVE_METHOD = "relay.reserve"
+POLL_METHOD = "relay.poll"
+POLL_SECONDS = 4.0  # a poll is answered after this long without offers (keeps dead relays detected quickly)
+POLL_SLACK = 3.0
+REQUEST_TIMEOUT = 5.0  # seconds for a circuit stream's request to arrive
+IDLE_TIMEOUT = 300.0  # a spliced circuit with no byte either way for this long is closed
+SPLICE_CHUNK = 256 * 1024
+_TRANSPORT_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+
+
+def _observed(stream: trio.abc.Stream) -> Address | None:
+    """The remote end's address as this side's socket sees it (None for in-memory streams)."""
+    sock = getattr(stream, "socket", None)
+    try:
+        name = sock.getpeername() if sock is not None else None
+    except OSError:
+        return None
+    return (str(name[0]), int(name[1])) if name else None
+
+
+class RelayService:
+    """A public peer's relay: registers the RPC methods and the circuit stream prefix on `rpc`, and splices
+    circuits. Use `await nursery.start(service.run)`; leaving `run` closes every circuit."""
+
+    def __init__(self, rpc: RPCNode, *, limit: int, rate: float | None = None, total_rate: float | None = None,
+                 accept_timeout: float = 5.0, idle_timeout: float = IDLE_TIMEOUT):
+        self.rpc = rpc
+        self.core = relay.RelayCore(rpc.peer_id, limit=limit, rate=rate, total_rate=total_rate,
+                                    accept_timeout=accept_timeout)
+        self.idle_timeout = idle_timeout
+        self._offer_wakeups: dict[PeerID, trio.Event] = {}
+        # token -> where the accept handler hands its stream (and the event it waits on until the splice ends)
+        self._accepted: dict[bytes, trio.MemorySendChannel[tuple[trio.abc.Stream, trio.Event]]] = {}
+        self._circuits: set[trio.CancelScope] = set()
+        self._requests = 0  # circuit streams whose request is being read (a flood of idle ones is cut at a cap)
+        self.max_requests = 4 * limit
+        self._running = False
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.core.stats, "limit": self.core.limit, "circuits": self.core.circuits,
+                "reserved_peers": len(self.core.reservations)}
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        rpc = self.rpc
+        rpc.register(INFO_METHOD, self._handle_info)
+        rpc.register(RESERVE_METHOD, self._handle_reserve)
+        rpc.register(POLL_METHOD, self._handle_poll)
+        rpc.register_stream(relay.MAGIC, self._handle_stream)
+        self._running = True
+        try:
+            async with owned_nursery() as nursery:
+                nursery.start_soon(self._expire_loop)
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._running = False
+            for scope in list(self._circuits):
+                scope.cancel()
+            for name in (INFO_METHOD, RESERVE_METHOD, POLL_METHOD):
+                rpc.unregister(name)
+            rpc.unregister_stream(relay.MAGIC)
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await trio.sleep(1.0)
+            self.core.expire(trio.current_time())
+
+    # ------------------------------------------------------------------------------------ reservations
+
+    async def _handle_info(self, context: CallContext, args: Any) -> dict[str, Any]:
+        return {"limit": self.core.limit, "circuits": self.core.circuits}
+
+    async def _handle_reserve(self, context: CallContext, args: Any) -> dict[str, Any]:
+        self.core.reserve(context.peer_id, trio.current_time())
+        return {"grace": self.core.grace, "poll": POLL_SECONDS}
+
+    async def _handle_poll(self, context: CallContext, args: Any) -> list[dict[str, Any]]:
+        """Long poll: the circuits offered to the caller, as soon as there is one, or [] after POLL_SECONDS."""
+        peer = context.peer_id
+        offers = self.core.poll_started(peer, trio.current_time())
+        try:
+            with trio.move_on_after(POLL_SECONDS):
+                while not offers:
+                    wakeup = self._offer_wakeups.setdefault(peer, trio.Event())
+                    await wakeup.wait()
+                    offers = self.core.take_offers(peer)
+        finally:
+            self.core.poll_ended(peer, trio.current_time())
+        return [{"token": offer.token, "source": bytes(offer.source),
+                 "observed": list(offer.observed) if offer.observed else None} for offer in offers]
+
+    def _wake(self, peer: PeerID) -> None:
+        wakeup = self._offer_wakeups.pop(peer, None)
+        if wakeup is not None:
+            wakeup.set()
+
+    # ----------------------------------------------------------------------------------------- circuits
+
+    async def _handle_stream(self, stream: trio.abc.Stream, first: bytes) -> None:
+        """A circuit stream (runs in the RPC listener's task for it; the stream closes when this returns)."""
+        if self._requests >= self.max_requests:
+            await self._refuse(stream, relay.RelayLimitReached(f"{self._requests} circuit requests are being read"))
+            return
+        reader = relay.RequestReader()
+        request = None
+        self._requests += 1
+        try:
+            with trio.move_on_after(REQUEST_TIMEOUT):
+                try:
+                    request = reader.receive_data(first) or await relay.read_message(stream, reader)
+                except relay.MalformedRequest as error:
+                    await self._refuse(stream, error)
+                    return
+                except _TRANSPORT_ERRORS:
+                    return
+        finally:
+            self._requests -= 1
+        if request is None:
+            return
+        if isinstance(request, relay.ConnectRequest):
+            await self._connect(stream, request)
+        else:
+            await self._accept(stream, request)
+
+    async def _refuse(self, stream: trio.abc.Stream, error: relay.RelayError) -> None:
+        with trio.move_on_after(REQUEST_TIMEOUT):
+            try:
+                await stream.send_all(relay.error_response(error))
+            except _TRANSPORT_ERRORS:
+                pass
+
+    async def _connect(self, stream: trio.abc.Stream, request: relay.ConnectRequest) -> None:
+        token = os.urandom(relay.TOKEN_BYTES)
+        try:
+            offer = self.core.request_circuit(request, _observed(stream), token, trio.current_time())
+        except relay.RelayError as error:
+            await self._refuse(stream, error)
+            return
+        send, receive = trio.open_memory_channel[tuple[trio.abc.Stream, trio.Event]](1)
+        self._accepted[token] = send
+        self._wake(request.target)
+        accepted = None
+        try:
+            with trio.move_on_at(offer.deadline):
+                accepted = await receive.receive()
+        finally:
+            self._accepted.pop(token, None)
+            receive.close()  # an accept arriving now finds the channel broken and gives up
+            if accepted is None:
+                self.core.withdraw(offer)
+        if accepted is None:
+            await self._refuse(stream, relay.RelayError(
+                f"peer {request.target.short()} did not take the circuit within {self.core.accept_timeout:.3g} s"))
+            return
+        other, done = accepted
+        try:
+            await self._splice(stream, other)
+        finally:
+            self.core.withdraw(offer)
+            done.set()
+
+    async def _accept(self, stream: trio.abc.Stream, request: relay.AcceptRequest) -> None:
+        try:
+            offer = self.core.accept(request, trio.current_time())
+        except relay.RelayError as error:
+            await self._refuse(stream, error)
+            return
+        send = self._accepted.get(offer.token)
+        done = trio.Event()
+        with trio.move_on_after(REQUEST_TIMEOUT):
+            try:
+                await stream.send_all(relay.ok_response(offer.observed))
+            except _TRANSPORT_ERRORS:
+                return
+        if send is None:  # the dialer gave up meanwhile
+            return
+        try:
+            send.send_nowait((stream, done))
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            return
+        # the dialer's task splices; this stream must stay open until it is done (the splice is bounded by its
+        # idle timeout, and leaving `run` cancels it)
+        await done.wait()
+
+    async def _splice(self, dialer: trio.abc.Stream, target: trio.abc.Stream) -> None:
+        """Forward bytes both ways under the caps until either side ends or nothing moves for `idle_timeout`."""
+        try:
+            with trio.move_on_after(REQUEST_TIMEOUT):
+                await dialer.send_all(relay.ok_response(_observed(target)))
+        except _TRANSPORT_ERRORS:
+            return
+        scope = trio.CancelScope(deadline=trio.current_time() + self.idle_timeout)
+        self._circuits.add(scope)
+        limiter = self.core.circuit_limiter()
+
+        async def pump(source: trio.abc.Stream, sink: trio.abc.Stream) -> None:
+            # one buffer per direction, reused: `receive_some` would allocate (and, this large, mmap) per read
+            buffer = bytearray(SPLICE_CHUNK)
+            view = memoryview(buffer)
+            receive_into = receiver_into(source)
+            try:
+                while True:
+                    size = await receive_into(buffer)
+                    if not size:
+                        break
+                    now = trio.current_time()
+                    scope.deadline = now + self.idle_timeout
+                    delay = self.core.relayed(size, limiter, now)
+                    if delay > 0:
+                        await trio.sleep(delay)
+                    await sink.send_all(view[:size])  # sent before it returns: the buffer is free again
+            except _TRANSPORT_ERRORS:
+                pass
+            scope.cancel()  # one side ended: the circuit ends (the RPC layer has no half-closed connections)
+
+        try:
+            with scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(pump, dialer, target)
+                    nursery.start_soon(pump, target, dialer)
+        finally:
+            self._circuits.discard(scope)
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(target)
+
+
+class RelayReservations:
+    """A private peer's side: keeps reservations with `want` relays picked from `candidates()` by measured RTT,
+    replaces one that fails, serves the circuits they offer through `rpc.accept`, and calls `on_change` with the
+    relayed address (`relay.RelayedAddress.to_address`) each time the set of relays changes.
+
+    `candidates` returns (PeerID, address) of public peers that may relay (the daemon reads the peer directory);
+    `run` reports `started` once the first reservation holds."""
+
+    def __init__(self, rpc: RPCNode, candidates: Callable[[], Awaitable[list[tuple[PeerID, Address]]]], *,
+                 on_change: Callable[[Address | None], None] | None = None, want: int = 2,
+                 retry: float = 1.0, timeout: float = 3.0):
+        self.rpc = rpc
+        self.candidates = candidates
+        self.on_change = on_change
+        self.want = want
+        self.retry = retry
+        self.timeout = timeout
+        self.relays: dict[PeerID, Address] = {}  # in the order they were reserved
+        self._pending: dict[PeerID, Address] = {}  # picked, being reserved: already in the announced address
+        self.rtts: dict[PeerID, float] = {}
+        self.failed: dict[PeerID, float] = {}  # relay -> when it failed (not picked again for a while)
+        self.stats = {"reservations": 0, "relay_failures": 0, "circuits_accepted": 0, "accept_failures": 0}
+        self._changed = trio.Event()
+        self._first = trio.Event()
+        self.on_incoming: Callable[[relay.Circuit], None] | None = None  # each accepted circuit (hole punching)
+
+    @property
+    def address(self) -> Address | None:
+        relays = {**self.relays, **self._pending}
+        if not relays:
+            return None
+        return relay.RelayedAddress(self.rpc.peer_id, tuple(relays.items())[:relay.MAX_RELAYS]).to_address()
+
+    async def wait_reserved(self) -> None:
+        """Until the first reservation holds (the caller bounds the wait)."""
+        await self._first.wait()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        started = False
+        delay = self.retry
+        async with owned_nursery() as nursery:
+            while True:
+                if len(self.relays) < self.want:
+                    picked = await self._pick(self.want - len(self.relays))
+                    self._pending = dict(picked)
+                    self._announce()  # before the reservations' connections: their handshakes announce it
+                    for peer, address in picked:
+                        await self._start(nursery, peer, address)
+                    # nobody new to ask: ask the candidates less often, up to every 8 retries
+                    delay = self.retry if picked else min(2 * delay, 8 * self.retry)
+                if self.relays and not started:
+                    task_status.started()
+                    started = True
+                self._changed = trio.Event()
+                with trio.move_on_after(delay if len(self.relays) < self.want else math.inf):
+                    await self._changed.wait()
+
+    async def _pick(self, count: int) -> list[tuple[PeerID, Address]]:
+        """The `count` candidates with the lowest RTT of a fresh connection and handshake (`RPCNode.probe`: no
+        pooled connection is opened before the relayed address is announced, so every pooled connection's
+        handshake tells the remote the relayed address)."""
+        try:
+            with trio.move_on_after(self.timeout):
+                candidates = await self.candidates()
+        except Exception as error:  # a failed directory read: try again next round
+            logger.debug("cannot list relay candidates: %s", error)
+            return []
+        now = trio.current_time()
+        fresh = [(peer, address) for peer, address in candidates[:32]
+                 if peer != self.rpc.peer_id and peer not in self.relays
+                 and now - self.failed.get(peer, -math.inf) > 10 * self.retry]
+        measured: list[tuple[float, PeerID, Address]] = []
+
+        async def measure(peer: PeerID, address: Address) -> None:
+            try:
+                start = trio.current_time()
+                await self.rpc.probe(address, peer_id=peer, timeout=self.timeout)
+                measured.append((trio.current_time() - start, peer, address))
+            except RPCError as error:
+                logger.debug("relay candidate %s: %s", peer.short(), error)
+
+        async with trio.open_nursery() as nursery:
+            for peer, address in fresh:
+                nursery.start_soon(measure, peer, address)
+        measured.sort(key=lambda item: item[0])
+        for rtt, peer, _ in measured:
+            self.rtts[peer] = rtt
+        return [(peer, address) for _, peer, address in measured[:count]]
+
+    async def _start(self, nursery: trio.Nursery, peer: PeerID, address: Address) -> None:
+        try:
+            await self.rpc.call(address, RESERVE_METHOD, None, timeout=self.timeout, peer_id=peer)
+        except RPCError as error:
+            logger.info("relay %s refused a reservation: %s", peer.short(), error)
+            self.failed[peer] = trio.current_time()
+            self._pending.pop(peer, None)
+            self._announce()
+            return
+        self._pending.pop(peer, None)
+        self.relays[peer] = address
+        self.stats["reservations"] += 1
+        self._announce()
+        nursery.start_soon(self._keep, nursery, peer, address)
+
+    def _announce(self) -> None:
+        if self.relays:
+            self._first.set()
+        if self.on_change is not None:
+            self.on_change(self.address)
+
+    async def _keep(self, nursery: trio.Nursery, peer: PeerID, address: Address) -> None:
+        """Poll the relay for offered circuits until it fails; then drop it and wake the picker."""
+        try:
+            while True:
+                try:
+                    offers = await self.rpc.call(address, POLL_METHOD, None, timeout=POLL_SECONDS + POLL_SLACK,
+                                                 peer_id=peer)
+                except relay.NoReservation:  # the relay forgot it (restarted, or a poll came too late): renew
+                    await self.rpc.call(address, RESERVE_METHOD, None, timeout=self.timeout, peer_id=peer)
+                    continue
+                for offer in offers if isinstance(offers, list) else []:
+                    token = offer.get("token") if isinstance(offer, dict) else None
+                    if isinstance(token, bytes) and len(token) == relay.TOKEN_BYTES:
+                        nursery.start_soon(self._take, peer, address, token)
+        except RPCError as error:
+            logger.info("relay %s lost: %s", peer.short(), error)
+            self.stats["relay_failures"] += 1
+            self.failed[peer] = trio.current_time()
+            self.relays.pop(peer, None)
+            self._announce()
+            self._changed.set()
+
+    async def _take(self, peer: PeerID, address: Address, token: bytes) -> None:
+        """Accept one offered circuit: a fresh outbound stream to the relay, then RPC on it as if accepted."""
+        stream = None
+        with trio.move_on_after(self.timeout):
+            try:
+                stream = await self.rpc.network.connect_tcp(address)
+                await stream.send_all(relay.accept_request(token))
+                opened = await relay.read_message(stream, relay.ResponseReader())
+            except (*_TRANSPORT_ERRORS, relay.RelayError, relay.RelayProtocolError) as error:
+                logger.debug("cannot take a circuit from relay %s: %s", peer.short(), error)
+                opened = None
+        if opened is None or stream is None:
+            self.stats["accept_failures"] += 1
+            if stream is not None:
+                await trio.aclose_forcefully(stream)
+            return
+        self.stats["circuits_accepted"] += 1
+        if self.on_incoming is not None:
+            self.on_incoming(relay.Circuit(stream, peer, address, opened.observed))
+        try:
+            await self.rpc.accept(stream)
+        finally:
+            await trio.aclose_forcefully(stream)

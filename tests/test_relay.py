@@ -1,0 +1,486 @@
+"""Circuit relays: the sans-I/O core byte by byte, then relays, private peers and dialers as separate RPC nodes on
+the in-memory network (virtual time) and on 127.0.0.1, including hostile dialers and a relay that corrupts."""
+
+from __future__ import annotations
+
+import os
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import msgpack
+import pytest
+import trio
+import trio.testing
+
+from peer.p2p import relay
+from peer.p2p.identity import Identity, PeerID
+from peer.p2p.net import MemoryNetwork, RealNetwork
+from peer.p2p.relay import (
+    AcceptRequest,
+    CircuitOpened,
+    CircuitToSelf,
+    ConnectRequest,
+    MalformedRequest,
+    NoReservation,
+    RelayCore,
+    RelayedAddress,
+    RelayError,
+    RelayLimitReached,
+    RelayProtocolError,
+    RequestReader,
+    ResponseReader,
+)
+from peer.p2p.relay_service import RelayReservations, RelayService
+from peer.p2p.rpc import ConnectionFailed, HandshakeError, RPCError, RPCNode
+
+A, B, C = (PeerID(bytes([n]) * 20) for n in (1, 2, 3))
+
+# ------------------------------------------------------------------------------------------------ sans-I/O core
+
+
+def feed_bytewise(reader, data: bytes):
+    """Feed one byte at a time, as the reader asks; returns the result and checks it never asks past the end."""
+    result = None
+    for index in range(len(data)):
+        assert reader.next_read_size() >= 1
+        result = reader.receive_data(data[index:index + 1])
+        if result is not None:
+            assert index == len(data) - 1, "the reader finished before its message ended"
+    return result
+
+
+def test_requests_and_responses_round_trip_split_anywhere():
+    token = bytes(range(16))
+    assert feed_bytewise(RequestReader(), relay.connect_request(A, B)) == ConnectRequest(A, B)
+    assert feed_bytewise(RequestReader(), relay.accept_request(token)) == AcceptRequest(token)
+    assert feed_bytewise(ResponseReader(), relay.ok_response(("10.0.0.1", 4321))) == CircuitOpened(("10.0.0.1", 4321))
+    whole = ResponseReader()
+    assert whole.receive_data(relay.ok_response(None)) == CircuitOpened(None)
+    with pytest.raises(RelayLimitReached, match="full"):
+        ResponseReader().receive_data(relay.error_response(RelayLimitReached("full")))
+
+
+def test_the_reader_never_takes_bytes_past_its_message():
+    data = relay.connect_request(A, B)
+    reader = RequestReader()
+    assert reader.next_read_size() == len(relay.MAGIC) + 4
+    reader.receive_data(data[:12])
+    assert reader.next_read_size() == len(data) - 12
+    with pytest.raises(relay.LocalProtocolError):
+        reader.receive_data(data[12:] + b"x")
+    with pytest.raises(relay.LocalProtocolError):
+        RequestReader().receive_data(data + b"x")
+
+
+@pytest.mark.parametrize("data, words", [
+    (b"SWRELAY2" + b"\0\0\0\x05hello", "bad magic"),
+    (relay.MAGIC + b"\xff\xff\xff\xff", "length"),
+    (relay.MAGIC + b"\0\0\0\0", "length"),
+    (relay.MAGIC + b"\0\0\0\x02\xc1\xc1", "unreadable"),
+    (relay.MAGIC + b"\0\0\0\x01\x05", "no map"),
+])
+def test_malformed_framing_is_a_typed_refusal(data, words):
+    reader = RequestReader()
+    with pytest.raises(MalformedRequest, match=words):
+        reader.receive_data(data[:reader.next_read_size()])
+        reader.receive_data(data[len(relay.MAGIC) + 4:])
+
+
+@pytest.mark.parametrize("message, words", [
+    ({"op": "explode"}, "unknown op"),
+    ({"op": "connect", "target": b"short", "source": bytes(20)}, "20-byte"),
+    ({"op": "connect", "target": bytes(20)}, "20-byte"),
+    ({"op": "accept", "token": 5}, "token"),
+])
+def test_malformed_requests_are_typed_refusals(message, words):
+    body = msgpack.packb(message, use_bin_type=True)
+    with pytest.raises(MalformedRequest, match=words):
+        feed_bytewise(RequestReader(), relay.MAGIC + len(body).to_bytes(4, "big") + body)
+
+
+def test_a_response_that_is_none_is_a_remote_protocol_error():
+    for message in ({"nothing": 1}, {"ok": True, "observed": [1, 2, 3]}):
+        body = msgpack.packb(message)
+        with pytest.raises(RelayProtocolError):
+            ResponseReader().receive_data(len(body).to_bytes(4, "big") + body)
+    with pytest.raises(RelayError):  # an unknown error code still arrives as a relay refusal
+        body = msgpack.packb({"ok": False, "code": "relay.martian", "message": "?"})
+        ResponseReader().receive_data(len(body).to_bytes(4, "big") + body)
+
+
+def test_relayed_addresses_round_trip_and_malformed_ones_are_refused():
+    relayed = RelayedAddress(A, ((B, ("127.0.0.1", 4000)), (C, ("relay.example", 4001))))
+    address = relayed.to_address()
+    assert address[1] == 4000 and relay.is_relayed(address)
+    assert relay.parse_relayed(address) == relayed
+    assert not relay.is_relayed(("127.0.0.1", 4000))
+    for host in ("relay:zz", f"relay:{A.hex()}", f"relay:{A.hex()};{B.hex()}@host:0",
+                 f"relay:{A.hex()};{B.hex()}@:4000", f"relay:{A.hex()};nothex@h:1"):
+        with pytest.raises(MalformedRequest):
+            relay.parse_relayed((host, 1))
+
+
+def test_core_refuses_circuits_to_self_to_nobody_and_beyond_the_limit():
+    core = RelayCore(A, limit=2, grace=5.0, accept_timeout=3.0)
+    with pytest.raises(CircuitToSelf):
+        core.request_circuit(ConnectRequest(A, B), None, b"t" * 16, 0.0)  # to the relay itself
+    with pytest.raises(CircuitToSelf):
+        core.request_circuit(ConnectRequest(B, B), None, b"t" * 16, 0.0)  # from a peer to itself
+    with pytest.raises(NoReservation):
+        core.request_circuit(ConnectRequest(B, C), None, b"t" * 16, 0.0)
+    with pytest.raises(CircuitToSelf):
+        core.reserve(A, 0.0)
+    core.reserve(B, 0.0)
+    first = core.request_circuit(ConnectRequest(B, C), ("1.2.3.4", 5), b"1" * 16, 0.0)
+    core.request_circuit(ConnectRequest(B, C), None, b"2" * 16, 0.0)
+    with pytest.raises(RelayLimitReached):
+        core.request_circuit(ConnectRequest(B, C), None, b"3" * 16, 0.0)
+    assert core.stats["circuits_refused"] == 4
+    assert [offer.token for offer in core.poll_started(B, 1.0)] == [b"1" * 16, b"2" * 16]
+    assert core.accept(AcceptRequest(b"1" * 16), 1.0) is first
+    with pytest.raises(NoReservation):  # a token is good once
+        core.accept(AcceptRequest(b"1" * 16), 1.0)
+    core.expire(3.5)  # the second offer was never accepted: its slot frees at its deadline
+    assert core.circuits == 1
+    core.withdraw(first)
+    core.withdraw(first)  # the dialer's end and the circuit's end both free it: once
+    assert core.circuits == 0
+    with pytest.raises(NoReservation):
+        core.accept(AcceptRequest(b"2" * 16), 4.0)
+
+
+def test_core_forgets_a_reservation_grace_seconds_after_its_last_poll():
+    core = RelayCore(A, limit=4, grace=5.0)
+    core.reserve(B, 0.0)
+    core.poll_started(B, 1.0)
+    core.expire(100.0)  # a poll outstanding: kept however long it lasts
+    assert core.is_reserved(B)
+    core.poll_ended(B, 100.0)
+    core.expire(104.0)
+    assert core.is_reserved(B)
+    core.expire(105.0)
+    assert not core.is_reserved(B)
+    with pytest.raises(NoReservation):
+        core.poll_started(B, 106.0)
+
+
+def test_rate_limiter_caps_bytes_per_second():
+    limiter = relay.RateLimiter(1000.0)
+    assert limiter.delay(1000, 0.0) == 0.0  # one second's burst
+    assert limiter.delay(500, 0.0) == pytest.approx(0.5)
+    assert limiter.delay(500, 1.0) == pytest.approx(0.0)
+    assert relay.RateLimiter(None).delay(10**9, 0.0) == 0.0
+
+
+# --------------------------------------------------------------------------------------------- separate peers
+
+
+def register_echo(node: RPCNode, served: list | None = None) -> None:
+    async def echo(context, args):
+        if served is not None:
+            served.append((context.peer_id, args))
+        return {"args": args, "caller": bytes(context.peer_id)}
+
+    node.register("echo", echo)
+
+
+class Net:
+    """Relays, private peers and dialers on one network: in memory (named hosts) or on 127.0.0.1."""
+
+    def __init__(self, kind: str):
+        self.memory = MemoryNetwork(latency=0.001, seed=3) if kind == "memory" else None
+
+    def network(self, name: str):
+        return self.memory.host(name) if self.memory else RealNetwork()
+
+    def host(self, name: str) -> str:
+        return name if self.memory else "127.0.0.1"
+
+    @asynccontextmanager
+    async def relay(self, name: str, service_class=RelayService, **options):
+        async with RPCNode(Identity.generate(), self.network(name)) as node:
+            await node.listen(self.host(name), 0)
+            service = service_class(node, **{"limit": 8, **options})
+            async with trio.open_nursery() as nursery:
+                await nursery.start(service.run)
+                yield node, service
+                nursery.cancel_scope.cancel()
+
+    @asynccontextmanager
+    async def private(self, name: str, relays: list, served: list | None = None, want: int = 2):
+        """A peer that never listens: reached only through the relays it reserves with."""
+        async with RPCNode(Identity.generate(), self.network(name)) as node:
+            register_echo(node, served)
+
+            async def candidates():
+                return [(relay_node.peer_id, relay_node.address) for relay_node in relays if relay_node.address]
+
+            def changed(address):
+                node.announce = address
+
+            reservations = RelayReservations(node, candidates, on_change=changed, want=want)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(reservations.run)
+                yield node, reservations
+                nursery.cancel_scope.cancel()
+
+    @asynccontextmanager
+    async def dialer(self, name: str):
+        async with RPCNode(Identity.generate(), self.network(name)) as node:
+            yield node
+
+
+@pytest.fixture(params=["memory", "real"])
+def net(request):
+    return Net(request.param)
+
+
+@pytest.fixture
+def clock(net):
+    return trio.testing.MockClock(autojump_threshold=0) if net.memory else "real-clock"
+
+
+async def test_a_trainer_calls_a_private_peer_through_a_relay_end_to_end(net, clock):
+    served: list = []
+    async with AsyncExitStack() as stack:
+        relay_a, service_a = await stack.enter_async_context(net.relay("ra"))
+        relay_b, service_b = await stack.enter_async_context(net.relay("rb"))
+        private, reservations = await stack.enter_async_context(net.private("p", [relay_a, relay_b], served))
+        with trio.fail_after(30):
+            while len(reservations.relays) < 2:
+                await trio.sleep(0.05)
+        dialer = await stack.enter_async_context(net.dialer("d"))
+        address = private.announce
+        assert relay.is_relayed(address) and private.address is None
+        with trio.fail_after(30):
+            reply = await dialer.call(address, "echo", {"x": b"\0" * 100_000}, timeout=10, peer_id=private.peer_id)
+        assert reply["caller"] == bytes(dialer.peer_id)  # authenticated end to end: the relay is not the caller
+        assert served[0][0] == dialer.peer_id and len(served[0][1]["x"]) == 100_000
+        assert dialer.stats["circuits_dialed"] == 1 and private.stats["circuits_accepted"] == 1
+        relayed_bytes = service_a.core.stats["bytes_relayed"] + service_b.core.stats["bytes_relayed"]
+        assert relayed_bytes > 200_000  # the call and its reply went through a relay
+        for _ in range(3):  # the circuit is a pooled connection like any other
+            await dialer.call(address, "echo", 1, timeout=10)
+        assert dialer.stats["circuits_dialed"] == 1
+
+
+async def test_a_private_peer_moves_to_another_relay_when_its_relay_dies(net, clock):
+    async def run_relay(name, task_status=trio.TASK_STATUS_IGNORED):
+        with trio.CancelScope() as scope:
+            async with net.relay(name) as (node, _):
+                task_status.started((node, scope))
+                await trio.sleep_forever()
+
+    async with AsyncExitStack() as stack:
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        stack.callback(nursery.cancel_scope.cancel)
+        started = [await nursery.start(run_relay, name) for name in ("r1", "r2", "r3")]
+        relays = [node for node, _ in started]
+        private, reservations = await stack.enter_async_context(net.private("p", relays))
+        with trio.fail_after(30):
+            while len(reservations.relays) < 2:
+                await trio.sleep(0.05)
+        dialer = await stack.enter_async_context(net.dialer("d"))
+        await dialer.call(private.announce, "echo", 1, timeout=10)
+        victim = next(iter(reservations.relays))
+        index = [node.peer_id for node in relays].index(victim)
+        killed_at = trio.current_time()
+        started[index][1].cancel()  # the relay goes away, with its connections
+        with trio.fail_after(30):
+            while victim in reservations.relays or len(reservations.relays) < 2:
+                await trio.sleep(0.05)
+        if net.memory:  # virtual time: exact; on real sockets the loaded machine decides the wall time
+            assert trio.current_time() - killed_at < 10
+        assert reservations.stats["relay_failures"] >= 1
+        assert victim.hex() not in private.announce[0]
+        fresh = await stack.enter_async_context(net.dialer("d2"))
+        reply = await fresh.call(private.announce, "echo", 2, timeout=10, peer_id=private.peer_id)
+        assert reply["args"] == 2
+
+
+async def test_hostile_circuit_requests_are_answered_with_typed_errors(net, clock):
+    async with AsyncExitStack() as stack:
+        relay_node, service = await stack.enter_async_context(net.relay("r", limit=3, accept_timeout=2.0))
+        private, reservations = await stack.enter_async_context(net.private("p", [relay_node], want=1))
+        with trio.fail_after(30):
+            while not reservations.relays:
+                await trio.sleep(0.05)
+        dialer = await stack.enter_async_context(net.dialer("d"))
+        relay_at = ((relay_node.peer_id, relay_node.address),)
+        with trio.fail_after(30):
+            with pytest.raises(CircuitToSelf):  # a circuit to the relay itself
+                await dialer.call(RelayedAddress(relay_node.peer_id, relay_at).to_address(), "echo", timeout=5)
+            with pytest.raises(NoReservation):  # to nobody
+                await dialer.call(RelayedAddress(PeerID(os.urandom(20)), relay_at).to_address(), "echo", timeout=5)
+            with pytest.raises(CircuitToSelf):  # from the private peer to itself
+                await private.call(private.announce, "echo", timeout=5)
+            # garbage after the magic: a typed refusal, and the relay keeps serving
+            stream = await net.network("d").connect_tcp(relay_node.address)
+            await stream.send_all(relay.MAGIC + b"\0\0\0\x03abc")
+            with pytest.raises(MalformedRequest):
+                await relay.read_message(stream, ResponseReader())
+            await stream.aclose()
+            # an RPC handshake still works on the port the relay shares
+            await dialer.call(relay_node.address, relay_service_info(), None, timeout=5)
+        assert service.core.circuits == 0
+
+
+def relay_service_info() -> str:
+    from peer.p2p.relay_service import INFO_METHOD
+
+    return INFO_METHOD
+
+
+async def test_a_circuit_request_flood_beyond_the_limit_is_refused_and_bounded(net, clock):
+    """A reserved peer that never takes its circuits: `limit` requests wait for it (then fail when their offer
+    expires), every one beyond is refused at once, and afterwards the relay has every slot back."""
+    async with AsyncExitStack() as stack:
+        relay_node, service = await stack.enter_async_context(net.relay("r", limit=3, accept_timeout=2.0))
+        sleeper = await stack.enter_async_context(net.dialer("s"))
+        from peer.p2p.relay_service import RESERVE_METHOD
+
+        await sleeper.call(relay_node.address, RESERVE_METHOD, None, timeout=5)  # reserves, never polls
+        outcomes: list[type] = []
+
+        async def request() -> None:
+            stream = await net.network("f").connect_tcp(relay_node.address)
+            try:
+                await stream.send_all(relay.connect_request(sleeper.peer_id, PeerID(os.urandom(20))))
+                await relay.read_message(stream, ResponseReader())
+                outcomes.append(CircuitOpened)
+            except RelayError as error:
+                outcomes.append(type(error))
+            finally:
+                await stream.aclose()
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                for _ in range(12):
+                    nursery.start_soon(request)
+        assert outcomes.count(RelayLimitReached) == 9
+        assert outcomes.count(RelayError) == 3  # the offers nobody took
+        assert service.core.circuits == 0 and service.core.stats["circuits_refused"] == 9
+
+
+async def test_idle_circuit_streams_are_capped_and_timed_out(net, clock):
+    """A flood of streams that send the magic and nothing more: beyond 4 x limit they are refused at once, the
+    others end at the request timeout, and the relay serves a reservation afterwards."""
+    async with AsyncExitStack() as stack:
+        relay_node, service = await stack.enter_async_context(net.relay("r", limit=2))
+        refused = 0
+        streams = []
+        with trio.fail_after(30):
+            for _ in range(12):
+                stream = await net.network("f").connect_tcp(relay_node.address)
+                await stream.send_all(relay.MAGIC)
+                streams.append(stream)
+            unanswered = 0
+            for stream in streams:  # the streams' handlers may run in any order: count the outcomes
+                try:
+                    await relay.read_message(stream, ResponseReader())
+                except RelayLimitReached:
+                    refused += 1
+                except trio.BrokenResourceError:  # closed by the relay at its request timeout, unanswered
+                    unanswered += 1
+                await stream.aclose()
+        assert (refused, unanswered) == (4, 8) and service._requests == 0
+        from peer.p2p.relay_service import RESERVE_METHOD
+
+        dialer = await stack.enter_async_context(net.dialer("d"))
+        await dialer.call(relay_node.address, RESERVE_METHOD, None, timeout=5)
+
+
+class CorruptingStream(trio.abc.Stream):
+    """Forwards to `inner`, flipping one bit of the `nth` chunk sent through it (or dropping that chunk)."""
+
+    def __init__(self, inner: trio.abc.Stream, nth: int, drop: bool = False):
+        self.inner, self.nth, self.sent, self.drop = inner, nth, 0, drop
+
+    async def send_all(self, data) -> None:
+        self.sent += 1
+        if self.sent == self.nth:
+            if self.drop:
+                return
+            data = bytearray(data)
+            data[len(data) // 2] ^= 0x10
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes=None):
+        return await self.inner.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def corrupting_relay(toward: str, nth: int, drop: bool = False):
+    class CorruptingRelay(RelayService):
+        async def _splice(self, dialer, target):
+            if toward == "dialer":
+                await super()._splice(CorruptingStream(dialer, nth, drop), target)
+            else:
+                await super()._splice(dialer, CorruptingStream(target, nth, drop))
+
+    return CorruptingRelay
+
+
+@pytest.mark.parametrize("toward, nth, drop, error", [
+    ("dialer", 2, False, HandshakeError),  # chunk 1 is the relay's ok, then the private peer's hello and proof
+    ("dialer", 5, False, ConnectionFailed),  # a sealed reply
+    ("private", 4, False, ConnectionFailed),  # a sealed request (chunks 1, 2: the dialer's hello, proof)
+    ("private", 4, True, RPCError),  # a dropped request: the next record fails, or the call times out
+])
+async def test_a_relay_that_corrupts_spliced_bytes_fails_the_connection_with_a_typed_error(net, clock, toward, nth,
+                                                                                           drop, error):
+    served: list = []
+    async with AsyncExitStack() as stack:
+        relay_node, _ = await stack.enter_async_context(net.relay(
+            "r", service_class=corrupting_relay(toward, nth, drop)))
+        private, reservations = await stack.enter_async_context(net.private("p", [relay_node], served, want=1))
+        with trio.fail_after(30):
+            while not reservations.relays:
+                await trio.sleep(0.05)
+        dialer = await stack.enter_async_context(net.dialer("d"))
+        with trio.fail_after(30):
+            with pytest.raises(error):
+                for attempt in range(8):  # a call per chunk until the corrupted one
+                    await dialer.call(private.announce, "echo", attempt, timeout=5)
+        assert all(args in range(8) for _, args in served)  # no handler saw altered bytes
+        assert len(served) < 8
+
+
+async def test_a_dead_relay_in_a_relayed_address_is_skipped_for_the_next(net, clock):
+    async with AsyncExitStack() as stack:
+        relay_node, _ = await stack.enter_async_context(net.relay("r"))
+        private, reservations = await stack.enter_async_context(net.private("p", [relay_node], want=1))
+        with trio.fail_after(30):
+            while not reservations.relays:
+                await trio.sleep(0.05)
+        dead = (PeerID(os.urandom(20)), (net.host("r"), 1))
+        live = relay.parse_relayed(private.announce).relays
+        address = RelayedAddress(private.peer_id, (dead, *live)).to_address()
+        dialer = await stack.enter_async_context(net.dialer("d"))
+        with trio.fail_after(30):
+            assert (await dialer.call(address, "echo", 7, timeout=10))["args"] == 7
+        with pytest.raises(RPCError):
+            await dialer.call(RelayedAddress(private.peer_id, (dead,)).to_address(), "echo", 7, timeout=5)
+
+
+@pytest.mark.parametrize("caps", [{"rate": 100_000.0}, {"total_rate": 100_000.0}])
+async def test_the_byte_caps_hold_a_circuit_to_its_rate_in_virtual_time(autojump_clock, caps):
+    """300 kB each way through a relay capped at 100 kB/s (one second's burst): at least 5 s of virtual time."""
+    net = Net("memory")
+    async with AsyncExitStack() as stack:
+        relay_node, service = await stack.enter_async_context(net.relay("r", **caps))
+        private, reservations = await stack.enter_async_context(net.private("p", [relay_node], want=1))
+        with trio.fail_after(30):
+            while not reservations.relays:
+                await trio.sleep(0.05)
+        dialer = await stack.enter_async_context(net.dialer("d"))
+        await dialer.call(private.announce, "echo", 0, timeout=10)  # the circuit and handshake first
+        start = trio.current_time()
+        reply = await dialer.call(private.announce, "echo", b"\0" * 300_000, timeout=60)
+        assert len(reply["args"]) == 300_000
+        assert trio.current_time() - start >= 5.0 - 0.1
+        assert service.core.stats["bytes_relayed"] >= 600_000
