@@ -502,6 +502,11 @@ JOIN = OptionSet("peer join", [
     Option("accept-weights-from", Text(validate=_peer_id_hex, what="a PeerID"), [], "PeerIDs allowed to overwrite "
            "the served experts' weights (upcycling by `moe.swarmify.swarmify(..., upcycle=True)`)", many=True,
            shown_default="nobody", metavar="PEER_ID"),
+    Option("trainers", PATH, None, "file of the PeerIDs (one per line, # comments) allowed to train the served "
+           "experts (moe.backward, which steps their optimizers); others get moe.not_allowed and change nothing",
+           shown_default="anyone who completes the handshake (with a swarm key: its holders)", metavar="FILE"),
+    Option("forward-from", PATH, None, "file of the PeerIDs allowed to call the served experts' forward "
+           "(same format as --trainers)", shown_default="anyone who completes the handshake", metavar="FILE"),
     INSECURE_TRANSPORT,
     Option("reachability", Text(["auto", "public", "private"]), "auto", "auto: up to 3 initial peers dial this "
            "one back on TCP and UDP; a private peer takes part in the DHT as a client only (never in others' "
