@@ -44,6 +44,7 @@ from moe.experts import Expert, OptimizerConfig, make_expert
 from moe.grid import GridPattern, InvalidUID, choose_free_uids, is_valid_uid
 from moe.runtime import ExpertComputeError, ExpertRuntime, RuntimeNotRunning
 from moe.schema import SchemaError, validate_batch
+from moe.trust import NormStats, typical_norm
 from peer.p2p import wire
 from peer.p2p.identity import PeerID
 from peer.p2p.net import Address
@@ -215,9 +216,12 @@ class ExpertServer:
         declare_interval: float | None = None,
         trainers: CallerPolicy | None = None,
         forward_from: CallerPolicy | None = None,
+        max_norm_ratio: float | None = 1000.0,
     ):
         """`trainers`: who may call backward (and so step the experts' optimizers); `forward_from`: who may call
-        forward. Both default to anyone who completed the RPC handshake (see `CallerPolicy`); `moe.info` is open."""
+        forward. Both default to anyone who completed the RPC handshake (see `CallerPolicy`); `moe.info` is open.
+        `max_norm_ratio`: a request whose inputs or gradients are this many times larger than the expert's usual
+        ones (running statistics of the requests it accepted) is refused with BadExpertInput; None: no check."""
         if isinstance(experts, Mapping):
             experts = list(experts.values())
         self.experts: dict[str, Expert] = {}
@@ -230,6 +234,11 @@ class ExpertServer:
         self.max_batch_size = max_batch_size
         self.trainers = trainers if trainers is not None else CallerPolicy()
         self.forward_from = forward_from if forward_from is not None else CallerPolicy()
+        self.max_norm_ratio = max_norm_ratio
+        # per expert uid: running statistics of each input tensor's and each gradient tensor's size
+        self._norms: dict[str, dict[str, list[NormStats]]] = {
+            uid: {"inputs": [NormStats() for _ in e.inputs], "grad_outputs": [NormStats() for _ in e.outputs]}
+            for uid, e in self.experts.items()}
         self.runtime = ExpertRuntime(
             self.experts, max_batch_size=max_batch_size, min_batch_size=min_batch_size,
             batch_timeout=batch_timeout, threads_per_device=threads_per_device, inline_threshold=inline_threshold,
@@ -436,7 +445,31 @@ class ExpertServer:
         except SchemaError as error:
             self._errors["bad_input"] += 1
             raise BadExpertInput(f"{expert.uid}: {error}") from None
-        return list(args["inputs"]), grads
+        inputs = list(args["inputs"])
+        if self.max_norm_ratio is not None:
+            self._check_norms(expert, {"inputs": inputs, "grad_outputs": grads})
+        return inputs, grads
+
+    def _check_norms(self, expert: Expert, tensors: dict[str, list[torch.Tensor]]) -> None:
+        """Refuse inputs or gradients far larger than this expert usually gets: finite values can still be
+        1e30 and wreck a step (gradient clipping bounds the step, but the request is garbage either way). Only
+        accepted requests update the statistics, so a caller cannot ramp them up in one burst; smaller than
+        usual is harmless and accepted."""
+        assert self.max_norm_ratio is not None
+        measured: list[tuple[NormStats, float]] = []
+        for what, values in tensors.items():
+            for index, (stats, tensor) in enumerate(zip(self._norms[expert.uid][what], values)):
+                if not tensor.is_floating_point():
+                    continue
+                norm = typical_norm(tensor)
+                ratio = stats.ratio(norm)
+                if ratio > self.max_norm_ratio:
+                    self._errors["bad_input"] += 1
+                    raise BadExpertInput(f"{expert.uid}: {what}[{index}] norm {norm:.3g} is {ratio:.3g}x this "
+                                         f"expert's usual {stats.typical():.3g} (at most {self.max_norm_ratio:g}x)")
+                measured.append((stats, norm))
+        for stats, norm in measured:
+            stats.observe(norm)
 
     def _codec(self, args: Any) -> wire.Compression:
         """The codec the caller asked replies in (`"compression": 1` = float16, `2` = 8-bit; default none)."""

@@ -76,6 +76,7 @@ class DaemonConfig:
     max_batch_size: int = _JOIN["max_batch_size"]
     optimizer: str = _JOIN["optimizer"]
     lr: float = _JOIN["lr"]
+    clip_grad_norm: float = _JOIN["clip_grad_norm"]
     checkpoint_dir: Path | None = _JOIN["checkpoint_dir"]
     checkpoint_interval: float = _JOIN["checkpoint_interval"]
     device: str = _JOIN["device"]
@@ -336,7 +337,8 @@ class Daemon:
                                          peer_id=self.identity.peer_id)
             except InvalidUID as error:
                 raise StartupError(f"cannot choose {count} experts from {pattern}: {error}") from None
-        optimizer = OptimizerConfig(name=config.optimizer, lr=config.lr)
+        optimizer = OptimizerConfig(name=config.optimizer, lr=config.lr,
+                                    clip_grad_norm=config.clip_grad_norm or None)
 
         def seed_for(index: int, uid: str) -> int:
             if config.seed is not None:

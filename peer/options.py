@@ -487,6 +487,9 @@ JOIN = OptionSet("peer join", [
     Option("max-batch-size", POSITIVE_INT, 4096, "largest batch per expert"),
     Option("optimizer", Text(["sgd", "adam", "adamw"]), "adam", "experts' optimizer, stepped after every backward"),
     Option("lr", POSITIVE, 1e-3, "experts' learning rate"),
+    Option("clip-grad-norm", NOT_NEGATIVE, 1.0, "bound on each expert step: the gradient of a backward batch is "
+           "scaled down to this L2 norm when above it, so one caller cannot wreck an expert in a step (0: off)",
+           metavar="NORM"),
     Option("checkpoint-dir", PATH, None, "save experts here periodically and on shutdown, reload them on start "
            "(created and checked for writing at start)", shown_default="none: nothing saved", metavar="DIR"),
     Option("checkpoint-interval", POSITIVE, 300.0, "seconds between checkpoints", metavar="SECONDS"),

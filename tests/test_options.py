@@ -51,7 +51,7 @@ TABLE: dict[str, dict[str, tuple]] = {
         "log-level": choice("debug", "info", "warning", "error"),
         "accept-weights-from": (["xyz"], ['"xyz"', "5"], ("ab" * 20, f'["{"ab" * 20}"]', ["ab" * 20])),
         "insecure-transport": SWITCH, "reachability": choice("auto", "public", "private"),
-        "trainers": PATH, "forward-from": PATH,
+        "trainers": PATH, "forward-from": PATH, "clip-grad-norm": NOT_NEGATIVE,
     },
     "status": {"initial-peers": ADDRESS, "json": SWITCH, "timeout": POSITIVE, "insecure-transport": SWITCH},
     "train": {
