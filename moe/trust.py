@@ -102,8 +102,8 @@ class _Record:
 class ExpertTrust:
     """The client's record of every expert it called: output-norm statistics, recent verdicts, bans.
 
-    `check(replies)` takes one step's accepted replies, `{uid: (samples, outputs)}` (the batch rows each expert
-    answered and its outputs for them), and returns a verdict per expert. An expert's reply is an outlier when
+    `check(replies, kind=...)` takes one step's accepted replies, `{uid: (samples, outputs)}` (the batch rows each
+    expert answered and its outputs for them), and returns a verdict per expert. An expert's reply is an outlier when
     its size differs from the usual by more than `max_ratio` (either way): compared with the median size of the
     experts answering the same samples where at least `min_peers` of them did (honest experts of one layer agree
     in size, so one liar cannot move the median of three), otherwise with its own running statistics. The
@@ -117,7 +117,7 @@ class ExpertTrust:
     min_peers: int = 3
     warmup: int = 8
     decay: float = 0.9
-    _records: dict[str, _Record] = field(default_factory=dict)
+    _records: dict[tuple[str, str], _Record] = field(default_factory=dict)
     _bans: dict[str, str] = field(default_factory=dict)  # uid -> why
 
     def __post_init__(self) -> None:
@@ -133,14 +133,17 @@ class ExpertTrust:
         """Banned experts (uid -> why), in the order they were banned."""
         return dict(self._bans)
 
-    def record(self, uid: str) -> _Record:
-        record = self._records.get(uid)
+    def record(self, uid: str, kind: str = "outputs") -> _Record:
+        record = self._records.get((kind, uid))
         if record is None:
-            record = self._records[uid] = _Record(NormStats(self.decay, self.warmup),
+            record = self._records[(kind, uid)] = _Record(NormStats(self.decay, self.warmup),
                                                   collections.deque(maxlen=self.window))
         return record
 
-    def check(self, replies: Mapping[str, tuple[Sequence[int], torch.Tensor]]) -> dict[str, Verdict]:
+    def check(self, replies: Mapping[str, tuple[Sequence[int], torch.Tensor]], *, kind: str = "outputs"
+              ) -> dict[str, Verdict]:
+        """One step's replies of one `kind` ("outputs" of the forward, "grad_inputs" of the backward: each kind
+        has its own statistics, and strikes of either count toward a ban) -> a verdict per expert."""
         norms = {uid: row_norms(outputs) for uid, (_, outputs) in replies.items()}
         by_sample: dict[int, list[float]] = collections.defaultdict(list)
         for uid, (samples, _) in replies.items():
@@ -148,7 +151,7 @@ class ExpertTrust:
                 by_sample[sample].append(max(norm, _TINY))
         verdicts: dict[str, Verdict] = {}
         for uid, (samples, _) in replies.items():
-            record = self.record(uid)
+            record = self.record(uid, kind)
             ratios = []
             for sample, norm in zip(samples, norms[uid].tolist()):
                 sizes = by_sample[sample]
@@ -168,7 +171,7 @@ class ExpertTrust:
             record.outliers += outlier
             record.recent.append(outlier)
             if uid not in self._bans and sum(record.recent) >= self.strikes:
-                self._bans[uid] = (f"outputs {ratio:.3g}x the usual size (by {basis}) in {sum(record.recent)} of "
+                self._bans[uid] = (f"{kind} {ratio:.3g}x the usual size (by {basis}) in {sum(record.recent)} of "
                                    f"its last {len(record.recent)} steps")
                 verdict.banned_now = True
         return verdicts
@@ -182,10 +185,38 @@ class ExpertTrust:
         }
 
 
+# ------------------------------------------------------------------------------------ bans in the DHT, for status
+
+BANS_KEY = "moe.bans"  # subkey: the banning client's PeerID (signed: only it writes its entry); value: {uid: why}
+BANS_TTL = 3600.0  # seconds a published entry lives; a client refreshes it while it runs
+MAX_PUBLISHED_BANS = 32
+_MAX_REASON = 160
+
+
+def bans_value(bans: Mapping[str, str]) -> dict[str, str]:
+    """What a client publishes: its bans, at most MAX_PUBLISHED_BANS of them (the latest), reasons shortened."""
+    latest = list(bans.items())[-MAX_PUBLISHED_BANS:]
+    return {uid[:200]: why[:_MAX_REASON] for uid, why in latest}
+
+
+def parse_bans(entries: Mapping[bytes, object]) -> dict[str, dict[str, str]]:
+    """`{uid: {client PeerID hex: why}}` from the subkeys of BANS_KEY's record (subkey -> value); malformed
+    entries are skipped (anyone may write a subkey of their own)."""
+    banned: dict[str, dict[str, str]] = {}
+    for subkey, value in entries.items():
+        if not isinstance(subkey, bytes) or not isinstance(value, dict) or len(value) > MAX_PUBLISHED_BANS:
+            continue
+        for uid, why in value.items():
+            if isinstance(uid, str) and isinstance(why, str):
+                banned.setdefault(uid[:200], {})[subkey.hex()] = why[:_MAX_REASON]
+    return dict(sorted(banned.items()))
+
+
 def _median(values: Sequence[float]) -> float:
     ordered = sorted(values)
     middle = len(ordered) // 2
     return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] * ordered[middle]) ** 0.5
 
 
-__all__ = ["ExpertTrust", "NormStats", "Verdict", "row_norms", "typical_norm"]
+__all__ = ["BANS_KEY", "BANS_TTL", "ExpertTrust", "NormStats", "Verdict", "bans_value", "parse_bans", "row_norms",
+           "typical_norm"]

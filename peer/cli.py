@@ -107,7 +107,7 @@ async def _run_status(args: argparse.Namespace) -> int:
     from peer.status import format_status, gather_status, to_json
 
     async with open_client_peer(args.initial_peers, secure=not args.insecure_transport) as (rpc, dht):
-        status = await gather_status(rpc, dht, timeout=args.timeout, runs_reader=_runs_reader())
+        status = await gather_status(rpc, dht, timeout=args.timeout, runs_reader=_runs_reader(), read_bans=True)
     print(to_json(status) if args.json else format_status(status), flush=True)
     return 0 if status["peers_reachable"] else EXIT_FAILURE
 
