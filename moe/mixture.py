@@ -46,7 +46,7 @@ from moe import calls
 from moe.beam_search import ChildrenOracle, DHTGridOracle, ExpertChoice, find_best_experts, normalize_prefix
 from moe.declare import ExpertLocation
 from moe.errors import BadExpertOutput, NotEnoughExperts
-from moe.trust import BANS_KEY, BANS_TTL, ExpertTrust, bans_value
+from moe.trust import BANS_KEY, BANS_TTL, ExpertTrust, bans_value, row_norms
 from peer.p2p import wire
 from peer.p2p.identity import PeerID
 from peer.p2p.net import Address
@@ -347,6 +347,23 @@ class MixtureClient:
             raise self._not_enough("forward", progress.answered, k_min, failures)
         return self._assemble(inputs, progress, k_best, failures)
 
+    @staticmethod
+    def _gain(call: ExpertCall, grad_inputs: torch.Tensor, grad_outputs: torch.Tensor
+              ) -> tuple[ExpertCall, torch.Tensor]:
+        """What the backward check compares: each row's input gradient divided by the size of the output
+        gradient sent for it (the expert's gain). The raw sizes differ between honest experts of one sample by
+        their gate weights (0.9 and 0.01 are 90x apart); the gains do not. Rows sent a zero gradient say
+        nothing and are left out (a call with only such rows is not checked)."""
+        sizes = row_norms(grad_outputs)
+        keep = sizes > 0
+        if bool(keep.all()):
+            shape = (-1,) + (1,) * (grad_inputs.ndim - 1)
+            return call, grad_inputs / sizes.to(grad_inputs.dtype).view(shape)
+        rows = keep.nonzero().flatten()
+        kept = ExpertCall(call.choice, [call.samples[int(r)] for r in rows], [call.slots[int(r)] for r in rows])
+        shape = (-1,) + (1,) * (grad_inputs.ndim - 1)
+        return kept, grad_inputs[rows] / sizes[rows].to(grad_inputs.dtype).view(shape)
+
     def _avoided(self, uid: str, location: ExpertLocation) -> bool:
         """Whether the search skips this expert: banned for lying (for the run) or failed recently (a while)."""
         return self.trust.is_banned(uid) or self.blacklist.is_banned(uid, location)
@@ -358,6 +375,7 @@ class MixtureClient:
         whose replies are outliers, with the error to record for them: their replies are not used this step
         (it is cheaper to lose one expert's answer than to mix in garbage). They are not put on the temporary
         blacklist: the trust record decides, over several steps, whether to ban them for the run."""
+        replies = [(call, tensor) for call, tensor in replies if call.samples]
         if not replies:
             return {}
         merged: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
@@ -517,7 +535,8 @@ class MixtureClient:
             if id(call) not in finished:
                 self._failed(call, trio.TooSlowError("no answer before the backward deadline or grace period"),
                              failures, "backward")
-        liars = self._check_replies("grad_inputs", received, failures)
+        liars = self._check_replies("grad_inputs", [self._gain(call, grads, requests[id(call)][1])
+                                                    for call, grads in received], failures)
         for call, grads in received:
             if call.uid in liars:  # a lying expert's gradient is left out, as a failed one's
                 for sample in call.samples:

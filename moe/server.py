@@ -216,12 +216,15 @@ class ExpertServer:
         declare_interval: float | None = None,
         trainers: CallerPolicy | None = None,
         forward_from: CallerPolicy | None = None,
-        max_norm_ratio: float | None = 1000.0,
+        max_norm_ratio: float | None = 1e4,
     ):
         """`trainers`: who may call backward (and so step the experts' optimizers); `forward_from`: who may call
         forward. Both default to anyone who completed the RPC handshake (see `CallerPolicy`); `moe.info` is open.
         `max_norm_ratio`: a request whose inputs or gradients are this many times larger than the expert's usual
-        ones (running statistics of the requests it accepted) is refused with BadExpertInput; None: no check."""
+        ones (running statistics of the requests it accepted) is refused with BadExpertInput; None: no check.
+        Generous by default: an honest trainer's gradients for an expert scale with its gate weight, which may be
+        0.001 in one call and 0.5 in the next; the check is for the absurd (1e30 passes the finiteness check),
+        and `clip_grad_norm` bounds the step whatever gets through."""
         if isinstance(experts, Mapping):
             experts = list(experts.values())
         self.experts: dict[str, Expert] = {}

@@ -32,7 +32,8 @@ def row_norms(tensor: torch.Tensor) -> torch.Tensor:
     """The L2 norm of each row (sample) of a batch, as float64 on the CPU."""
     if tensor.ndim == 0 or tensor.shape[0] == 0:
         return torch.zeros(0, dtype=torch.float64)
-    return torch.linalg.vector_norm(tensor.detach().reshape(tensor.shape[0], -1).double(), dim=1).cpu()
+    norms: torch.Tensor = torch.linalg.vector_norm(tensor.detach().reshape(tensor.shape[0], -1).double(), dim=1)
+    return norms.cpu()
 
 
 def typical_norm(tensor: torch.Tensor) -> float:

@@ -1,8 +1,8 @@
 """Lying experts: the MoE client checks the size of every reply against the expert's own record and the other
 experts of the same samples (moe.trust.ExpertTrust); an outlier's reply is left out of that step, and an expert
 whose replies are outliers in several steps is banned for the run. A server whose outputs are scaled x100, or
-are random values, is banned within 20 steps and training reaches the loss it reaches without the liar; the bans
-are published in the DHT where `peer status` shows them."""
+are random values, or whose input gradients are scaled x100, is banned within 20 steps and training reaches the
+loss it reaches without the liar; the bans are published in the DHT where `peer status` shows them."""
 
 from __future__ import annotations
 
@@ -22,13 +22,16 @@ LIAR = "ffn.1.2"
 
 
 class Lying(nn.Module):
-    """An expert module that lies in its forward (what the caller mixes in) and learns normally otherwise."""
+    """An expert module that lies in its forward (what the caller mixes in) and learns normally otherwise, or
+    (`gradients`) answers the forward honestly and lies in the input gradients of its backward."""
 
     def __init__(self, inner: nn.Module, how: str):
         super().__init__()
         self.inner, self.how = inner, how
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "gradients":  # honest outputs; the input gradients it returns are x100
+            return self.inner(x * 100 - x.detach() * 99)
         out = self.inner(x)
         if torch.is_grad_enabled():  # the backward's recomputation: gradients flow as for an honest expert
             return out
@@ -74,14 +77,15 @@ def mean(values):
     return sum(values) / len(values)
 
 
-@pytest.mark.parametrize("how", ["scaled", "random"])
+@pytest.mark.parametrize("how", ["scaled", "random", "gradients"])
 def test_a_lying_expert_is_banned_within_20_steps_and_training_reaches_its_usual_loss(dht_harness, how):
     servers(dht_harness, liar=how)
     swarm = dht_harness.client()
     moe, losses, banned_at = train(swarm, 60)
-    assert banned_at is not None and banned_at < 20, moe.client.trust.stats()
-    assert list(moe.client.trust.bans()) == [LIAR]  # nobody else
-    assert moe.client.stats["trust_bans"] == 1
+    seen = (moe.client.trust.stats(), moe.client.stats)  # what a failure report needs
+    assert banned_at is not None and banned_at < 20, seen
+    assert list(moe.client.trust.bans()) == [LIAR], seen  # nobody else
+    assert moe.client.stats["trust_bans"] == 1, seen
     # the honest baseline: the same run on a swarm without the liar
     from tests.moe.conftest import Harness
 
