@@ -184,8 +184,10 @@ class CallerPolicy:
         return cls(frozenset(p.hex() if isinstance(p, PeerID) else PeerID.from_hex(p).hex() for p in peers),
                    source)
 
-    def allows(self, peer_id: PeerID) -> bool:
-        return self.allowed is None or peer_id.hex() in self.allowed
+    def allows(self, context: CallContext) -> bool:
+        """Whether this call may proceed. Takes the whole call context (not only the PeerID) so that a policy
+        on what the handshake proved about the connection can be decided here too."""
+        return self.allowed is None or context.peer_id.hex() in self.allowed
 
 
 # ------------------------------------------------------------------------------------------------ server
@@ -568,7 +570,7 @@ class ExpertServer:
     def _admit(self, context: CallContext, mode: str) -> None:
         """Refuse the whole call, before anything is decoded or computed, when the caller may not make it."""
         policy = self.trainers if mode == "backward" else self.forward_from
-        if not policy.allows(context.peer_id):
+        if not policy.allows(context):
             self._errors["not_allowed"] += 1
             what = "train the experts" if mode == "backward" else "call the experts' forward"
             raise NotAllowed(f"peer {context.peer_id.hex()} may not {what} here (not in {policy.source})")

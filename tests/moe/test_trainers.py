@@ -72,6 +72,8 @@ async def test_only_listed_trainers_step_the_experts_and_forward_stays_open(tmp_
             assert not same(before, weights(daemon))
             assert [e.steps for _, e in sorted(daemon.expert_server.experts.items())] == [1, 1]
             assert daemon.status()["experts"]["errors"]["not_allowed"] == 2
+            # every step is bounded by default (peer join --clip-grad-norm 1.0)
+            assert all(e.clip_grad_norm == 1.0 for e in daemon.expert_server.experts.values())
         nursery.cancel_scope.cancel()
 
 
@@ -81,7 +83,9 @@ async def test_forward_from_closes_forward_to_others(tmp_path):
     allow.write_text(caller.peer_id.hex() + "\n")
     x = torch.randn(2, HIDDEN)
     async with trio.open_nursery() as nursery:
-        daemon = await start(nursery, DaemonConfig(experts="ffn.[0:1]", hidden_dim=HIDDEN, forward_from=allow))
+        daemon = await start(nursery, DaemonConfig(experts="ffn.[0:1]", hidden_dim=HIDDEN, forward_from=allow,
+                                                   clip_grad_norm=0.0))
+        assert daemon.expert_server is not None and daemon.expert_server.experts["ffn.0"].clip_grad_norm is None
         assert daemon.rpc is not None
         async with RPCNode(outsider, RealNetwork()) as other, RPCNode(caller, RealNetwork()) as listed:
             with trio.fail_after(30):
