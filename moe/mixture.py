@@ -43,10 +43,11 @@ from torch import nn
 
 from dht.client import DHTClient, SwarmHandle
 from moe import calls
+from moe.bans import BANS_KEY, BANS_TTL, bans_value
 from moe.beam_search import ChildrenOracle, DHTGridOracle, ExpertChoice, find_best_experts, normalize_prefix
 from moe.declare import ExpertLocation
 from moe.errors import BadExpertOutput, NotEnoughExperts
-from moe.trust import BANS_KEY, BANS_TTL, ExpertTrust, bans_value, row_norms
+from moe.trust import ExpertTrust, row_norms
 from peer.p2p import wire
 from peer.p2p.identity import PeerID
 from peer.p2p.net import Address
@@ -224,7 +225,7 @@ class MixtureClient:
     ):
         """`trust` keeps the statistics of the experts' replies and the bans of lying experts (a new
         `ExpertTrust` by default; share one between layers to share bans); with `dht`, bans are published under
-        `moe.trust.BANS_KEY` for `peer status`."""
+        `moe.bans.BANS_KEY` for `peer status`."""
         self.rpc = rpc
         self.oracle = oracle
         self.uid_prefix = normalize_prefix(uid_prefix)
@@ -397,7 +398,7 @@ class MixtureClient:
         return liars
 
     async def _publish_bans(self) -> None:
-        """Store this client's bans in the DHT (`moe.trust.BANS_KEY`, under its own signed subkey) when a new one
+        """Store this client's bans in the DHT (`moe.bans.BANS_KEY`, under its own signed subkey) when a new one
         was made, and refresh them before they expire. Inline and bounded: a new ban is rare, and the store is
         cut after a few seconds (a DHT hiccup costs one missed publication, retried at the next new ban or
         refresh)."""

@@ -9,7 +9,8 @@ experts of one layer see the same inputs and produce outputs of a similar size; 
 
 Why a ban needs several steps: one odd step is not proof (a sample far from the others, a loss spike). An expert
 is banned once `strikes` of its last `window` checked steps were outliers; a ban lasts for the run (it is the
-caller's local decision, never a vote a liar could win) and is listed by `ExpertTrust.bans`.
+caller's local decision, never a vote a liar could win) and is listed by `ExpertTrust.bans` (and published for
+`peer status` in the format of `moe.bans`).
 
 Sans-I/O: plain objects, no trio, no clock; tensors in, verdicts out. `moe.mixture.MixtureClient` feeds the
 client side (`ExpertTrust`), `moe.server.ExpertServer` the server side (`NormStats` per expert for its inputs and
@@ -186,38 +187,10 @@ class ExpertTrust:
         }
 
 
-# ------------------------------------------------------------------------------------ bans in the DHT, for status
-
-BANS_KEY = "moe.bans"  # subkey: the banning client's PeerID (signed: only it writes its entry); value: {uid: why}
-BANS_TTL = 3600.0  # seconds a published entry lives; a client refreshes it while it runs
-MAX_PUBLISHED_BANS = 32
-_MAX_REASON = 160
-
-
-def bans_value(bans: Mapping[str, str]) -> dict[str, str]:
-    """What a client publishes: its bans, at most MAX_PUBLISHED_BANS of them (the latest), reasons shortened."""
-    latest = list(bans.items())[-MAX_PUBLISHED_BANS:]
-    return {uid[:200]: why[:_MAX_REASON] for uid, why in latest}
-
-
-def parse_bans(entries: Mapping[bytes, object]) -> dict[str, dict[str, str]]:
-    """`{uid: {client PeerID hex: why}}` from the subkeys of BANS_KEY's record (subkey -> value); malformed
-    entries are skipped (anyone may write a subkey of their own)."""
-    banned: dict[str, dict[str, str]] = {}
-    for subkey, value in entries.items():
-        if not isinstance(subkey, bytes) or not isinstance(value, dict) or len(value) > MAX_PUBLISHED_BANS:
-            continue
-        for uid, why in value.items():
-            if isinstance(uid, str) and isinstance(why, str):
-                banned.setdefault(uid[:200], {})[subkey.hex()] = why[:_MAX_REASON]
-    return dict(sorted(banned.items()))
-
-
 def _median(values: Sequence[float]) -> float:
     ordered = sorted(values)
     middle = len(ordered) // 2
     return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] * ordered[middle]) ** 0.5
 
 
-__all__ = ["BANS_KEY", "BANS_TTL", "ExpertTrust", "NormStats", "Verdict", "bans_value", "parse_bans", "row_norms",
-           "typical_norm"]
+__all__ = ["ExpertTrust", "NormStats", "Verdict", "row_norms", "typical_norm"]

@@ -13,7 +13,7 @@ from typing import Any, Awaitable, Callable
 import trio
 
 from dht.client import DHTClient
-from moe.trust import BANS_KEY, parse_bans
+from moe.bans import BANS_KEY, parse_bans
 from peer.directory import PeerEntry, list_peers
 from peer.p2p.identity import PeerID
 from peer.p2p.rpc import RPCError, RPCNode
@@ -123,7 +123,7 @@ async def gather_status(rpc: RPCNode, dht: DHTClient, *, timeout: float = 3.0,
 
 
 async def read_expert_bans(dht: DHTClient) -> dict[str, dict[str, str]]:
-    """The bans every trainer published (moe.mixture publishes its client's under `moe.trust.BANS_KEY`)."""
+    """The bans every trainer published (moe.mixture publishes its client's under `moe.bans.BANS_KEY`)."""
     record = await dht.get(BANS_KEY, latest=True)
     subkeys = getattr(record, "subkeys", None) or {}
     return parse_bans({subkey: entry.value for subkey, entry in subkeys.items()})

@@ -11,9 +11,10 @@ import torch
 import trio
 from torch import nn
 
+from moe.bans import BANS_KEY, parse_bans
 from moe.experts import OptimizerConfig, make_expert
 from moe.mixture import RemoteMixtureOfExperts
-from moe.trust import BANS_KEY, ExpertTrust, parse_bans
+from moe.trust import ExpertTrust
 from peer.status import format_status, gather_status
 
 HIDDEN = 16
