@@ -22,6 +22,9 @@ Fault tolerance is the point, and it lives in `MixtureClient`, the trio side of 
   a missing expert contributes a zero gradient, and `backward_k_min` answers per sample are required;
 - experts that failed are banned for `ban_time` seconds (the whole peer when it could not be reached), so the
   following steps do not pay for the same dead peer again;
+- replies are checked for size once a step's calls are in (`moe.trust.ExpertTrust`: against the other experts of
+  the same samples, or the expert's own record): an outlier's reply is left out of the step like a failed one,
+  and an expert that keeps lying is banned for the run (published in the DHT for `peer status`);
 - when even that is not enough, `NotEnoughExperts` says how many answered and which experts failed, and why.
 
 The torch side (`RemoteMixtureOfExperts.forward`) runs in the user's thread and reaches the trio thread through
