@@ -119,3 +119,48 @@ async def test_a_missing_allow_list_stops_the_start(tmp_path):
                                  trainers=tmp_path / "missing"))
     with trio.fail_after(30), pytest.raises(StartupError, match="--trainers .*missing"):
         await daemon.run()
+
+
+@pytest.mark.slow
+def test_peer_join_trainers_in_a_separate_process(tmp_path):
+    """The same through the CLI: `peer join --trainers FILE` in its own process; the weights are watched from
+    outside through forward outputs (unchanged after the refused backward, changed after the allowed one)."""
+    from tests.peer_processes import run_peer, start_daemon, stop_all
+
+    trainer, outsider = Identity.generate(), Identity.generate()
+    allow = tmp_path / "trainers"
+    allow.write_text(trainer.peer_id.hex() + "\n")
+    process, peer_hex, address_text = start_daemon("--experts", "ffn.[0:1]", "--hidden-dim", str(HIDDEN),
+                                                   "--trainers", str(allow))
+    host, port = address_text.rsplit(":", 1)
+    address = (host, int(port))
+    x, grads = torch.randn(3, HIDDEN), torch.randn(3, HIDDEN)
+
+    async def scenario() -> list[torch.Tensor]:
+        from peer.p2p.identity import PeerID
+
+        server_id = PeerID.from_hex(peer_hex)
+        outputs = []
+        async with RPCNode(outsider, RealNetwork()) as other, RPCNode(trainer, RealNetwork()) as allowed:
+            with trio.fail_after(60):
+                outputs.append((await calls.forward(other, address, server_id, "ffn.0", [x], timeout=20))[0])
+                with pytest.raises(NotAllowed):
+                    await calls.backward(other, address, server_id, "ffn.0", [x], [grads], timeout=20)
+                outputs.append((await calls.forward(other, address, server_id, "ffn.0", [x], timeout=20))[0])
+                await calls.backward(allowed, address, server_id, "ffn.0", [x], [grads], timeout=20)
+                outputs.append((await calls.forward(other, address, server_id, "ffn.0", [x], timeout=20))[0])
+        return outputs
+
+    try:
+        before, after_refused, after_allowed = trio.run(scenario)
+    finally:
+        stop_all([process])
+    assert torch.equal(before, after_refused)
+    assert not torch.equal(before, after_allowed)
+
+    bad = tmp_path / "bad"
+    bad.write_text("nope\n")
+    result = run_peer("join", "--experts", "ffn.[0:1]", "--hidden-dim", str(HIDDEN), "--trainers", str(bad))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [f"peer: error: --trainers {bad}:1: 'nope' is not a PeerID "
+                                                  "(40 hex digits)"], result.stderr
