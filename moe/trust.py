@@ -146,20 +146,18 @@ class ExpertTrust:
               ) -> dict[str, Verdict]:
         """One step's replies of one `kind` ("outputs" of the forward, "grad_inputs" of the backward: each kind
         has its own statistics, and strikes of either count toward a ban) -> a verdict per expert."""
-        norms = {uid: row_norms(outputs) for uid, (_, outputs) in replies.items()}
+        # plain floats from here: the bookkeeping is per sample, and torch's per-call overhead would dominate
+        norms = _norms_of({uid: outputs for uid, (_, outputs) in replies.items()})
         by_sample: dict[int, list[float]] = collections.defaultdict(list)
         for uid, (samples, _) in replies.items():
-            for sample, norm in zip(samples, norms[uid].tolist()):
-                by_sample[sample].append(max(norm, _TINY))
+            for sample, norm in zip(samples, norms[uid]):
+                by_sample[sample].append(norm)
+        medians = {sample: _median(sizes) for sample, sizes in by_sample.items() if len(sizes) >= self.min_peers}
         verdicts: dict[str, Verdict] = {}
         for uid, (samples, _) in replies.items():
             record = self.record(uid, kind)
-            ratios = []
-            for sample, norm in zip(samples, norms[uid].tolist()):
-                sizes = by_sample[sample]
-                if len(sizes) >= self.min_peers:
-                    ratios.append(max(norm, _TINY) / _median(sizes))
-            size = float(norms[uid].square().mean().sqrt()) if norms[uid].numel() else 0.0
+            ratios = [norm / medians[sample] for sample, norm in zip(samples, norms[uid]) if sample in medians]
+            size = math.sqrt(sum(n * n for n in norms[uid]) / len(norms[uid])) if norms[uid] else 0.0
             if ratios:
                 ratio, basis = _median(ratios), "peers"
             else:
@@ -185,6 +183,24 @@ class ExpertTrust:
             "outliers": sum(r.outliers for r in self._records.values()),
             "banned": self.bans(),
         }
+
+
+def _norms_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, list[float]]:
+    """Each tensor's row norms (at least _TINY) as floats: one norm kernel over all of them when their rows
+    are alike (the usual case: one layer's experts), else one per tensor."""
+    rows = [t.detach().reshape(t.shape[0], -1) for t in tensors.values() if t.ndim and t.shape[0]]
+    if rows and len({(r.shape[1], r.dtype, r.device) for r in rows}) == 1:
+        flat = torch.linalg.vector_norm(torch.cat(rows) if len(rows) > 1 else rows[0], dim=1, dtype=torch.float64)
+        values = [max(n, _TINY) for n in flat.tolist()]
+    else:
+        values = [max(n, _TINY) for t in tensors.values() for n in row_norms(t).tolist()]
+    result: dict[str, list[float]] = {}
+    offset = 0
+    for uid, tensor in tensors.items():
+        count = int(tensor.shape[0]) if tensor.ndim else 0
+        result[uid] = values[offset:offset + count]
+        offset += count
+    return result
 
 
 def _median(values: Sequence[float]) -> float:
