@@ -155,9 +155,11 @@ class ExpertTrust:
         medians = {sample: _median(sizes) for sample, sizes in by_sample.items() if len(sizes) >= self.min_peers}
         verdicts: dict[str, Verdict] = {}
         for uid, (samples, _) in replies.items():
+            if not norms[uid]:
+                continue  # no rows: nothing to judge (and a size of 0 is not a lie)
             record = self.record(uid, kind)
             ratios = [norm / medians[sample] for sample, norm in zip(samples, norms[uid]) if sample in medians]
-            size = math.sqrt(sum(n * n for n in norms[uid]) / len(norms[uid])) if norms[uid] else 0.0
+            size = math.sqrt(sum(n * n for n in norms[uid]) / len(norms[uid]))
             if ratios:
                 ratio, basis = _median(ratios), "peers"
             else:

@@ -137,6 +137,12 @@ def test_history_decides_when_too_few_experts_share_the_samples_and_honest_drift
     assert trust.bans()["ffn.0"].startswith("outputs ")
 
 
+def test_an_empty_reply_gets_no_verdict():
+    trust = ExpertTrust(warmup=1)
+    trust.check({"ffn.0": ([0], torch.ones(1, 4))})
+    assert trust.check({"ffn.0": ([], torch.ones(0, 4)), "ffn.1": ([0], torch.ones(1, 4))}).keys() == {"ffn.1"}
+
+
 def test_two_experts_per_sample_never_blame_each_other():
     """With two answers per sample a median cannot say who is off: only history is used, so the honest one of
     a pair is never banned for its partner's lies."""
