@@ -33,7 +33,15 @@ class ServerShuttingDown(RemoteError):
     code = "moe.server_shutting_down"
 
 
-for _cls in (ExpertNotFound, BadExpertInput, ExpertFailed, ServerShuttingDown):
+class NotAllowed(RemoteError):
+    """The server does not accept this call from the calling peer: its operator lists who may train its experts
+    (`peer join --trainers FILE`) or call their forward (`--forward-from FILE`), and the caller's PeerID (proved
+    by the RPC handshake) is not on that list. Nothing was computed and the expert's weights are unchanged."""
+
+    code = "moe.not_allowed"
+
+
+for _cls in (ExpertNotFound, BadExpertInput, ExpertFailed, ServerShuttingDown, NotAllowed):
     register_error_code(_cls.code, _cls)
 
 

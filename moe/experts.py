@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -284,6 +285,7 @@ class Expert:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     steps: int = 0  # optimizer steps applied (one per backward batch)
     skipped_steps: int = 0  # backward batches whose gradients were not finite (no step taken)
+    clipped_steps: int = 0  # steps whose gradients were scaled down to clip_grad_norm
 
     def info(self, max_batch_size: int) -> dict[str, Any]:
         """The `moe.info` reply: what a caller needs to build inputs and expect outputs."""
@@ -366,19 +368,15 @@ class Expert:
 
     @staticmethod
     def _step_many(experts: Sequence["Expert"], outcomes: list[Any], positions: Sequence[int]) -> None:
-        """The optimizer steps of `backward_many`: skip experts whose gradients are not finite (checked together
-        first: all finite is the usual case), then one fused kernel per group of experts whose fused Adam(W)
+        """The optimizer steps of `backward_many`: skip experts whose gradients are not finite and clip the others'
+        (one fused norm pass over all of them), then one fused kernel per group of experts whose fused Adam(W)
         settings agree (elementwise per tensor, so the same values as stepping each), `optimizer.step` for the
         rest. An expert whose step raised gets that error as its outcome."""
-        plain = [e for e in experts if e.clip_grad_norm is None]
-        all_finite = False
-        if plain:
-            grads = [p.grad for e in plain for p in e.module.parameters() if p.grad is not None]
-            all_finite = not grads or bool(torch.isfinite(
-                torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(grads)]))))
+        grads = [[p.grad for p in e.module.parameters() if p.grad is not None] for e in experts]
+        norms = Expert._gradient_norms(grads)
         stepping: list[tuple[int, Expert]] = []
-        for position, expert in zip(positions, experts):
-            if (expert.clip_grad_norm is None and all_finite) or expert._gradients_finite():
+        for position, expert, expert_grads, norm in zip(positions, experts, grads, norms):
+            if expert._bounded(expert_grads, norm):
                 stepping.append((position, expert))
             else:
                 expert.skipped_steps += 1
@@ -416,18 +414,35 @@ class Expert:
                 for leaf in leaves]
 
     def _gradients_finite(self) -> bool:
-        """Whether this batch's parameter gradients are finite (clipping them first when configured).
+        """Whether this batch's parameter gradients are finite, clipping them to `clip_grad_norm` when configured
+        (see `_bounded`)."""
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        return self._bounded(grads, Expert._gradient_norms([grads])[0])
 
-        Finite inputs can still overflow into inf/NaN gradients; one such step would ruin the expert for every
-        caller, so it is skipped (the norm is one fused pass; clipping reuses it). Without clipping, the norm
-        alone: clip_grad_norm_ also rescales every gradient, ~10x the cost of the norm for a small expert."""
-        if self.clip_grad_norm is not None:
-            norm = nn.utils.clip_grad_norm_(self.module.parameters(), self.clip_grad_norm)
-        else:
-            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-            norms = [n.float() for n in torch._foreach_norm(grads)] if grads else [torch.zeros(())]
-            norm = torch.linalg.vector_norm(torch.stack(norms))
-        return bool(torch.isfinite(norm))
+    @staticmethod
+    def _gradient_norms(grads: Sequence[Sequence[torch.Tensor]]) -> list[float]:
+        """The global L2 norm of each list of gradients: one fused norm pass over all of them, one sync."""
+        flat = [g for group in grads for g in group]
+        if not flat:
+            return [0.0] * len(grads)
+        # float64 for the squares summed over tensors: per-tensor norms near float32's range must clip, not overflow
+        squares = torch.stack([n.double() for n in torch._foreach_norm(flat)]) ** 2
+        sums = torch.stack([part.sum() for part in torch.split(squares, [len(group) for group in grads])])
+        return [float(value) for value in sums.sqrt().tolist()]
+
+    def _bounded(self, grads: Sequence[torch.Tensor], norm: float) -> bool:
+        """Whether the step may be taken: the gradients are finite (finite inputs can still overflow into inf/NaN
+        gradients; one such step would ruin the expert for every caller, so it is skipped), and, with
+        `clip_grad_norm`, they are scaled down to that norm when above it: whatever a caller sends, one step
+        moves the expert by at most what a gradient of that norm would. Scaling only when above the bound costs
+        nothing in the usual case (`clip_grad_norm_` rescales every gradient every time, ~10x the norm's cost
+        for a small expert); the values are those of `clip_grad_norm_`."""
+        if not math.isfinite(norm):
+            return False
+        if self.clip_grad_norm is not None and norm > self.clip_grad_norm:
+            torch._foreach_mul_(list(grads), self.clip_grad_norm / (norm + 1e-6))
+            self.clipped_steps += 1
+        return True
 
     def _stepped(self) -> None:
         self.scheduler.step()

@@ -22,6 +22,9 @@ Fault tolerance is the point, and it lives in `MixtureClient`, the trio side of 
   a missing expert contributes a zero gradient, and `backward_k_min` answers per sample are required;
 - experts that failed are banned for `ban_time` seconds (the whole peer when it could not be reached), so the
   following steps do not pay for the same dead peer again;
+- replies are checked for size once a step's calls are in (`moe.trust.ExpertTrust`: against the other experts of
+  the same samples, or the expert's own record): an outlier's reply is left out of the step like a failed one,
+  and an expert that keeps lying is banned for the run (published in the DHT for `peer status`);
 - when even that is not enough, `NotEnoughExperts` says how many answered and which experts failed, and why.
 
 The torch side (`RemoteMixtureOfExperts.forward`) runs in the user's thread and reaches the trio thread through
@@ -41,17 +44,20 @@ import torch
 import trio
 from torch import nn
 
-from dht.client import SwarmHandle
+from dht.client import DHTClient, SwarmHandle
 from moe import calls
+from moe.bans import BANS_KEY, BANS_TTL, bans_value
 from moe.beam_search import ChildrenOracle, DHTGridOracle, ExpertChoice, find_best_experts, normalize_prefix
 from moe.declare import ExpertLocation
 from moe.errors import BadExpertOutput, NotEnoughExperts
+from moe.trust import ExpertTrust, row_norms
 from peer.p2p import wire
 from peer.p2p.identity import PeerID
 from peer.p2p.net import Address
 from peer.p2p.rpc import RPCNode
 
 logger = logging.getLogger(__name__)
+BANS_PUBLISH_TIMEOUT = 5.0  # seconds a forward or backward may spend publishing a new ban
 
 
 # ------------------------------------------------------------------------------------------------- blacklist
@@ -217,7 +223,12 @@ class MixtureClient:
         blacklist: ExpertBlacklist | None = None,
         out_shape: Sequence[int] | None = None,
         compression: wire.Compression = wire.Compression.NONE,
+        trust: ExpertTrust | None = None,
+        dht: DHTClient | None = None,
     ):
+        """`trust` keeps the statistics of the experts' replies and the bans of lying experts (a new
+        `ExpertTrust` by default; share one between layers to share bans); with `dht`, bans are published under
+        `moe.bans.BANS_KEY` for `peer status`."""
         self.rpc = rpc
         self.oracle = oracle
         self.uid_prefix = normalize_prefix(uid_prefix)
@@ -225,7 +236,11 @@ class MixtureClient:
         self.blacklist = blacklist if blacklist is not None else ExpertBlacklist()
         self.out_shape = tuple(out_shape) if out_shape is not None else None
         self.compression = compression
+        self.trust = trust if trust is not None else ExpertTrust()
+        self.dht = dht
+        self._bans_published: tuple[int, float] = (0, -math.inf)  # (bans published, trio time)
         self.stats: dict[str, float] = {
+            "outlier_replies": 0, "trust_bans": 0,
             "forward_calls": 0, "forward_failures": 0, "backward_calls": 0, "backward_failures": 0,
             "forward_rpcs": 0, "backward_rpcs": 0,
             "replacement_searches": 0, "hedged_samples": 0, "backward_skipped": 0,
@@ -266,7 +281,7 @@ class MixtureClient:
             t0 = trio.current_time()
             choices = await find_best_experts(
                 self.oracle, self.uid_prefix, self.grid_size, scores, need,
-                banned=self.blacklist.is_banned, exclude=progress.tried,
+                banned=self._avoided, exclude=progress.tried,
             )
             self.stats["search_seconds"] += trio.current_time() - t0
             for sample, (wanted, chosen) in enumerate(zip(need, choices)):
@@ -323,9 +338,85 @@ class MixtureClient:
                 # cut by the grace period or the deadline: too slow to be useful now; avoid it for a while
                 call.error = trio.TooSlowError("no answer before the forward deadline or grace period")
                 self._failed(call, call.error, failures, "forward")
+        answers = [call for call in progress.calls if call.outputs is not None]
+        liars = self._check_replies("outputs", [(call, call.outputs) for call in answers if call.outputs is not None],
+                                    failures)
+        for call in answers:
+            if call.uid in liars:
+                call.outputs, call.error = None, liars[call.uid]
+                for sample in call.samples:
+                    progress.answered[sample] -= 1
+        await self._publish_bans()
         if any(a < k_min for a in progress.answered):
             raise self._not_enough("forward", progress.answered, k_min, failures)
         return self._assemble(inputs, progress, k_best, failures)
+
+    @staticmethod
+    def _gain(call: ExpertCall, grad_inputs: torch.Tensor, grad_outputs: torch.Tensor
+              ) -> tuple[ExpertCall, torch.Tensor]:
+        """What the backward check compares: each row's input gradient divided by the size of the output
+        gradient sent for it (the expert's gain). The raw sizes differ between honest experts of one sample by
+        their gate weights (0.9 and 0.01 are 90x apart); the gains do not. Rows sent a zero gradient say
+        nothing and are left out (a call with only such rows is not checked)."""
+        sizes = row_norms(grad_outputs)
+        keep = sizes > 0
+        if bool(keep.all()):
+            shape = (-1,) + (1,) * (grad_inputs.ndim - 1)
+            return call, grad_inputs / sizes.to(grad_inputs.dtype).view(shape)
+        rows = keep.nonzero().flatten()
+        kept = ExpertCall(call.choice, [call.samples[int(r)] for r in rows], [call.slots[int(r)] for r in rows])
+        shape = (-1,) + (1,) * (grad_inputs.ndim - 1)
+        return kept, grad_inputs[rows] / sizes[rows].to(grad_inputs.dtype).view(shape)
+
+    def _avoided(self, uid: str, location: ExpertLocation) -> bool:
+        """Whether the search skips this expert: banned for lying (for the run) or failed recently (a while)."""
+        return self.trust.is_banned(uid) or self.blacklist.is_banned(uid, location)
+
+    def _check_replies(self, kind: str, replies: list[tuple[ExpertCall, torch.Tensor]],
+                       failures: dict[str, str]) -> dict[str, BadExpertOutput]:
+        """Check one step's accepted replies of `kind` ("outputs" or "grad_inputs") with `self.trust` (sizes
+        against each expert's record and against the other experts of the same samples); returns the experts
+        whose replies are outliers, with the error to record for them: their replies are not used this step
+        (it is cheaper to lose one expert's answer than to mix in garbage). They are not put on the temporary
+        blacklist: the trust record decides, over several steps, whether to ban them for the run."""
+        replies = [(call, tensor) for call, tensor in replies if call.samples]
+        if not replies:
+            return {}
+        merged: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
+        for call, tensor in replies:
+            samples, tensors = merged.setdefault(call.uid, ([], []))
+            samples.extend(call.samples)
+            tensors.append(tensor)
+        verdicts = self.trust.check({uid: (samples, torch.cat(tensors) if len(tensors) > 1 else tensors[0])
+                                     for uid, (samples, tensors) in merged.items()}, kind=kind)
+        liars: dict[str, BadExpertOutput] = {}
+        for uid, verdict in verdicts.items():
+            if verdict.banned_now:
+                self.stats["trust_bans"] += 1
+                logger.warning("expert %s banned for this run: %s", uid, self.trust.bans()[uid])
+            if verdict.outlier:
+                self.stats["outlier_replies"] += 1
+                liars[uid] = BadExpertOutput(uid, f"{kind} {verdict.ratio:.3g}x the usual size (by {verdict.basis})")
+                failures[uid] = _describe(liars[uid])
+        return liars
+
+    async def _publish_bans(self) -> None:
+        """Store this client's bans in the DHT (`moe.bans.BANS_KEY`, under its own signed subkey) when a new one
+        was made, and refresh them before they expire. Inline and bounded: a new ban is rare, and the store is
+        cut after a few seconds (a DHT hiccup costs one missed publication, retried at the next new ban or
+        refresh)."""
+        bans = self.trust.bans()
+        count, published_at = self._bans_published
+        now = trio.current_time()
+        if self.dht is None or not bans or (len(bans) == count and now - published_at < BANS_TTL / 2):
+            return
+        self._bans_published = (len(bans), now)
+        try:
+            with trio.move_on_after(BANS_PUBLISH_TIMEOUT):
+                await self.dht.store(BANS_KEY, bans_value(bans), self.dht.now() + BANS_TTL,
+                                     subkey=bytes(self.rpc.peer_id), signed=True)
+        except Exception as error:  # noqa: BLE001 (the DHT's failure modes are many; a missed publication only)
+            logger.debug("publishing expert bans failed: %s", error)
 
     def _assemble(
         self, inputs: torch.Tensor, progress: _Progress, k_best: int, failures: dict[str, str]
@@ -390,6 +481,7 @@ class MixtureClient:
             finished.add(id(call))
 
         sent: list[ExpertCall] = []
+        received: list[tuple[ExpertCall, torch.Tensor]] = []  # summed once all are checked together
         requests: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for call in merged:
             samples = torch.tensor(call.samples, dtype=torch.long)
@@ -417,7 +509,7 @@ class MixtureClient:
                         self._failed(call, answer, failures, "backward")
                         finished.add(id(call))
                         continue
-                    grad_inputs.index_add_(0, requests[id(call)][0], answer[0].to(inputs.dtype))
+                    received.append((call, answer[0]))
                     answered_by(call)
                     self.stats["backward_calls"] += 1
             except calls.CALL_FAILURES as error:  # the whole server failed: every expert of it in this call
@@ -447,6 +539,15 @@ class MixtureClient:
             if id(call) not in finished:
                 self._failed(call, trio.TooSlowError("no answer before the backward deadline or grace period"),
                              failures, "backward")
+        liars = self._check_replies("grad_inputs", [self._gain(call, grads, requests[id(call)][1])
+                                                    for call, grads in received], failures)
+        for call, grads in received:
+            if call.uid in liars:  # a lying expert's gradient is left out, as a failed one's
+                for sample in call.samples:
+                    answered[sample] -= 1
+            else:
+                grad_inputs.index_add_(0, requests[id(call)][0], grads.to(inputs.dtype))
+        await self._publish_bans()
         if any(a < n for a, n in zip(answered, need)):
             raise self._not_enough("backward", answered, backward_k_min, failures)
         return grad_inputs
@@ -545,6 +646,7 @@ class _GridMixture(nn.Module):
         blacklist: ExpertBlacklist | None,
         compression: wire.Compression,
         oracle: ChildrenOracle | None,
+        trust: ExpertTrust | None,
     ):
         super().__init__()
         if swarm is None:
@@ -567,7 +669,8 @@ class _GridMixture(nn.Module):
         self.client = MixtureClient(
             swarm.rpc, oracle, self.uid_prefix, self.grid_size,
             blacklist=blacklist if blacklist is not None else ExpertBlacklist(ban_time),
-            out_shape=(self.out_features,), compression=compression,
+            out_shape=(self.out_features,), compression=compression, trust=trust,
+            dht=getattr(swarm, "dht", None),
         )
         # autograd calls the dispatch backward only if some input requires grad: this one always does, so the
         # experts are trained even when the layer's inputs are plain data
@@ -620,7 +723,8 @@ class RemoteMixtureOfExperts(_GridMixture):
     `swarm` carries `.bridge`, `.rpc` and `.dht` (the trainer's `peer.client.Swarm`). Timeouts are in seconds.
     `oracle` replaces the DHT as the source of experts (e.g. `StaticGridOracle` for a fixed set); `blacklist`
     may be shared between layers so one layer's discovery of a dead peer spares the others; `compression`
-    applies to tensors both ways."""
+    applies to tensors both ways; `trust` (`moe.trust.ExpertTrust`) checks every reply's size and bans lying
+    experts for the run (see `MixtureClient`)."""
 
     def __init__(
         self,
@@ -641,13 +745,14 @@ class RemoteMixtureOfExperts(_GridMixture):
         blacklist: ExpertBlacklist | None = None,
         compression: wire.Compression = wire.Compression.NONE,
         oracle: ChildrenOracle | None = None,
+        trust: ExpertTrust | None = None,
     ):
         super().__init__(
             in_features, grid_size, uid_prefix, swarm=swarm, k_best=k_best, k_min=k_min,
             timeout_after_k_min=timeout_after_k_min, forward_timeout=forward_timeout,
             backward_k_min=backward_k_min, backward_timeout=backward_timeout, out_features=out_features,
             ban_time=ban_time, search_cache_ttl=search_cache_ttl, blacklist=blacklist, compression=compression,
-            oracle=oracle,
+            oracle=oracle, trust=trust,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -684,12 +789,13 @@ class RemoteSwitchMixtureOfExperts(_GridMixture):
         compression: wire.Compression = wire.Compression.NONE,
         oracle: ChildrenOracle | None = None,
         hedge_after: float = 1.0,
+        trust: ExpertTrust | None = None,
     ):
         super().__init__(
             in_features, grid_size, uid_prefix, swarm=swarm, k_best=1, k_min=1, timeout_after_k_min=hedge_after,
             forward_timeout=forward_timeout, backward_k_min=1, backward_timeout=backward_timeout,
             out_features=out_features, ban_time=ban_time, search_cache_ttl=search_cache_ttl, blacklist=blacklist,
-            compression=compression, oracle=oracle,
+            compression=compression, oracle=oracle, trust=trust,
         )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -203,6 +203,7 @@ class ExpertRuntime:
                 "failures": slot.failures,
                 "optimizer_steps": slot.expert.steps,
                 "skipped_steps": slot.expert.skipped_steps,
+                "clipped_steps": slot.expert.clipped_steps,
             }
 
         def total(key: str) -> int:

@@ -29,8 +29,9 @@ import math
 import os
 import random
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence, TypedDict
+from typing import Any, Iterable, Mapping, Sequence, TypedDict
 
 import torch
 import trio
@@ -38,12 +39,14 @@ import trio
 from dht.client import DHTClient
 from moe import calls
 from moe.declare import PeerIDLike, declare_experts, find_free_uids, find_own_uids
-from moe.errors import BadExpertInput, CheckpointError, ExpertFailed, ExpertNotFound, ServerShuttingDown
+from moe.errors import BadExpertInput, CheckpointError, ExpertFailed, ExpertNotFound, NotAllowed, ServerShuttingDown
 from moe.experts import Expert, OptimizerConfig, make_expert
 from moe.grid import GridPattern, InvalidUID, choose_free_uids, is_valid_uid
 from moe.runtime import ExpertComputeError, ExpertRuntime, RuntimeNotRunning
 from moe.schema import SchemaError, validate_batch
+from moe.trust import NormStats, typical_norm
 from peer.p2p import wire
+from peer.p2p.identity import PeerID
 from peer.p2p.net import Address
 from peer.p2p.periodic import run_periodic
 from peer.p2p.rpc import CallContext, RemoteError, RPCNode
@@ -140,6 +143,53 @@ def _uid_seed(seed: int, uid: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{uid}".encode()).digest()[:8], "little")
 
 
+# ------------------------------------------------------------------------------------------------ who may call
+
+
+def read_peer_list(path: str | Path) -> frozenset[str]:
+    """The PeerIDs of an allow-list file: one PeerID (40 hex digits, as `peer join` prints it) per line; blank
+    lines and `#` comments are ignored. Raises ValueError naming the file and line of the first bad entry, and
+    OSError when the file cannot be read (an unreadable list must stop the start, never mean "anyone")."""
+    allowed = set()
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        if len(text) != 40:
+            raise ValueError(f"{path}:{number}: {text[:60]!r} is not a PeerID (40 hex digits)")
+        try:
+            allowed.add(PeerID.from_hex(text).hex())
+        except ValueError:
+            raise ValueError(f"{path}:{number}: {text[:60]!r} is not a PeerID (40 hex digits)") from None
+    return frozenset(allowed)
+
+
+@dataclass(frozen=True)
+class CallerPolicy:
+    """Who may make one kind of call (train: `moe.backward` and `moe.backward_batch`, which step the expert's
+    optimizer; forward: `moe.forward` and `moe.forward_batch`).
+
+    `allowed` None admits anyone who completed the RPC handshake, which proves the caller holds the private key of
+    its PeerID: in an open swarm that is anyone, and in a private swarm (where the handshake also requires proof of
+    the swarm key) exactly the holders of the key. A set admits only those PeerIDs (hex). The check is on who the
+    caller is (the handshake authenticated it), never on what the request claims."""
+
+    allowed: frozenset[str] | None = None
+    source: str = "anyone"  # how an error names the list: the flag and file it came from
+
+    @classmethod
+    def from_peers(cls, peers: Iterable[str | PeerID] | None, source: str = "the allow list") -> "CallerPolicy":
+        if peers is None:
+            return cls()
+        return cls(frozenset(p.hex() if isinstance(p, PeerID) else PeerID.from_hex(p).hex() for p in peers),
+                   source)
+
+    def allows(self, context: CallContext) -> bool:
+        """Whether this call may proceed. Takes the whole call context (not only the PeerID) so that a policy
+        on what the handshake proved about the connection can be decided here too."""
+        return self.allowed is None or context.peer_id.hex() in self.allowed
+
+
 # ------------------------------------------------------------------------------------------------ server
 
 
@@ -166,7 +216,17 @@ class ExpertServer:
         checkpoint_interval: float = 300.0,
         declare_ttl: float = 60.0,
         declare_interval: float | None = None,
+        trainers: CallerPolicy | None = None,
+        forward_from: CallerPolicy | None = None,
+        max_norm_ratio: float | None = 1e4,
     ):
+        """`trainers`: who may call backward (and so step the experts' optimizers); `forward_from`: who may call
+        forward. Both default to anyone who completed the RPC handshake (see `CallerPolicy`); `moe.info` is open.
+        `max_norm_ratio`: a request whose inputs or gradients are this many times larger than the expert's usual
+        ones (running statistics of the requests it accepted) is refused with BadExpertInput; None: no check.
+        Generous by default: an honest trainer's gradients for an expert scale with its gate weight, which may be
+        0.001 in one call and 0.5 in the next; the check is for the absurd (1e30 passes the finiteness check),
+        and `clip_grad_norm` bounds the step whatever gets through."""
         if isinstance(experts, Mapping):
             experts = list(experts.values())
         self.experts: dict[str, Expert] = {}
@@ -177,6 +237,13 @@ class ExpertServer:
                 raise ValueError(f"two experts share the uid {expert.uid!r}")
             self.experts[expert.uid] = expert
         self.max_batch_size = max_batch_size
+        self.trainers = trainers if trainers is not None else CallerPolicy()
+        self.forward_from = forward_from if forward_from is not None else CallerPolicy()
+        self.max_norm_ratio = max_norm_ratio
+        # per expert uid: running statistics of each input tensor's and each gradient tensor's size
+        self._norms: dict[str, dict[str, list[NormStats]]] = {
+            uid: {"inputs": [NormStats() for _ in e.inputs], "grad_outputs": [NormStats() for _ in e.outputs]}
+            for uid, e in self.experts.items()}
         self.runtime = ExpertRuntime(
             self.experts, max_batch_size=max_batch_size, min_batch_size=min_batch_size,
             batch_timeout=batch_timeout, threads_per_device=threads_per_device, inline_threshold=inline_threshold,
@@ -187,7 +254,7 @@ class ExpertServer:
         self.declare_interval = declare_interval if declare_interval is not None else declare_ttl / 3
         self._served = {"info": 0, "forward": 0, "backward": 0}  # per expert request (a batched call holds several)
         self._rpc_calls = {name: 0 for name in calls.METHODS}  # RPCs received, by method
-        self._errors = {"not_found": 0, "bad_input": 0, "expert_failed": 0, "shutting_down": 0}
+        self._errors = {"not_found": 0, "bad_input": 0, "expert_failed": 0, "shutting_down": 0, "not_allowed": 0}
         self._declarations: _DeclarationStats = {
             "rounds": 0, "failures": 0, "unacknowledged": 0, "last_expiration": None}
         self._checkpoints = {"saved": 0, "loaded": 0, "failures": 0}
@@ -386,7 +453,31 @@ class ExpertServer:
         except SchemaError as error:
             self._errors["bad_input"] += 1
             raise BadExpertInput(f"{expert.uid}: {error}") from None
-        return list(args["inputs"]), grads
+        inputs = list(args["inputs"])
+        if self.max_norm_ratio is not None:
+            self._check_norms(expert, {"inputs": inputs, "grad_outputs": grads})
+        return inputs, grads
+
+    def _check_norms(self, expert: Expert, tensors: dict[str, list[torch.Tensor]]) -> None:
+        """Refuse inputs or gradients far larger than this expert usually gets: finite values can still be
+        1e30 and wreck a step (gradient clipping bounds the step, but the request is garbage either way). Only
+        accepted requests update the statistics, so a caller cannot ramp them up in one burst; smaller than
+        usual is harmless and accepted."""
+        assert self.max_norm_ratio is not None
+        measured: list[tuple[NormStats, float]] = []
+        for what, values in tensors.items():
+            for index, (stats, tensor) in enumerate(zip(self._norms[expert.uid][what], values)):
+                if not tensor.is_floating_point():
+                    continue
+                norm = typical_norm(tensor)
+                ratio = stats.ratio(norm)
+                if ratio > self.max_norm_ratio:
+                    self._errors["bad_input"] += 1
+                    raise BadExpertInput(f"{expert.uid}: {what}[{index}] norm {norm:.3g} is {ratio:.3g}x this "
+                                         f"expert's usual {stats.typical():.3g} (at most {self.max_norm_ratio:g}x)")
+                measured.append((stats, norm))
+        for stats, norm in measured:
+            stats.observe(norm)
 
     def _codec(self, args: Any) -> wire.Compression:
         """The codec the caller asked replies in (`"compression": 1` = float16, `2` = 8-bit; default none)."""
@@ -479,18 +570,30 @@ class ExpertServer:
         self._rpc_calls[calls.INFO] += 1
         return expert.info(self.max_batch_size)
 
+    def _admit(self, context: CallContext, mode: str) -> None:
+        """Refuse the whole call, before anything is decoded or computed, when the caller may not make it."""
+        policy = self.trainers if mode == "backward" else self.forward_from
+        if not policy.allows(context):
+            self._errors["not_allowed"] += 1
+            what = "train the experts" if mode == "backward" else "call the experts' forward"
+            raise NotAllowed(f"peer {context.peer_id.hex()} may not {what} here (not in {policy.source})")
+
     async def _handle_forward(self, context: CallContext, args: Any) -> dict[str, Any]:
         self._rpc_calls[calls.FORWARD] += 1
+        self._admit(context, "forward")
         return await self._serve_one("forward", args, self._codec(args))
 
     async def _handle_backward(self, context: CallContext, args: Any) -> dict[str, Any]:
         self._rpc_calls[calls.BACKWARD] += 1
+        self._admit(context, "backward")
         return await self._serve_one("backward", args, self._codec(args))
 
     async def _handle_forward_batch(self, context: CallContext, args: Any) -> dict[str, Any]:
+        self._admit(context, "forward")
         return await self._serve_batch("forward", calls.FORWARD_BATCH, args)
 
     async def _handle_backward_batch(self, context: CallContext, args: Any) -> dict[str, Any]:
+        self._admit(context, "backward")
         return await self._serve_batch("backward", calls.BACKWARD_BATCH, args)
 
     # ---------------------------------------------------------------------------------------- stats

@@ -121,7 +121,7 @@ async def _run_status(args: argparse.Namespace) -> int:
     swarm_key, _ = load_membership(args.swarm_key, None)
     async with open_client_peer(args.initial_peers, secure=not args.insecure_transport,
                                 swarm_key=swarm_key) as (rpc, dht):
-        status = await gather_status(rpc, dht, timeout=args.timeout, runs_reader=_runs_reader())
+        status = await gather_status(rpc, dht, timeout=args.timeout, runs_reader=_runs_reader(), read_bans=True)
     print(to_json(status) if args.json else format_status(status), flush=True)
     return 0 if status["peers_reachable"] else EXIT_FAILURE
 

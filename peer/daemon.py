@@ -37,7 +37,7 @@ import trio
 from dht.node import DHTNode
 from moe.experts import OptimizerConfig, make_expert
 from moe.grid import GridPattern, InvalidUID, expand_pattern
-from moe.server import ExpertServer, choose_uids
+from moe.server import CallerPolicy, ExpertServer, choose_uids, read_peer_list
 from moe.upcycle import WeightWriter
 from peer import __version__
 from peer.directory import PeerDirectory
@@ -78,6 +78,7 @@ class DaemonConfig:
     max_batch_size: int = _JOIN["max_batch_size"]
     optimizer: str = _JOIN["optimizer"]
     lr: float = _JOIN["lr"]
+    clip_grad_norm: float = _JOIN["clip_grad_norm"]
     checkpoint_dir: Path | None = _JOIN["checkpoint_dir"]
     checkpoint_interval: float = _JOIN["checkpoint_interval"]
     device: str = _JOIN["device"]
@@ -96,6 +97,8 @@ class DaemonConfig:
     relay_rate: float = _JOIN["relay_rate"]
     relay_total_rate: float = _JOIN["relay_total_rate"]
     no_relay: bool = _JOIN["no_relay"]
+    trainers: Path | None = _JOIN["trainers"]
+    forward_from: Path | None = _JOIN["forward_from"]
 
 
 @dataclass
@@ -124,6 +127,18 @@ DISCOVERY_TIMEOUT = 10.0  # seconds for reading the peer directory at startup
 
 class StartupError(Exception):
     """The daemon could not start (port in use, bad expert configuration); the message says what to change."""
+
+
+def caller_policy(path: Path | None, flag: str) -> CallerPolicy:
+    """The allow list of `flag` (None: anyone); a list that cannot be read stops the start with one line."""
+    if path is None:
+        return CallerPolicy()
+    try:
+        return CallerPolicy(read_peer_list(path), f"{flag} {path}")
+    except OSError as error:
+        raise StartupError(f"{flag} {path}: {error.strerror or error}") from None
+    except ValueError as error:
+        raise StartupError(f"{flag} {error}") from None
 
 
 def check_checkpoint_dir(directory: Path) -> None:
@@ -344,7 +359,8 @@ class Daemon:
                                          peer_id=self.identity.peer_id)
             except InvalidUID as error:
                 raise StartupError(f"cannot choose {count} experts from {pattern}: {error}") from None
-        optimizer = OptimizerConfig(name=config.optimizer, lr=config.lr)
+        optimizer = OptimizerConfig(name=config.optimizer, lr=config.lr,
+                                    clip_grad_norm=config.clip_grad_norm or None)
 
         def seed_for(index: int, uid: str) -> int:
             if config.seed is not None:
@@ -361,7 +377,8 @@ class Daemon:
         return ExpertServer(
             experts, max_batch_size=config.max_batch_size, checkpoint_dir=config.checkpoint_dir,
             checkpoint_interval=config.checkpoint_interval if config.checkpoint_dir else math.inf,
-            declare_ttl=config.declare_ttl,
+            declare_ttl=config.declare_ttl, trainers=caller_policy(config.trainers, "--trainers"),
+            forward_from=caller_policy(config.forward_from, "--forward-from"),
         )
 
     def _metrics(self) -> PeerMetrics:

@@ -496,6 +496,9 @@ JOIN = OptionSet("peer join", [
     Option("max-batch-size", POSITIVE_INT, 4096, "largest batch per expert"),
     Option("optimizer", Text(["sgd", "adam", "adamw"]), "adam", "experts' optimizer, stepped after every backward"),
     Option("lr", POSITIVE, 1e-3, "experts' learning rate"),
+    Option("clip-grad-norm", NOT_NEGATIVE, 1.0, "bound on each expert step: the gradient of a backward batch is "
+           "scaled down to this L2 norm when above it, so one caller cannot wreck an expert in a step (0: off)",
+           metavar="NORM"),
     Option("checkpoint-dir", PATH, None, "save experts here periodically and on shutdown, reload them on start "
            "(created and checked for writing at start)", shown_default="none: nothing saved", metavar="DIR"),
     Option("checkpoint-interval", POSITIVE, 300.0, "seconds between checkpoints", metavar="SECONDS"),
@@ -511,6 +514,11 @@ JOIN = OptionSet("peer join", [
     Option("accept-weights-from", Text(validate=_peer_id_hex, what="a PeerID"), [], "PeerIDs allowed to overwrite "
            "the served experts' weights (upcycling by `moe.swarmify.swarmify(..., upcycle=True)`)", many=True,
            shown_default="nobody", metavar="PEER_ID"),
+    Option("trainers", PATH, None, "file of the PeerIDs (one per line, # comments) allowed to train the served "
+           "experts (moe.backward, which steps their optimizers); others get moe.not_allowed and change nothing",
+           shown_default="anyone who completes the handshake (with a swarm key: its holders)", metavar="FILE"),
+    Option("forward-from", PATH, None, "file of the PeerIDs allowed to call the served experts' forward "
+           "(same format as --trainers)", shown_default="anyone who completes the handshake", metavar="FILE"),
     INSECURE_TRANSPORT,
     SWARM_KEY,
     ALLOW_PEERS,

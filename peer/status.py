@@ -13,6 +13,7 @@ from typing import Any, Awaitable, Callable
 import trio
 
 from dht.client import DHTClient
+from moe.bans import BANS_KEY, parse_bans
 from peer.directory import PeerEntry, list_peers
 from peer.p2p.identity import PeerID
 from peer.p2p.rpc import RPCError, RPCNode
@@ -50,11 +51,12 @@ def plural(count: int, noun: str, plural_noun: str | None = None) -> str:
 
 async def gather_status(rpc: RPCNode, dht: DHTClient, *, timeout: float = 3.0,
                         runs_reader: RunsReader | None = None,
-                        entries: list[PeerEntry] | None = None, replicas: list[str] | None = None
-                        ) -> dict[str, Any]:
+                        entries: list[PeerEntry] | None = None, replicas: list[str] | None = None,
+                        read_bans: bool = False) -> dict[str, Any]:
     """One `peer.status` call per peer of `entries` (read from the directory when None: the dashboard passes the
     listing it keeps, so a refresh costs one call per peer). With `replicas` (DHT keys) each peer also returns
-    the records it holds for them; the answer then has "replicas": one {key: encoded record} per peer."""
+    the records it holds for them; the answer then has "replicas": one {key: encoded record} per peer. With
+    `read_bans`, "bans": the experts trainers banned for lying (`moe.trust`), {uid: {trainer PeerID: why}}."""
     if entries is None:
         entries = await list_peers(dht)
     replies: dict[str, dict[str, Any]] = {}
@@ -105,6 +107,8 @@ async def gather_status(rpc: RPCNode, dht: DHTClient, *, timeout: float = 3.0,
                                               "address": f"{entry.address[0]}:{entry.address[1]}"})
     runs = await runs_reader(dht) if runs_reader is not None else []
     extra: dict[str, Any] = {}
+    if read_bans:
+        extra["bans"] = await read_expert_bans(dht)
     if replicas is not None:
         extra["replicas"] = [reply["replicas"] for reply in replies.values()
                              if isinstance(reply.get("replicas"), dict)]
@@ -116,6 +120,13 @@ async def gather_status(rpc: RPCNode, dht: DHTClient, *, timeout: float = 3.0,
                     sorted(experts_by_prefix.items())},
         "runs": runs,
     }
+
+
+async def read_expert_bans(dht: DHTClient) -> dict[str, dict[str, str]]:
+    """The bans every trainer published (moe.mixture publishes its client's under `moe.bans.BANS_KEY`)."""
+    record = await dht.get(BANS_KEY, latest=True)
+    subkeys = getattr(record, "subkeys", None) or {}
+    return parse_bans({subkey: entry.value for subkey, entry in subkeys.items()})
 
 
 def format_status(status: dict[str, Any]) -> str:
@@ -140,6 +151,12 @@ def format_status(status: dict[str, Any]) -> str:
                          f"({', '.join(hosts)})")
     else:
         lines.append("experts: none declared")
+    if status.get("bans"):
+        lines.append("")
+        lines.append("experts banned for lying (outlier replies):")
+        for uid, by in status["bans"].items():
+            why = next(iter(by.values()))
+            lines.append(f"  {uid}: banned by {plural(len(by), 'trainer')} ({why})")
     if status["runs"]:
         lines.append("")
         lines.append("training runs:")

@@ -53,6 +53,7 @@ TABLE: dict[str, dict[str, tuple]] = {
         "insecure-transport": SWITCH, "reachability": choice("auto", "public", "private"),
         "swarm-key": PATH, "allow-peers": PATH,
         "relay-limit": POSITIVE_INT, "relay-rate": POSITIVE, "relay-total-rate": POSITIVE, "no-relay": SWITCH,
+        "trainers": PATH, "forward-from": PATH, "clip-grad-norm": NOT_NEGATIVE,
     },
     "status": {"initial-peers": ADDRESS, "json": SWITCH, "timeout": POSITIVE, "insecure-transport": SWITCH,
                "swarm-key": PATH},
