@@ -1,0 +1,171 @@
+"""Byzantine-robust aggregation of one all-reduce part: the math only (torch; no trio, no sockets, no clock).
+
+Why a module of its own: the reducer of a part (`allreduce_core.PartReducer`) decides what goes into the mean,
+and a member decides whether the part its reducer returned is believable; both decisions are pure functions of
+the vectors involved, tested here without a network (tests/averaging/test_robust.py).
+
+Aggregations (`Aggregation.kind`):
+- `mean`: the weighted mean (what the all-reduce always did). Only non-finite parts are rejected.
+- `centered_clip`: CenteredClip (Karimireddy, He, Jaggi 2021; used per part of the butterfly all-reduce by
+  BTARD-SGD, Gorbunov et al. 2022). Start at the coordinate-wise median, then `iterations` times move the center
+  by the weighted mean of the differences to every part, each clipped to norm tau:
+      v <- v + sum_i w_i * (x_i - v) * min(1, tau / |x_i - v|) / sum_i w_i
+  tau is relative (`tau` times the median distance of the parts to the starting center), because the averager
+  does not know whether it averages parameters, gradients or pseudo-gradients, nor their scale. A part at
+  distance <= tau counts fully, as in the mean; a far outlier moves the center by at most tau * w_i / sum w per
+  iteration, so the result stays within `iterations * tau` of the median whatever the outliers hold.
+- `trimmed_mean`: per coordinate, drop the `trim` fraction of the lowest and of the highest values, average
+  the rest (unweighted: trimming by weight would let a heavy member decide what is trimmed).
+
+Validation (`validate`), before any of them: a part that is not finite is rejected; with a robust aggregation,
+so is a part whose norm exceeds `max_norm_ratio` times the median norm of the group's parts (at least 3 parts:
+with 2 there is no majority to say which one is off). Rejected members are reported, and the averager counts
+them against the member (`Strikes`).
+
+Lying reducers (`plausible`): whatever the robust aggregation produces lies within reach of the validated parts
+(each at most `max_norm_ratio` times the median norm from zero), so a member whose own part was typical finds
+the returned part within `lie_ratio` times its own part's norm of its own part. A returned part beyond that, or
+not finite, is something no honest reducer could have produced: the member keeps its local values for that part
+and counts a strike against the reducer. A member that contributed nothing (weight 0, or an all-zero part) uses
+the median norm the reducer reported instead.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+KINDS = ("mean", "centered_clip", "trimmed_mean")
+
+
+@dataclass(frozen=True)
+class Aggregation:
+    """How a reducer combines the parts it received, and how much a member believes of what comes back.
+
+    kind: one of KINDS. tau, iterations: CenteredClip's clipping radius (relative to the median distance to the
+    starting center) and number of iterations. trim: fraction cut off each side by `trimmed_mean`.
+    max_norm_ratio: a part with a norm above this times the group's median norm is rejected (robust kinds).
+    lie_ratio: a reduced part further than this times the member's own part's norm from that part is a lie
+    (robust kinds; `mean` checks nothing, since an unvalidated mean can legitimately be anywhere)."""
+
+    kind: str = "mean"
+    tau: float = 1.0
+    iterations: int = 5
+    trim: float = 0.25
+    max_norm_ratio: float = 5.0
+    lie_ratio: float = 12.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown aggregation {self.kind!r} (one of {', '.join(KINDS)})")
+        if not (self.tau > 0 and self.iterations >= 1 and 0 <= self.trim < 0.5
+                and self.max_norm_ratio > 1 and self.lie_ratio > 1):
+            raise ValueError("aggregation: tau > 0, iterations >= 1, 0 <= trim < 0.5, ratios > 1")
+
+    @property
+    def robust(self) -> bool:
+        return self.kind != "mean"
+
+
+def aggregation_of(value: str | Aggregation | None) -> Aggregation:
+    """The constructors' `aggregation=` keyword: a kind name or a full Aggregation (None: the mean)."""
+    if value is None:
+        return Aggregation()
+    if isinstance(value, Aggregation):
+        return value
+    return Aggregation(kind=value)
+
+
+def norm(vector: torch.Tensor) -> float:
+    """The L2 norm in float64 (a float32 sum of squares of 1e30 values overflows to inf)."""
+    return float(torch.linalg.vector_norm(vector.to(torch.float64)))
+
+
+def validate(parts: Sequence[torch.Tensor], aggregation: Aggregation) -> tuple[list[int], float]:
+    """Indices of the parts to reject, and the median norm of the finite ones (0.0 when none is finite)."""
+    norms = [norm(p) if bool(torch.isfinite(p).all()) else math.inf for p in parts]
+    finite = [n for n in norms if math.isfinite(n)]
+    median = statistics.median(finite) if finite else 0.0
+    rejected = [i for i, n in enumerate(norms) if not math.isfinite(n)]
+    if aggregation.robust and len(finite) >= 3:
+        limit = aggregation.max_norm_ratio * median
+        rejected += [i for i, n in enumerate(norms) if math.isfinite(n) and n > limit]
+    return sorted(rejected), median
+
+
+def centered_clip(parts: torch.Tensor, weights: torch.Tensor, *, tau: float, iterations: int) -> torch.Tensor:
+    """CenteredClip of the rows of `parts` (n x d) with `weights` (n); see the module docstring."""
+    center = parts.median(dim=0).values if parts.shape[0] > 2 else parts.mean(dim=0)
+    distances = torch.linalg.vector_norm(parts - center, dim=1)
+    radius = tau * float(distances.median())
+    if radius <= 0:
+        return center  # most parts coincide with the median: that is the robust answer
+    total = weights.sum()
+    for _ in range(iterations):
+        delta = parts - center
+        distances = torch.linalg.vector_norm(delta, dim=1)
+        scale = torch.clamp(radius / torch.clamp(distances, min=1e-30), max=1.0) * weights / total
+        center = center + (delta * scale.unsqueeze(1)).sum(dim=0)
+    return center
+
+
+def trimmed_mean(parts: torch.Tensor, *, trim: float) -> torch.Tensor:
+    """Coordinate-wise mean of the rows of `parts` without the `trim` fraction at either end."""
+    n = parts.shape[0]
+    cut = min(int(math.floor(trim * n)), (n - 1) // 2)
+    if cut == 0:
+        return parts.mean(dim=0)
+    ordered = parts.sort(dim=0).values
+    return ordered[cut:n - cut].mean(dim=0)
+
+
+def aggregate(parts: Sequence[torch.Tensor], weights: Sequence[float], aggregation: Aggregation) -> torch.Tensor:
+    """Combine flat parts (same length; validated already) into one flat vector in float64 or float32."""
+    dtype = torch.float64 if any(p.dtype == torch.float64 for p in parts) else torch.float32
+    matrix = torch.stack([p.to(dtype) for p in parts])
+    w = torch.tensor([float(x) for x in weights], dtype=dtype)
+    if aggregation.kind == "centered_clip":
+        return centered_clip(matrix, w, tau=aggregation.tau, iterations=aggregation.iterations)
+    if aggregation.kind == "trimmed_mean":
+        return trimmed_mean(matrix, trim=aggregation.trim)
+    return (matrix * (w / w.sum()).unsqueeze(1)).sum(dim=0)
+
+
+def plausible(reduced: torch.Tensor, own: torch.Tensor | None, reported_median: float,
+              aggregation: Aggregation) -> bool:
+    """Could an honest reducer have returned `reduced`, given that we sent `own` (None: we sent nothing)?"""
+    if not bool(torch.isfinite(reduced).all()):
+        return False
+    if not aggregation.robust:
+        return True
+    own_norm = norm(own) if own is not None else 0.0
+    scale = own_norm if own_norm > 0 else reported_median
+    if not math.isfinite(scale) or scale <= 0:
+        return True  # nothing to compare with
+    reference = own if own is not None and own_norm > 0 else torch.zeros_like(reduced)
+    return norm(reduced.to(torch.float64) - reference.to(torch.float64)) <= aggregation.lie_ratio * scale
+
+
+@dataclass
+class Strikes:
+    """Per-peer count of rounds in which this peer saw it misbehave (its part rejected, or it lied as a reducer),
+    and the bans that follow: `ban_after` rounds with a strike. A local decision: strikes are never exchanged,
+    so a liar cannot get an honest peer banned by others' votes; it can only lose its own place."""
+
+    ban_after: int = 3
+    counts: dict[bytes, int] = field(default_factory=dict)
+    banned: set[bytes] = field(default_factory=set)
+
+    def record_round(self, offenders: Iterable[bytes]) -> set[bytes]:
+        """One strike per offender for this round (however many parts it spoiled); returns the newly banned."""
+        new = set()
+        for peer in set(offenders):
+            self.counts[peer] = self.counts.get(peer, 0) + 1
+            if self.counts[peer] >= self.ban_after and peer not in self.banned:
+                self.banned.add(peer)
+                new.add(peer)
+        return new
