@@ -85,9 +85,19 @@ def norm(vector: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(vector.to(torch.float64)))
 
 
-def validate(parts: Sequence[torch.Tensor], aggregation: Aggregation) -> tuple[list[int], float]:
-    """Indices of the parts to reject, and the median norm of the finite ones (0.0 when none is finite)."""
-    norms = [norm(p) if bool(torch.isfinite(p).all()) else math.inf for p in parts]
+def part_norm(pieces: Iterable[torch.Tensor]) -> float:
+    """The L2 norm of a part given as pieces (its chunks' segments); inf when any value is not finite."""
+    total = 0.0
+    for piece in pieces:
+        if not bool(torch.isfinite(piece).all()):
+            return math.inf
+        total += norm(piece) ** 2
+    return math.sqrt(total)
+
+
+def validate_norms(norms: Sequence[float], aggregation: Aggregation) -> tuple[list[int], float]:
+    """Indices of the parts to reject given their `part_norm`s, and the median norm of the finite ones (0.0 when
+    none is finite)."""
     finite = [n for n in norms if math.isfinite(n)]
     median = statistics.median(finite) if finite else 0.0
     rejected = [i for i, n in enumerate(norms) if not math.isfinite(n)]
@@ -95,6 +105,11 @@ def validate(parts: Sequence[torch.Tensor], aggregation: Aggregation) -> tuple[l
         limit = aggregation.max_norm_ratio * median
         rejected += [i for i, n in enumerate(norms) if math.isfinite(n) and n > limit]
     return sorted(rejected), median
+
+
+def validate(parts: Sequence[torch.Tensor], aggregation: Aggregation) -> tuple[list[int], float]:
+    """`validate_norms` of whole flat parts."""
+    return validate_norms([part_norm([p]) for p in parts], aggregation)
 
 
 def centered_clip(parts: torch.Tensor, weights: torch.Tensor, *, tau: float, iterations: int) -> torch.Tensor:
