@@ -301,10 +301,8 @@ class PartReducer:
         elif not self.contributors:
             self.result = None
         elif self.aggregation.robust:
-            parts = [torch.cat([t.to(torch.float64) if t.dtype == torch.float64 else t.float()
-                                for chunk in range(self.n_chunks) for t in self._data[s][chunk]])
-                     for s in self.contributors]
-            self.result = self._split(robust.aggregate(parts, [self.weights[s] for s in self.contributors],
+            self.result = self._split(robust.aggregate(self._matrix(self.contributors),
+                                                       [self.weights[s] for s in self.contributors],
                                                        self.aggregation))
         else:
             if self._dirty or self.rejected:
@@ -321,13 +319,29 @@ class PartReducer:
         self._data.clear()
         return self.result
 
+    def _matrix(self, senders: Sequence[int]) -> torch.Tensor:
+        """The senders' whole parts as the rows of one matrix (float64 if any segment is, else float32): one
+        copy of the received data, which the robust aggregations need side by side."""
+        dtypes = {_accumulate_dtype(d) for chunk in self._expected for _, d in chunk}
+        dtype = torch.float64 if torch.float64 in dtypes else torch.float32
+        numel = sum(n for chunk in self._expected for n, _ in chunk)
+        matrix = torch.empty(len(senders), numel, dtype=dtype)
+        for row, sender in zip(matrix, senders):
+            offset = 0
+            for chunk in range(self.n_chunks):
+                for piece in self._data[sender][chunk]:
+                    row[offset:offset + piece.numel()].copy_(piece)
+                    offset += piece.numel()
+        return matrix
+
     def _split(self, vector: torch.Tensor) -> list[list[torch.Tensor]]:
-        """A flat aggregated part back into chunks of segments, each in its accumulation dtype."""
+        """A flat aggregated part back into chunks of segments, each in its accumulation dtype (views when it
+        is the vector's)."""
         result, offset = [], 0
         for chunk in self._expected:
             pieces = []
             for numel, dtype in chunk:
-                pieces.append(vector[offset:offset + numel].to(_accumulate_dtype(dtype), copy=True))
+                pieces.append(vector[offset:offset + numel].to(_accumulate_dtype(dtype)))
                 offset += numel
             result.append(pieces)
         return result
@@ -627,9 +641,8 @@ class RoundCore:
         part = self.partition.parts[part_index]
         if not part.chunks:
             return True
-        reduced = torch.cat([v.reshape(-1).to(torch.float64) for chunk in values for v in chunk])
-        own = None if self.weight == 0 else torch.cat(
-            [t.reshape(-1).to(torch.float64) for chunk in part.chunks for t in chunk_views(self.tensors, chunk)])
+        reduced = [v for chunk in values for v in chunk]
+        own = None if self.weight == 0 else [t for chunk in part.chunks for t in chunk_views(self.tensors, chunk)]
         if robust.plausible(reduced, own, self._reply_norms.get(part_index, 0.0), self.config.aggregation):
             return True
         owner = self.owner_of(part_index)

@@ -7,13 +7,15 @@ the vectors involved, tested here without a network (tests/averaging/test_robust
 Aggregations (`Aggregation.kind`):
 - `mean`: the weighted mean (what the all-reduce always did). Only non-finite parts are rejected.
 - `centered_clip`: CenteredClip (Karimireddy, He, Jaggi 2021; used per part of the butterfly all-reduce by
-  BTARD-SGD, Gorbunov et al. 2022). Start at the coordinate-wise median, then `iterations` times move the center
-  by the weighted mean of the differences to every part, each clipped to norm tau:
+  BTARD-SGD, Gorbunov et al. 2022). Start at the medoid (the part with the least total distance to the others: a
+  robust start that costs one Gram matrix, where a coordinate-wise median costs a sort of the whole part), then
+  `iterations` times move the center by the weighted mean of the differences to every part, each clipped to
+  norm tau:
       v <- v + sum_i w_i * (x_i - v) * min(1, tau / |x_i - v|) / sum_i w_i
   tau is relative (`tau` times the median distance of the parts to the starting center), because the averager
   does not know whether it averages parameters, gradients or pseudo-gradients, nor their scale. A part at
   distance <= tau counts fully, as in the mean; a far outlier moves the center by at most tau * w_i / sum w per
-  iteration, so the result stays within `iterations * tau` of the median whatever the outliers hold.
+  iteration, so the result stays within `iterations * tau` of the medoid whatever the outliers hold.
 - `trimmed_mean`: per coordinate, drop the `trim` fraction of the lowest and of the highest values, average
   the rest (unweighted: trimming by weight would let a heavy member decide what is trimmed).
 
@@ -81,7 +83,12 @@ def aggregation_of(value: str | Aggregation | None) -> Aggregation:
 
 
 def norm(vector: torch.Tensor) -> float:
-    """The L2 norm in float64 (a float32 sum of squares of 1e30 values overflows to inf)."""
+    """The L2 norm; recomputed in float64 when the native one is not finite (a float32 sum of squares of 1e30
+    values overflows to inf), so inf or nan means a value that is not finite. The native pass is the cheap one:
+    it runs on every part of every round."""
+    value = float(torch.linalg.vector_norm(vector))
+    if math.isfinite(value) or vector.dtype == torch.float64:
+        return value
     return float(torch.linalg.vector_norm(vector.to(torch.float64)))
 
 
@@ -89,9 +96,10 @@ def part_norm(pieces: Iterable[torch.Tensor]) -> float:
     """The L2 norm of a part given as pieces (its chunks' segments); inf when any value is not finite."""
     total = 0.0
     for piece in pieces:
-        if not bool(torch.isfinite(piece).all()):
+        value = norm(piece)
+        if not math.isfinite(value):
             return math.inf
-        total += norm(piece) ** 2
+        total += value ** 2
     return math.sqrt(total)
 
 
@@ -113,19 +121,38 @@ def validate(parts: Sequence[torch.Tensor], aggregation: Aggregation) -> tuple[l
 
 
 def centered_clip(parts: torch.Tensor, weights: torch.Tensor, *, tau: float, iterations: int) -> torch.Tensor:
-    """CenteredClip of the rows of `parts` (n x d) with `weights` (n); see the module docstring."""
-    center = parts.median(dim=0).values if parts.shape[0] > 2 else parts.mean(dim=0)
-    distances = torch.linalg.vector_norm(parts - center, dim=1)
-    radius = tau * float(distances.median())
+    """CenteredClip of the rows of `parts` (n x d) with `weights` (n); see the module docstring.
+
+    The center is always an affine combination of the rows (it starts at one and moves by weighted differences),
+    so every iteration runs on the n x n Gram matrix of the rows' differences to the first row instead of on the
+    n x d matrix: one matrix product before, one after, whatever the iterations. Differences, not raw rows: the
+    members' vectors may be nearly equal (averaged parameters), and distances from raw dot products would cancel
+    out in float32."""
+    n = parts.shape[0]
+    if n == 1:
+        return parts[0].clone()
+    base = parts[0]
+    diffs = parts[1:] - base
+    gram = torch.zeros(n, n, dtype=torch.float64)
+    gram[1:, 1:] = (diffs @ diffs.T).to(torch.float64)
+    square = gram.diagonal().clone()
+    pairwise = torch.sqrt(torch.clamp(square[:, None] + square[None, :] - 2 * gram, min=0))
+    start = int(pairwise.sum(dim=1).argmin())
+    coefficients = torch.zeros(n, dtype=torch.float64)
+    coefficients[start] = 1.0
+    share = weights.to(torch.float64) / float(weights.sum())
+
+    def distances(c: torch.Tensor) -> torch.Tensor:
+        gc = gram @ c
+        return torch.sqrt(torch.clamp(square - 2 * gc + c @ gc, min=0))
+
+    radius = tau * statistics.median(distances(coefficients).tolist())
     if radius <= 0:
-        return center  # most parts coincide with the median: that is the robust answer
-    total = weights.sum()
+        return parts[start].clone()  # most parts coincide with the starting one: that is the robust answer
     for _ in range(iterations):
-        delta = parts - center
-        distances = torch.linalg.vector_norm(delta, dim=1)
-        scale = torch.clamp(radius / torch.clamp(distances, min=1e-30), max=1.0) * weights / total
-        center = center + (delta * scale.unsqueeze(1)).sum(dim=0)
-    return center
+        scale = share * torch.clamp(radius / torch.clamp(distances(coefficients), min=1e-300), max=1.0)
+        coefficients = coefficients * (1.0 - float(scale.sum())) + scale
+    return base + coefficients[1:].to(parts.dtype) @ diffs
 
 
 def trimmed_mean(parts: torch.Tensor, *, trim: float) -> torch.Tensor:
@@ -138,31 +165,32 @@ def trimmed_mean(parts: torch.Tensor, *, trim: float) -> torch.Tensor:
     return ordered[cut:n - cut].mean(dim=0)
 
 
-def aggregate(parts: Sequence[torch.Tensor], weights: Sequence[float], aggregation: Aggregation) -> torch.Tensor:
-    """Combine flat parts (same length; validated already) into one flat vector in float64 or float32."""
-    dtype = torch.float64 if any(p.dtype == torch.float64 for p in parts) else torch.float32
-    matrix = torch.stack([p.to(dtype) for p in parts])
-    w = torch.tensor([float(x) for x in weights], dtype=dtype)
+def aggregate(matrix: torch.Tensor, weights: Sequence[float], aggregation: Aggregation) -> torch.Tensor:
+    """Combine the rows of `matrix` (n validated flat parts) into one flat vector of its dtype."""
+    w = torch.tensor([float(x) for x in weights], dtype=matrix.dtype)
     if aggregation.kind == "centered_clip":
         return centered_clip(matrix, w, tau=aggregation.tau, iterations=aggregation.iterations)
     if aggregation.kind == "trimmed_mean":
         return trimmed_mean(matrix, trim=aggregation.trim)
-    return (matrix * (w / w.sum()).unsqueeze(1)).sum(dim=0)
+    return (w / w.sum()) @ matrix
 
 
-def plausible(reduced: torch.Tensor, own: torch.Tensor | None, reported_median: float,
+def plausible(reduced: Sequence[torch.Tensor], own: Sequence[torch.Tensor] | None, reported_median: float,
               aggregation: Aggregation) -> bool:
-    """Could an honest reducer have returned `reduced`, given that we sent `own` (None: we sent nothing)?"""
-    if not bool(torch.isfinite(reduced).all()):
+    """Could an honest reducer have returned the part `reduced` (as pieces), given that we sent `own` (the same
+    pieces of our tensors; None: we sent nothing)?"""
+    reduced_norm = part_norm(reduced)
+    if not math.isfinite(reduced_norm):
         return False
     if not aggregation.robust:
         return True
-    own_norm = norm(own) if own is not None else 0.0
-    scale = own_norm if own_norm > 0 else reported_median
-    if not math.isfinite(scale) or scale <= 0:
+    own_norm = part_norm(own) if own is not None else 0.0
+    if own is not None and own_norm > 0:
+        distance = part_norm(r.reshape(-1) - o.reshape(-1).to(r.dtype) for r, o in zip(reduced, own))
+        return distance <= aggregation.lie_ratio * own_norm
+    if not math.isfinite(reported_median) or reported_median <= 0:
         return True  # nothing to compare with
-    reference = own if own is not None and own_norm > 0 else torch.zeros_like(reduced)
-    return norm(reduced.to(torch.float64) - reference.to(torch.float64)) <= aggregation.lie_ratio * scale
+    return reduced_norm <= aggregation.lie_ratio * reported_median
 
 
 @dataclass

@@ -62,7 +62,7 @@ def test_trimmed_mean_drops_the_extremes_per_coordinate():
 
 
 def test_aggregate_weighted_mean_and_dtypes():
-    parts = [torch.ones(3, dtype=torch.float64), 3 * torch.ones(3, dtype=torch.float64)]
+    parts = torch.stack([torch.ones(3, dtype=torch.float64), 3 * torch.ones(3, dtype=torch.float64)])
     out = aggregate(parts, [1.0, 3.0], Aggregation("mean"))
     assert out.dtype == torch.float64
     torch.testing.assert_close(out, 2.5 * torch.ones(3, dtype=torch.float64))
@@ -72,14 +72,17 @@ def test_plausible_catches_what_no_honest_reducer_produces():
     honest = _honest(6)
     robust = Aggregation("centered_clip")
     mean = torch.stack(honest).mean(0)
-    assert all(plausible(mean, own, 0.0, robust) for own in honest)
-    assert not plausible(-100 * mean, honest[0], 0.0, robust)
-    assert not plausible(torch.full_like(mean, math.inf), honest[0], 0.0, robust)
+    assert all(plausible([mean], [own], 0.0, robust) for own in honest)
+    assert not plausible([-100 * mean], [honest[0]], 0.0, robust)
+    assert not plausible([torch.full_like(mean, math.inf)], [honest[0]], 0.0, robust)
+    # pieces: the same answer whatever the split
+    assert not plausible([-100 * mean[:50], -100 * mean[50:]], [honest[0][:50], honest[0][50:]], 0.0, robust)
     # with the mean, only non-finite parts are implausible (an unvalidated mean may be anywhere)
-    assert plausible(-100 * mean, honest[0], 0.0, Aggregation("mean"))
+    assert plausible([-100 * mean], [honest[0]], 0.0, Aggregation("mean"))
+    assert not plausible([torch.full_like(mean, math.nan)], [honest[0]], 0.0, Aggregation("mean"))
     # a member that sent nothing compares with the reported median norm
     median = float(torch.linalg.vector_norm(honest[0]))
-    assert plausible(mean, None, median, robust) and not plausible(100 * mean, None, median, robust)
+    assert plausible([mean], None, median, robust) and not plausible([100 * mean], None, median, robust)
 
 
 def test_strikes_ban_after_several_rounds_and_once():
