@@ -453,6 +453,8 @@ class AllReduceServer:
             if not pull:
                 return
             values = await self._pull_part(round_, part)
+            if not core.check_reduced(part.index, values):
+                return
             async with hold(round_.lock):
                 for chunk, chunk_values in zip(part.chunks, values):
                     for view, value in zip(chunk_views(round_.tensors, chunk), chunk_values):

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from averaging import robust
 from averaging.errors import AveragingError, LocalProtocolError, RemoteProtocolError
 from averaging.group import GroupInfo
 from averaging.partition import (
@@ -84,7 +85,9 @@ class AllReduceConfig:
     max(floor, factor * bytes / observed rate); straggler_slack: after the data phase took T seconds, a missing
     commit is awaited max(floor, slack * T); join_wait: how long a message for a round that has not started here
     yet waits for it (members start a round at slightly different times); initial_rate: bytes/s assumed before
-    anything was measured; retry_lost_parts: re-average the parts of lost reducers among the survivors."""
+    anything was measured; retry_lost_parts: re-average the parts of lost reducers among the survivors;
+    aggregation: how a reducer combines the parts it receives and what a member believes of the reduced parts it
+    pulls back (`averaging.robust`)."""
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     timeout_floor: float = 2.0
@@ -97,6 +100,7 @@ class AllReduceConfig:
     max_waiting_rounds: int = 64
     remembered_rounds: int = 256
     retry_lost_parts: bool = True
+    aggregation: robust.Aggregation = field(default_factory=robust.Aggregation)
 
 
 # ------------------------------------------------------------------------------------------------ sans-I/O core
@@ -120,11 +124,18 @@ class PartReducer:
 
     Senders are group member indices (the reducer itself is one of them and feeds its own data like anyone
     else). Received chunks are kept until the mean is computed so that a sender that fails before committing can
-    be taken out exactly (the sum is recomputed without it).
+    be taken out exactly (the sum is recomputed without it), and so that every committed sender's whole part can
+    be validated (finite; with a robust aggregation, its norm against the median norm) and, with a robust
+    aggregation, combined as whole vectors (`averaging.robust`). `rejected`: the committed senders whose part
+    failed validation (left out of the result); `median_norm`: the median norm of the finite parts.
     """
 
-    def __init__(self, part: Part, group_size: int, dtypes: Sequence[torch.dtype], *, now: float = 0.0):
+    def __init__(self, part: Part, group_size: int, dtypes: Sequence[torch.dtype], *, now: float = 0.0,
+                 aggregation: robust.Aggregation | None = None):
         self.part = part
+        self.aggregation = aggregation or robust.Aggregation()
+        self.rejected: list[int] = []
+        self.median_norm = 0.0
         self.group_size = group_size
         self.n_chunks = len(part.chunks)
         self._expected = [[(s.numel, dtypes[s.tensor]) for s in chunk] for chunk in part.chunks]
@@ -270,20 +281,31 @@ class PartReducer:
         return result
 
     def finalize(self) -> list[list[torch.Tensor]] | None:
-        """Compute the weighted mean over committed senders: per chunk, one tensor per segment; None when nobody
-        with a positive weight committed (the part keeps the local values)."""
+        """Validate the committed senders' parts and combine the valid ones (`aggregation`): per chunk, one
+        tensor per segment; None when no sender with a positive weight and a valid part committed (the part
+        keeps the local values)."""
         if not self.ready:
             raise LocalProtocolError("finalize() before every member committed or failed", operation="allreduce")
         if self.released:
             return self.result
         self.released = True
-        self.contributors = sorted(s for s in self.committed if self.weights.get(s, 0.0) > 0)
+        senders = sorted(s for s in self.committed if self.weights.get(s, 0.0) > 0)
+        if self.n_chunks and senders:
+            norms = [robust.part_norm(t for chunk in range(self.n_chunks) for t in self._data[s][chunk])
+                     for s in senders]
+            rejected, self.median_norm = robust.validate_norms(norms, self.aggregation)
+            self.rejected = [senders[i] for i in rejected]
+        self.contributors = [s for s in senders if s not in self.rejected]
         if self.n_chunks == 0:
             self.result = []
         elif not self.contributors:
             self.result = None
+        elif self.aggregation.robust:
+            self.result = self._split(robust.aggregate(self._matrix(self.contributors),
+                                                       [self.weights[s] for s in self.contributors],
+                                                       self.aggregation))
         else:
-            if self._dirty:
+            if self._dirty or self.rejected:
                 self._sum = [None] * self.n_chunks
                 for sender in self.contributors:
                     for chunk, flat in self._data[sender].items():
@@ -296,6 +318,33 @@ class PartReducer:
             self.result = self._sum  # type: ignore[assignment]  # the loop above asserted every entry is set
         self._data.clear()
         return self.result
+
+    def _matrix(self, senders: Sequence[int]) -> torch.Tensor:
+        """The senders' whole parts as the rows of one matrix (float64 if any segment is, else float32): one
+        copy of the received data, which the robust aggregations need side by side."""
+        dtypes = {_accumulate_dtype(d) for chunk in self._expected for _, d in chunk}
+        dtype = torch.float64 if torch.float64 in dtypes else torch.float32
+        numel = sum(n for chunk in self._expected for n, _ in chunk)
+        matrix = torch.empty(len(senders), numel, dtype=dtype)
+        for row, sender in zip(matrix, senders):
+            offset = 0
+            for chunk in range(self.n_chunks):
+                for piece in self._data[sender][chunk]:
+                    row[offset:offset + piece.numel()].copy_(piece)
+                    offset += piece.numel()
+        return matrix
+
+    def _split(self, vector: torch.Tensor) -> list[list[torch.Tensor]]:
+        """A flat aggregated part back into chunks of segments, each in its accumulation dtype (views when it
+        is the vector's)."""
+        result, offset = [], 0
+        for chunk in self._expected:
+            pieces = []
+            for numel, dtype in chunk:
+                pieces.append(vector[offset:offset + numel].to(_accumulate_dtype(dtype)))
+                offset += numel
+            result.append(pieces)
+        return result
 
     def last_event_time(self) -> float:
         times = list(self.last_activity.values()) + list(self.completed_at.values())
@@ -340,7 +389,9 @@ class AllReduceResult:
     part_owners[i]: the member that reduced part i; contributors[i]: whose data is in part i's mean.
     failed_peers: members this member stopped waiting for (crashed, timed out, misbehaved); crashed_peers: those
     among them with hard evidence (connection refused or lost, or it left the round), shared with the group.
-    finished: the round ended before the deadline.
+    finished: the round ended before the deadline. rejected_peers: members whose part our reducer rejected
+    (`averaging.robust.validate_norms`); lying_peers: reducers whose returned part we did not believe
+    (`averaging.robust.plausible`; that part kept our local values).
     """
 
     group_id: bytes
@@ -353,6 +404,8 @@ class AllReduceResult:
     crashed_peers: set[PeerID] = field(default_factory=set)
     bytes_sent: int = 0
     bytes_received: int = 0
+    rejected_peers: set[PeerID] = field(default_factory=set)
+    lying_peers: set[PeerID] = field(default_factory=set)
 
     @property
     def fully_averaged(self) -> bool:
@@ -432,10 +485,14 @@ class RoundCore:
         self.deadline = deadline
         self.own_part = partition.part_of(me)
         dtypes = [t.dtype for t in self.tensors]
-        self.reducer = PartReducer(self.own_part, group.size, dtypes, now=now) if self.own_part is not None else None
+        self.reducer = PartReducer(self.own_part, group.size, dtypes, now=now, aggregation=self.config.aggregation) \
+            if self.own_part is not None else None
         self.parts: dict[int, PartState] = {p.index: PartState.PUSHING for p in partition.parts if p.owner != me}
         self.failed: set[int] = set()  # every member we stopped waiting for, whatever the reason
         self.crashed: set[int] = set()  # those with hard evidence: told to the reducers we commit to
+        self.rejected: set[int] = set()  # members whose part our reducer rejected
+        self.liars: set[int] = set()  # reducers whose returned part we did not believe
+        self._reply_norms: dict[int, float] = {}  # part -> the median norm its reducer reported
         self.averaged = [False] * len(partition.parts)
         self.contributors: list[list[int]] = [[] for _ in partition.parts]
         self._reply_contributors: dict[int, list[int]] = {}
@@ -559,6 +616,9 @@ class RoundCore:
             return False
         self._reply_contributors[part_index] = [
             c for c in reply.get("contributors") or [] if isinstance(c, int) and not isinstance(c, bool)]
+        reported = reply.get("norm")
+        self._reply_norms[part_index] = float(reported) if isinstance(reported, (int, float)) \
+            and not isinstance(reported, bool) and math.isfinite(reported) and reported >= 0 else 0.0
         self.parts[part_index] = PartState.PULLING
         return True
 
@@ -573,6 +633,24 @@ class RoundCore:
 
     def chunk_pulled(self, nbytes: int) -> None:
         self.bytes_received += nbytes
+
+    def check_reduced(self, part_index: int, values: Sequence[Sequence[torch.Tensor]]) -> bool:
+        """Before writing a pulled part into our tensors: could an honest reducer have produced it from what we
+        sent (`averaging.robust.plausible`)? If not, the reducer is a liar: the part keeps our local values
+        (it counts as failed, so it is not retried) and the averager counts a strike against the reducer."""
+        part = self.partition.parts[part_index]
+        if not part.chunks:
+            return True
+        reduced = [v for chunk in values for v in chunk]
+        own = None if self.weight == 0 else [t for chunk in part.chunks for t in chunk_views(self.tensors, chunk)]
+        if robust.plausible(reduced, own, self._reply_norms.get(part_index, 0.0), self.config.aggregation):
+            return True
+        owner = self.owner_of(part_index)
+        self.liars.add(owner)
+        self.parts[part_index] = PartState.FAILED
+        self.events.append(("reducer_lied", {"part": part_index, "reducer": self.peer(owner)}))
+        self.note_failed(owner, reason="returned an implausible reduced part")
+        return False
 
     def part_averaged(self, part_index: int) -> None:
         """The pulled mean is written into our tensors."""
@@ -645,7 +723,9 @@ class RoundCore:
         assert self.own_part is not None
         result = reducer.finalize()
         index = self.own_part.index
-        self.events.append(("reduced", {"part": index, "contributors": list(reducer.contributors)}))
+        self.rejected.update(reducer.rejected)
+        self.events.append(("reduced", {"part": index, "contributors": list(reducer.contributors),
+                                        "rejected": [self.peer(m) for m in reducer.rejected]}))
         self.released = True
         self.contributors[index] = list(reducer.contributors)
         return result
@@ -738,7 +818,7 @@ class RoundCore:
             return None
         reducer = self._need_reducer()
         return {"averaged": reducer.result is not None, "contributors": list(reducer.contributors),
-                "failed": sorted(self.crashed)}
+                "failed": sorted(self.crashed), "norm": reducer.median_norm}
 
     def serve_pull(self, member: int, part_index: Any, chunk: Any, now: float) -> list[torch.Tensor]:
         """One chunk of our mean for a committed member. Raises RemoteProtocolError when it may not have it."""
@@ -781,6 +861,8 @@ class RoundCore:
             elapsed=now - self.started_at,
             bytes_sent=self.bytes_sent,
             bytes_received=self.bytes_received,
+            rejected_peers={members[i].peer_id for i in self.rejected},
+            lying_peers={members[i].peer_id for i in self.liars},
         )
 
     # ------------------------------------------------------------------------------------------ helpers
@@ -838,5 +920,7 @@ def merge_retry(result: AllReduceResult, lost: Sequence[int], retry: AllReduceRe
         for i in lost:
             result.averaged[i] = True
             result.contributors[i] = list(contributors)
+    result.rejected_peers |= retry.rejected_peers
+    result.lying_peers |= retry.lying_peers
     result.bytes_sent += retry.bytes_sent
     result.bytes_received += retry.bytes_received

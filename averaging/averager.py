@@ -16,12 +16,18 @@ Why it is shaped like this:
   the bridge (`bridge.run(averager.step)`) from its own thread.
 - Tensors are averaged in place. The all-reduce reads them without the lock and writes each averaged part back
   under `lock`, so training is never blocked for a whole round (hivemind issue #445).
+- Trust: `aggregation` ("mean", "centered_clip", "trimmed_mean" or an `averaging.robust.Aggregation`) is how
+  this peer's reducer combines the parts it receives and how much it believes of the parts others reduce for it.
+  A member whose part our reducer rejected, or a reducer that returned an implausible part, gets one strike per
+  round; after `ban_after` rounds with a strike it is banned from our matchmaking (`Matchmaker.ban`). Strikes
+  and bans are this peer's own: nothing is voted on, so liars cannot get honest peers banned elsewhere.
 - Time: a step has one budget (`timeout`); matchmaking takes at most `matchmaking_time` of it (usually a small
   fraction: see matchmaking.py), the all-reduce gets the rest and adapts its own deadlines to measured rates.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from contextlib import AbstractAsyncContextManager
@@ -39,6 +45,7 @@ from averaging.group import GroupInfo
 from averaging.group_keys import GroupKeyManager
 from averaging.locking import TensorLock, check_lock
 from averaging.matchmaking import Matchmaker
+from averaging.robust import Aggregation, Strikes, aggregation_of
 from averaging.schema import schema_hash
 from dht.client import DHTClient
 from peer.p2p import wire
@@ -101,6 +108,8 @@ class Averager:
         serve_state: bool | None = None,
         state_ttl: float = 30.0,
         metadata: Any = None,
+        aggregation: str | Aggregation | None = None,
+        ban_after: int = 3,
     ):
         self.rpc = rpc
         self.dht = dht
@@ -118,7 +127,12 @@ class Averager:
         self.target_group_size = target_group_size
         self.min_group_size = min_group_size
         self.matchmaking_time = matchmaking_time
-        self.allreduce_config = allreduce_config
+        config = allreduce_config or AllReduceConfig()
+        if aggregation is not None:  # the keyword wins over a config's aggregation
+            config = dataclasses.replace(config, aggregation=aggregation_of(aggregation))
+        self.allreduce_config = config
+        self.aggregation = config.aggregation
+        self.strikes = Strikes(ban_after=ban_after)
         self.serve_state = serve_state  # None: serve unless this RPC node already serves someone's state
         self.state_ttl = state_ttl
         self.metadata = metadata  # sent with the state to newcomers (e.g. the training step)
@@ -131,7 +145,8 @@ class Averager:
         self._lifetime: AbstractAsyncContextManager[trio.Nursery] | None = None
         self.last_result: StepResult | None = None
         self.counters = {"steps": 0, "succeeded": 0, "partial": 0, "no_group": 0, "errors": 0,
-                         "bytes_sent": 0, "bytes_received": 0}  # all-reduce payloads as encoded
+                         "bytes_sent": 0, "bytes_received": 0,  # all-reduce payloads as encoded
+                         "rejected_parts": 0, "lying_reducers": 0}
 
     # ------------------------------------------------------------------------------------------- lifetime
 
@@ -282,6 +297,7 @@ class Averager:
                 return self._remember(result)
             self.counters["bytes_sent"] += outcome.bytes_sent
             self.counters["bytes_received"] += outcome.bytes_received
+            self._judge(outcome)
             failed = list(dict.fromkeys([*match.failed_peers, *sorted(outcome.failed_peers)]))
             self.matchmaker.forget(failed)
             finished = outcome.fully_averaged
@@ -290,6 +306,21 @@ class Averager:
             result = StepResult(group, finished, failed, match.round, key, reason, matchmaking_seconds,
                                 trio.current_time() - allreduce_started, outcome)
             return self._remember(result)
+
+    def _judge(self, outcome: AllReduceResult) -> None:
+        """One strike per offender of this round; peers with `ban_after` strikes leave our matchmaking."""
+        self.counters["rejected_parts"] += len(outcome.rejected_peers)
+        self.counters["lying_reducers"] += len(outcome.lying_peers)
+        newly = self.strikes.record_round(outcome.rejected_peers | outcome.lying_peers)
+        if newly and self.matchmaker is not None:
+            logger.warning("averaging: banning %s (misbehaved in %d rounds)",
+                           ", ".join(PeerID(p).short() for p in sorted(newly)), self.strikes.ban_after)
+            self.matchmaker.ban(newly)
+
+    @property
+    def banned(self) -> set[PeerID]:
+        """Peers this averager will not group with again (see `_judge`)."""
+        return {PeerID(p) for p in self.strikes.banned}
 
     def _remember(self, result: StepResult) -> StepResult:
         self.last_result = result
@@ -306,6 +337,8 @@ class Averager:
             "round": self.keys.round,
             "key": self.keys.key,
             "client_mode": bool(self.client_mode),
+            "aggregation": self.aggregation.kind,
+            "banned": sorted(str(p) for p in self.banned),
             "serving_state": self.state_server is not None,
             **self.counters,
             "last_group": [str(p) for p in last.group.peer_ids] if last and last.group else [],

@@ -167,7 +167,8 @@ class CollaborativeOptimizer:
     `target_batch_size`: samples the whole swarm processes per epoch (one averaged update per epoch in gradients
     mode). `batch_size_per_step`: samples behind one `step()` unless `step(batch_size=...)` says otherwise.
     Averaging options: `target_group_size`, `min_group_size`, `matchmaking_time`, `averaging_timeout`,
-    `compression` (a `peer.p2p.wire.Compression`). Progress options: `progress_ttl`, `min_refresh`, `max_refresh`.
+    `compression` (a `peer.p2p.wire.Compression`), `aggregation` (Byzantine-robust reduction:
+    `averaging.robust`). Progress options: `progress_ttl`, `min_refresh`, `max_refresh`.
     """
 
     def __init__(
@@ -191,6 +192,7 @@ class CollaborativeOptimizer:
         min_refresh: float = 0.1,
         max_refresh: float = 2.0,
         load_state_on_join: bool = True,
+        aggregation: str = "mean",
     ):
         if average not in MODES:
             raise ValueError(f"average must be one of {MODES}, not {average!r}")
@@ -237,7 +239,7 @@ class CollaborativeOptimizer:
             swarm.rpc, swarm.dht, self._tensors, prefix=f"{run_id}.{self.mode}", names=self._names,
             target_group_size=target_group_size, min_group_size=min_group_size,
             matchmaking_time=matchmaking_time, allreduce_timeout=averaging_timeout, compression=compression,
-            lock=self._lock,
+            lock=self._lock, aggregation=aggregation,  # mean, centered_clip, trimmed_mean: see averaging.robust
             serve_state=False,  # this optimizer serves parameters + optimizer state (not gradients) with its epoch
         )
         self.tracker = _SharedProgressTracker(

@@ -133,6 +133,7 @@ class DiLoCoOptimizer:
     `outer_optimizer`: a callable building the outer optimizer over the outer parameters (default: Nesterov SGD
     with `outer_lr`, `outer_momentum`). `compression`: the codec of the pseudo-gradients (`peer.p2p.wire`);
     `error_feedback`: carry the codec's loss to the next round. `overlap`: delayed outer update (see module doc).
+    `aggregation`: how the pseudo-gradients are reduced (mean, or Byzantine-robust: `averaging.robust`).
     """
 
     def __init__(
@@ -165,6 +166,7 @@ class DiLoCoOptimizer:
         start_with: int = 1,
         start_timeout: float = 300.0,
         finish_timeout: float = 10.0,
+        aggregation: str = "mean",
     ):
         if inner_steps < 1 or batch_size_per_step < 1:
             raise ValueError("inner_steps and batch_size_per_step must be positive")
@@ -221,6 +223,7 @@ class DiLoCoOptimizer:
             names=[f"pseudo.{i}" for i in range(len(self.pseudo))], target_group_size=target_group_size,
             min_group_size=min_group_size, matchmaking_time=matchmaking_time, allreduce_timeout=averaging_timeout,
             compression=self.compression, lock=threading.Lock(), serve_state=False,
+            aggregation=aggregation,  # mean, centered_clip, trimmed_mean: see averaging.robust
         )
         self.tracker = ProgressTracker(
             swarm.dht, run_id, self.inner_steps * self.batch_size_per_step, ttl=progress_ttl,

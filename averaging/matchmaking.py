@@ -47,6 +47,13 @@ timeouts (frozen host), never the whole matchmaking window. The window (`matchma
 bound; typical rounds finish after one quiet period plus one RPC. Client-mode peers never collect (nobody can call
 them): they join, and `plan_groups` puts at least one reachable peer in every chunk.
 
+Bans: the averager bans peers it caught misbehaving in several all-reduce rounds (their parts rejected by its
+reducer, or implausible parts returned as a reducer: `averaging.robust`). A banned peer is invisible to this
+matchmaker: its declarations are skipped (so it is neither planned with nor expected), its joins are rejected,
+its probes are answered "not matching" (so it cannot talk a collector into merging into it), and a redirect to
+it is not followed. Bans are this peer's own decision, never exchanged: a group sealed by a collector that has
+not banned the peer may still contain it, and the robust reducers deal with its data there.
+
 Layout: the decisions that need no I/O live in `averaging.assembly` (declarations, `plan_groups`, the collector's
 `Assembly`: joins in, answers and seal / step-down verdicts out, probe answers read by `read_probe_answer`),
 with no trio and no clock inside, so they are tested message by message (tests/averaging/test_assembly_core.py).
@@ -227,6 +234,7 @@ class Matchmaker:
         self._patience = 0.0  # see straggler_wait
         self._recent: dict[str, list[set[PeerID]]] = {}  # key -> peers seen there in the last few rounds
         self._forgotten: set[PeerID] = set()
+        self.banned: set[PeerID] = set()  # see "Bans" above
         self._round: _Round | None = None
         self._last_group: tuple[str, GroupInfo] | None = None  # (key, group) of my last round, for late joiners
         self.stats = {"attempts": 0, "groups": 0, "no_group": 0, "collected": 0, "joins_served": 0,
@@ -269,9 +277,14 @@ class Matchmaker:
             for seen in history:
                 seen.difference_update(self._forgotten)
 
+    def ban(self, peer_ids: Iterable[bytes]) -> None:
+        """Never group with these peers again (see "Bans" above); they stop being expected at once."""
+        self.banned.update(PeerID(bytes(p)) for p in peer_ids)
+        self.banned.discard(self.peer_id)
+
     def _expected_population(self, key: str) -> int:
         history = self._recent.get(key, [])
-        return len(set().union(*history) - self._forgotten | {self.peer_id}) if history else 0
+        return len(set().union(*history) - self._forgotten - self.banned | {self.peer_id}) if history else 0
 
     def _remember_population(self, state: _Round) -> None:
         seen = (state.seen | set(state.view)) - set(state.failed) - {self.peer_id}
@@ -347,6 +360,9 @@ class Matchmaker:
             if not isinstance(subkey, (bytes, bytearray)) or len(subkey) != 20:
                 continue
             declaration = Declaration.from_wire(bytes(subkey), entry.value)
+            if declaration is not None and declaration.peer_id in self.banned:
+                view.pop(declaration.peer_id, None)
+                continue
             if declaration is None or entry.expiration_time < now or declaration.deadline < state.me.declared_at:
                 view.pop(PeerID(bytes(subkey)), None)  # withdrawn, or only an old round's entry is left
             elif declaration.declared_at <= state.stale.get(declaration.peer_id, -math.inf):
@@ -521,7 +537,7 @@ class Matchmaker:
     async def _join(self, state: _Round, collector: Declaration, deadline: float) -> Decision | None:
         """One long-poll join; None when the collector is unreachable (it is then excluded and reported)."""
         state.following = collector
-        if collector.address is None:  # a client-mode peer never collects: nobody can join it
+        if collector.address is None or collector.peer_id in self.banned:  # client mode: nobody can join it
             state.excluded.add(collector.peer_id)
             return None
         args = {"key": state.key, "declaration": state.me.to_wire()}
@@ -716,6 +732,8 @@ class Matchmaker:
 
     async def _handle_ping(self, ctx: CallContext, args: Any) -> dict[str, Any]:
         state = self._round
+        if ctx.peer_id in self.banned:  # not a collector to merge into, nor one to wait for
+            return {"matching": False, "following": None, "between_rounds": False, "collecting": False}
         key = args.get("key") if isinstance(args, dict) else None
         matching = state is not None and key == state.key
         their_size = args.get("joined", 1) if isinstance(args, dict) else 1
@@ -752,6 +770,8 @@ class Matchmaker:
         claimed = Declaration.from_wire(ctx.peer_id, args.get("declaration")) if isinstance(args, dict) else None
         if claimed is None:
             return Decision("reject", reason="malformed join").to_wire()
+        if ctx.peer_id in self.banned:
+            return Decision("reject", reason="banned").to_wire()
         key = args.get("key")
         if state is None or key != state.key:
             if self._last_group is not None and self._last_group[0] == key:

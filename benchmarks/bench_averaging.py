@@ -5,13 +5,16 @@
 (b) 8 peers, groups of 4, 2.37M float32 (9.5 MB) each, 20 rounds with default settings: fraction of steps in full
     groups, fraction of steps that succeed, median step time (matchmaking + all-reduce).
 (c) the same with one peer SIGKILLed in the middle of the run (figures over the surviving peers).
+(d) the 8-peer run of (b) twice, with `--aggregation mean` and `centered_clip` (issue 15): `robust_overhead` =
+    median centered_clip all-reduce round time / median mean round time (target <= 1.5).
 
 Peers step back to back, as a training loop calling `averager.step()` between batches would. The last line of
 output is one JSON object.
 
     .venv/bin/python benchmarks/bench_averaging.py [--rounds 20] [--parts abc] [--skip-100mb]
 
-`--parts` picks the scenarios (e.g. `--parts b` runs only the 8-peer one). `BENCH_PROFILE=DIR` writes a cProfile
+`--parts` picks the scenarios (e.g. `--parts b` runs only the 8-peer one; the default runs a, b and c, add d
+for the robust aggregation's overhead). `BENCH_PROFILE=DIR` writes a cProfile
 of every peer process to DIR/peerN.prof (cProfile costs time: figures from such a run are not comparable);
 `BENCH_DEBUG_DIR=DIR` writes each peer's averaging debug log there. Every step also reports the CPU seconds its
 process spent (`cpu_s`), which with the loopback rate tells how close to the machine's floor a round is.
@@ -69,7 +72,7 @@ def worker_main(args: argparse.Namespace) -> None:
             _, port = await rpc.listen("127.0.0.1", 0)
             async with DHTNode.open("127.0.0.1", port, initial, identity=identity, network=network) as dht:
                 tensor = torch.full((args.numel,), float(args.index), dtype=torch.float32)
-                options = {"target_group_size": args.group}
+                options = {"target_group_size": args.group, "aggregation": args.aggregation}
                 averager = Averager(rpc, dht, [tensor], prefix=args.prefix, **options)
                 async with averager:
                     emit({"ready": True, "address": f"127.0.0.1:{port}"})
@@ -118,9 +121,11 @@ def worker_main(args: argparse.Namespace) -> None:
 
 
 class Peer:
-    def __init__(self, index: int, numel: int, rounds: int, group: int, prefix: str, bootstrap: str | None):
+    def __init__(self, index: int, numel: int, rounds: int, group: int, prefix: str, bootstrap: str | None,
+                 aggregation: str = "mean"):
         command = [sys.executable, os.path.abspath(__file__), "--worker", "--index", str(index), "--numel",
-                   str(numel), "--rounds", str(rounds), "--group", str(group), "--prefix", prefix]
+                   str(numel), "--rounds", str(rounds), "--group", str(group), "--prefix", prefix,
+                   "--aggregation", aggregation]
         if bootstrap:
             command += ["--bootstrap", bootstrap]
         self.index = index
@@ -169,12 +174,13 @@ class Peer:
 
 
 def run_swarm(count: int, numel: int, rounds: int, group: int, prefix: str, *, kill_after: int | None = None,
-              ) -> list[Peer]:
+              aggregation: str = "mean") -> list[Peer]:
     """Start `count` peers, start them stepping together, optionally SIGKILL one after `kill_after` rounds."""
-    first = Peer(0, numel, rounds, group, prefix, None)
+    first = Peer(0, numel, rounds, group, prefix, None, aggregation)
     if not first.ready.wait(60):
         raise RuntimeError("the first peer did not start")
-    peers = [first] + [Peer(i, numel, rounds, group, prefix, first.address) for i in range(1, count)]
+    peers = [first] + [Peer(i, numel, rounds, group, prefix, first.address, aggregation)
+                       for i in range(1, count)]
     for peer in peers:
         if not peer.ready.wait(120):
             raise RuntimeError(f"peer {peer.index} did not start")
@@ -265,8 +271,9 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--prefix", default="bench")
     parser.add_argument("--bootstrap", default=None)
+    parser.add_argument("--aggregation", default="mean", choices=["mean", "centered_clip", "trimmed_mean"])
     parser.add_argument("--skip-100mb", action="store_true")
-    parser.add_argument("--parts", default="abc", help="which scenarios to run: any of a, b, c")
+    parser.add_argument("--parts", default="abc", help="which scenarios to run: any of a, b, c, d")
     args = parser.parse_args()
     if args.skip_100mb:
         args.parts = args.parts.replace("a", "")
@@ -296,6 +303,8 @@ def main() -> None:
         run_b(args, figures)
     if "c" in args.parts:
         run_c(args, figures)
+    if "d" in args.parts:
+        run_d(args, figures)
     if "median_step_s_8peers" in figures and "median_step_s_8peers_one_killed" in figures:
         # the cost of a SIGKILLed member, relative to the healthy run measured minutes earlier on this machine
         figures["one_killed_ratio_to_healthy"] = round(
@@ -325,6 +334,20 @@ def run_c(args: argparse.Namespace, figures: dict) -> None:
           f"{summary['success_fraction']:.1%} {summary['reasons'] or ''}; group sizes {summary['group_sizes']}")
     figures.update(median_step_s_8peers_one_killed=round(summary["median_step_s"], 4),
                    step_success_fraction_one_killed=round(summary["success_fraction"], 4))
+
+
+def run_d(args: argparse.Namespace, figures: dict) -> None:
+    """The robust aggregation's cost: the same 8-peer run with the mean and with CenteredClip, back to back."""
+    rounds = {}
+    for aggregation in ("mean", "centered_clip"):
+        peers = run_swarm(8, 2_370_000, args.rounds, 4, f"bench8{aggregation[0]}", aggregation=aggregation)
+        summary = summarize(peers, 4)
+        rounds[aggregation] = summary["median_allreduce_s"]
+        print(f"(d) 8 peers, groups of 4, 9.5 MB, {args.rounds} rounds, {aggregation}: median all-reduce "
+              f"{summary['median_allreduce_s']:.3f} s, median step {summary['median_step_s']:.3f} s, success "
+              f"{summary['success_fraction']:.1%}")
+        figures[f"median_allreduce_s_8peers_{aggregation}"] = round(summary["median_allreduce_s"], 4)
+    figures["robust_overhead"] = round(rounds["centered_clip"] / rounds["mean"], 3)
 
 
 if __name__ == "__main__":

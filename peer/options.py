@@ -595,6 +595,9 @@ TRAIN = OptionSet("peer train", [
     Option("overlap", SWITCH, False, "with --algorithm diloco: average in the background and apply the outer update "
            "one outer step late, so compute never waits on the network"),
     Option("group-size", POSITIVE_INT, 4, "target averaging group size"),
+    Option("aggregation", Text(["mean", "centered_clip", "trimmed_mean"]), "mean", "how each averaging part is "
+           "reduced: mean, or Byzantine-robust (parts validated against the group's median norm, then CenteredClip "
+           "or a coordinate-wise trimmed mean); peers whose parts are rejected in 3 rounds are banned locally"),
     Option("matchmaking-time", POSITIVE, 3.0, "seconds to wait for averaging partners", metavar="SECONDS"),
     Option("client-mode", SWITCH, False, "accept no connections (then this trainer averages only in groups holding a "
            "reachable trainer)"),

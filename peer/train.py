@@ -524,7 +524,7 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
                 outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                 compression=Compression[args.compression.upper()], overlap=args.overlap,
                 target_group_size=max(args.group_size, 2), matchmaking_time=args.matchmaking_time,
-                listen=not args.client_mode, should_stop=lambda: stop.requested,
+                listen=not args.client_mode, should_stop=lambda: stop.requested, aggregation=args.aggregation,
             )
         elif swarm is not None:
             from averaging.collaborative import CollaborativeOptimizer
@@ -532,7 +532,7 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
             optimizer = CollaborativeOptimizer(
                 base, swarm, args.run_id, target_batch_size=args.target_batch_size,
                 batch_size_per_step=args.batch_size, average=args.average, target_group_size=args.group_size,
-                matchmaking_time=args.matchmaking_time, listen=not args.client_mode,
+                matchmaking_time=args.matchmaking_time, listen=not args.client_mode, aggregation=args.aggregation,
             )
         meter = _Meter()
         out = _Output()

@@ -63,6 +63,7 @@ TABLE: dict[str, dict[str, tuple]] = {
         "grid-size": (["4xq", "0", "x"], ['"4xq"', "0", "true", "1.5"], ("4x3", '"4x3"', "4x3")),
         "hidden-dim": POSITIVE_INT, "k-best": POSITIVE_INT, "lr": POSITIVE,
         "average": choice("parameters", "gradients"), "group-size": POSITIVE_INT, "matchmaking-time": POSITIVE,
+        "aggregation": choice("mean", "centered_clip", "trimmed_mean"),
         "algorithm": choice("collaborative", "diloco"), "inner-steps": POSITIVE_INT, "outer-lr": POSITIVE,
         "outer-momentum": NOT_NEGATIVE, "compression": choice("none", "float16", "int8"), "overlap": SWITCH,
         "client-mode": SWITCH, "expert-timeout": POSITIVE, "expert-grace": NOT_NEGATIVE, "seed": INTEGER,

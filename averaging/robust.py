@@ -1,0 +1,214 @@
+"""Byzantine-robust aggregation of one all-reduce part: the math only (torch; no trio, no sockets, no clock).
+
+Why a module of its own: the reducer of a part (`allreduce_core.PartReducer`) decides what goes into the mean,
+and a member decides whether the part its reducer returned is believable; both decisions are pure functions of
+the vectors involved, tested here without a network (tests/averaging/test_robust.py).
+
+Aggregations (`Aggregation.kind`):
+- `mean`: the weighted mean (what the all-reduce always did). Only non-finite parts are rejected.
+- `centered_clip`: CenteredClip (Karimireddy, He, Jaggi 2021; used per part of the butterfly all-reduce by
+  BTARD-SGD, Gorbunov et al. 2022). Start at the medoid (the part with the least total distance to the others: a
+  robust start that costs one Gram matrix, where a coordinate-wise median costs a sort of the whole part), then
+  `iterations` times move the center by the weighted mean of the differences to every part, each clipped to
+  norm tau:
+      v <- v + sum_i w_i * (x_i - v) * min(1, tau / |x_i - v|) / sum_i w_i
+  tau is relative (`tau` times the median distance of the parts to the starting center), because the averager
+  does not know whether it averages parameters, gradients or pseudo-gradients, nor their scale. A part at
+  distance <= tau counts fully, as in the mean; a far outlier moves the center by at most tau * w_i / sum w per
+  iteration, so the result stays within `iterations * tau` of the medoid whatever the outliers hold.
+- `trimmed_mean`: per coordinate, drop the `trim` fraction of the lowest and of the highest values, average
+  the rest (unweighted: trimming by weight would let a heavy member decide what is trimmed).
+
+Validation (`validate`), before any of them: a part that is not finite is rejected; with a robust aggregation,
+so is a part whose norm exceeds `max_norm_ratio` times the median norm of the group's parts (at least 3 parts:
+with 2 there is no majority to say which one is off). Rejected members are reported, and the averager counts
+them against the member (`Strikes`).
+
+Lying reducers (`plausible`): whatever the robust aggregation produces lies within reach of the validated parts
+(each at most `max_norm_ratio` times the median norm from zero), so a member whose own part was typical finds
+the returned part within `lie_ratio` times its own part's norm of its own part. A returned part beyond that, or
+not finite, is something no honest reducer could have produced: the member keeps its local values for that part
+and counts a strike against the reducer. A member that contributed nothing (weight 0, or an all-zero part) uses
+the median norm the reducer reported instead.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+KINDS = ("mean", "centered_clip", "trimmed_mean")
+
+
+@dataclass(frozen=True)
+class Aggregation:
+    """How a reducer combines the parts it received, and how much a member believes of what comes back.
+
+    kind: one of KINDS. tau, iterations: CenteredClip's clipping radius (relative to the median distance to the
+    starting center) and number of iterations. trim: fraction cut off each side by `trimmed_mean`.
+    max_norm_ratio: a part with a norm above this times the group's median norm is rejected (robust kinds).
+    lie_ratio: a reduced part further than this times the member's own part's norm from that part is a lie
+    (robust kinds; `mean` checks nothing, since an unvalidated mean can legitimately be anywhere)."""
+
+    kind: str = "mean"
+    tau: float = 1.0
+    iterations: int = 5
+    trim: float = 0.25
+    max_norm_ratio: float = 5.0
+    lie_ratio: float = 12.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown aggregation {self.kind!r} (one of {', '.join(KINDS)})")
+        if not (self.tau > 0 and self.iterations >= 1 and 0 <= self.trim < 0.5
+                and self.max_norm_ratio > 1 and self.lie_ratio > 1):
+            raise ValueError("aggregation: tau > 0, iterations >= 1, 0 <= trim < 0.5, ratios > 1")
+
+    @property
+    def robust(self) -> bool:
+        return self.kind != "mean"
+
+
+def aggregation_of(value: str | Aggregation | None) -> Aggregation:
+    """The constructors' `aggregation=` keyword: a kind name or a full Aggregation (None: the mean)."""
+    if value is None:
+        return Aggregation()
+    if isinstance(value, Aggregation):
+        return value
+    return Aggregation(kind=value)
+
+
+def norm(vector: torch.Tensor) -> float:
+    """The L2 norm; recomputed in float64 when the native one is not finite (a float32 sum of squares of 1e30
+    values overflows to inf), so inf or nan means a value that is not finite. The native pass is the cheap one:
+    it runs on every part of every round."""
+    value = float(torch.linalg.vector_norm(vector))
+    if math.isfinite(value) or vector.dtype == torch.float64:
+        return value
+    return float(torch.linalg.vector_norm(vector.to(torch.float64)))
+
+
+def part_norm(pieces: Iterable[torch.Tensor]) -> float:
+    """The L2 norm of a part given as pieces (its chunks' segments); inf when any value is not finite."""
+    total = 0.0
+    for piece in pieces:
+        value = norm(piece)
+        if not math.isfinite(value):
+            return math.inf
+        total += value ** 2
+    return math.sqrt(total)
+
+
+def validate_norms(norms: Sequence[float], aggregation: Aggregation) -> tuple[list[int], float]:
+    """Indices of the parts to reject given their `part_norm`s, and the median norm of the finite ones (0.0 when
+    none is finite)."""
+    finite = [n for n in norms if math.isfinite(n)]
+    median = statistics.median(finite) if finite else 0.0
+    rejected = [i for i, n in enumerate(norms) if not math.isfinite(n)]
+    if aggregation.robust and len(finite) >= 3:
+        limit = aggregation.max_norm_ratio * median
+        rejected += [i for i, n in enumerate(norms) if math.isfinite(n) and n > limit]
+    return sorted(rejected), median
+
+
+def validate(parts: Sequence[torch.Tensor], aggregation: Aggregation) -> tuple[list[int], float]:
+    """`validate_norms` of whole flat parts."""
+    return validate_norms([part_norm([p]) for p in parts], aggregation)
+
+
+def centered_clip(parts: torch.Tensor, weights: torch.Tensor, *, tau: float, iterations: int) -> torch.Tensor:
+    """CenteredClip of the rows of `parts` (n x d) with `weights` (n); see the module docstring.
+
+    The center is always an affine combination of the rows (it starts at one and moves by weighted differences),
+    so every iteration runs on the n x n Gram matrix of the rows' differences to the first row instead of on the
+    n x d matrix: one matrix product before, one after, whatever the iterations. Differences, not raw rows: the
+    members' vectors may be nearly equal (averaged parameters), and distances from raw dot products would cancel
+    out in float32."""
+    n = parts.shape[0]
+    if n == 1:
+        return parts[0].clone()
+    base = parts[0]
+    diffs = parts[1:] - base
+    gram = torch.zeros(n, n, dtype=torch.float64)
+    gram[1:, 1:] = (diffs @ diffs.T).to(torch.float64)
+    square = gram.diagonal().clone()
+    pairwise = torch.sqrt(torch.clamp(square[:, None] + square[None, :] - 2 * gram, min=0))
+    start = int(pairwise.sum(dim=1).argmin())
+    coefficients = torch.zeros(n, dtype=torch.float64)
+    coefficients[start] = 1.0
+    share = weights.to(torch.float64) / float(weights.sum())
+
+    def distances(c: torch.Tensor) -> torch.Tensor:
+        gc = gram @ c
+        return torch.sqrt(torch.clamp(square - 2 * gc + c @ gc, min=0))
+
+    radius = tau * statistics.median(distances(coefficients).tolist())
+    if radius <= 0:
+        return parts[start].clone()  # most parts coincide with the starting one: that is the robust answer
+    for _ in range(iterations):
+        scale = share * torch.clamp(radius / torch.clamp(distances(coefficients), min=1e-300), max=1.0)
+        coefficients = coefficients * (1.0 - float(scale.sum())) + scale
+    return base + coefficients[1:].to(parts.dtype) @ diffs
+
+
+def trimmed_mean(parts: torch.Tensor, *, trim: float) -> torch.Tensor:
+    """Coordinate-wise mean of the rows of `parts` without the `trim` fraction at either end."""
+    n = parts.shape[0]
+    cut = min(int(math.floor(trim * n)), (n - 1) // 2)
+    if cut == 0:
+        return parts.mean(dim=0)
+    ordered = parts.sort(dim=0).values
+    return ordered[cut:n - cut].mean(dim=0)
+
+
+def aggregate(matrix: torch.Tensor, weights: Sequence[float], aggregation: Aggregation) -> torch.Tensor:
+    """Combine the rows of `matrix` (n validated flat parts) into one flat vector of its dtype."""
+    w = torch.tensor([float(x) for x in weights], dtype=matrix.dtype)
+    if aggregation.kind == "centered_clip":
+        return centered_clip(matrix, w, tau=aggregation.tau, iterations=aggregation.iterations)
+    if aggregation.kind == "trimmed_mean":
+        return trimmed_mean(matrix, trim=aggregation.trim)
+    return (w / w.sum()) @ matrix
+
+
+def plausible(reduced: Sequence[torch.Tensor], own: Sequence[torch.Tensor] | None, reported_median: float,
+              aggregation: Aggregation) -> bool:
+    """Could an honest reducer have returned the part `reduced` (as pieces), given that we sent `own` (the same
+    pieces of our tensors; None: we sent nothing)?"""
+    reduced_norm = part_norm(reduced)
+    if not math.isfinite(reduced_norm):
+        return False
+    if not aggregation.robust:
+        return True
+    own_norm = part_norm(own) if own is not None else 0.0
+    if own is not None and own_norm > 0:
+        distance = part_norm(r.reshape(-1) - o.reshape(-1).to(r.dtype) for r, o in zip(reduced, own))
+        return distance <= aggregation.lie_ratio * own_norm
+    if not math.isfinite(reported_median) or reported_median <= 0:
+        return True  # nothing to compare with
+    return reduced_norm <= aggregation.lie_ratio * reported_median
+
+
+@dataclass
+class Strikes:
+    """Per-peer count of rounds in which this peer saw it misbehave (its part rejected, or it lied as a reducer),
+    and the bans that follow: `ban_after` rounds with a strike. A local decision: strikes are never exchanged,
+    so a liar cannot get an honest peer banned by others' votes; it can only lose its own place."""
+
+    ban_after: int = 3
+    counts: dict[bytes, int] = field(default_factory=dict)
+    banned: set[bytes] = field(default_factory=set)
+
+    def record_round(self, offenders: Iterable[bytes]) -> set[bytes]:
+        """One strike per offender for this round (however many parts it spoiled); returns the newly banned."""
+        new = set()
+        for peer in set(offenders):
+            self.counts[peer] = self.counts.get(peer, 0) + 1
+            if self.counts[peer] >= self.ban_after and peer not in self.banned:
+                self.banned.add(peer)
+                new.add(peer)
+        return new
