@@ -110,7 +110,10 @@ class DHTConfig:
     heal_interval: float = 1.0  # how often the healing task re-probes failing contacts whose backoff passed
     head_check_after: float = 60.0  # a full bucket pings its oldest contact only if silent this long
     lookup_timeout: float = 10.0  # a whole lookup never takes longer
-    get_quorum: int = 3  # get(latest=False) stops after this many replicas answered with a value
+    get_quorum: int = 3  # get(latest=False) stops after this many replicas answered with a value (per path)
+    # Lookups over this many disjoint paths (S/Kademlia; see dht/lookup.py): a node is asked by one path at most,
+    # and a get decides a key's own value by a vote of the paths (records.resolve). 1: plain Kademlia.
+    disjoint_paths: int = 1
     bootstrap_attempts: int = 3
     refresh_interval: float = 600.0  # look up a random id in buckets untouched this long
     republish_interval: float = 1800.0  # replicas re-store held records nobody refreshed this long
@@ -162,8 +165,12 @@ class DHTNode:
 
     def __init__(self, identity: Identity, endpoint: UDPEndpoint, nursery: trio.Nursery, *, client_mode: bool,
                  clock: Callable[[], float], config: DHTConfig, rng: random.Random,
-                 random_bytes: Callable[[int], bytes] = os.urandom):
+                 random_bytes: Callable[[int], bytes] = os.urandom,
+                 validator: Callable[[bytes, Record], bool] | None = None):
+        if config.disjoint_paths < 1:
+            raise ValueError("DHTConfig.disjoint_paths must be at least 1")
         self.identity = identity
+        self._validator = validator
         self.peer_id = identity.peer_id
         self.client_mode = client_mode
         self.config = config
@@ -208,9 +215,12 @@ class DHTNode:
     async def open(cls, host: str, port: int, initial_peers: Sequence[Address] = (), *,
                    identity: Identity | None = None, network: Network | None = None, client_mode: bool = False,
                    clock: Callable[[], float] = time.time, config: DHTConfig | None = None,
-                   seed: int | None = None) -> AsyncIterator["DHTNode"]:
+                   seed: int | None = None, validator: Callable[[bytes, Record], bool] | None = None
+                   ) -> AsyncIterator["DHTNode"]:
         """Bind UDP host:port, join through `initial_peers` (none: start a new DHT), serve until the block ends.
 
+        `validator(key_id, record)` is asked about every record a lookup receives (after its signatures were
+        checked, dht/records.decode): a record it refuses counts as no value (stats()["dropped"]["rejected_record"]).
         Raises BootstrapFailed when initial peers were given and none of them answered."""
         network = network or RealNetwork()
         identity = identity or Identity.generate()
@@ -222,7 +232,7 @@ class DHTNode:
         endpoint = await network.open_udp(host, port)
         async with endpoint, owned_nursery() as nursery:
             node = cls(identity, endpoint, nursery, client_mode=client_mode, clock=clock, config=config, rng=rng,
-                       random_bytes=random_bytes)
+                       random_bytes=random_bytes, validator=validator)
             node._network = network
             nursery.start_soon(node._receive_loop)
             await node._bootstrap([(h, p) for h, p in initial_peers])
@@ -355,6 +365,10 @@ class DHTNode:
         now = self.now()
         results: dict[Any, Record | None] = {}
         for key, key_id in ids.items():
+            if self.config.disjoint_paths > 1:
+                # the vote of the paths (this node's own copy is already on every path, see Target.add_local)
+                results[key] = records.resolve([[r for _, r in found] for found in targets[key_id].path_values], now)
+                continue
             found = sorted(targets[key_id].values, key=lambda pair: pair[0], reverse=True)  # farthest first
             merged: Record | None = None
             for _, record in found:
@@ -595,7 +609,8 @@ class DHTNode:
         now = trio.current_time()
         targets: dict[bytes, Target] = {}
         for key_id in key_ids:
-            target = Target(key_id, config.k, config.alpha, want_value=want_value, quorum=quorum)
+            target = Target(key_id, config.k, config.alpha, want_value=want_value, quorum=quorum,
+                            paths=config.disjoint_paths)
             # seeded with 2k of our contacts: holders of a value answer without contacts, so a lookup whose
             # closest candidates died must still have live ones to turn to
             for node in self._table.neighbors(key_id, 2 * config.k):
@@ -611,7 +626,7 @@ class DHTNode:
             if want_value:
                 local = self._storage.get(key_id, self.now())
                 if local is not None:
-                    target.values.append((int.from_bytes(self.peer_id, "big") ^ target.long_id, local.record))
+                    target.add_local(int.from_bytes(self.peer_id, "big") ^ target.long_id, local.record)
             targets[key_id] = target
             self._table.touch(key_id, now)
         # Query tasks live in the node's nursery, not the lookup's: when the lookup is done, a query still
@@ -674,7 +689,7 @@ class DHTNode:
                     if target.key_id in keys or target.finished() or len(keys) >= proto.MAX_BATCH_KEYS:
                         continue
                     extra = target.candidates.get(node_id)
-                    if extra is not None and extra.state is State.NEW and extra in target.window():
+                    if extra is not None and extra.state is State.NEW and target.in_window(extra):
                         target.set_state(extra, State.ACTIVE)
                         keys.append(target.key_id)
         return [(node_id, address, keys) for node_id, (address, keys) in planned.items()]
@@ -694,6 +709,9 @@ class DHTNode:
                 record = records.decode(key_id, payload, now)
                 if record is None:
                     self._dropped["invalid_record"] += 1
+                elif self._validator is not None and not self._validator(key_id, record):
+                    self._dropped["rejected_record"] += 1
+                    record = None
                 target.on_answer(node_id, [], record, True, self.peer_id)
             else:
                 contacts = [c for c in payload if self._usable(c[0], (c[1], c[2]))]

@@ -286,3 +286,72 @@ def record_for_store(
     if size > MAX_RECORD_BYTES:
         raise ValueTooLarge(size, MAX_RECORD_BYTES)
     return record
+
+
+# ------------------------------------------------------------------------------------ reading over disjoint paths
+
+
+def _claim(entry: Entry) -> bytes:
+    """What a replica's key entry votes for: its owner when signed (the newest entry of that owner is taken
+    later), the exact value and expiration when unsigned."""
+    return pack(["owner", entry.owner] if entry.owner is not None else ["plain", entry.value, entry.expiration_time])
+
+
+def _pick(entries: list[Entry]) -> tuple[bytes, float] | None:
+    """The claim most of `entries` make (ties: the one with the most recent entry), with that expiration."""
+    votes: dict[bytes, list[float]] = {}
+    for entry in entries:
+        vote = votes.setdefault(_claim(entry), [0, -math.inf])
+        vote[0] += 1
+        vote[1] = max(vote[1], entry.expiration_time)
+    if not votes:
+        return None
+    claim, (_, expiration) = max(votes.items(), key=lambda item: (item[1][0], item[1][1]))
+    return claim, expiration
+
+
+def resolve(paths: list[list[Record]], now: float) -> Record | None:
+    """What a reader believes after a lookup over disjoint paths (`paths`: the records each path's replicas
+    returned).
+
+    Subkey entries merge across every path as usual (`merge`). The key's own entry is decided by vote, because
+    nothing stops a liar from answering with any unsigned value and any expiration, or with a value signed by a
+    key of its own (an owned entry beats an unowned one in `merge`). Each path first picks the claim most of its
+    replicas make -- an owner for signed entries, the exact (value, expiration) for unsigned ones -- and the
+    reader takes the claim picked by a majority of the paths that answered (no majority: the claim of the most
+    paths; ties: the most recent). A signed claim then yields the newest entry of that owner seen on any path
+    (signatures make stale and forged ones harmless there); an unsigned claim yields exactly that entry: the most
+    recent value seen on a majority of the paths."""
+    pruned = [[record.pruned(now) for record in found] for found in paths]
+    merged: Record | None = None
+    for found in pruned:
+        for record in found:
+            merged = merge(merged, record, now)
+    if merged is None:
+        return None
+    picks: list[tuple[bytes, float]] = []
+    for found in pruned:
+        pick = _pick([record.entry for record in found if record.entry is not None])
+        if pick is not None:
+            picks.append(pick)
+    if not picks:
+        return merged
+    tally: dict[bytes, list[float]] = {}
+    for claim, expiration in picks:
+        vote = tally.setdefault(claim, [0, -math.inf])
+        vote[0] += 1
+        vote[1] = max(vote[1], expiration)
+    majority = [(vote[1], claim) for claim, vote in tally.items() if 2 * vote[0] > len(picks)]
+    if majority:
+        chosen = max(majority)[1]
+    else:
+        chosen = max(tally.items(), key=lambda item: (item[1][0], item[1][1]))[0]
+    entry: Entry | None = None
+    for found in pruned:
+        for record in found:
+            if record.entry is not None and _claim(record.entry) == chosen:
+                if entry is None or record.entry.expiration_time > entry.expiration_time:
+                    entry = record.entry
+    stock = entry is not None and not merged.subkeys and entry.owner is None and entry.expiration_time == math.inf
+    result = Record(entry, dict(merged.subkeys), stock=stock)
+    return None if result.empty() else result

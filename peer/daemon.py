@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import trio
 
-from dht.node import DHTNode
+from dht.node import DHTConfig, DHTNode
 from moe.experts import OptimizerConfig, make_expert
 from moe.grid import GridPattern, InvalidUID, expand_pattern
 from moe.server import ExpertServer, choose_uids
@@ -88,6 +88,7 @@ class DaemonConfig:
     insecure_transport: bool = _JOIN["insecure_transport"]
     reachability: str = _JOIN["reachability"]
     metrics_port: int | None = _JOIN["metrics_port"]
+    dht_disjoint_paths: int = _JOIN["dht_disjoint_paths"]
 
 
 @dataclass
@@ -247,7 +248,7 @@ class Daemon:
                 try:
                     dht = await stack.enter_async_context(DHTNode.open(
                         host, address[1], peers, identity=self.identity, network=self.network,
-                        client_mode=client_first))
+                        client_mode=client_first, config=DHTConfig(disjoint_paths=config.dht_disjoint_paths)))
                 except OSError as error:
                     raise StartupError(f"cannot open UDP {host}:{address[1]} for the DHT: "
                                        f"{error.strerror or error}") from None

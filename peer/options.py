@@ -506,6 +506,9 @@ JOIN = OptionSet("peer join", [
     Option("reachability", Text(["auto", "public", "private"]), "auto", "auto: up to 3 initial peers dial this "
            "one back on TCP and UDP; a private peer takes part in the DHT as a client only (never in others' "
            "routing tables, never holding records); public or private: skip the check"),
+    Option("dht-disjoint-paths", POSITIVE_INT, 1, "look keys up over this many disjoint paths (S/Kademlia: no peer "
+           "is asked by two paths; a key's unsigned value is the one most paths agree on), so lying or colluding "
+           "DHT peers must capture most paths to mislead this peer; 1: plain Kademlia", metavar="D"),
 ])
 
 # ------------------------------------------------------------------------------------------------------- status

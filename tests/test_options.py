@@ -51,6 +51,7 @@ TABLE: dict[str, dict[str, tuple]] = {
         "log-level": choice("debug", "info", "warning", "error"),
         "accept-weights-from": (["xyz"], ['"xyz"', "5"], ("ab" * 20, f'["{"ab" * 20}"]', ["ab" * 20])),
         "insecure-transport": SWITCH, "reachability": choice("auto", "public", "private"),
+        "dht-disjoint-paths": POSITIVE_INT,
     },
     "status": {"initial-peers": ADDRESS, "json": SWITCH, "timeout": POSITIVE, "insecure-transport": SWITCH},
     "train": {
