@@ -64,7 +64,7 @@ from dht.policy import (
     welcome_gifts,
 )
 from dht.records import Record, Subkey
-from dht.routing import RoutingTable
+from dht.routing import RoutingTable, TableLimits, has_work
 from dht.server import MAX_REPLY_BYTES, NO_REPLY, Server
 from dht.storage import DEFAULT_MAX_BYTES, DEFAULT_SHARE, DEFAULT_STOCK_TTL, LOCAL, Storage
 from peer.p2p.identity import Identity
@@ -114,6 +114,14 @@ class DHTConfig:
     # Lookups over this many disjoint paths (S/Kademlia; see dht/lookup.py): a node is asked by one path at most,
     # and a get decides a key's own value by a vote of the paths (records.resolve). 1: plain Kademlia.
     disjoint_paths: int = 1
+    # Routing-table limits against cheap Sybils (dht/routing.py TableLimits; None: off; loopback is exempt):
+    # contacts of one IP (IPv6 /64) per bucket and per table, contacts of one bucket in one 1/8 slice of its range
+    table_per_ip_bucket: int | None = 2
+    table_per_ip: int | None = 10
+    table_per_prefix: int | None = 10
+    # Proof-of-work PeerIDs: > 0 makes this swarm's nodes leave contacts whose id lacks this many bits of work
+    # out of routing tables and lookups (routing.has_work; make an identity with routing.identity_with_work)
+    id_difficulty: int = 0
     bootstrap_attempts: int = 3
     refresh_interval: float = 600.0  # look up a random id in buckets untouched this long
     republish_interval: float = 1800.0  # replicas re-store held records nobody refreshed this long
@@ -169,6 +177,9 @@ class DHTNode:
                  validator: Callable[[bytes, Record], bool] | None = None):
         if config.disjoint_paths < 1:
             raise ValueError("DHTConfig.disjoint_paths must be at least 1")
+        if not has_work(identity.peer_id, config.id_difficulty):
+            raise ValueError(f"this identity's PeerID lacks the swarm's {config.id_difficulty} bits of work "
+                             "(make one with dht.routing.identity_with_work)")
         self.identity = identity
         self._validator = validator
         self.peer_id = identity.peer_id
@@ -181,14 +192,16 @@ class DHTNode:
         self._protocol = proto.DatagramProtocol(random_bytes=random_bytes,
                                                 flags=proto.FLAG_CLIENT if client_mode else 0)
         self._waiters: dict[bytes, _Waiter] = {}
-        self._table = RoutingTable(self.peer_id, config.k, trio.current_time())
+        self._dropped: Counter[str] = Counter()
+        limits = TableLimits(config.table_per_ip_bucket, config.table_per_ip, config.table_per_prefix,
+                             difficulty=config.id_difficulty)
+        self._table = RoutingTable(self.peer_id, config.k, trio.current_time(), limits, refused=self._dropped)
         self._peers = PeerBook(min_timeout=config.min_timeout, max_timeout=config.max_timeout,
                                initial_timeout=config.initial_timeout, rate=config.requests_per_second,
                                burst=config.request_burst, failures_to_evict=config.failures_to_evict,
                                retry_backoff=config.retry_backoff, retry_backoff_max=config.retry_backoff_max)
         self._storage = Storage(config.max_records, config.max_bytes, stock_ttl=config.stock_ttl,
                                 ip_share=config.storage_share_per_ip, prefix_share=config.storage_share_per_prefix)
-        self._dropped: Counter[str] = Counter()
         self._served: Counter[str] = Counter()
         self._contacts = Contacts(self.peer_id, self._table, self._peers, client_mode=client_mode,
                                   head_check_after=config.head_check_after,
@@ -665,9 +678,12 @@ class DHTNode:
         return targets
 
     def _usable(self, node_id: bytes, address: Address) -> bool:
-        """Worth asking in a lookup: not ourselves, not a client, and not failing within its backoff (a failing
-        peer is asked again once its backoff passed, so one that was only frozen is found again)."""
+        """Worth asking in a lookup: not ourselves, not a client, carrying the swarm's proof of work (if any), and
+        not failing within its backoff (a failing peer is asked again once its backoff passed, so one that was
+        only frozen is found again)."""
         if node_id == self.peer_id or address == self.address:
+            return False
+        if not has_work(node_id, self.config.id_difficulty):
             return False
         info = self._peers.known(address)
         return info is None or (not info.client and not self._peers.suspended(address, trio.current_time()))
