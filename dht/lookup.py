@@ -34,6 +34,9 @@ class State(Enum):
     FAILED = 4
 
 
+_IN_FLIGHT = (State.ACTIVE, State.SLOW)
+
+
 @dataclass
 class Candidate:
     node_id: bytes
@@ -65,6 +68,8 @@ class Target:
         self.path_values: list[list[tuple[int, Record]]] = [[] for _ in range(self.paths)]
         self._version = 0  # bumped on every change; windows are cached per version
         self._windows: list[tuple[int, list[Candidate]]] = [(-1, []) for _ in range(self.paths)]
+        self._active = [0] * self.paths  # ACTIVE candidates per path
+        self._in_flight = [0] * self.paths  # ACTIVE or SLOW candidates per path
 
     @property
     def order(self) -> list[tuple[int, bytes]]:
@@ -74,6 +79,9 @@ class Target:
         return sorted(entry for order in self._orders for entry in order)
 
     def set_state(self, candidate: Candidate, state: State) -> None:
+        path, old = candidate.path, candidate.state
+        self._active[path] += (state is State.ACTIVE) - (old is State.ACTIVE)
+        self._in_flight[path] += (state in _IN_FLIGHT) - (old in _IN_FLIGHT)
         candidate.state = state
         self._version += 1
 
@@ -117,13 +125,13 @@ class Target:
         return candidate in self.window(candidate.path)
 
     def active(self, path: int = 0) -> int:
-        return sum(1 for c in self.candidates.values() if c.path == path and c.state is State.ACTIVE)
+        return self._active[path]
 
     def pending(self) -> bool:
-        return any(c.state in (State.ACTIVE, State.SLOW) for c in self.candidates.values())
+        return any(self._in_flight)
 
     def _path_pending(self, path: int) -> bool:
-        return any(c.path == path and c.state in (State.ACTIVE, State.SLOW) for c in self.candidates.values())
+        return self._in_flight[path] > 0
 
     def next_candidates(self) -> list[Candidate]:
         """Candidates to ask now (up to alpha active at once per path), closest first within each path."""

@@ -865,9 +865,10 @@ class DHTNode:
         return acknowledged
 
     async def _store_records(self, by_key: dict[bytes, Record], offer: bool = False) -> dict[bytes, bool]:
-        """Find the k closest peers of each key and store there. Swarmd peers store during the lookup itself
-        (`swarmd_store_find`); stock peers among the k closest get a stock `store` afterwards. With `offer`
-        (republishing), plain values go as offers to swarmd peers and not at all to stock peers."""
+        """Find the k closest peers of each key (d*k over d disjoint paths) and store there. Swarmd peers store
+        during the lookup itself (`swarmd_store_find`); stock peers among the closest get a stock `store`
+        afterwards. With `offer` (republishing), plain values go as offers to swarmd peers and not at all to stock
+        peers."""
         wire = {key_id: records.encode(record) for key_id, record in by_key.items()}
         offers = {key_id for key_id, record in by_key.items() if record.stock} if offer else set()
         store = _StorePlan(wire, offers)
@@ -877,10 +878,13 @@ class DHTNode:
         plan: dict[tuple[bytes, Address], list[bytes]] = {}
         my_long = int.from_bytes(self.peer_id, "big")
         for key_id, target in targets.items():
-            closest = target.answered(self.config.k)
+            # over d disjoint paths, the d*k closest hold it: a reader's d paths each meet about k replicas, so
+            # each path's vote (records.resolve) rests on many honest replicas, not on a few a liar can outnumber
+            replicas = self.config.k * self.config.disjoint_paths
+            closest = target.answered(replicas)
             if not self.client_mode:
                 mine = my_long ^ target.long_id
-                if len(closest) < self.config.k or mine < closest[-1].distance:
+                if len(closest) < replicas or mine < closest[-1].distance:
                     if key_id in offers and self._storage.get(key_id, now) is not None:
                         acknowledged[key_id] = True  # republishing our own copy must not renew its stock TTL
                     else:

@@ -297,8 +297,9 @@ def _claim(entry: Entry) -> bytes:
     return pack(["owner", entry.owner] if entry.owner is not None else ["plain", entry.value, entry.expiration_time])
 
 
-def _pick(entries: list[Entry]) -> tuple[bytes, float] | None:
-    """The claim most of `entries` make (ties: the one with the most recent entry), with that expiration."""
+def _pick(entries: list[Entry]) -> tuple[bytes, int, float] | None:
+    """The claim most of `entries` make (ties: the one with the most recent entry), with how many made it and
+    its expiration."""
     votes: dict[bytes, list[float]] = {}
     for entry in entries:
         vote = votes.setdefault(_claim(entry), [0, -math.inf])
@@ -306,8 +307,8 @@ def _pick(entries: list[Entry]) -> tuple[bytes, float] | None:
         vote[1] = max(vote[1], entry.expiration_time)
     if not votes:
         return None
-    claim, (_, expiration) = max(votes.items(), key=lambda item: (item[1][0], item[1][1]))
-    return claim, expiration
+    claim, (count, expiration) = max(votes.items(), key=lambda item: (item[1][0], item[1][1]))
+    return claim, int(count), expiration
 
 
 def resolve(paths: list[list[Record]], now: float) -> Record | None:
@@ -315,13 +316,14 @@ def resolve(paths: list[list[Record]], now: float) -> Record | None:
     returned).
 
     Subkey entries merge across every path as usual (`merge`). The key's own entry is decided by vote, because
-    nothing stops a liar from answering with any unsigned value and any expiration, or with a value signed by a
-    key of its own (an owned entry beats an unowned one in `merge`). Each path first picks the claim most of its
-    replicas make -- an owner for signed entries, the exact (value, expiration) for unsigned ones -- and the
-    reader takes the claim picked by a majority of the paths that answered (no majority: the claim of the most
-    paths; ties: the most recent). A signed claim then yields the newest entry of that owner seen on any path
-    (signatures make stale and forged ones harmless there); an unsigned claim yields exactly that entry: the most
-    recent value seen on a majority of the paths."""
+    nothing stops a liar from answering with any unsigned value and any expiration, or with a value signed by a key
+    of its own (an owned entry beats an unowned one in `merge`). Each path first picks the claim most of its
+    replicas make -- an owner for signed entries, the exact (value, expiration) for unsigned ones -- and the reader
+    takes the claim picked by a majority of the paths that answered. Without a majority (say two paths against two),
+    the claim backed by the most replicas over the paths that picked it wins (a liar sets the expiration it likes,
+    so recency cannot break that tie; then the most recent). A signed claim then yields the newest entry of that
+    owner seen on any path (signatures make stale and forged ones harmless there); an unsigned claim yields exactly
+    that entry: the most recent value seen on a majority of the paths."""
     pruned = [[record.pruned(now) for record in found] for found in paths]
     merged: Record | None = None
     for found in pruned:
@@ -329,23 +331,24 @@ def resolve(paths: list[list[Record]], now: float) -> Record | None:
             merged = merge(merged, record, now)
     if merged is None:
         return None
-    picks: list[tuple[bytes, float]] = []
+    picks: list[tuple[bytes, int, float]] = []
     for found in pruned:
         pick = _pick([record.entry for record in found if record.entry is not None])
         if pick is not None:
             picks.append(pick)
     if not picks:
         return merged
-    tally: dict[bytes, list[float]] = {}
-    for claim, expiration in picks:
-        vote = tally.setdefault(claim, [0, -math.inf])
+    tally: dict[bytes, list[float]] = {}  # claim -> [paths, replicas, expiration]
+    for claim, replicas, expiration in picks:
+        vote = tally.setdefault(claim, [0, 0, -math.inf])
         vote[0] += 1
-        vote[1] = max(vote[1], expiration)
-    majority = [(vote[1], claim) for claim, vote in tally.items() if 2 * vote[0] > len(picks)]
+        vote[1] += replicas
+        vote[2] = max(vote[2], expiration)
+    majority = [(vote[2], claim) for claim, vote in tally.items() if 2 * vote[0] > len(picks)]
     if majority:
         chosen = max(majority)[1]
     else:
-        chosen = max(tally.items(), key=lambda item: (item[1][0], item[1][1]))[0]
+        chosen = max(tally.items(), key=lambda item: (item[1][0], item[1][1], item[1][2]))[0]
     entry: Entry | None = None
     for found in pruned:
         for record in found:

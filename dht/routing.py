@@ -136,7 +136,7 @@ class RoutingTable:
             if added:
                 bucket.swarmd_touched = now
                 return None
-            if bucket.has_in_range(self.node) or bucket.depth() % 5 != 0:
+            if bucket.has_in_range(self.node) or _depth(bucket) % 5 != 0:
                 low, high = bucket.range
                 middle = (low + high) // 2
                 first, second = self._new_bucket(low, middle, now), self._new_bucket(middle + 1, high, now)
@@ -151,6 +151,23 @@ class RoutingTable:
                 self.buckets[index : index + 1] = [first, second]
                 continue
             return bucket.head()
+
+    def load(self, buckets: list[tuple[int, int, list[Node]]], now: float) -> None:
+        """Replace the table by `buckets` ((low, high, contacts), in id order, covering the id space the way
+        splits would have). Why: a simulation of ten thousand nodes cannot afford to join every node through the
+        network (minutes of lookups); it builds each table as joins would have filled it. The limits are not
+        applied here: the caller chose the contacts."""
+        loaded = []
+        per_ip: Counter[str] = Counter()
+        for low, high, contacts in buckets:
+            bucket = self._new_bucket(low, high, now)
+            bucket.nodes.update((node.id, node) for node in contacts[: self.k])
+            loaded.append(bucket)
+            per_ip.update(account for account in (_ip_limited(n.ip) for n in bucket.nodes.values() if n.ip)
+                          if account is not None)
+        self.buckets = loaded
+        self._flat = None
+        self._per_ip = per_ip
 
     def remove(self, node_id: bytes) -> bool:
         """Forget a contact that failed repeatedly; its bucket promotes the freshest replacement."""
@@ -222,6 +239,15 @@ class RoutingTable:
 
     def random_ids_per_bucket(self, rng: random.Random) -> list[bytes]:
         return [_random_id(b, rng) for b in self.buckets]
+
+
+def _depth(bucket: KBucket) -> int:
+    """`KBucket.depth()` (the bits all its contacts' ids share) without building a bit string per contact: the
+    prefix every id shares is the one the smallest and the largest share."""
+    longs: list[int] = [node.long_id for node in bucket.nodes.values()]
+    if not longs:
+        return 0
+    return ID_SPACE.bit_length() - 1 - (min(longs) ^ max(longs)).bit_length()
 
 
 def _random_id(bucket: KBucket, rng: random.Random) -> bytes:

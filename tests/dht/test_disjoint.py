@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 
 import trio
-from dht_swarm import start_swarm
+from dht_swarm import start_node, start_swarm
 
 from dht import DHTConfig, records
 from dht.lookup import State, Target
@@ -114,6 +114,7 @@ def test_without_a_majority_the_claim_of_most_paths_wins():
     a, b, c = unsigned("a", 100.0), unsigned("b", 300.0), unsigned("c", 200.0)
     assert records.resolve([[a], [a], [b], [c], []], 0.0).value == "a"
     assert records.resolve([[a], [c]], 0.0).value == "c"  # a tie: the most recent
+    assert records.resolve([[a, a, a], [b], [b, b], [a]], 0.0).value == "a"  # two paths each: more replicas win
 
 
 def test_a_value_signed_by_a_liar_cannot_take_over_an_unsigned_key():
@@ -148,8 +149,7 @@ async def test_a_swarm_reads_and_writes_over_disjoint_paths_and_the_validator_fi
     config = DHTConfig(disjoint_paths=3)
     hosts = [f"n{i}" for i in range(30)]
     async with trio.open_nursery() as nursery:
-        swarm = await start_swarm(nursery, hosts, network.host, rng, config=config,
-                                  validator=lambda key_id, record: record.value != "refused")
+        swarm = await start_swarm(nursery, hosts, network.host, rng, config=config)
         expiration = swarm[0].node.now() + 3600
         for index in range(20):
             assert await rng.choice(swarm).node.store(f"key-{index}", f"old-{index}", expiration)
@@ -158,10 +158,12 @@ async def test_a_swarm_reads_and_writes_over_disjoint_paths_and_the_validator_fi
             reader = rng.choice(swarm).node
             assert (await reader.get(f"key-{index}", latest=True)).value == f"new-{index}"
             assert (await reader.get(f"key-{index}")).value == f"new-{index}"
-        writer, reader = swarm[1].node, swarm[2].node
-        assert await writer.store("bad", "refused", expiration)
-        holders = [r.node for r in swarm if r.node.local_record("bad") is not None]
-        reader = next(r.node for r in swarm if r.node not in holders)
+        assert await swarm[1].node.store("bad", "refused", expiration)
+        # with d*k = 60 replicas every server holds it; a client reader holds nothing and asks the network
+        reader = (await start_node(nursery, "reader", [swarm[0].node.address], network=network.host("reader"),
+                                   config=config, client_mode=True,
+                                   validator=lambda key_id, record: record.value != "refused")).node
+        assert (await reader.get("key-0")).value == "new-0"
         assert await reader.get("bad", latest=True) is None
         assert reader.stats()["dropped"]["rejected_record"] >= 1
         nursery.cancel_scope.cancel()
