@@ -110,7 +110,8 @@ class DHTConfig:
     heal_interval: float = 1.0  # how often the healing task re-probes failing contacts whose backoff passed
     head_check_after: float = 60.0  # a full bucket pings its oldest contact only if silent this long
     lookup_timeout: float = 10.0  # a whole lookup never takes longer
-    get_quorum: int = 3  # get(latest=False) stops after this many replicas answered with a value (per path)
+    get_quorum: int = 3  # get(latest=False) stops after this many replicas answered with a value (over d paths:
+    # each path after ceil(get_quorum / d))
     # Lookups over this many disjoint paths (S/Kademlia; see dht/lookup.py): a node is asked by one path at most,
     # and a get decides a key's own value by a vote of the paths (records.resolve). 1: plain Kademlia.
     disjoint_paths: int = 1
@@ -357,7 +358,9 @@ class DHTNode:
 
     async def get(self, key: str | bytes, latest: bool = False) -> Record | None:
         """The merged record of `key` from several replicas, or None. With `latest=True` the lookup continues
-        until every one of the k closest live replicas answered, so the newest stored value is found."""
+        until every one of the k closest live replicas answered, so the newest stored value is found. Over
+        `DHTConfig.disjoint_paths` > 1 the key's own value is the paths' vote (records.resolve); against liars,
+        `latest=True` gives every path's vote many replicas."""
         return (await self.get_many([key], latest=latest))[key]
 
     async def get_many(self, keys: Iterable[str | bytes], latest: bool = False) -> dict[Any, Record | None]:
@@ -367,7 +370,9 @@ class DHTNode:
         for key in keys:
             records.check_key(key, "get")
         ids = {key: key_id_of(key) for key in keys}
-        quorum = None if latest else self.config.get_quorum
+        # over d paths each path stops at its share of the quorum (S/Kademlia: a path ends at the value it
+        # finds), so a quick get asks about as many replicas as with one path; latest=True runs every window out
+        quorum = None if latest else max(1, math.ceil(self.config.get_quorum / self.config.disjoint_paths))
         targets: dict[bytes, Target] = {}
         key_ids = list(dict.fromkeys(ids.values()))
 
@@ -621,8 +626,14 @@ class DHTNode:
         config = self.config
         now = trio.current_time()
         targets: dict[bytes, Target] = {}
+        # A quick get (a value quorum) shares alpha among its paths (at least one query each): over d paths it
+        # costs about what one path does (bench_dht: p50 1.45x). Stores and latest=True reads give every path
+        # alpha: they must run every window out, and with one query per path the 10,000-node adversarial
+        # simulation read stale values in 5% of gets instead of none.
+        quick = want_value and quorum is not None
+        path_alpha = max(1, math.ceil(config.alpha / config.disjoint_paths)) if quick else config.alpha
         for key_id in key_ids:
-            target = Target(key_id, config.k, config.alpha, want_value=want_value, quorum=quorum,
+            target = Target(key_id, config.k, path_alpha, want_value=want_value, quorum=quorum,
                             paths=config.disjoint_paths)
             # seeded with 2k of our contacts: holders of a value answer without contacts, so a lookup whose
             # closest candidates died must still have live ones to turn to

@@ -167,3 +167,10 @@ async def test_a_swarm_reads_and_writes_over_disjoint_paths_and_the_validator_fi
         assert await reader.get("bad", latest=True) is None
         assert reader.stats()["dropped"]["rejected_record"] >= 1
         nursery.cancel_scope.cancel()
+
+
+def test_an_update_most_replicas_got_beats_the_stale_value_beside_it_but_one_liar_per_path_does_not_count():
+    old, new, forged = unsigned("v1", 100.0), unsigned("v2", 200.0), unsigned("forged", 1e9)
+    paths = [[new] * 10 + [old] * 6 + [forged], [new] * 9 + [old] * 7, [old] * 8 + [new] * 5 + [forged]]
+    assert records.resolve(paths, 0.0).value == "v2"  # v2 is seen on all three paths, v1 too: the newest wins
+    assert records.resolve([[new] * 4 + [forged]] * 3, 0.0).value == "v2"  # a fifth of a path is not "seen"
