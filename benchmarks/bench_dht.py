@@ -18,7 +18,11 @@ so by default only the first 50 of each post-kill phase run on the stock side (`
 the JSON says how many ran). "cpu p50" is the CPU time this process spent per operation: all 64 of our nodes live
 in it, so it is the whole swarm's work for one operation, and shows whether a latency is CPU-bound.
 
-Prints a table, and its last line is one JSON object (keys named in issue 3).
+Disjoint paths (issue 15): after the "get" phase, while all 64 nodes run, two client-mode readers join ours (one
+with `DHTConfig.disjoint_paths=1`, one with `--disjoint-paths`, default 4) and read the same keys alternately, one
+get at a time: `single_get_p50_ms` against `disjoint_get_p50_ms` (target: at most 2x).
+
+Prints a table, and its last line is one JSON object (keys named in issues 3 and 15).
 Usage: python benchmarks/bench_dht.py [--quick] [--skip-stock] [--skip-ours] [--seed N]
 Latencies are wall-clock: on a machine whose cores are busy with other work they grow with the CPU share this
 process gets (our 64 nodes share one process; the stock ones are spread over 8), so read them with "cpu p50".
@@ -181,6 +185,45 @@ class OursSide:
             error = type(failure).__name__
         self.results[phase].add(ok, (time.perf_counter() - begin) * 1000, error, (time.process_time() - cpu) * 1000)
 
+    async def compare_disjoint(self, nursery: trio.Nursery, paths: int, gets: list[tuple[int, int]],
+                               log: Any) -> dict[str, Any]:
+        """Two client readers, 1 and `paths` disjoint paths, read the same keys alternately (same load)."""
+        from dht import DHTConfig, DHTNode
+
+        network = RealNetwork()
+
+        async def reader(d: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
+            identity = Identity.from_seed(f"bench-dht:reader:{d}".encode())
+            async with DHTNode.open(HOST, 0, [self.nodes[0].address], identity=identity, network=network,
+                                    client_mode=True, config=DHTConfig(disjoint_paths=d)) as node:
+                task_status.started(node)
+                await trio.sleep_forever()
+
+        with trio.fail_after(30):
+            readers = {1: await nursery.start(reader, 1), paths: await nursery.start(reader, paths)}
+        latencies: dict[int, list[float]] = {1: [], paths: []}
+        correct = {1: 0, paths: 0}
+        for _, key_index in gets:
+            key, value = self.plan.keys[key_index], self.plan.values[key_index]
+            for d, node in readers.items():
+                begin = time.perf_counter()
+                try:
+                    with trio.fail_after(self.op_timeout):
+                        record = await node.get(key)
+                    correct[d] += record is not None and record.value == value
+                except trio.TooSlowError:
+                    pass
+                latencies[d].append((time.perf_counter() - begin) * 1000)
+        single, disjoint = _percentile(latencies[1], 0.5), _percentile(latencies[paths], 0.5)
+        log(f"disjoint paths: get p50 {single:.2f} ms with 1 path, {disjoint:.2f} ms with {paths} "
+            f"({disjoint / single:.2f}x); correct {correct[1]}/{len(gets)} and {correct[paths]}/{len(gets)}")
+        return {"disjoint_paths": paths, "single_get_p50_ms": round(single, 3),
+                "disjoint_get_p50_ms": round(disjoint, 3),
+                "disjoint_get_p95_ms": round(_percentile(latencies[paths], 0.95), 3),
+                "disjoint_get_ratio": round(disjoint / single, 4),
+                "single_get_success": round(correct[1] / len(gets), 4),
+                "disjoint_get_success": round(correct[paths] / len(gets), 4)}
+
     async def kill(self, victims: list[int]) -> None:
         for victim in victims:
             self._scopes[victim].cancel()
@@ -241,9 +284,11 @@ class StockSide:
         await trio.lowlevel.checkpoint()
 
 
-async def run_workload(plan: Plan, sides: list[Any], stock_after_kill_ops: int, log: Any) -> None:
+async def run_workload(plan: Plan, sides: list[Any], stock_after_kill_ops: int, log: Any,
+                       disjoint: Any = None) -> None:
     """Replay the plan on every side, one operation at a time, alternating sides operation by operation, so
-    both meet the same machine load at the same moments (this machine is shared)."""
+    both meet the same machine load at the same moments (this machine is shared). `disjoint` runs between the
+    "get" phase and the first kill (the swarm still whole)."""
 
     async def phase(name: str, operations: list[tuple[int, int]]) -> None:
         started = time.perf_counter()
@@ -256,6 +301,8 @@ async def run_workload(plan: Plan, sides: list[Any], stock_after_kill_ops: int, 
 
     await phase("store", plan.stores)
     await phase("get", plan.gets["get"])
+    if disjoint is not None:
+        await disjoint()
     for side in sides:
         await side.kill(plan.kills[0])
     await phase("get_after_kill", plan.gets["get_after_kill"])
@@ -303,6 +350,7 @@ def check_targets(figures: dict[str, float], log: Any) -> None:
         ("ours_get_p95_after_kill_ms", "<=", 25.0),
         ("ours_get_p99_after_kill_ms", "<=", 250.0),
         ("ours_get_success_after_half_killed", ">=", 0.99),
+        ("disjoint_get_ratio", "<=", 2.0),
     ]
     log("")
     for key, relation, bound in targets:
@@ -325,6 +373,7 @@ async def main_async(args: argparse.Namespace) -> None:
     figures: dict[str, Any] = {"nodes": args.nodes, "ops_per_phase": args.ops, "killed_per_round": len(plan.kills[0])}
     after_kill_ops = min(args.stock_after_kill_ops or args.ops, args.ops)
     sides: list[Any] = []
+    disjoint = None
     started = time.perf_counter()
     async with AsyncExitStack() as stack:
         nursery = await stack.enter_async_context(trio.open_nursery())
@@ -332,12 +381,15 @@ async def main_async(args: argparse.Namespace) -> None:
             ours = OursSide(plan, args.op_timeout)
             await ours.start(nursery, args.seed, log)
             sides.append(ours)
+            if args.disjoint_paths > 1:
+                async def disjoint() -> None:
+                    figures.update(await ours.compare_disjoint(nursery, args.disjoint_paths, plan.gets["get"], log))
         if not args.skip_stock:
             stock = StockSide(plan, args.stock_op_timeout, args.per_process)
             await stock.start(stack, args.seed, log)
             sides.append(stock)
             figures["stock_ops_after_kill"] = after_kill_ops
-        await run_workload(plan, sides, after_kill_ops, log)
+        await run_workload(plan, sides, after_kill_ops, log, disjoint)
         nursery.cancel_scope.cancel()
     log(f"workload done in {time.perf_counter() - started:.1f} s")
     for side in sides:
@@ -366,6 +418,8 @@ def main() -> None:
         "--stock-after-kill-ops", type=int, default=50,
         help="stock gets per post-kill phase (its gets wait out 5 s timeouts: 200 take ~16 min; 0 = --ops)",
     )
+    parser.add_argument("--disjoint-paths", type=int, default=4,
+                        help="paths of the disjoint-path reader compared with a 1-path one (1: skip that phase)")
     parser.add_argument("--skip-stock", action="store_true")
     parser.add_argument("--skip-ours", action="store_true")
     args = parser.parse_args()

@@ -286,3 +286,92 @@ def record_for_store(
     if size > MAX_RECORD_BYTES:
         raise ValueTooLarge(size, MAX_RECORD_BYTES)
     return record
+
+
+# ------------------------------------------------------------------------------------ reading over disjoint paths
+
+
+def _claim(entry: Entry) -> bytes:
+    """What a replica's key entry votes for: its owner when signed (the newest entry of that owner is taken
+    later), the exact value and expiration when unsigned."""
+    return pack(["owner", entry.owner] if entry.owner is not None else ["plain", entry.value, entry.expiration_time])
+
+
+def _pick(entries: list[Entry]) -> tuple[bytes, int, float] | None:
+    """The claim most of `entries` make (ties: the one with the most recent entry), with how many made it and
+    its expiration."""
+    votes: dict[bytes, list[float]] = {}
+    for entry in entries:
+        vote = votes.setdefault(_claim(entry), [0, -math.inf])
+        vote[0] += 1
+        vote[1] = max(vote[1], entry.expiration_time)
+    if not votes:
+        return None
+    claim, (count, expiration) = max(votes.items(), key=lambda item: (item[1][0], item[1][1]))
+    return claim, int(count), expiration
+
+
+def resolve(paths: list[list[Record]], now: float) -> Record | None:
+    """What a reader believes after a lookup over disjoint paths (`paths`: the records each path's replicas
+    returned).
+
+    Subkey entries merge across every path as usual (`merge`). The key's own entry is decided by vote, because
+    nothing stops a liar from answering with any unsigned value and any expiration, or with a value signed by a key
+    of its own (an owned entry beats an unowned one in `merge`). Each path first picks the claim most of its
+    replicas make -- an owner for signed entries, the exact (value, expiration) for unsigned ones. A claim counts as
+    seen on a path when more than a third of the path's replicas make it (one liar among honest replicas is not
+    enough; honest replicas that missed the latest write still are), and the reader takes the most recent claim
+    seen on a majority of the paths that answered: an update that reached most replicas beats the stale value
+    next to it, and a forged value needs most paths captured. When no claim is seen on a majority, the claim most
+    paths picked wins; a tie there goes to the claim backed by the most replicas over those paths (a liar sets
+    the expiration it likes, so recency cannot break it; then the most recent). A signed claim then yields the
+    newest entry of that owner seen on any path (signatures make stale and forged ones harmless there); an unsigned
+    claim yields exactly that entry."""
+    pruned = [[record.pruned(now) for record in found] for found in paths]
+    merged: Record | None = None
+    for found in pruned:
+        for record in found:
+            merged = merge(merged, record, now)
+    if merged is None:
+        return None
+    picks: list[tuple[bytes, int, float]] = []
+    for found in pruned:
+        pick = _pick([record.entry for record in found if record.entry is not None])
+        if pick is not None:
+            picks.append(pick)
+    if not picks:
+        return merged
+    tally: dict[bytes, list[float]] = {}  # claim -> [paths, replicas, expiration]
+    for claim, replicas, expiration in picks:
+        vote = tally.setdefault(claim, [0, 0, -math.inf])
+        vote[0] += 1
+        vote[1] += replicas
+        vote[2] = max(vote[2], expiration)
+    # "seen" on a path: made by more than a third of the path's replicas that returned an entry
+    seen_on: dict[bytes, list[float]] = {}  # claim -> [paths, expiration]
+    for found in pruned:
+        entries = [record.entry for record in found if record.entry is not None]
+        counts: dict[bytes, list[float]] = {}
+        for reported in entries:
+            count = counts.setdefault(_claim(reported), [0, -math.inf])
+            count[0] += 1
+            count[1] = max(count[1], reported.expiration_time)
+        for claim, (count_seen, expiration) in counts.items():
+            if 3 * count_seen > len(entries):
+                seen = seen_on.setdefault(claim, [0, -math.inf])
+                seen[0] += 1
+                seen[1] = max(seen[1], expiration)
+    majority = [(seen[1], claim) for claim, seen in seen_on.items() if 2 * seen[0] > len(picks)]
+    if majority:
+        chosen = max(majority)[1]  # the most recent claim seen on a majority of the paths
+    else:
+        chosen = max(tally.items(), key=lambda item: (item[1][0], item[1][1], item[1][2]))[0]
+    entry: Entry | None = None
+    for found in pruned:
+        for record in found:
+            if record.entry is not None and _claim(record.entry) == chosen:
+                if entry is None or record.entry.expiration_time > entry.expiration_time:
+                    entry = record.entry
+    stock = entry is not None and not merged.subkeys and entry.owner is None and entry.expiration_time == math.inf
+    result = Record(entry, dict(merged.subkeys), stock=stock)
+    return None if result.empty() else result

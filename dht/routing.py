@@ -4,25 +4,92 @@
 tasks under trio; here `add` only reports which contact should be probed and the trio driver does the probing.
 A full bucket keeps newcomers in its replacement cache (`KBucket.replacement_nodes`), and a contact leaves the
 table only after repeated failures (the driver calls `remove` then); the freshest replacement takes its place.
+
+Limits against cheap Sybils (`TableLimits`; S/Kademlia and the eclipse defences of Kad and Ethereum's discv4):
+anyone can make many node ids, but addresses and id positions cost more. So one IP (an IPv6 /64) holds at most
+`per_ip_bucket` contacts of a bucket and `per_ip` of the whole table, and one bucket holds at most `per_prefix`
+contacts whose ids fall in the same 1/2^prefix_bits slice of the bucket's range (honest ids spread evenly; a
+Sybil swarm aimed at one region does not). Loopback addresses are exempt (a swarm on one machine), as are the
+in-memory network's host names. With `difficulty > 0` a contact must also carry proof of work (`has_work`): its
+id, the hash of its public key, must hash to `difficulty` leading zero bits, which costs its maker about
+2^difficulty key generations (`identity_with_work`). A refused contact is counted in `refused` and never enters
+the table or its replacement cache.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import heapq
+import ipaddress
 import random
+from collections import Counter
+from dataclasses import dataclass
 
 from kademlia.node import Node
 from kademlia.routing import KBucket
 
+from dht.storage import ip_account
+from peer.p2p.identity import Identity
+
 ID_SPACE = 2**160
+_WORK_DOMAIN = b"swarmd-dht-id-work-v1"
+
+
+def work_bits(node_id: bytes) -> int:
+    """Leading zero bits of sha256(domain + node id): the proof of work an id carries."""
+    digest = int.from_bytes(hashlib.sha256(_WORK_DOMAIN + bytes(node_id)).digest(), "big")
+    return 256 - digest.bit_length()
+
+
+def has_work(node_id: bytes, difficulty: int) -> bool:
+    return difficulty <= 0 or work_bits(node_id) >= difficulty
+
+
+def identity_with_work(difficulty: int, max_tries: int = 1 << 24) -> Identity:
+    """A fresh identity whose PeerID carries `difficulty` bits of work (about 2^difficulty key generations)."""
+    for _ in range(max_tries):
+        identity = Identity.generate()
+        if has_work(identity.peer_id, difficulty):
+            return identity
+    raise ValueError(f"no identity with {difficulty} bits of work in {max_tries} tries")
+
+
+@functools.lru_cache(maxsize=65536)
+def _ip_limited(host: str) -> str | None:
+    """The account an address counts against, or None when it is exempt (loopback, in-memory host names)."""
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:
+        return None
+    return ip_account(host)
+
+
+@dataclass(frozen=True)
+class TableLimits:
+    """See the module docstring; None switches a limit off."""
+
+    per_ip_bucket: int | None = 2
+    per_ip: int | None = 10
+    per_prefix: int | None = 10
+    prefix_bits: int = 3
+    difficulty: int = 0
+
+
+NO_LIMITS = TableLimits(None, None, None)
 
 
 class RoutingTable:
-    def __init__(self, node_id: bytes, k: int = 20, now: float = 0.0):
+    def __init__(self, node_id: bytes, k: int = 20, now: float = 0.0, limits: TableLimits = NO_LIMITS,
+                 refused: Counter[str] | None = None):
         self.node = Node(node_id)
         self.k = k
+        self.limits = limits
+        self.refused = refused if refused is not None else Counter()
         self.buckets: list[KBucket] = [self._new_bucket(0, ID_SPACE, now)]
         self._flat: list[tuple[int, Node]] | None = None  # (long_id, node) of every contact; None = stale
+        self._per_ip: Counter[str] = Counter()  # contacts (not replacements) per limited IP account
 
     def _new_bucket(self, low: int, high: int, now: float) -> KBucket:
         bucket = KBucket(low, high, self.k)
@@ -55,15 +122,21 @@ class RoutingTable:
         the newcomer waits in the replacement cache meanwhile."""
         if node.id == self.node.id:
             return None
+        if self.get(node.id) is None and not self._admissible(node):
+            return None
         while True:
             index = self.bucket_index(node.long_id)
             bucket = self.buckets[index]
             if node.id not in bucket.nodes:
                 self._flat = None
-            if bucket.add_node(node):
+            before = set(bucket.nodes)
+            added = bucket.add_node(node)
+            if node.id not in before and node.id in bucket.nodes:
+                self._count(node, 1)
+            if added:
                 bucket.swarmd_touched = now
                 return None
-            if bucket.has_in_range(self.node) or bucket.depth() % 5 != 0:
+            if bucket.has_in_range(self.node) or _depth(bucket) % 5 != 0:
                 low, high = bucket.range
                 middle = (low + high) // 2
                 first, second = self._new_bucket(low, middle, now), self._new_bucket(middle + 1, high, now)
@@ -79,15 +152,73 @@ class RoutingTable:
                 continue
             return bucket.head()
 
+    def load(self, buckets: list[tuple[int, int, list[Node]]], now: float) -> None:
+        """Replace the table by `buckets` ((low, high, contacts), in id order, covering the id space the way
+        splits would have). Why: a simulation of ten thousand nodes cannot afford to join every node through the
+        network (minutes of lookups); it builds each table as joins would have filled it. The limits are not
+        applied here: the caller chose the contacts."""
+        loaded = []
+        per_ip: Counter[str] = Counter()
+        for low, high, contacts in buckets:
+            bucket = self._new_bucket(low, high, now)
+            bucket.nodes.update((node.id, node) for node in contacts[: self.k])
+            loaded.append(bucket)
+            per_ip.update(account for account in (_ip_limited(n.ip) for n in bucket.nodes.values() if n.ip)
+                          if account is not None)
+        self.buckets = loaded
+        self._flat = None
+        self._per_ip = per_ip
+
     def remove(self, node_id: bytes) -> bool:
         """Forget a contact that failed repeatedly; its bucket promotes the freshest replacement."""
         node = Node(node_id)
         bucket = self.buckets[self.bucket_index(node.long_id)]
         present = node_id in bucket.nodes or node_id in bucket.replacement_nodes
+        before = dict(bucket.nodes)
         if node_id in bucket.nodes:
             self._flat = None
         bucket.remove_node(node)
+        for gone in before.keys() - bucket.nodes.keys():
+            self._count(before[gone], -1)
+        for promoted in bucket.nodes.keys() - before.keys():
+            self._count(bucket.nodes[promoted], 1)
         return present
+
+    # -------------------------------------------------------------------------------------------- Sybil limits
+
+    def _count(self, node: Node, delta: int) -> None:
+        account = _ip_limited(node.ip) if node.ip is not None else None
+        if account is not None:
+            self._per_ip[account] += delta
+            if self._per_ip[account] <= 0:
+                del self._per_ip[account]
+
+    def _admissible(self, node: Node) -> bool:
+        """A contact new to the table passes the limits (module docstring); a refusal is counted."""
+        limits = self.limits
+        if limits.difficulty > 0 and not has_work(node.id, limits.difficulty):
+            self.refused["table_insufficient_work"] += 1
+            return False
+        bucket = self.buckets[self.bucket_index(node.long_id)]
+        account = _ip_limited(node.ip) if node.ip is not None else None
+        if account is not None:
+            if limits.per_ip is not None and self._per_ip[account] >= limits.per_ip:
+                self.refused["table_ip_limit"] += 1
+                return False
+            if limits.per_ip_bucket is not None:
+                same = sum(1 for c in bucket.nodes.values() if c.ip is not None and _ip_limited(c.ip) == account)
+                if same >= limits.per_ip_bucket:
+                    self.refused["table_ip_limit"] += 1
+                    return False
+        if limits.per_prefix is not None:
+            low, high = bucket.range
+            shift = max(0, (high - low + 1).bit_length() - 1 - limits.prefix_bits)
+            slice_of = (node.long_id - low) >> shift
+            same = sum(1 for c in bucket.nodes.values() if (c.long_id - low) >> shift == slice_of)
+            if same >= limits.per_prefix:
+                self.refused["table_prefix_limit"] += 1
+                return False
+        return True
 
     def touch(self, target_id: bytes, now: float) -> None:
         """A lookup for `target_id` ran: its bucket needs no refresh for a while."""
@@ -108,6 +239,15 @@ class RoutingTable:
 
     def random_ids_per_bucket(self, rng: random.Random) -> list[bytes]:
         return [_random_id(b, rng) for b in self.buckets]
+
+
+def _depth(bucket: KBucket) -> int:
+    """`KBucket.depth()` (the bits all its contacts' ids share) without building a bit string per contact: the
+    prefix every id shares is the one the smallest and the largest share."""
+    longs: list[int] = [node.long_id for node in bucket.nodes.values()]
+    if not longs:
+        return 0
+    return ID_SPACE.bit_length() - 1 - (min(longs) ^ max(longs)).bit_length()
 
 
 def _random_id(bucket: KBucket, rng: random.Random) -> bytes:

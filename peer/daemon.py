@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import trio
 
-from dht.node import DHTNode
+from dht.node import DHTConfig, DHTNode
 from moe.experts import OptimizerConfig, make_expert
 from moe.grid import GridPattern, InvalidUID, expand_pattern
 from moe.server import CallerPolicy, ExpertServer, choose_uids, read_peer_list
@@ -99,6 +99,7 @@ class DaemonConfig:
     no_relay: bool = _JOIN["no_relay"]
     trainers: Path | None = _JOIN["trainers"]
     forward_from: Path | None = _JOIN["forward_from"]
+    dht_disjoint_paths: int = _JOIN["dht_disjoint_paths"]
 
 
 @dataclass
@@ -276,7 +277,8 @@ class Daemon:
                 try:
                     dht = await stack.enter_async_context(DHTNode.open(
                         host, address[1], peers, identity=self.identity, network=self.network,
-                        client_mode=client_first, swarm_key=self.swarm_key))
+                        client_mode=client_first, swarm_key=self.swarm_key,
+                        config=DHTConfig(disjoint_paths=config.dht_disjoint_paths)))
                 except OSError as error:
                     raise StartupError(f"cannot open UDP {host}:{address[1]} for the DHT: "
                                        f"{error.strerror or error}") from None

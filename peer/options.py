@@ -530,6 +530,9 @@ JOIN = OptionSet("peer join", [
     Option("relay-rate", POSITIVE, 16.0, "MB/s (10^6 bytes) one relayed circuit may carry", metavar="MB_S"),
     Option("relay-total-rate", POSITIVE, 64.0, "MB/s all relayed circuits together may carry", metavar="MB_S"),
     Option("no-relay", SWITCH, False, "offer no relay service, even when public"),
+    Option("dht-disjoint-paths", POSITIVE_INT, 1, "look keys up over this many disjoint paths (S/Kademlia: no peer "
+           "is asked by two paths; a key's unsigned value is the one most paths agree on), so lying or colluding "
+           "DHT peers must capture most paths to mislead this peer; 1: plain Kademlia", metavar="D"),
 ])
 
 # ------------------------------------------------------------------------------------------------------- status

@@ -54,6 +54,7 @@ TABLE: dict[str, dict[str, tuple]] = {
         "swarm-key": PATH, "allow-peers": PATH,
         "relay-limit": POSITIVE_INT, "relay-rate": POSITIVE, "relay-total-rate": POSITIVE, "no-relay": SWITCH,
         "trainers": PATH, "forward-from": PATH, "clip-grad-norm": NOT_NEGATIVE,
+        "dht-disjoint-paths": POSITIVE_INT,
     },
     "status": {"initial-peers": ADDRESS, "json": SWITCH, "timeout": POSITIVE, "insecure-transport": SWITCH,
                "swarm-key": PATH},
