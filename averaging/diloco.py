@@ -368,6 +368,19 @@ class DiLoCoOptimizer:
                 return progress, False
             await trio.sleep(self.tracker.min_refresh)
 
+    def _match_only_my_outer_step(self) -> None:
+        """Matchmake under a schema that includes the outer step: only trainers at the same outer step can form a
+        group. Why: pseudo-gradients are relative to the outer parameters of one outer step; a trainer still
+        matchmaking for step k (it reached the averager late) would otherwise join a group of step k+1, mix
+        pseudo-gradients of two bases and leave the rounds and outer steps of its members out of phase (seen in
+        the process test on a loaded machine: a group of four at steps 2 and 3, and one trainer ending at outer
+        step 11). The group key stays the same, so the matchmaker's memory of who averages under it (its
+        patience for stragglers) carries over from step to step."""
+        matchmaker = self.averager.matchmaker
+        assert matchmaker is not None, "the averager serves while the optimizer is open"
+        step = hashlib.sha256(self.averager.schema + b"|diloco-outer-step|%d" % self.outer_step)
+        matchmaker.schema = step.digest()[:len(self.averager.schema)]
+
     async def _outer_round(self, weight: float) -> tuple[str, float]:
         """Steps 1-2 of the module doc; returns (what happened, seconds): "averaged" (self.pseudo holds the
         group mean), "solo" (nobody else trains: self.pseudo is our own), "skipped" (others exist, no group:
@@ -382,17 +395,28 @@ class DiLoCoOptimizer:
         if behind or (others and self._canonical(progress, self.outer_step)[0] != self.hash):
             if await self._resync(progress):
                 return "resynced", trio.current_time() - started
-        result: StepResult = await self.averager.step(weight=weight, timeout=self.averaging_timeout)
+        self._last_group = []
+        self._match_only_my_outer_step()
+        # the trainers of my outer step that said they are ready come to the averager now: the matchmaker holds
+        # out for them (a first round under the key has no memory of who averages there; on a loaded machine
+        # the first declarations seen then were cut into partial groups)
+        ready = 1 + sum(1 for p in others if p.epoch == self.outer_step and p.info.get("ready") == self.outer_step)
+        result: StepResult = await self.averager.step(weight=weight, timeout=self.averaging_timeout, expected=ready)
         self._stats["rounds"] += 1
         self._count_traffic(result)
-        if result.group is not None and result.group_size >= 2:
+        logger.info("diloco: outer step %d: group of %d, %s%s", self.outer_step, result.group_size,
+                    "averaged" if result.finished else "not averaged", f" ({result.reason})" if result.reason else "")
+        if result.group is not None and result.group_size >= 2 and result.finished:
             sizes = self._stats["group_sizes"]
             sizes[result.group_size] = sizes.get(result.group_size, 0) + 1
             self.tracker.note_group(list(result.group.peer_ids))
             self._last_group = [bytes(p) for p in result.group.peer_ids]
             outcome = "averaged"
         else:
-            outcome = "skipped" if others else "solo"
+            # a group whose all-reduce did not average every part (a member lost and its part not retried, or
+            # the deadline) leaves other values here than the members that finished hold: apply nothing, the
+            # agreement after the round downloads the outer step from one of those
+            outcome = "skipped" if others or result.group is not None else "solo"
         return outcome, trio.current_time() - started
 
     async def _interruptible_round(self, weight: float) -> tuple[str, float]:

@@ -46,8 +46,6 @@ def _result(process: PeerProcess, timeout: float = 300.0) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="known defect, issue 13 open: in a CI run one of the four processes ended "
-                   "at outer step 11 instead of 10 (outer steps {10, 11}); not yet traced")
 def test_four_trainer_processes_agree_and_match_reference_nesterov(processes, tmp_path):
     address = _daemon(processes)
     env = {"SWARMD_DILOCO_TRACE": str(tmp_path)}
