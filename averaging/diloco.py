@@ -264,7 +264,8 @@ class DiLoCoOptimizer:
         chosen outer step is being sent, so a test can SIGKILL it at exactly that moment."""
         if name == "chunk_pushed" and self._hold_at == self.outer_step and not self._held:
             self._held = True
-            sys.stdout.write('{"event": "diloco_hold", "outer_step": %d}\n' % self.outer_step)
+            sys.stdout.write('{"event": "diloco_hold", "outer_step": %d, "phase": "%s", "part": %d}\n'
+                             % (self.outer_step, name, int(info.get("part", -1))))
             sys.stdout.flush()
             time.sleep(3600)  # blocks the trio thread on purpose: nothing of this trainer moves until the kill
 
