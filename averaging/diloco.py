@@ -17,11 +17,15 @@ stays local. Traffic drops by `inner_steps` times, and by 4 more with the INT8 c
 One outer step (`_outer_round`, in the swarm's trio thread):
 1. **Ready.** The trainer publishes, with its progress record (`averaging.progress`, epoch = outer step), that
    its round is done, then waits (at most `ready_timeout`) until every live trainer of its outer step is ready:
-   they then reach the averager together and form one group.
+   they then reach the averager together and form one group: the matchmaker is told how many are ready (it
+   holds out for them) and matches under a schema that includes the outer step, so trainers of different outer
+   steps never share a group.
 2. **Average.** The pseudo-gradients go through the existing averager (`averaging.averager.Averager`), which
    weighs them by samples; a member lost mid all-reduce is excluded and the survivors' mean renormalised (see
-   `averaging.allreduce`). With a lossy codec the pseudo-gradient is compressed before it is sent and, with
-   error feedback, what the codec lost is added to the next round's pseudo-gradient.
+   `averaging.allreduce`). Only a fully averaged round is applied (one with parts left at local values is
+   skipped; step 4 then downloads the outer step from a member that finished it). With a lossy codec the
+   pseudo-gradient is compressed before it is sent and, with error feedback, what the codec lost is added to
+   the next round's pseudo-gradient.
 3. **Apply.** The outer optimizer steps on the average; local parameters are reset to the outer ones; the outer
    step number goes up and the hash of the outer state (parameters + outer optimizer state) is published.
    The codec is deterministic and the reducer of each part keeps the decoded mean it serves, so every member of

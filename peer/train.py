@@ -552,8 +552,8 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
             if stop.requested:
                 return False
             if outer_target:
-                return optimizer.outer_step < outer_target and step < step_limit
-            return step < args.steps
+                return bool(optimizer.outer_step < outer_target) and step < step_limit
+            return bool(step < args.steps)
 
         while training_continues():
             x, y = batches.next()
