@@ -17,11 +17,15 @@ stays local. Traffic drops by `inner_steps` times, and by 4 more with the INT8 c
 One outer step (`_outer_round`, in the swarm's trio thread):
 1. **Ready.** The trainer publishes, with its progress record (`averaging.progress`, epoch = outer step), that
    its round is done, then waits (at most `ready_timeout`) until every live trainer of its outer step is ready:
-   they then reach the averager together and form one group.
+   they then reach the averager together and form one group: the matchmaker is told how many are ready (it
+   holds out for them) and matches under a schema that includes the outer step, so trainers of different outer
+   steps never share a group.
 2. **Average.** The pseudo-gradients go through the existing averager (`averaging.averager.Averager`), which
    weighs them by samples; a member lost mid all-reduce is excluded and the survivors' mean renormalised (see
-   `averaging.allreduce`). With a lossy codec the pseudo-gradient is compressed before it is sent and, with
-   error feedback, what the codec lost is added to the next round's pseudo-gradient.
+   `averaging.allreduce`). Only a fully averaged round is applied (one with parts left at local values is
+   skipped; step 4 then downloads the outer step from a member that finished it). With a lossy codec the
+   pseudo-gradient is compressed before it is sent and, with error feedback, what the codec lost is added to
+   the next round's pseudo-gradient.
 3. **Apply.** The outer optimizer steps on the average; local parameters are reset to the outer ones; the outer
    step number goes up and the hash of the outer state (parameters + outer optimizer state) is published.
    The codec is deterministic and the reducer of each part keeps the decoded mean it serves, so every member of
@@ -267,7 +271,8 @@ class DiLoCoOptimizer:
         chosen outer step is being sent, so a test can SIGKILL it at exactly that moment."""
         if name == "chunk_pushed" and self._hold_at == self.outer_step and not self._held:
             self._held = True
-            sys.stdout.write('{"event": "diloco_hold", "outer_step": %d}\n' % self.outer_step)
+            sys.stdout.write('{"event": "diloco_hold", "outer_step": %d, "phase": "%s", "part": %d}\n'
+                             % (self.outer_step, name, int(info.get("part", -1))))
             sys.stdout.flush()
             time.sleep(3600)  # blocks the trio thread on purpose: nothing of this trainer moves until the kill
 
@@ -371,6 +376,19 @@ class DiLoCoOptimizer:
                 return progress, False
             await trio.sleep(self.tracker.min_refresh)
 
+    def _match_only_my_outer_step(self) -> None:
+        """Matchmake under a schema that includes the outer step: only trainers at the same outer step can form a
+        group. Why: pseudo-gradients are relative to the outer parameters of one outer step; a trainer still
+        matchmaking for step k (it reached the averager late) would otherwise join a group of step k+1, mix
+        pseudo-gradients of two bases and leave the rounds and outer steps of its members out of phase (seen in
+        the process test on a loaded machine: a group of four at steps 2 and 3, and one trainer ending at outer
+        step 11). The group key stays the same, so the matchmaker's memory of who averages under it (its
+        patience for stragglers) carries over from step to step."""
+        matchmaker = self.averager.matchmaker
+        assert matchmaker is not None, "the averager serves while the optimizer is open"
+        step = hashlib.sha256(self.averager.schema + b"|diloco-outer-step|%d" % self.outer_step)
+        matchmaker.schema = step.digest()[:len(self.averager.schema)]
+
     async def _outer_round(self, weight: float) -> tuple[str, float]:
         """Steps 1-2 of the module doc; returns (what happened, seconds): "averaged" (self.pseudo holds the
         group mean), "solo" (nobody else trains: self.pseudo is our own), "skipped" (others exist, no group:
@@ -385,17 +403,28 @@ class DiLoCoOptimizer:
         if behind or (others and self._canonical(progress, self.outer_step)[0] != self.hash):
             if await self._resync(progress):
                 return "resynced", trio.current_time() - started
-        result: StepResult = await self.averager.step(weight=weight, timeout=self.averaging_timeout)
+        self._last_group = []
+        self._match_only_my_outer_step()
+        # the trainers of my outer step that said they are ready come to the averager now: the matchmaker holds
+        # out for them (a first round under the key has no memory of who averages there; on a loaded machine
+        # the first declarations seen then were cut into partial groups)
+        ready = 1 + sum(1 for p in others if p.epoch == self.outer_step and p.info.get("ready") == self.outer_step)
+        result: StepResult = await self.averager.step(weight=weight, timeout=self.averaging_timeout, expected=ready)
         self._stats["rounds"] += 1
         self._count_traffic(result)
-        if result.group is not None and result.group_size >= 2:
+        logger.info("diloco: outer step %d: group of %d, %s%s", self.outer_step, result.group_size,
+                    "averaged" if result.finished else "not averaged", f" ({result.reason})" if result.reason else "")
+        if result.group is not None and result.group_size >= 2 and result.finished:
             sizes = self._stats["group_sizes"]
             sizes[result.group_size] = sizes.get(result.group_size, 0) + 1
             self.tracker.note_group(list(result.group.peer_ids))
             self._last_group = [bytes(p) for p in result.group.peer_ids]
             outcome = "averaged"
         else:
-            outcome = "skipped" if others else "solo"
+            # a group whose all-reduce did not average every part (a member lost and its part not retried, or
+            # the deadline) leaves other values here than the members that finished hold: apply nothing, the
+            # agreement after the round downloads the outer step from one of those
+            outcome = "skipped" if others or result.group is not None else "solo"
         return outcome, trio.current_time() - started
 
     async def _interruptible_round(self, weight: float) -> tuple[str, float]:

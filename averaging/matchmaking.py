@@ -132,6 +132,7 @@ class _Round:
         self.offset = offset  # DHT clock minus trio clock
         self.started = trio.current_time()
         self.expected = expected  # peers (me included) seen under this key in recent rounds
+        self.promised = 0  # peers (me included) the caller knows are on their way: waited for up to half the window
         self.seen: set[PeerID] = set()  # every peer seen under the key this round
         self.last_change = self.started  # when the set of visible peers (or of excluded ones) last changed
         self.population_reached_after: float | None = None  # seconds until every expected peer was visible
@@ -310,6 +311,8 @@ class Matchmaker:
             return True
         if waited < self.matchmaking_time / 4 and any(p not in state.view for p in state.returning):
             return True  # a peer told us it is still averaging its previous round: it is on its way
+        if visible < state.promised and waited < self.matchmaking_time / 2:
+            return True  # the caller knows these peers are on their way (`find_group`'s `expected`)
         state.patience_ran_out = True
         return False
 
@@ -387,9 +390,12 @@ class Matchmaker:
 
     # ------------------------------------------------------------------------------------------- a round
 
-    async def find_group(self, key: str, round: int, *, timeout: float | None = None) -> MatchResult:
+    async def find_group(self, key: str, round: int, *, timeout: float | None = None, expected: int = 0
+                         ) -> MatchResult:
         """Declare under `key`, assemble a group, return it (or `group=None` with a reason). Peers that fail are
-        reported in `failed_peers`, never raised."""
+        reported in `failed_peers`, never raised. `expected`: how many peers (me included) the caller knows are
+        on their way (e.g. DiLoCo trainers that said they are ready): expected like peers of recent rounds, even
+        in a first round under the key, and waited for up to half the window (not only `straggler_wait`)."""
         if self._round is not None:
             raise RuntimeError("find_group is already running on this matchmaker")
         started = trio.current_time()
@@ -397,7 +403,8 @@ class Matchmaker:
         now = self.dht.now()
         me = Declaration(self.peer_id, self.address, self.bandwidth, self.client_mode, self.schema, round,
                          now + window, now)
-        state = self._round = _Round(key, me, now - started, self._expected_population(key))
+        state = self._round = _Round(key, me, now - started, max(self._expected_population(key), expected))
+        state.promised = expected
         self.stats["attempts"] += 1
         expiration = now + window + 1.0
         try:

@@ -543,7 +543,22 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
         samples = 0
         train_started = last_line_at = time.monotonic()
         step = last_line_step = 0
-        while step < args.steps and not stop.requested:
+        # DiLoCo: the run is `--steps / --inner-steps` outer steps of the swarm, not a count of local steps. A
+        # trainer that lost a round (it re-synced by download instead of averaging) is a round behind the swarm
+        # and takes one more; one that downloaded an outer step its rounds had not reached yet is ahead and stops
+        # there. Counting local steps instead left such a trainer waiting alone for a round nobody else took
+        # (ending one outer step behind), or taking a solo outer step past the end (one ahead).
+        outer_target = args.steps // args.inner_steps if optimizer is not None and diloco else 0
+        step_limit = 2 * args.steps if outer_target else args.steps  # a bound for a trainer that keeps missing
+
+        def training_continues() -> bool:
+            if stop.requested:
+                return False
+            if outer_target:
+                return bool(optimizer.outer_step < outer_target) and step < step_limit
+            return bool(step < args.steps)
+
+        while training_continues():
             x, y = batches.next()
             try:
                 loss, accuracy = task.loss(model, x, y)
@@ -568,7 +583,8 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
                 base.zero_grad(set_to_none=True)
             samples += len(x)
             meter.update(loss.item(), accuracy)
-            if step % args.log_every == 0 or step == args.steps:
+            if (step % args.log_every == 0 or step == args.steps
+                    or (outer_target and optimizer.outer_step >= outer_target)):
                 now = time.monotonic()
                 elapsed = now - train_started
                 line = {

@@ -215,3 +215,25 @@ async def test_back_to_back_rounds_with_jitter_form_full_groups(autojump_clock, 
         assert sum(sizes.values()) == total
         assert sizes[4] == total, sizes
         nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("expected", [0, 3])
+async def test_a_promised_late_peer_is_waited_for_in_a_first_round(autojump_clock, expected):
+    """A first round under a key has no memory of who averages there: without `expected` the two peers that are
+    there seal a pair before the third (0.6 s late, after the short straggler wait) declares; told that three are
+    on their way (what DiLoCo knows from its ready records), they hold out for it, up to half the window."""
+    async with trio.open_nursery() as nursery:
+        memory, peers, makers = await _matchmakers(nursery, 3, window=2.0)
+        results = {}
+
+        async def one(index, delay):
+            await trio.sleep(delay)
+            results[index] = await makers[index].find_group("run.averaging", 0, expected=expected)
+
+        async with trio.open_nursery() as round_:
+            for index, delay in enumerate((0.0, 0.0, 0.6)):
+                round_.start_soon(one, index, delay)
+        _check_consistent(results, makers)
+        sizes = sorted(r.group.size if r.group is not None else 0 for r in results.values())
+        assert sizes == ([3, 3, 3] if expected else [0, 2, 2])
+        nursery.cancel_scope.cancel()
