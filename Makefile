@@ -26,8 +26,8 @@ run: $(STAMP)
 # Everything CI runs: static checks (ruff; mypy, strict on the foundation and the DHT), the default (fast) suite,
 # then the scenarios marked slow.
 test: lint $(STAMP)
-	$(BIN)/python -m pytest -q
-	$(BIN)/python -m pytest -q -m slow || test $$? -eq 5
+	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q -m slow --durations=15 || test $$? -eq 5
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -35,7 +35,7 @@ lint: $(STAMP)
 
 # The default suite only (a few minutes): for the edit-test loop.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 bench: $(STAMP)
 	for bench in benchmarks/bench_*.py; do $(BIN)/python $$bench || exit 1; done
