@@ -178,7 +178,7 @@ class DHTNode:
                  validator: Callable[[bytes, Record], bool] | None = None):
         if config.disjoint_paths < 1:
             raise ValueError("DHTConfig.disjoint_paths must be at least 1")
-        if not has_work(identity.peer_id, config.id_difficulty):
+        if not client_mode and not has_work(identity.peer_id, config.id_difficulty):
             raise ValueError(f"this identity's PeerID lacks the swarm's {config.id_difficulty} bits of work "
                              "(make one with dht.routing.identity_with_work)")
         self.identity = identity

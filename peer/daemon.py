@@ -35,6 +35,7 @@ import torch
 import trio
 
 from dht.node import DHTConfig, DHTNode
+from dht.routing import has_work, identity_with_work
 from moe.experts import OptimizerConfig, make_expert
 from moe.grid import GridPattern, InvalidUID, expand_pattern
 from moe.server import CallerPolicy, ExpertServer, choose_uids, read_peer_list
@@ -100,6 +101,7 @@ class DaemonConfig:
     trainers: Path | None = _JOIN["trainers"]
     forward_from: Path | None = _JOIN["forward_from"]
     dht_disjoint_paths: int = _JOIN["dht_disjoint_paths"]
+    dht_id_difficulty: int = _JOIN["dht_id_difficulty"]
 
 
 @dataclass
@@ -223,12 +225,29 @@ def interface_addresses() -> list[str]:
     return addresses
 
 
+def _identity_for(config: DaemonConfig) -> Identity:
+    """The daemon's identity: its --identity file (made on first run) or a fresh one, carrying the swarm's
+    proof-of-work bits when --dht-id-difficulty asks for them (made once, then kept in the file)."""
+    bits = config.dht_id_difficulty
+    path = config.identity
+    if path is not None and Path(path).exists():
+        identity = Identity.load(path)
+        if not has_work(identity.peer_id, bits):
+            raise StartupError(f"the identity in {path} lacks the {bits} bits of proof of work that "
+                               f"--dht-id-difficulty {bits} asks for; give a new --identity path to make one")
+        return identity
+    identity = identity_with_work(bits) if bits else Identity.generate()
+    if path is not None:
+        identity.save(path)
+    return identity
+
+
 class Daemon:
     def __init__(self, config: DaemonConfig, *, network: Network | None = None, identity: Identity | None = None):
         self.config = config
         self.network = network or RealNetwork()
         if identity is None:
-            identity = Identity.load_or_create(config.identity) if config.identity else Identity.generate()
+            identity = _identity_for(config)
         self.identity = identity
         # a private swarm's key and the allow list, read at once so a bad file stops the start with one line
         self.swarm_key, self.allowed_peers = load_membership(config.swarm_key, config.allow_peers)
@@ -278,7 +297,8 @@ class Daemon:
                     dht = await stack.enter_async_context(DHTNode.open(
                         host, address[1], peers, identity=self.identity, network=self.network,
                         client_mode=client_first, swarm_key=self.swarm_key,
-                        config=DHTConfig(disjoint_paths=config.dht_disjoint_paths)))
+                        config=DHTConfig(disjoint_paths=config.dht_disjoint_paths,
+                                         id_difficulty=config.dht_id_difficulty)))
                 except OSError as error:
                     raise StartupError(f"cannot open UDP {host}:{address[1]} for the DHT: "
                                        f"{error.strerror or error}") from None

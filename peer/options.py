@@ -533,6 +533,11 @@ JOIN = OptionSet("peer join", [
     Option("dht-disjoint-paths", POSITIVE_INT, 1, "look keys up over this many disjoint paths (S/Kademlia: no peer "
            "is asked by two paths; a key's unsigned value is the one most paths agree on), so lying or colluding "
            "DHT peers must capture most paths to mislead this peer; 1: plain Kademlia", metavar="D"),
+    Option("dht-id-difficulty", Integer(0, 24), 0, "proof-of-work PeerIDs: this peer's DHT keeps out of its "
+           "routing tables and lookups every peer whose PeerID lacks BITS leading zero bits of work, and makes its "
+           "own identity carry them (about 2^BITS key generations, once; an --identity file without them is "
+           "refused), so Sybil identities cost work; every server of the swarm should use the same value; 0: off",
+           metavar="BITS"),
 ])
 
 # ------------------------------------------------------------------------------------------------------- status

@@ -55,6 +55,7 @@ TABLE: dict[str, dict[str, tuple]] = {
         "relay-limit": POSITIVE_INT, "relay-rate": POSITIVE, "relay-total-rate": POSITIVE, "no-relay": SWITCH,
         "trainers": PATH, "forward-from": PATH, "clip-grad-norm": NOT_NEGATIVE,
         "dht-disjoint-paths": POSITIVE_INT,
+        "dht-id-difficulty": (["abc", "-1", "25", "1.5"], ['"abc"', "-1", "25", "true"], ("3", "3", 3)),
     },
     "status": {"initial-peers": ADDRESS, "json": SWITCH, "timeout": POSITIVE, "insecure-transport": SWITCH,
                "swarm-key": PATH},
