@@ -62,5 +62,6 @@ def test_centered_clip_keeps_the_clean_accuracy_and_bans_a_trainer_scaling_its_p
         assert result["accuracy"] >= clean_accuracy - 0.01, (result["accuracy"], clean_accuracy)
         assert result["banned"] == [attacker_id], result
         assert result["outer_step"] == 12  # they kept averaging among themselves after the ban
+    assert len({r["hash"] for r in attacked_results[:HONEST]}) == 1  # one outer state among the honest
     for result in wrecked_results[:HONEST]:
         assert not result["accuracy"] >= clean_accuracy - 0.2, (result["accuracy"], clean_accuracy)
