@@ -48,6 +48,12 @@ handed to a background round and inner steps go on; the averaged update is appli
 parameters keep their own latest progress on top of the new outer parameters (local = outer - own pending
 pseudo-gradient). `stats()["outer_waits"]` counts round ends that had to wait for the background round, and
 `utilization` is compute time over wall time, both from the optimizer's own clocks.
+
+Test hooks (environment variables, never CLI flags; the `*_ENV` constants below): `SWARMD_DILOCO_HOLD_AT`,
+`SWARMD_DILOCO_ANNOUNCE`, `SWARMD_DILOCO_TRACE`, `SWARMD_DILOCO_START_WITH`, and
+`SWARMD_DILOCO_SCALE_PSEUDOGRADIENT=X`, which multiplies this trainer's pseudo-gradient by X before it is sent:
+a Byzantine trainer, so tests can check that `aggregation="centered_clip"` keeps the honest trainers' accuracy
+and bans it (tests/test_train_byzantine.py).
 """
 
 from __future__ import annotations
@@ -78,6 +84,7 @@ HOLD_ENV = "SWARMD_DILOCO_HOLD_AT"  # tests: "N" blocks this trainer when its pa
 ANNOUNCE_ENV = "SWARMD_DILOCO_ANNOUNCE"  # tests: "1" writes a JSON line to stdout when an outer round starts
 TRACE_ENV = "SWARMD_DILOCO_TRACE"  # tests: a directory where every outer step is saved (torch.save, tensors only)
 START_WITH_ENV = "SWARMD_DILOCO_START_WITH"  # tests, benchmarks: "N" sets `start_with` of a `peer train` process
+SCALE_ENV = "SWARMD_DILOCO_SCALE_PSEUDOGRADIENT"  # tests: "X" makes this trainer a Byzantine one (x X before sending)
 
 T = TypeVar("T")
 
@@ -219,6 +226,7 @@ class DiLoCoOptimizer:
         self._background_result: tuple[str, float] | None = None
         self._hold_at = int(os.environ[HOLD_ENV]) if os.environ.get(HOLD_ENV, "").isdigit() else None
         self._trace = os.environ.get(TRACE_ENV) or None
+        self._scale = float(os.environ.get(SCALE_ENV) or 1.0)
         self._held = False
         self.last_progress: SwarmProgress | None = None
 
@@ -526,7 +534,7 @@ class DiLoCoOptimizer:
     def _pseudo_gradient(self, base: list[torch.Tensor]) -> None:
         with torch.no_grad():
             for pseudo, start, p in zip(self.pseudo, base, self.params):
-                pseudo.copy_(start).sub_(p.detach())
+                pseudo.copy_(start).sub_(p.detach()).mul_(self._scale)
             self.feedback.compress(self.pseudo)
 
     def _apply_outer(self) -> None:
@@ -655,7 +663,7 @@ class DiLoCoOptimizer:
         weight = float(max(1, self.round_samples))
         with torch.no_grad():
             for pseudo, delta in zip(self.pseudo, progress_since):
-                pseudo.copy_(delta)
+                pseudo.copy_(delta).mul_(self._scale)
             self.feedback.compress(self.pseudo)
         self._own_trace = [p.clone() for p in self.pseudo] if self._trace else []
         self._trace_weight = weight

@@ -637,6 +637,8 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
             result.update({key: stats[key] for key in (*DILOCO_LINE, "group_sizes", "state_loads", "resyncs",
                                                         "final_resyncs", "outer_waits", "bytes_received",
                                                         "peer_id")})
+            averaging = optimizer.averager.stats()  # Byzantine-robust aggregation: whom this trainer banned
+            result.update({key: averaging[key] for key in ("aggregation", "banned", "rejected_parts")})
         elif optimizer is not None:
             stats = optimizer.stats()
             result.update({
