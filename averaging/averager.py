@@ -299,7 +299,7 @@ class Averager:
                 return self._remember(result)
             self.counters["bytes_sent"] += outcome.bytes_sent
             self.counters["bytes_received"] += outcome.bytes_received
-            self._judge(outcome)
+            self._judge(outcome, [bytes(member.peer_id) for member in group.members])
             failed = list(dict.fromkeys([*match.failed_peers, *sorted(outcome.failed_peers)]))
             self.matchmaker.forget(failed)
             finished = outcome.fully_averaged
@@ -309,11 +309,12 @@ class Averager:
                                 trio.current_time() - allreduce_started, outcome)
             return self._remember(result)
 
-    def _judge(self, outcome: AllReduceResult) -> None:
-        """One strike per offender of this round; peers with `ban_after` strikes leave our matchmaking."""
+    def _judge(self, outcome: AllReduceResult, members: list[bytes]) -> None:
+        """One strike per offender of this round, a clean round for the other members; peers with `ban_after`
+        strikes within the strikes' window leave our matchmaking."""
         self.counters["rejected_parts"] += len(outcome.rejected_peers)
         self.counters["lying_reducers"] += len(outcome.lying_peers)
-        newly = self.strikes.record_round(outcome.rejected_peers | outcome.lying_peers)
+        newly = self.strikes.record_round(outcome.rejected_peers | outcome.lying_peers, members)
         if newly and self.matchmaker is not None:
             logger.warning("averaging: banning %s (misbehaved in %d rounds)",
                            ", ".join(PeerID(p).short() for p in sorted(newly)), self.strikes.ban_after)

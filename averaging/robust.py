@@ -195,19 +195,32 @@ def plausible(reduced: Sequence[torch.Tensor], own: Sequence[torch.Tensor] | Non
 
 @dataclass
 class Strikes:
-    """Per-peer count of rounds in which this peer saw it misbehave (its part rejected, or it lied as a reducer),
-    and the bans that follow: `ban_after` rounds with a strike. A local decision: strikes are never exchanged,
-    so a liar cannot get an honest peer banned by others' votes; it can only lose its own place."""
+    """Per-peer record of the rounds in which this peer saw it misbehave (its part rejected, or it lied as a
+    reducer), and the bans that follow: `ban_after` rounds with a strike among the last `window` rounds this peer
+    shared with it (0: twice `ban_after`). A local decision: strikes are never exchanged, so a liar cannot get an
+    honest peer banned by others' votes; it can only lose its own place.
+
+    Why a window, not a count over the run: an honest part is now and then rejected (in a group of three, one
+    pseudo-gradient five times the median norm happens), and over a long run a plain count would ban an honest
+    peer in the end; a liar that lies every other round still collects `ban_after` strikes within the window."""
 
     ban_after: int = 3
-    counts: dict[bytes, int] = field(default_factory=dict)
+    window: int = 0
+    counts: dict[bytes, int] = field(default_factory=dict)  # strikes within the window, per peer
     banned: set[bytes] = field(default_factory=set)
+    _history: dict[bytes, list[bool]] = field(default_factory=dict, repr=False)
 
-    def record_round(self, offenders: Iterable[bytes]) -> set[bytes]:
-        """One strike per offender for this round (however many parts it spoiled); returns the newly banned."""
+    def record_round(self, offenders: Iterable[bytes], members: Iterable[bytes] = ()) -> set[bytes]:
+        """One strike per offender for this round (however many parts it spoiled), a clean round for every other
+        member; returns the newly banned."""
+        window = self.window or 2 * self.ban_after
+        offending = set(offenders)
         new = set()
-        for peer in set(offenders):
-            self.counts[peer] = self.counts.get(peer, 0) + 1
+        for peer in offending | set(members):
+            history = self._history.setdefault(peer, [])
+            history.append(peer in offending)
+            del history[:-window]
+            self.counts[peer] = sum(history)
             if self.counts[peer] >= self.ban_after and peer not in self.banned:
                 self.banned.add(peer)
                 new.add(peer)

@@ -90,6 +90,17 @@ def test_strikes_ban_after_several_rounds_and_once():
     assert strikes.record_round([b"a", b"a", b"b"]) == set()
     assert strikes.record_round([b"a"]) == {b"a"}
     assert strikes.record_round([b"a"]) == set() and strikes.banned == {b"a"}
+    # strikes count within a window of rounds shared (2 x ban_after): rare rejections of an honest peer fade
+    strikes = Strikes(ban_after=3)
+    members = [b"honest", b"liar"]
+    for round_ in range(40):
+        honest_rejected = round_ % 5 == 0  # an honest part rejected now and then: never 3 in 6 shared rounds
+        newly = strikes.record_round([b"honest"] if honest_rejected else [], members)
+        assert b"honest" not in newly
+    assert strikes.banned == set()
+    for round_ in range(6):  # a liar lying every other round collects 3 strikes within the window
+        strikes.record_round([b"liar"] if round_ % 2 == 0 else [], members)
+    assert strikes.banned == {b"liar"}
 
 
 def test_aggregation_keyword():
