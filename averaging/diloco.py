@@ -416,7 +416,10 @@ class DiLoCoOptimizer:
         # the trainers of my outer step that said they are ready come to the averager now: the matchmaker holds
         # out for them (a first round under the key has no memory of who averages there; on a loaded machine
         # the first declarations seen then were cut into partial groups)
-        ready = 1 + sum(1 for p in others if p.epoch == self.outer_step and p.info.get("ready") == self.outer_step)
+        # (banned peers are not waited for: our matchmaking refuses them anyway)
+        banned = self.averager.strikes.banned
+        ready = 1 + sum(1 for p in others if p.epoch == self.outer_step and p.info.get("ready") == self.outer_step
+                        and bytes(p.peer_id) not in banned)
         result: StepResult = await self.averager.step(weight=weight, timeout=self.averaging_timeout, expected=ready)
         self._stats["rounds"] += 1
         self._count_traffic(result)
