@@ -8,6 +8,9 @@ address, and every dialer goes through `RPCNode.call`, which understands relayed
 setting `rpc.announce` to `relay:...` is reached through its relays everywhere, and a new relay set (one died and
 was replaced) is published by the next round of each.
 
+Every daemon (and reachable trainer) upgrades the circuits it dials or accepts by hole punching
+(`enable_punching`); `Relaying.stats()` counts direct, upgraded and relayed connections (`connections`).
+
 Trainers (`peer.client.Swarm` with a `reachability`) take part the same way (`serve_reachable`): a trainer that
 listens is checked like a daemon, and a private one holds reservations and announces its relayed address, so its
 averaging declarations and state announcements carry it and two private trainers can average with each other.
@@ -27,6 +30,7 @@ from dht.node import DHTNode
 from peer.directory import list_peers
 from peer.p2p.identity import PeerID
 from peer.p2p.net import Address
+from peer.p2p.punch import UPGRADE_TIMEOUT, UPGRADE_WINDOW, HolePuncher
 from peer.p2p.relay import is_relayed
 from peer.p2p.relay_service import RelayReservations, RelayService
 from peer.p2p.rpc import RPCNode
@@ -53,15 +57,25 @@ class Relaying:
 
     service: RelayService | None = None
     reservations: RelayReservations | None = None
+    puncher: HolePuncher | None = None  # upgrades this node's circuits, both ways (`enable_punching`)
 
     def stats(self) -> dict[str, Any] | None:
+        connections = {"connections": self.puncher.stats()} if self.puncher is not None else {}
         if self.service is not None:
-            return {"role": "relay", **self.service.stats()}
+            return {"role": "relay", **self.service.stats(), **connections}
         if self.reservations is not None:
             return {"role": "relayed", "relays": [peer.hex() for peer in self.reservations.relays],
                     "rtt_ms": {peer.hex(): round(rtt * 1000, 2) for peer, rtt in self.reservations.rtts.items()},
-                    **self.reservations.stats}
-        return None
+                    **self.reservations.stats, **connections}
+        return {"role": "none", **connections} if connections else None
+
+
+def enable_punching(rpc: RPCNode) -> HolePuncher:
+    """Every circuit `rpc` dials is first offered a hole punch (`peer.p2p.punch`): on success its calls go over
+    the direct connection and the circuit closes, otherwise they go through the relay as before."""
+    puncher = HolePuncher(rpc, timeout=UPGRADE_TIMEOUT, min_window=UPGRADE_WINDOW)
+    rpc.upgrade_circuit = puncher.upgrade
+    return puncher
 
 
 async def run_relaying(rpc: RPCNode, dht: DHTClient, reachability: Reachability, *, limit: int,
@@ -69,7 +83,7 @@ async def run_relaying(rpc: RPCNode, dht: DHTClient, reachability: Reachability,
                        task_status: trio.TaskStatus[Relaying] = trio.TASK_STATUS_IGNORED) -> None:
     """Run until cancelled; `started` with the `Relaying` once a public peer's service runs, or once a private
     peer holds its first reservation (or gave up waiting for one: it keeps trying in the background)."""
-    relaying = Relaying()
+    relaying = Relaying(puncher=enable_punching(rpc))
     async with trio.open_nursery() as nursery:
         if reachability.status == "public":
             if offer:
@@ -92,6 +106,7 @@ async def run_relaying(rpc: RPCNode, dht: DHTClient, reachability: Reachability,
             return await relay_candidates(dht, rpc.peer_id)
 
         relaying.reservations = RelayReservations(rpc, candidates, on_change=changed, want=RELAYS_WANTED)
+        relaying.reservations.answer_punch = relaying.puncher.answer
         nursery.start_soon(relaying.reservations.run)
         with trio.move_on_after(FIRST_RESERVATION_TIMEOUT):
             await relaying.reservations.wait_reserved()

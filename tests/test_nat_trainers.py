@@ -90,6 +90,8 @@ async def test_two_trainers_behind_nats_are_private_take_relays_and_average_with
         assert torch.allclose(results[f"{host}.tensor"], torch.full((64,), 2.0))
         stats = results[f"{host}.stats"]
         assert stats["connections_accepted"] == 0 and stats["circuits_accepted"] >= 1  # nothing came in directly
+        # the trainers' circuit to each other was upgraded by a hole punch (both routers MASQUERADE)
+        assert reached.relaying.stats()["connections"]["upgraded"] >= 1
 
 
 def test_swarm_with_reachability_private_announces_a_relayed_address_on_loopback():
