@@ -83,7 +83,8 @@ async def run_relaying(rpc: RPCNode, dht: DHTClient, reachability: Reachability,
                        task_status: trio.TaskStatus[Relaying] = trio.TASK_STATUS_IGNORED) -> None:
     """Run until cancelled; `started` with the `Relaying` once a public peer's service runs, or once a private
     peer holds its first reservation (or gave up waiting for one: it keeps trying in the background)."""
-    relaying = Relaying(puncher=enable_punching(rpc))
+    puncher = enable_punching(rpc)
+    relaying = Relaying(puncher=puncher)
     async with trio.open_nursery() as nursery:
         if reachability.status == "public":
             if offer:
@@ -106,7 +107,7 @@ async def run_relaying(rpc: RPCNode, dht: DHTClient, reachability: Reachability,
             return await relay_candidates(dht, rpc.peer_id)
 
         relaying.reservations = RelayReservations(rpc, candidates, on_change=changed, want=RELAYS_WANTED)
-        relaying.reservations.answer_punch = relaying.puncher.answer
+        relaying.reservations.answer_punch = puncher.answer
         nursery.start_soon(relaying.reservations.run)
         with trio.move_on_after(FIRST_RESERVATION_TIMEOUT):
             await relaying.reservations.wait_reserved()

@@ -105,6 +105,7 @@ async def gather_status(rpc: RPCNode, dht: DHTClient, *, timeout: float = 3.0,
             "reachability": (reply.get("reachability") or {}).get("status"),
             "reached": (reply.get("reachability") or {}).get("how"),
             "connections": (reply.get("relay") or {}).get("connections"),
+            "relays": (reply.get("relay") or {}).get("relays"),  # a private peer's relays (PeerIDs)
         })
         for uid in experts:
             prefix = uid.split(".")[0]
