@@ -3,6 +3,11 @@
 Why client mode: trainers are often behind NAT or on laptops; they call others (experts, averaging partners, the
 DHT) and serve nothing, so nobody routes requests to them. Synchronous PyTorch code uses the swarm through the
 bridge: `swarm.run(async_fn, ...)` blocks until the coroutine finishes in the swarm's trio thread.
+
+A trainer that should be reached (to reduce a part of an all-reduce, to hand out its state) passes a
+`reachability`: the swarm then listens, and a private trainer (found by dial-backs, or forced) holds relay
+reservations like a private daemon and announces its relayed address (`peer.relays.serve_reachable`), so two
+trainers behind NATs average with each other.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from peer.p2p.bridge import Bridge
 from peer.p2p.identity import Identity, PeerID, SwarmKey
 from peer.p2p.net import Address, Network, RealNetwork, parse_address
 from peer.p2p.rpc import RPCNode
+from peer.relays import Reached, serve_reachable
 
 T = TypeVar("T")
 
@@ -76,8 +82,13 @@ class Swarm:
         secure: bool = True,
         swarm_key: SwarmKey | str | os.PathLike[str] | None = None,
         allowed_peers: frozenset[PeerID] | None = None,
+        reachability: str | None = None,
     ):
-        """`swarm_key`: a private swarm's key, or the path of its key file (`--swarm-key`)."""
+        """`swarm_key`: a private swarm's key, or the path of its key file (`--swarm-key`). `reachability`:
+        None keeps the peer client-only (an optimizer may still open a listener); `auto`, `public` or `private`
+        makes it listen and be reached, through relays when private (`peer train --reachability`)."""
+        if reachability is not None and reachability not in ("auto", "public", "private"):
+            raise ValueError(f"reachability is auto, public, private or None, not {reachability!r}")
         self.initial_peers = normalize_peers(initial_peers)
         if not self.initial_peers:
             raise ValueError("a Swarm needs at least one initial peer (HOST:PORT of any running `peer join`)")
@@ -88,6 +99,8 @@ class Swarm:
         self.secure = secure  # False: `--insecure-transport`
         self.swarm_key = swarm_key if swarm_key is None or isinstance(swarm_key, SwarmKey) else SwarmKey.load(swarm_key)
         self.allowed_peers = allowed_peers
+        self.reachability = reachability
+        self.reached: Reached | None = None  # how the peer is reached, once started with a `reachability`
         self._bridge: Bridge | None = None
         self._nodes: tuple[RPCNode, DHTNode] | None = None
         if start:
@@ -129,8 +142,15 @@ class Swarm:
         async with open_client_peer(self.initial_peers, identity=self.identity, network=self.network,
                                     host=self.host, secure=self.secure, swarm_key=self.swarm_key,
                                     allowed_peers=self.allowed_peers) as nodes:
-            task_status.started(nodes)
-            await trio.sleep_forever()
+            if self.reachability is None:
+                task_status.started(nodes)
+                await trio.sleep_forever()
+            rpc, dht = nodes
+            async with trio.open_nursery() as nursery:
+                peers = [await self.network.resolve(peer) for peer in self.initial_peers]
+                host = self.host or client_host(peers)
+                self.reached = await nursery.start(serve_reachable, rpc, dht, host, peers, self.reachability)
+                task_status.started(nodes)
 
     def run(self, async_fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run a coroutine function in the swarm's trio thread and wait for its result."""

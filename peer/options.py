@@ -609,6 +609,10 @@ TRAIN = OptionSet("peer train", [
     Option("matchmaking-time", POSITIVE, 3.0, "seconds to wait for averaging partners", metavar="SECONDS"),
     Option("client-mode", SWITCH, False, "accept no connections (then this trainer averages only in groups holding a "
            "reachable trainer)"),
+    Option("reachability", Text(["auto", "public", "private"]), "auto", "how others reach this trainer (to average "
+           "with it, to download its state): auto: the initial peers dial it back, as for `peer join`; a private "
+           "trainer holds reservations with 2 relays and announces its relayed address, so trainers behind NATs "
+           "average with each other; public or private: skip the check. Ignored with --client-mode"),
     Option("expert-timeout", POSITIVE, 5.0, "seconds per expert call", metavar="SECONDS"),
     Option("expert-grace", NOT_NEGATIVE, 0.2, "seconds to wait for more experts once every sample has one answer",
            metavar="SECONDS"),

@@ -100,6 +100,12 @@ async def gather_status(rpc: RPCNode, dht: DHTClient, *, timeout: float = 3.0,
             "averaging_rounds": (reply.get("averaging") or {}).get("rounds"),
             "averaging_failures": (reply.get("averaging") or {}).get("failures"),
             "last_group_size": (reply.get("averaging") or {}).get("last_group_size"),
+            # public / private and how it is reached (direct, relay); its connections: direct, upgraded by a hole
+            # punch, relayed (the punch failed)
+            "reachability": (reply.get("reachability") or {}).get("status"),
+            "reached": (reply.get("reachability") or {}).get("how"),
+            "connections": (reply.get("relay") or {}).get("connections"),
+            "relays": (reply.get("relay") or {}).get("relays"),  # a private peer's relays (PeerIDs)
         })
         for uid in experts:
             prefix = uid.split(".")[0]
@@ -142,6 +148,12 @@ def format_status(status: dict[str, Any]) -> str:
         rounds = peer["averaging_rounds"] if peer["averaging_rounds"] is not None else "-"
         lines.append(f"{peer['peer_id'][:12]:<14}{peer['address']:<24}{state:<13}{uptime:>8}{table!s:>6}"
                      f"{len(peer['experts']):>9}{peer['requests_served']:>9}{failed!s:>8}{rounds!s:>6}")
+    counted = [peer["connections"] for peer in status["peers"] if peer.get("connections")]
+    if counted:
+        private = sum(peer.get("reachability") == "private" for peer in status["peers"])
+        total = {key: sum(c.get(key, 0) for c in counted) for key in ("direct", "upgraded", "relayed")}
+        lines.append(f"connections: {total['direct']} direct, {total['upgraded']} upgraded by hole punching, "
+                     f"{total['relayed']} relayed ({plural(private, 'private peer')})")
     lines.append("")
     if status["experts"]:
         lines.append("experts by prefix:")

@@ -500,7 +500,8 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
             swarm_key, allowed_peers = load_membership(getattr(args, "swarm_key", None),
                                                        getattr(args, "allow_peers", None))
             swarm = Swarm(initial_peers=peers, host=local_host_towards(peers[0]),
-                          secure=not args.insecure_transport, swarm_key=swarm_key, allowed_peers=allowed_peers)
+                          secure=not args.insecure_transport, swarm_key=swarm_key, allowed_peers=allowed_peers,
+                          reachability=None if args.client_mode else getattr(args, "reachability", "auto"))
             if not args.local_experts:
                 args = task.discover(args, swarm)
         experts_swarm = None if args.local_experts else swarm  # where the experts live (None: in this process)
@@ -648,6 +649,9 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
                 "peer_id": stats["peer_id"],
             })
             result["failed_expert_calls"] = _failed_expert_calls(model, experts_swarm)
+        if swarm is not None and swarm.reached is not None:  # how others reached this trainer (--reachability)
+            result["reachability"] = swarm.reached.reachability.stats()
+            result["relay"] = swarm.reached.relaying.stats()
         if args.checkpoint is not None:
             args.checkpoint.parent.mkdir(parents=True, exist_ok=True)
             torch.save({"model": model.state_dict(), "optimizer": base.state_dict(), "args": _plain_args(args),

@@ -132,7 +132,7 @@ async def test_a_no_relay_peer_offers_nothing_and_a_private_peer_then_stays_unre
         private, _ = await nursery.start(run_daemon, DaemonConfig(
             host="p", port=4000, experts="priv.[0:1]", hidden_dim=8, reachability="private",
             initial_peers=[("a", 4000)]), memory)
-        assert public.status()["relay"] is None and "relay" not in public._summary()
+        assert public.status()["relay"]["role"] == "none" and "relay" not in public._summary()
         assert private.relaying.reservations.relays == {}
         assert private.status()["reachability"]["how"] == "none"
         assert not relay.is_relayed(private.rpc.announced_address)

@@ -422,6 +422,16 @@ def test_an_idle_connection_is_reported_once_a_busy_one_is_looked_at_again_later
     assert alice.timeouts(500.0) == [] and alice.next_deadline() is None
 
 
+def test_the_idle_deadline_it_names_is_due_at_that_time_whatever_the_rounding():
+    """`next_deadline` is last_activity + timeout; at exactly that time the connection must be found idle (with
+    last activity at 495.435, 495.435 + 300 - 495.435 is below 300 in floats: a driver would wake up forever)."""
+    for last in (495.435, 835.765, 228.762, 0.25):
+        alice, _ = pair(idle_timeout=300.0)
+        alice.last_activity = last
+        deadline = alice.next_deadline()
+        assert deadline is not None and alice.timeouts(deadline) == [ConnectionIdle()]
+
+
 # ---------------------------------------------------------------------------------------- closing
 
 

@@ -19,12 +19,20 @@ a reused channel is refused.
 
 `PunchCoordinator` is the sans-I/O core (bytes and time in, bytes and `Dial` / `PunchFailed` out); `HolePuncher`
 is its trio driver and keeps the counts of direct, upgraded and relayed connections (`stats()`).
+
+Upgrading a relay's circuit (`HolePuncher.upgrade` on the dialing side, `answer` on the accepting one): the dialer
+starts the circuit with the 8 bytes `PREFIX` (so a peer that does not punch, whose first bytes are the RPC
+handshake's, is told apart), then both run the exchange on the raw circuit before any RPC byte. Each end knows
+the other's mapping from the relay (`Circuit.remote_observed`), not its own, so it dials that and sends it in its
+CONNECT as what the relay saw. A success hands the RPC node the punched stream with its handshake done and the
+circuit closes; a failure leaves the circuit clean at a message boundary and RPC runs on it as before.
 """
 
 from __future__ import annotations
 
 import enum
 import errno
+import logging
 import os
 import struct
 from dataclasses import dataclass
@@ -38,7 +46,10 @@ from peer.p2p.identity import PeerID
 from peer.p2p.rpc_protocol import Address, ConnectionFailed, LocalProtocolError, RemoteProtocolError
 
 if TYPE_CHECKING:
+    from peer.p2p.relay import Circuit
     from peer.p2p.rpc import RPCNode
+
+logger = logging.getLogger(__name__)
 
 VERSION = 1
 NONCE_BYTES = 16
@@ -47,6 +58,9 @@ _LENGTH = struct.Struct(">H")
 CONNECT, SYNC = "connect", "sync"
 OPERATION = "punch"
 RETRY_PAUSE = 0.05  # seconds before connecting again after a reset or a failed handshake
+PREFIX = b"SWPUNCH1"  # a dialer's first bytes on a circuit it wants upgraded (as long as the relay's MAGIC)
+UPGRADE_TIMEOUT = 2.0  # seconds for the exchange over a circuit (a dial within RPCNode.connect_timeout)
+UPGRADE_WINDOW = 1.0  # seconds of dialing at least, then the circuit is kept
 
 
 class PunchFailed(ConnectionFailed):
@@ -87,7 +101,9 @@ class PunchCoordinator:
 
     def __init__(self, local_peer: PeerID, remote_peer: PeerID, observed: Address, *, now: float,
                  timeout: float = 10.0, window_rtts: float = 4.0, min_window: float = 2.0,
-                 nonce_source: Callable[[int], bytes] = os.urandom):
+                 nonce_source: Callable[[int], bytes] = os.urandom, remote: Address | None = None):
+        """`remote`: the address to dial when known by other means (a relay observed the other end's mapping);
+        None dials the address the other end sends."""
         if local_peer == remote_peer:
             raise LocalProtocolError("a peer cannot punch a hole to itself")
         self.local_peer, self.remote_peer = local_peer, remote_peer
@@ -97,6 +113,7 @@ class PunchCoordinator:
         self.deadline = now + timeout  # for the exchange; replaced by the dial window's end once dialing
         self.nonce = nonce_source(NONCE_BYTES)
         self.remote_address: Address | None = None
+        self._known_remote = remote
         self.rtt: float | None = None
         self._remote_nonce: bytes | None = None
         self._sent_connect_at: float | None = None
@@ -160,6 +177,8 @@ class PunchCoordinator:
             if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
                 raise PunchProtocolError("a CONNECT without a nonce")
             self.remote_address = _address(message.get("addr"))
+            if self._known_remote is not None:
+                self.remote_address = self._known_remote
             self._remote_nonce = nonce
             if self.role is Role.RESPONDER:
                 self._send({"t": CONNECT, "v": VERSION, "addr": list(self.observed), "nonce": self.nonce}, now)
@@ -233,24 +252,58 @@ class HolePuncher:
         self.min_window = min_window
         self.counters = {"direct": 0, "upgraded": 0, "relayed": 0, "punch_attempts": 0, "punch_failures": 0}
 
-    def count_direct(self) -> None:
-        """A connection opened straight to the peer's address (the dial path calls this)."""
-        self.counters["direct"] += 1
-
     def stats(self) -> dict[str, int]:
-        return dict(self.counters)
+        """The counters; `direct` from the node's: connections opened or accepted without a circuit."""
+        rpc_stats = self.rpc.stats
+        direct = rpc_stats["connections_opened"] - rpc_stats["circuits_dialed"] + rpc_stats["connections_accepted"]
+        return {**self.counters, "direct": max(direct, 0)}
+
+    async def upgrade(self, circuit: "Circuit",
+                      expected_peer: PeerID) -> tuple[trio.abc.Stream, HandshakeComplete] | None:
+        """The dialing side (`RPCNode.upgrade_circuit`): ask for a punch on a fresh circuit; the direct stream
+        and its handshake, or None (the circuit stays, usable for RPC)."""
+        if circuit.remote_observed is None:  # the relay did not say where the other end is
+            self.counters["relayed"] += 1
+            return None
+        try:
+            await circuit.stream.send_all(PREFIX)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            self.counters["relayed"] += 1
+            return None
+        return await self._upgrade(circuit, expected_peer)
+
+    async def answer(self, circuit: "Circuit",
+                     expected_peer: PeerID) -> tuple[trio.abc.Stream, HandshakeComplete] | None:
+        """The accepting side, once the circuit's first bytes were `PREFIX`: as `upgrade`."""
+        if circuit.remote_observed is None:
+            self.counters["relayed"] += 1
+            return None
+        return await self._upgrade(circuit, expected_peer)
+
+    async def _upgrade(self, circuit: "Circuit",
+                       expected_peer: PeerID) -> tuple[trio.abc.Stream, HandshakeComplete] | None:
+        assert circuit.remote_observed is not None
+        try:
+            punched = await self.punch(circuit.stream, circuit.remote_observed, expected_peer,
+                                       remote=circuit.remote_observed)
+        except (PunchFailed, PunchProtocolError) as error:
+            logger.debug("circuit to %s through relay %s stays: %s", expected_peer.short(), circuit.relay.short(),
+                         error)
+            return None
+        return punched.stream, punched.handshake
 
     async def punch(self, side_channel: trio.abc.Stream, observed: Address, expected_peer: PeerID, *,
-                    local_port: int | None = None) -> Punched:
+                    local_port: int | None = None, remote: Address | None = None) -> Punched:
         """Exchange addresses with `expected_peer` over `side_channel` (a stream both hold; the caller keeps
         owning it) and connect directly; `observed` is this side's address as a third peer sees the side
         channel's mapping, `local_port` the port to punch from (default: the side channel's own). Raises
         `PunchFailed` when no direct connection authenticated in time (the caller keeps its circuit),
         `PunchProtocolError` when the other side broke the exchange. On real sockets the side channel must have
-        been opened with `Network.connect_tcp_from` (both sockets need SO_REUSEPORT to share the port)."""
+        been opened with `Network.connect_tcp_from` (both sockets need SO_REUSEPORT to share the port).
+        `remote`: the other end's address when known otherwise (see `PunchCoordinator`)."""
         self.counters["punch_attempts"] += 1
         try:
-            result = await self._punch(side_channel, observed, expected_peer, local_port)
+            result = await self._punch(side_channel, observed, expected_peer, local_port, remote)
         except (PunchFailed, PunchProtocolError):
             self.counters["punch_failures"] += 1
             self.counters["relayed"] += 1
@@ -259,10 +312,10 @@ class HolePuncher:
         return result
 
     async def _punch(self, side_channel: trio.abc.Stream, observed: Address, expected_peer: PeerID,
-                     local_port: int | None) -> Punched:
+                     local_port: int | None, remote: Address | None) -> Punched:
         port = local_port if local_port is not None else local_port_of(side_channel)
         core = PunchCoordinator(self.rpc.peer_id, expected_peer, observed, now=trio.current_time(),
-                                timeout=self.timeout, min_window=self.min_window)
+                                timeout=self.timeout, min_window=self.min_window, remote=remote)
         dial: Dial | None = None
         with trio.move_on_at(core.deadline):
             try:

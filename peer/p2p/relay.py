@@ -28,6 +28,7 @@ port the first relay's port.
 
 from __future__ import annotations
 
+import errno
 import math
 import struct
 from dataclasses import dataclass
@@ -485,6 +486,18 @@ class Circuit:
     remote_observed: Address | None
 
 
+async def connect_shareable(network: Network, address: Address) -> trio.abc.Stream:
+    """A stream to `address` whose local port a hole punch may share (SO_REUSEPORT, `Network.connect_tcp_from`
+    with port 0): a circuit's both ends open theirs so, because the punch leaves through the circuit's mapping.
+    A network that cannot bind outbound sockets gives an ordinary stream."""
+    try:
+        return await network.connect_tcp_from(address, 0)
+    except OSError as error:
+        if error.errno != errno.EOPNOTSUPP:
+            raise
+    return await network.connect_tcp(address)
+
+
 async def open_circuit(network: Network, relayed: RelayedAddress, *, source: PeerID, timeout: float) -> Circuit:
     """Ask the relays of `relayed` in order for a circuit to its target; the first that splices one wins.
     Raises the last relay's `RelayError` (typed), or `OSError` when no relay could be reached at all."""
@@ -494,7 +507,7 @@ async def open_circuit(network: Network, relayed: RelayedAddress, *, source: Pee
         stream = None
         with trio.move_on_at(deadline):
             try:
-                stream = await network.connect_tcp(address)
+                stream = await connect_shareable(network, address)
                 await stream.send_all(connect_request(relayed.target, source))
                 opened = await read_message(stream, ResponseReader())
                 return Circuit(stream, relay, address, opened.observed)

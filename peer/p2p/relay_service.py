@@ -20,7 +20,8 @@ from typing import Any, Awaitable, Callable
 
 import trio
 
-from peer.p2p import relay
+from peer.p2p import punch, relay
+from peer.p2p.handshake import HandshakeComplete
 from peer.p2p.identity import PeerID
 from peer.p2p.lifetime import owned_nursery
 from peer.p2p.net import Address, receiver_into
@@ -40,10 +41,13 @@ _TRANSPORT_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError
 
 
 def _observed(stream: trio.abc.Stream) -> Address | None:
-    """The remote end's address as this side's socket sees it (None for in-memory streams)."""
+    """The remote end's address as this side's socket sees it (an in-memory stream's `remote_address`)."""
     sock = getattr(stream, "socket", None)
+    if sock is None:
+        remote = getattr(stream, "remote_address", None)
+        return (str(remote[0]), int(remote[1])) if remote is not None else None
     try:
-        name = sock.getpeername() if sock is not None else None
+        name = sock.getpeername()
     except OSError:
         return None
     return (str(name[0]), int(name[1])) if name else None
@@ -280,6 +284,11 @@ class RelayReservations:
         self._changed = trio.Event()
         self._first = trio.Event()
         self.on_incoming: Callable[[relay.Circuit], None] | None = None  # each accepted circuit (hole punching)
+        # answers a dialer's hole-punch request on an accepted circuit (`peer.p2p.punch.HolePuncher.answer`): the
+        # direct stream and its handshake, or None to keep the circuit
+        self.answer_punch: Callable[[relay.Circuit, PeerID], Awaitable[
+            tuple[trio.abc.Stream, HandshakeComplete] | None]] = punch.HolePuncher(
+                rpc, timeout=punch.UPGRADE_TIMEOUT, min_window=punch.UPGRADE_WINDOW).answer
 
     @property
     def address(self) -> Address | None:
@@ -377,8 +386,10 @@ class RelayReservations:
                     continue
                 for offer in offers if isinstance(offers, list) else []:
                     token = offer.get("token") if isinstance(offer, dict) else None
+                    source = offer.get("source") if isinstance(offer, dict) else None
                     if isinstance(token, bytes) and len(token) == relay.TOKEN_BYTES:
-                        nursery.start_soon(self._take, peer, address, token)
+                        dialer = PeerID(source) if isinstance(source, bytes) and len(source) == 20 else None
+                        nursery.start_soon(self._take, peer, address, token, dialer)
         except RPCError as error:
             logger.info("relay %s lost: %s", peer.short(), error)
             self.stats["relay_failures"] += 1
@@ -387,12 +398,14 @@ class RelayReservations:
             self._announce()
             self._changed.set()
 
-    async def _take(self, peer: PeerID, address: Address, token: bytes) -> None:
-        """Accept one offered circuit: a fresh outbound stream to the relay, then RPC on it as if accepted."""
+    async def _take(self, peer: PeerID, address: Address, token: bytes, dialer: PeerID | None) -> None:
+        """Accept one offered circuit: a fresh outbound stream to the relay, then RPC on it as if accepted --
+        or, when the dialer asks for a hole punch first (`peer.p2p.punch.PREFIX`) and it works, on the direct
+        connection it made."""
         stream = None
         with trio.move_on_after(self.timeout):
             try:
-                stream = await self.rpc.network.connect_tcp(address)
+                stream = await relay.connect_shareable(self.rpc.network, address)
                 await stream.send_all(relay.accept_request(token))
                 opened = await relay.read_message(stream, relay.ResponseReader())
             except (*_TRANSPORT_ERRORS, relay.RelayError, relay.RelayProtocolError) as error:
@@ -404,9 +417,34 @@ class RelayReservations:
                 await trio.aclose_forcefully(stream)
             return
         self.stats["circuits_accepted"] += 1
+        circuit = relay.Circuit(stream, peer, address, opened.observed)
         if self.on_incoming is not None:
-            self.on_incoming(relay.Circuit(stream, peer, address, opened.observed))
+            self.on_incoming(circuit)
         try:
-            await self.rpc.accept(stream)
+            first = b""
+            with trio.move_on_after(self.rpc.handshake_timeout):
+                try:
+                    while len(first) < len(punch.PREFIX):
+                        data = await stream.receive_some(len(punch.PREFIX) - len(first))
+                        if not data:
+                            return
+                        first += data
+                except _TRANSPORT_ERRORS:
+                    return
+            if len(first) < len(punch.PREFIX):
+                return
+            if first != punch.PREFIX:  # a dialer that does not punch: these are its handshake's first bytes
+                await self.rpc.accept(stream, initial=first)
+                return
+            upgraded = await self.answer_punch(circuit, dialer) if dialer is not None else None
+            if upgraded is None:  # no punch here, or it failed: RPC on the circuit
+                await self.rpc.accept(stream)
+                return
+            await trio.aclose_forcefully(stream)  # the direct connection replaces the circuit
+            direct, handshake = upgraded
+            try:
+                await self.rpc.accept(direct, handshake=handshake)
+            finally:
+                await trio.aclose_forcefully(direct)
         finally:
             await trio.aclose_forcefully(stream)

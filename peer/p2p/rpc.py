@@ -398,6 +398,10 @@ class RPCNode:
         self._stream_handlers: dict[bytes, StreamHandler] = {}  # by the 8-byte prefix their streams start with
         # called with each circuit this node dials through a relay (a direct-connection upgrade can use it)
         self.on_circuit: Callable[[relay.Circuit], None] | None = None
+        # tried on each circuit this node dials, before RPC runs on it (hole punching, `peer.p2p.punch`): the
+        # direct stream and its completed handshake, or None to keep the circuit
+        self.upgrade_circuit: Callable[[relay.Circuit, PeerID], Awaitable[
+            tuple[trio.abc.Stream, HandshakeComplete] | None]] | None = None
         # called after every served call with (method, seconds, answered); set by whoever exports metrics
         self.on_served: Callable[[str, float, bool], None] | None = None
         self._connections: dict[Address, Connection] = {}
@@ -460,14 +464,22 @@ class RPCNode:
     def unregister_stream(self, prefix: bytes) -> None:
         self._stream_handlers.pop(prefix, None)
 
-    async def accept(self, stream: trio.abc.Stream) -> None:
-        """Serve RPC on a stream that reached this node another way than its listener (a relay circuit):
-        the handshake runs on it as on any accepted connection."""
+    async def accept(self, stream: trio.abc.Stream, *, initial: bytes = b"",
+                     handshake: HandshakeComplete | None = None) -> None:
+        """Serve RPC on a stream that reached this node another way than its listener (a relay circuit, or the
+        direct connection a hole punch made of one): the handshake runs on it as on any accepted connection
+        (`initial`: its first bytes, already read), or has run already (`handshake`)."""
         self.stats["circuits_accepted"] += 1
-        await self._accept(stream, dispatch=False)
+        await self._accept(stream, dispatch=False, initial=initial, handshake=handshake)
 
-    async def _accept(self, stream: trio.abc.Stream, dispatch: bool = True) -> None:
-        first = b""
+    async def _accept(self, stream: trio.abc.Stream, dispatch: bool = True, initial: bytes = b"",
+                      handshake: HandshakeComplete | None = None) -> None:
+        if handshake is not None:
+            connection = Connection(self, stream, handshake, dialed=None)
+            self._all_connections.add(connection)
+            await connection.run()
+            return
+        first = initial
         if dispatch and self._stream_handlers:  # read the prefix before our hello: it may be no RPC peer
             with trio.move_on_after(self.handshake_timeout):
                 try:
@@ -587,6 +599,11 @@ class RPCNode:
                     self.stats["circuits_dialed"] += 1
                     if self.on_circuit is not None:
                         self.on_circuit(circuit)
+                    if self.upgrade_circuit is not None:
+                        upgraded = await self.upgrade_circuit(circuit, relayed.target)
+                        if upgraded is not None:  # a direct connection: the circuit is not needed
+                            await trio.aclose_forcefully(stream)
+                            return upgraded
                 else:
                     stream = await self.network.connect_tcp(address)
             except OSError as error:

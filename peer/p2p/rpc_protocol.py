@@ -595,8 +595,11 @@ class RPCConnection:
             else:
                 self.requests[stream_id].cancelled = True
                 events.append(RequestCancelled(stream_id, expired=True))
+        # the same sum as `next_deadline`'s: `now - last_activity` at that deadline can round below the timeout,
+        # and a driver woken at it would find nothing due and wait for the same deadline again (a livelock under
+        # a mock clock, where time only moves when every task waits)
         if (self.idle_timeout is not None and not self.closed
-                and now - self.last_activity >= self.idle_timeout):
+                and now >= self.last_activity + self.idle_timeout):
             if self.busy:
                 self.last_activity = now  # a slow transfer or a long handler: look again one timeout later
             else:
