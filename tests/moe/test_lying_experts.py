@@ -58,7 +58,11 @@ def train(swarm, steps: int):
     xs = torch.randn(256, HIDDEN)
     with torch.no_grad():
         ys = teacher(xs)
-    moe = RemoteMixtureOfExperts(HIDDEN, GRID, "ffn", k_best=4, swarm=swarm, timeout_after_k_min=10.0)
+    # every reply is waited for (the run is deterministic then: same losses, same ban step, run after run); with
+    # the 10 s defaults a reply cut off on a very loaded machine changes which experts a step mixed, and the
+    # liar-vs-honest comparison below would compare two different runs (seen once in CI at load ~17)
+    moe = RemoteMixtureOfExperts(HIDDEN, GRID, "ffn", k_best=4, swarm=swarm, timeout_after_k_min=60.0,
+                                 forward_timeout=60.0, backward_timeout=60.0)
     head = nn.Linear(HIDDEN, HIDDEN)
     opt = torch.optim.Adam([*moe.parameters(), *head.parameters()], lr=0.01)
     losses, banned_at = [], None
