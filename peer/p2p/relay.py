@@ -32,7 +32,7 @@ import errno
 import math
 import struct
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import msgpack
 import trio
@@ -196,8 +196,9 @@ Request = Union[ConnectRequest, AcceptRequest]
 class _MessageReader:
     """Reads one length-prefixed message, asking for exactly the bytes it still needs (never more)."""
 
-    def __init__(self, prefix: bytes):
+    def __init__(self, prefix: bytes, malformed: Callable[[str], Exception]):
         self._prefix = prefix
+        self._malformed = malformed  # the error for bytes that are no message: ours or the remote's to answer
         self._buffer = bytearray()
         self._length: int | None = None
 
@@ -234,16 +235,13 @@ class _MessageReader:
             raise self._malformed("the message is no map")
         return message
 
-    def _malformed(self, message: str) -> Exception:
-        raise NotImplementedError
-
 
 class RequestReader(_MessageReader):
     """The relay's side of a circuit stream's first message: `MAGIC` already matched by the RPC node's dispatch
     is part of what this reads. Raises `MalformedRequest` (ours to answer) on anything invalid."""
 
     def __init__(self) -> None:
-        super().__init__(MAGIC)
+        super().__init__(MAGIC, MalformedRequest)
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> Request | None:
         message = self._feed(data)
@@ -263,16 +261,13 @@ class RequestReader(_MessageReader):
             return AcceptRequest(token)
         raise MalformedRequest(f"unknown op {str(op)[:40]!r}")
 
-    def _malformed(self, message: str) -> Exception:
-        return MalformedRequest(message)
-
 
 class ResponseReader(_MessageReader):
     """The dialer's (or accepter's) side: the relay's one response. Returns `CircuitOpened`, raises the relay's
     typed refusal (a `RelayError` subclass), or `RelayProtocolError` for a response that is none."""
 
     def __init__(self) -> None:
-        super().__init__(b"")
+        super().__init__(b"", lambda message: RelayProtocolError(f"malformed relay response: {message}"))
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> CircuitOpened | None:
         message = self._feed(data)
@@ -289,9 +284,6 @@ class ResponseReader(_MessageReader):
         if message.get("ok") is False:
             raise _error_for(message.get("code"), message.get("message", ""))
         raise RelayProtocolError("relay response without ok")
-
-    def _malformed(self, message: str) -> Exception:
-        return RelayProtocolError(f"malformed relay response: {message}")
 
 
 # ---------------------------------------------------------------------------------------------- relay core
