@@ -24,32 +24,39 @@ from peer.p2p.rpc import RPCNode
 LENGTH = struct.Struct(">H")
 
 
+async def _splice(source: trio.abc.Stream, sink: trio.abc.Stream) -> None:
+    try:
+        async for data in source:
+            await sink.send_all(data)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
+
+
+async def splice_in_pairs(waiting: list[tuple[trio.abc.Stream, trio.Event]], stream: trio.abc.Stream) -> None:
+    """A test byte relay's core, shared with tests/test_punch.py: the first connection waits in `waiting` for the
+    second, then the two are spliced both ways until either ends."""
+    if not waiting:
+        done = trio.Event()
+        waiting.append((stream, done))
+        await done.wait()
+        return
+    first, done = waiting.pop()
+    try:
+        async with trio.open_nursery() as splices:
+            splices.start_soon(_splice, first, stream)
+            splices.start_soon(_splice, stream, first)
+    finally:
+        done.set()
+
+
 async def relay(port: int) -> None:
     waiting: list[tuple[trio.abc.Stream, trio.Event]] = []
-
-    async def splice(source: trio.abc.Stream, sink: trio.abc.Stream) -> None:
-        try:
-            async for data in source:
-                await sink.send_all(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
 
     async def handler(stream: trio.SocketStream) -> None:
         host, remote_port = stream.socket.getpeername()[:2]
         payload = msgpack.packb([host, remote_port])
         await stream.send_all(LENGTH.pack(len(payload)) + payload)
-        if not waiting:
-            done = trio.Event()
-            waiting.append((stream, done))
-            await done.wait()
-            return
-        first, done = waiting.pop()
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(splice, first, stream)
-                nursery.start_soon(splice, stream, first)
-        finally:
-            done.set()
+        await splice_in_pairs(waiting, stream)
 
     print(json.dumps({"event": "relay", "port": port}), flush=True)
     await trio.serve_tcp(handler, port, host="0.0.0.0")

@@ -25,6 +25,7 @@ from peer.p2p.punch import (
 )
 from peer.p2p.rpc import RPCNode
 from peer.p2p.rpc_protocol import LocalProtocolError
+from tests.nat_punch_process import splice_in_pairs
 
 A, B = Identity.from_seed(b"punch-a"), Identity.from_seed(b"punch-b")
 LOW, HIGH = sorted([A, B], key=lambda identity: bytes(identity.peer_id))
@@ -108,27 +109,9 @@ async def byte_relay(network: MemoryNetwork, nursery: trio.Nursery) -> list:
     seen: list = []
     waiting: list = []
 
-    async def splice(source, sink) -> None:
-        try:
-            async for data in source:
-                await sink.send_all(data)
-        except trio.BrokenResourceError:
-            pass
-
     async def handler(stream) -> None:
         seen.append(stream.remote_address)
-        if not waiting:
-            other = trio.Event()
-            waiting.append((stream, other))
-            await other.wait()
-            return
-        first, done = waiting.pop()
-        try:
-            async with trio.open_nursery() as splices:
-                splices.start_soon(splice, first, stream)
-                splices.start_soon(splice, stream, first)
-        finally:
-            done.set()
+        await splice_in_pairs(waiting, stream)
 
     await nursery.start(network.host("relay").serve_tcp, handler, "relay", 7000)
     return seen
@@ -204,27 +187,9 @@ async def _loopback_relay(nursery: trio.Nursery):
     seen: list = []
     waiting: list = []
 
-    async def splice(source, sink) -> None:
-        try:
-            async for data in source:
-                await sink.send_all(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-
     async def handler(stream) -> None:
         seen.append(tuple(stream.socket.getpeername()[:2]))
-        if not waiting:
-            done = trio.Event()
-            waiting.append((stream, done))
-            await done.wait()
-            return
-        first, done = waiting.pop()
-        try:
-            async with trio.open_nursery() as splices:
-                splices.start_soon(splice, first, stream)
-                splices.start_soon(splice, stream, first)
-        finally:
-            done.set()
+        await splice_in_pairs(waiting, stream)
 
     listeners = await nursery.start(functools.partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
     return listeners[0].socket.getsockname()[:2], seen
