@@ -24,9 +24,11 @@ from peer.status import format_status, gather_status
 from tests.test_relay_daemon import run_daemon
 
 
-async def upgrade_scenario(trainer_nat: str, seed: int):
+async def upgrade_scenario(trainer_nat: str, seed: int, circuits_left: int):
     """Relays `a` and `b`; a private daemon at `home1` behind a MASQUERADE router `r1`; a trainer at `home2`
-    behind `r2` of kind `trainer_nat` calls the daemon's expert twice. Returns what both ends counted."""
+    behind `r2` of kind `trainer_nat` calls the daemon's expert twice, then waits until the relays splice
+    `circuits_left` circuits (an upgraded circuit closes a moment after the direct connection took over; the
+    scenario's deadline fails the test if it never does). Returns what both ends counted."""
     network = MemoryNetwork(latency=0.005, seed=seed)
     network.add_nat("r1", "masquerade")
     network.place_behind("home1", "r1")
@@ -58,9 +60,13 @@ async def upgrade_scenario(trainer_nat: str, seed: int):
                         assert (await info(rpc, location.address, peer, "priv.0", timeout=10))["hidden_dim"] == 8
                     outcome["trainer"] = puncher.stats()
                     outcome["trainer_rpc"] = dict(rpc.stats)
-                    # the relays' circuits: the upgraded one closed, the kept one still spliced
-                    await trio.sleep(1.0)
-                    outcome["circuits_open"] = sum(d.relaying.service.core.circuits for d in (first, second))
+                    # the relays' circuits: the upgraded one closes, the kept one is still spliced
+                    def circuits() -> int:
+                        return sum(d.relaying.service.core.circuits for d in (first, second))
+
+                    while circuits() != circuits_left:
+                        await trio.sleep(0.05)
+                    outcome["circuits_open"] = circuits()
                     outcome["private"] = private.status()["relay"]["connections"]
                     outcome["served"] = private.expert_server.stats()["requests_total"]
                     outcome["status"] = format_status(await gather_status(first.rpc, first.dht))
@@ -69,7 +75,7 @@ async def upgrade_scenario(trainer_nat: str, seed: int):
 
 
 async def test_between_two_masquerade_routers_the_circuit_is_upgraded_and_closes(autojump_clock):
-    outcome = await upgrade_scenario("masquerade", seed=31)
+    outcome = await upgrade_scenario("masquerade", seed=31, circuits_left=0)
     trainer, private = outcome["trainer"], outcome["private"]
     assert trainer["upgraded"] == 1 and trainer["relayed"] == 0 and trainer["punch_attempts"] == 1, trainer
     assert private["upgraded"] == 1 and private["relayed"] == 0, private
@@ -82,7 +88,7 @@ async def test_between_two_masquerade_routers_the_circuit_is_upgraded_and_closes
 
 
 async def test_behind_a_symmetric_nat_the_punch_fails_and_the_calls_go_through_the_relay(autojump_clock):
-    outcome = await upgrade_scenario("symmetric", seed=32)
+    outcome = await upgrade_scenario("symmetric", seed=32, circuits_left=1)
     trainer, private = outcome["trainer"], outcome["private"]
     assert trainer["upgraded"] == 0 and trainer["relayed"] == 1 and trainer["punch_failures"] == 1, trainer
     assert private["upgraded"] == 0 and private["relayed"] == 1, private
