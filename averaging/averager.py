@@ -262,10 +262,12 @@ class Averager:
 
     # ------------------------------------------------------------------------------------------- step
 
-    async def step(self, weight: float = 1.0, timeout: float | None = None, expected: int = 0) -> StepResult:
+    async def step(self, weight: float = 1.0, timeout: float | None = None, expected: int = 0,
+                   abandon: trio.Event | None = None) -> StepResult:
         """Find a group and average the registered tensors with it (in place). Never raises for other peers'
         failures: they are in the result. `timeout` bounds the whole step (matchmaking + all-reduce);
-        `expected`: peers known to be on their way (`Matchmaker.find_group`)."""
+        `expected`: peers known to be on their way; `abandon`: set when they went on without us
+        (`Matchmaker.find_group`)."""
         if self.matchmaker is None or self.allreduce_server is None:
             raise RuntimeError("use the averager inside `async with averager:` (or nursery.start(averager.serve))")
         async with self._step_lock:
@@ -274,7 +276,7 @@ class Averager:
             key, round_ = self.keys.key, self.keys.round
             self.counters["steps"] += 1
             match = await self.matchmaker.find_group(key, round_, timeout=min(self.matchmaking_time, budget),
-                                                     expected=expected)
+                                                     expected=expected, abandon=abandon)
             matchmaking_seconds = trio.current_time() - started
             if match.group is None or match.group.size < 2:
                 self.keys.on_failure()

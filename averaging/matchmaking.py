@@ -238,7 +238,7 @@ class Matchmaker:
         self.banned: set[PeerID] = set()  # see "Bans" above
         self._round: _Round | None = None
         self._last_group: tuple[str, GroupInfo] | None = None  # (key, group) of my last round, for late joiners
-        self.stats = {"attempts": 0, "groups": 0, "no_group": 0, "collected": 0, "joins_served": 0,
+        self.stats = {"attempts": 0, "groups": 0, "no_group": 0, "abandoned": 0, "collected": 0, "joins_served": 0,
                       "redirects": 0, "rejects": 0, "dead_peers": 0}
 
     def register(self) -> None:
@@ -390,12 +390,16 @@ class Matchmaker:
 
     # ------------------------------------------------------------------------------------------- a round
 
-    async def find_group(self, key: str, round: int, *, timeout: float | None = None, expected: int = 0
-                         ) -> MatchResult:
+    async def find_group(self, key: str, round: int, *, timeout: float | None = None, expected: int = 0,
+                         abandon: trio.Event | None = None) -> MatchResult:
         """Declare under `key`, assemble a group, return it (or `group=None` with a reason). Peers that fail are
         reported in `failed_peers`, never raised. `expected`: how many peers (me included) the caller knows are
         on their way (e.g. DiLoCo trainers that said they are ready): expected like peers of recent rounds, even
-        in a first round under the key, and waited for up to half the window (not only `straggler_wait`)."""
+        in a first round under the key, and waited for up to half the window (not only `straggler_wait`).
+        `abandon`: the caller sets it when it learns that the peers it came for went on without it (the
+        collaborative optimizer sees them all in a later epoch); a round that has nobody else in view then ends
+        at once without a group, instead of blocking its caller for the rest of the window. A round with company
+        goes on: somebody is here to average with."""
         if self._round is not None:
             raise RuntimeError("find_group is already running on this matchmaker")
         started = trio.current_time()
@@ -409,14 +413,21 @@ class Matchmaker:
         expiration = now + window + 1.0
         try:
             with trio.move_on_at(started + window + self._grace()):
+                result: MatchResult | None = None
                 async with trio.open_nursery() as nursery:
                     # Declaring runs beside gathering: live replicas have the declaration after one round trip,
                     # while the store call itself may wait out a dead replica's timeout.
                     nursery.start_soon(self._declare, key, me, expiration)
                     await self._refresh_view(state)
+                    if abandon is not None:  # judged on a view read at least once
+                        nursery.start_soon(self._abandon_if_alone, abandon, state, nursery.cancel_scope)
                     nursery.start_soon(self._poll, state)
                     result = await self._assemble(state, started + window)
                     nursery.cancel_scope.cancel()
+                if result is None:  # `_abandon_if_alone` ended the round
+                    self.stats["abandoned"] += 1
+                    return MatchResult(None, reason="the peers it came for went on without it",
+                                       failed_peers=state.failed, seconds=trio.current_time() - started)
                 self._last_group = (key, result.group) if result.group is not None else None
                 result.seconds = trio.current_time() - started
                 return result
@@ -429,6 +440,15 @@ class Matchmaker:
                 state.assembly.abandon()
             state.poke()  # every held join gets its final answer
             await self._withdraw(key, expiration)
+
+    async def _abandon_if_alone(self, abandon: trio.Event, state: _Round, scope: trio.CancelScope) -> None:
+        """`find_group`'s `abandon`: end the round when it is set while nobody else is in view, no group is being
+        collected here and none joined (anyone who shows up later finds my declaration withdrawn)."""
+        await abandon.wait()
+        collecting_others = state.assembly is not None and len(state.assembly.joined) > 1
+        others_in_view = any(peer_id != self.peer_id for peer_id in state.view)
+        if not others_in_view and not collecting_others and state.following is None and not state.answered:
+            scope.cancel()
 
     async def _declare(self, key: str, me: Declaration, expiration: float) -> None:
         t0 = trio.current_time()

@@ -237,12 +237,14 @@ def test_join_and_two_trainers_with_nothing_but_initial_peers_train_together():
             match = trainer.read_until(r'^\{"event": "result"', timeout=900)
             results.append(json.loads(match.string))
             assert trainer.wait(timeout=60) == 0
+        logs = "\n".join(f"trainer {i}: {trainer.lines[-6:]}\nstderr: {trainer.stderr_tail()}"
+                         for i, trainer in enumerate(trainers))
     finally:
         for process in [daemon, *trainers]:
             process.kill()
     for me, other in ((results[0], results[1]), (results[1], results[0])):
-        assert me["accuracy"] >= 0.9, me
-        assert other["peer_id"] in me["peers_averaged_with"], me
+        assert me["accuracy"] >= 0.9, f"{json.dumps(me)}\n{logs}"
+        assert other["peer_id"] in me["peers_averaged_with"], f"{json.dumps(me)}\n{logs}"
 
 
 # ------------------------------------------------------------------------------ listening and announcing

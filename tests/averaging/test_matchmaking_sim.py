@@ -1,5 +1,6 @@
 """Matchmaking over the real DHT and RPC code on the in-memory network, under MockClock (deterministic)."""
 
+import functools
 import random
 from collections import Counter
 
@@ -237,3 +238,37 @@ async def test_a_promised_late_peer_is_waited_for_in_a_first_round(autojump_cloc
         sizes = sorted(r.group.size if r.group is not None else 0 for r in results.values())
         assert sizes == ([3, 3, 3] if expected else [0, 2, 2])
         nursery.cancel_scope.cancel()
+
+
+async def test_a_lone_round_is_abandoned_when_its_caller_learns_the_others_went_on(autojump_clock):
+    """The collaborative optimizer sets `abandon` once every other trainer is in a later epoch: a round with
+    nobody in view ends then, not at the window's end; one with company forms its group regardless."""
+    async with trio.open_nursery() as nursery:
+        memory, peers, makers = await _matchmakers(nursery, 3, target=2, window=5.0)
+        abandon = trio.Event()
+        started = trio.current_time()
+        nursery.start_soon(lambda: _set_after(abandon, 1.0))
+        result = await makers[0].find_group("run.averaging.left-behind", 0, abandon=abandon)
+        assert result.group is None and "went on without it" in result.reason
+        assert 1.0 <= trio.current_time() - started < 1.5
+        assert makers[0].stats["abandoned"] == 1
+
+        together = trio.Event()
+        together.set()  # set from the start: the partner in view keeps the round going
+        results = {}
+
+        async def one(index, **kwargs):
+            results[index] = await makers[index].find_group("run.averaging.together", 0, **kwargs)
+
+        async with trio.open_nursery() as pair:
+            pair.start_soon(one, 1)
+            await trio.sleep(0.5)  # the partner's declaration is in view before mine starts
+            pair.start_soon(functools.partial(one, 2, abandon=together))
+        assert results[1].group is not None and results[1].group == results[2].group
+        assert makers[2].stats["abandoned"] == 0
+        nursery.cancel_scope.cancel()
+
+
+async def _set_after(event: trio.Event, seconds: float) -> None:
+    await trio.sleep(seconds)
+    event.set()
