@@ -1090,8 +1090,8 @@ class DHTNode:
         """Ping remembered servers that left the table after failing and whose backoff passed (at most k per
         round); an answer puts them back. Ones failing and silent for `forget_after` are let go."""
         due: dict[Address, bytes] = {}
-        for address, node_id in self._peers.remembered():
-            if not self._peers.failing(address) or node_id in self._table:
+        for address, node_id in self._peers.failing_remembered():
+            if node_id in self._table:
                 continue
             info = self._peers.known(address)
             if info is not None and info.answered_at is not None and now - info.answered_at > self.config.forget_after:

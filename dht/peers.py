@@ -70,6 +70,10 @@ class PeerBook:
         # servers that answered one of our requests, most recent last: (address -> node id). Kept apart from
         # `_peers`, which a flood of spoofed source addresses may trim, and bounded itself.
         self._remembered: OrderedDict[Address, bytes] = OrderedDict()
+        # addresses whose failures reached `failures_to_evict` (insertion-ordered, so iteration is deterministic):
+        # the healing task looks at these every round, and scanning every remembered server for them was a
+        # fifth of a 500-node churn simulation's time
+        self._failing: dict[Address, None] = {}
 
     def get(self, address: Address) -> PeerInfo:
         info = self._peers.get(address)
@@ -78,6 +82,7 @@ class PeerBook:
                 # forget the oldest entries: a flood of spoofed source addresses must not grow memory forever
                 for stale in list(self._peers)[: self.max_peers // 10]:
                     del self._peers[stale]
+                    self._failing.pop(stale, None)
             info = self._peers[address] = PeerInfo()
         return info
 
@@ -125,6 +130,7 @@ class PeerBook:
         info.failures += 1
         if info.failures < self.failures_to_evict:
             return False
+        self._failing[address] = None
         exponent = min(info.failures - self.failures_to_evict, 30)
         delay = min(self.retry_backoff_max, self.retry_backoff * 2 ** exponent)
         info.retry_at = now + delay * (0.5 + 0.5 * jitter)
@@ -148,6 +154,7 @@ class PeerBook:
         """Any request or reply from `address` shows it runs: nothing it failed before counts any more."""
         info = self.get(address)
         info.failures = 0
+        self._failing.pop(address, None)
         info.retry_at = -math.inf
         info.last_seen = now
 
@@ -163,6 +170,16 @@ class PeerBook:
     def remembered(self) -> list[tuple[Address, bytes]]:
         """Servers that answered us, most recently answered first (candidates to rejoin through)."""
         return [(address, node_id) for address, node_id in reversed(self._remembered.items())]
+
+    def failing_remembered(self) -> list[tuple[Address, bytes]]:
+        """The remembered servers that are failing now, most recently answered first (as `remembered`)."""
+        failing = [(address, self._remembered[address]) for address in self._failing if address in self._remembered]
+        failing.sort(key=lambda entry: self._answered_at(entry[0]), reverse=True)
+        return failing
+
+    def _answered_at(self, address: Address) -> float:
+        info = self._peers.get(address)
+        return -math.inf if info is None or info.answered_at is None else info.answered_at
 
     def forget(self, address: Address) -> None:
         self._remembered.pop(address, None)

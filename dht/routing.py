@@ -18,6 +18,7 @@ the table or its replacement cache.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import hashlib
 import heapq
@@ -89,6 +90,7 @@ class RoutingTable:
         self.refused = refused if refused is not None else Counter()
         self.buckets: list[KBucket] = [self._new_bucket(0, ID_SPACE, now)]
         self._flat: list[tuple[int, Node]] | None = None  # (long_id, node) of every contact; None = stale
+        self._lows: list[int] | None = None  # each bucket's lowest id, in order (bisected); None = stale
         self._per_ip: Counter[str] = Counter()  # contacts (not replacements) per limited IP account
 
     def _new_bucket(self, low: int, high: int, now: float) -> KBucket:
@@ -97,10 +99,12 @@ class RoutingTable:
         return bucket
 
     def bucket_index(self, long_id: int) -> int:
-        for index, bucket in enumerate(self.buckets):
-            if bucket.range[0] <= long_id <= bucket.range[1]:
-                return index
-        return len(self.buckets) - 1
+        """The bucket covering `long_id` (buckets tile the id space in order: a bisection over their lower
+        bounds, on every add, get and lookup)."""
+        lows = self._lows
+        if lows is None:
+            lows = self._lows = [bucket.range[0] for bucket in self.buckets]
+        return max(0, bisect.bisect_right(lows, long_id) - 1)
 
     def __contains__(self, node_id: bytes) -> bool:
         node = Node(node_id)
@@ -149,6 +153,7 @@ class RoutingTable:
                     else:
                         target.replacement_nodes[contact.id] = contact
                 self.buckets[index : index + 1] = [first, second]
+                self._lows = None
                 continue
             return bucket.head()
 
@@ -166,6 +171,7 @@ class RoutingTable:
             per_ip.update(account for account in (_ip_limited(n.ip) for n in bucket.nodes.values() if n.ip)
                           if account is not None)
         self.buckets = loaded
+        self._lows = None
         self._flat = None
         self._per_ip = per_ip
 
