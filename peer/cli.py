@@ -199,7 +199,8 @@ def _topology(args: argparse.Namespace) -> Any:
 
     return Topology(volunteers=args.volunteers, trainers=args.trainers,
                     experts_per_volunteer=args.experts_per_volunteer, hidden_dim=args.hidden_dim, steps=args.steps,
-                    batch_size=args.batch_size, target_batch_size=args.target_batch_size, task=args.task)
+                    batch_size=args.batch_size, target_batch_size=args.target_batch_size, task=args.task,
+                    private_volunteers=args.private_volunteers)
 
 
 def _swarm_up(args: argparse.Namespace) -> int:

@@ -649,11 +649,16 @@ _SHAPE = [
     Option("batch-size", POSITIVE_INT, _TOPOLOGY["batch_size"], "samples per trainer step"),
     Option("target-batch-size", POSITIVE_INT, _TOPOLOGY["target_batch_size"], "samples the swarm processes per "
            "collective epoch"),
+    Option("private-volunteers", Integer(minimum=0), _TOPOLOGY["private_volunteers"], "volunteers behind NAT, "
+           "the last ones (never the bootstrap, so at most all but one): reached only through the public "
+           "volunteers' relays or circuits a hole punch upgraded. swarm up runs them with `--reachability "
+           "private`; compose puts them on a second network behind a NAT container", metavar="N"),
 ]
 SWARM_UP = OptionSet("peer swarm up", [
     *_SHAPE,
     Option("kill-one-at", POSITIVE, None, "SIGKILL one volunteer this many seconds after the trainers start "
-           "training (once each printed a progress line; fault-tolerance demo)", shown_default="never",
+           "training (once each printed a progress line; fault-tolerance demo): the last public one besides the "
+           "bootstrap (a relay of the private ones), else the last one", shown_default="never",
            metavar="SECONDS"),
     Option("log-dir", PATH, None, "where each process's output goes", shown_default="runs/swarm-TIME",
            metavar="DIR"),

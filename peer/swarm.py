@@ -34,12 +34,15 @@ from peer.topology import Topology
 
 _LISTENING = re.compile(r"^peer ([0-9a-f]{40}) listening on (\S+)$")
 # `peer join`'s line: "serving 4 experts: ffn.0, ffn.1, ffn.2, ffn.3 (of ffn.[0:4], hidden 64)"
+# `peer join`'s line: "reachability: private, reached through relays, DHT client mode (set by --reachability)"
+_REACHABILITY = re.compile(r"^reachability: (\w+)")
 _SERVING = re.compile(r"^serving (\d+) experts: (.*?)(?: \(of (\S+), hidden (\d+)\))?$")
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # A trainer stopping mid-step may be blocked in an averaging round (30 s timeout) or expert calls (5 s each).
 _TRAINER_GRACE_S = 40.0
 _STOP_GRACE_S = 10.0  # daemons: checkpoint and leave
 _DRAIN_S = 5.0  # after a process exits (or is killed), for the rest of its output
+_STATUS_S = 60.0  # the closing `peer status` (a few seconds; a safety net on a loaded machine)
 
 # What the same language model reaches trained locally for the same length (experts in one process), measured
 # by `benchmarks/bench_lm.py` (its defaults are this shape; `local_bpb`, benchmarks/README.md): the
@@ -55,6 +58,9 @@ class Managed:
     args: list[str]
     process: trio.Process | None = None
     address: str | None = None
+    peer_id: str | None = None
+    reachability: str | None = None  # public / private, from the join line
+    status: dict[str, Any] | None = None  # its row of the closing `peer status` (volunteers)
     experts: str = ""
     ready: trio.Event = field(default_factory=trio.Event)
     spawned: trio.Event = field(default_factory=trio.Event)  # also set when the process could not be started
@@ -106,6 +112,7 @@ class SwarmLauncher:
                 try:
                     with self._main_scope:
                         await self._train()
+                        await self._read_volunteer_status()
                 finally:
                     with trio.CancelScope(shield=True):
                         await self._stop_all()
@@ -148,7 +155,11 @@ class SwarmLauncher:
 
     async def _start_volunteer(self, index: int, bootstrap: str | None) -> str:
         """Start volunteer `index` and wait until it announced its address (which is returned)."""
-        args = self.topology.volunteer_args(index, host=self.host, port=0, bootstrap=bootstrap)
+        # on loopback every peer reaches every other: only --reachability private puts one "behind NAT", reached
+        # through the public volunteers' relays (and the hole punches that upgrade those circuits)
+        private = self.topology.is_private(index)
+        args = self.topology.volunteer_args(index, host=self.host, port=0, bootstrap=bootstrap,
+                                            reachability="private" if private else None)
         member = self._start(Managed(self.topology.volunteer_name(index), "volunteer", args))
         with trio.move_on_after(120) as scope:
             await member.ready.wait()
@@ -196,7 +207,10 @@ class SwarmLauncher:
     def _on_line(self, member: Managed, line: str) -> None:
         match = _LISTENING.match(line)
         if match and member.role == "volunteer":
-            member.address = match.group(2)
+            member.peer_id, member.address = match.group(1), match.group(2)
+        reachability = _REACHABILITY.match(line)
+        if reachability and member.role == "volunteer":
+            member.reachability = reachability.group(1)
         serving = _SERVING.match(line)
         if serving and member.role == "volunteer":
             uids = sorted(serving.group(2).split(", "), key=_grid_order)
@@ -231,13 +245,39 @@ class SwarmLauncher:
     async def _kill_one_later(self, delay: float) -> None:
         await self._training.wait()
         await trio.sleep(delay)  # counted from the trainers' first progress, so it lands mid-training
-        volunteers = [m for m in self.members if m.role == "volunteer" and m.killed_at is None]
-        victim = volunteers[-1] if len(volunteers) > 1 else None
+        # never the bootstrap; a public volunteer when there is one (a relay of the private ones, which then
+        # move to another), so the private volunteers stay up to report what they served
+        volunteers = [m for m in self.members[1:] if m.role == "volunteer" and m.killed_at is None]
+        public = [m for m in volunteers if m.reachability != "private"]
+        candidates = public or volunteers
+        victim = candidates[-1] if candidates else None
         if victim is not None and victim.process is not None and victim.process.returncode is None:
             victim.process.send_signal(signal.SIGKILL)
             victim.killed_at = time.monotonic() - self.started_at
             self._print(f"*** SIGKILLed {victim.name} ({victim.address}) at {victim.killed_at:.1f} s, "
                         f"{victim.killed_at - (self.training_at or 0):.1f} s into training ***")
+
+    async def _read_volunteer_status(self) -> None:
+        """Once the trainers are done, one `peer status` of the swarm (the same command a user runs): for each
+        volunteer still up, how it was reached (the private ones: through relays, circuits upgraded by hole
+        punching or left relayed) and how many expert requests it served. Best effort: without it the summary
+        only lacks those figures."""
+        bootstrap = self.members[0].address if self.members else None
+        if bootstrap is None:
+            return
+        with trio.move_on_after(_STATUS_S):
+            result = await trio.run_process(
+                [self.python, "-m", "peer.cli", "status", "--json", "--initial-peers", bootstrap],
+                stdin=subprocess.DEVNULL, capture_stdout=True, capture_stderr=True, check=False, env=_child_env())
+            try:
+                peers = json.loads(result.stdout)["peers"]
+            except (ValueError, KeyError, TypeError):
+                return
+            rows = {peer.get("peer_id"): peer for peer in peers if isinstance(peer, dict)}
+            for member in self.members:
+                row = rows.get(member.peer_id)
+                if member.role == "volunteer" and member.killed_at is None and row is not None and row["reachable"]:
+                    member.status = row
 
     async def _stop_all(self) -> None:
         """Trainers first (they need the experts to finish their step), then the daemons."""
@@ -293,7 +333,9 @@ class SwarmLauncher:
             else:
                 state = "running"
             if member.role == "volunteer":
-                detail = f"{member.address or '-':<22} {state:<18} {member.experts}"
+                detail = f"{member.address or '-':<22} {state:<18} {member.reachability or '-':<8} {member.experts}"
+                if member.status is not None:
+                    detail += f"; {_reached_text(member.status)}"
             else:
                 detail = f"{state:<10} {_progress_text(member)}"
             lines.append(f"  {member.name:<12} {detail}")
@@ -339,6 +381,12 @@ class SwarmLauncher:
         accuracies = [t["accuracy"] for t in trainers if isinstance(t["accuracy"], (int, float))]
         return {
             "trainers": trainers,
+            "volunteers": [{"name": m.name, "peer_id": m.peer_id, "address": m.address,
+                            "private": self.topology.is_private(index), "reachability": m.reachability,
+                            "killed": m.killed_at is not None,
+                            **{key: (m.status or {}).get(key)
+                               for key in ("reached", "requests_served", "connections", "relays")}}
+                           for index, m in enumerate(m for m in self.members if m.role == "volunteer")],
             "final_accuracy": min(accuracies) if len(accuracies) == len(trainers) and trainers else None,
             "samples_per_s": sum(t["samples_per_s"] or 0 for t in trainers),
             "daemons_killed": sum(m.killed_at is not None for m in self.members),
@@ -398,9 +446,24 @@ class SwarmLauncher:
         if samples:
             self.out.write(f"  {samples[0]['name']} continues a held-out prompt:\n"
                            f"    prompt:       {samples[0]['prompt']!r}\n    continuation: {samples[0]['sample']!r}\n")
+        for volunteer in summary["volunteers"]:
+            if volunteer["private"] and volunteer["reached"] is not None:
+                self.out.write(f"  {volunteer['name']} (private): {_reached_text(volunteer)}\n")
         self.out.write(f"  daemons killed and survived: {summary['daemons_killed']}; logs in {summary['logs']}\n")
         self.out.write(json.dumps(summary) + "\n")
         self.out.flush()
+
+
+def _reached_text(row: dict[str, Any]) -> str:
+    """A volunteer's `peer status` row in words: "reached through relays, 2 circuits upgraded by hole punching,
+    0 relayed; 312 requests served"."""
+    how = {"relay": "reached through relays", "direct": "reached directly"}.get(row.get("reached") or "",
+                                                                                  "not reachable")
+    connections = row.get("connections") or {}
+    if row.get("reached") == "relay":
+        how += (f", {plural(connections.get('upgraded', 0), 'circuit')} upgraded by hole punching, "
+                f"{connections.get('relayed', 0)} relayed")
+    return f"{how}; {plural(row.get('requests_served') or 0, 'request')} served"
 
 
 def _progress_text(member: Managed) -> str:

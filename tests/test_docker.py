@@ -1,6 +1,7 @@
 """The dockerized swarm, run for real: the image built offline from a local base and a wheelhouse, the generated
 docker/compose.yaml brought up, a volunteer container SIGKILLed mid-training, both trainers finishing accurate,
-and `down` leaving nothing of the project behind.
+the volunteer behind the NAT container finding itself private and serving the trainers through a relay, and
+`down` leaving nothing of the project behind.
 
 Needs a docker daemon (started here as root when none runs, and stopped again) and a Compose tool (`docker
 compose` or Debian's docker-compose 1.29): `.ci/run` installs docker.io, docker-compose and debootstrap when it
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from peer.topology import Topology
+from peer.topology import HOME_SUBNET, NAT_NAME, Topology
 from tests.peer_processes import ROOT
 
 pytestmark = pytest.mark.slow
@@ -28,6 +30,7 @@ pytestmark = pytest.mark.slow
 COMPOSE_FILE = ROOT / "docker" / "compose.yaml"
 PROJECT = "swarmd-test"
 DAEMON_START_S = 60
+BASE_IMAGE = "swarmd-base:bookworm-2"  # docker/make-base-image.sh's default tag
 BUILD_S = 1800           # the first build on a machine: debootstrap, the wheelhouse, the image
 TRAIN_S = 1200           # compose up until both trainers have exited, on a loaded 2-core machine
 
@@ -112,9 +115,25 @@ def has_progress(container: str) -> bool:
     return '"event": "progress"' in docker("logs", container).stdout
 
 
+def peer_id_of(container: str) -> str:
+    match = re.search(r"^peer ([0-9a-f]{40}) listening on", docker("logs", container).stdout, re.M)
+    assert match, docker("logs", container).stdout[-2000:]
+    return match.group(1)
+
+
+def forward_counters(nat_container: str) -> dict[str, int]:
+    """The NAT container's FORWARD rules by what they match: packets through each (`iptables -L -v -x`)."""
+    listing = docker("exec", nat_container, "iptables", "-L", "FORWARD", "-v", "-n", "-x").stdout.splitlines()
+    counters = {}
+    for line in listing[2:]:
+        fields = line.split()
+        counters[f"{fields[2]} {fields[7]} {' '.join(fields[9:])}"] = int(fields[0])
+    return counters
+
+
 def test_compose_swarm_trains_through_a_killed_volunteer_container_and_down_leaves_nothing(docker_daemon: None) -> None:
     compose = [*compose_tool(), "--project-name", PROJECT, "--file", str(COMPOSE_FILE)]
-    if os.geteuid() != 0 and docker("image", "inspect", "swarmd-base:bookworm", check=False).returncode != 0:
+    if os.geteuid() != 0 and docker("image", "inspect", BASE_IMAGE, check=False).returncode != 0:
         pytest.skip("making the local base image (debootstrap) needs root")
     if os.geteuid() == 0 and shutil.which("debootstrap") is None:
         pytest.skip("debootstrap is not installed (.ci/run installs it as root)")
@@ -129,7 +148,10 @@ def test_compose_swarm_trains_through_a_killed_volunteer_container_and_down_leav
 
     topology = Topology()
     trainers = {topology.trainer_name(i) for i in range(topology.trainers)}
-    victim_service = topology.volunteer_name(1)
+    (private_index,) = topology.private_indices
+    private_service = topology.volunteer_name(private_index)
+    victim_service = topology.volunteer_name(1)  # public: a relay of the private volunteer, which moves on
+    assert victim_service != private_service
     healthy_seen: set[str] = set()
     started = time.monotonic()
     # what a run killed before its `down` may have left; the assertion at the end is about this run
@@ -139,7 +161,8 @@ def test_compose_swarm_trains_through_a_killed_volunteer_container_and_down_leav
                             timeout=600)
         assert up.returncode == 0, up.stderr[-3000:]
         containers = {service_of(inspect(cid)): cid for cid in project_objects()["containers"]}
-        assert set(containers) == {topology.volunteer_name(i) for i in range(topology.volunteers)} | trainers
+        assert set(containers) == ({topology.volunteer_name(i) for i in range(topology.volunteers)} | trainers
+                                   | {NAT_NAME})
         killed_at_steps: list[int] = []
         deadline = time.monotonic() + TRAIN_S
         while True:
@@ -166,10 +189,27 @@ def test_compose_swarm_trains_through_a_killed_volunteer_container_and_down_leav
             assert result["accuracy"] >= 0.9, result
             # a trainer is a client-mode peer with no port to probe: compose disables its healthcheck
             assert info["Config"]["Healthcheck"]["Test"] == ["NONE"]
-        volunteers = set(containers) - trainers
+        volunteers = set(containers) - trainers  # and the NAT container, whose check is its MASQUERADE rule
         assert healthy_seen >= volunteers, f"never healthy: {volunteers - healthy_seen}"
         for service in volunteers - {victim_service}:
             assert inspect(containers[service])["State"]["Health"]["Status"] == "healthy", service
+
+        # the volunteer behind the NAT found out for itself that it is private (its dial-backs failed), and the
+        # trainers used its experts: every request it served came through a connection it opened outwards (a
+        # relay reservation or a hole punch), since the NAT forwards nothing unsolicited inwards
+        private_logs = docker("logs", containers[private_service]).stdout
+        assert re.search(r"^reachability: private, reached through relays.*\(dialed back", private_logs, re.M), \
+            private_logs[-2000:]
+        status = json.loads(docker("exec", containers[topology.volunteer_name(0)], "peer", "status", "--json",
+                                   "--initial-peers", f"{topology.volunteer_name(0)}:31337", timeout=120).stdout)
+        rows = {row["peer_id"]: row for row in status["peers"]}
+        private = rows[peer_id_of(containers[private_service])]
+        assert private["reachable"] and private["reachability"] == "private" and private["reached"] == "relay", private
+        assert private["requests_served"] > 0, private
+        assert private["connections"]["relayed"] + private["connections"]["upgraded"] >= 1, private
+        counters = forward_counters(containers[NAT_NAME])
+        print(f"private volunteer: {private}; NAT FORWARD counters: {counters}")
+        assert counters[f"ACCEPT {HOME_SUBNET} ctstate NEW"] > 0, counters  # it connected out through the NAT
     finally:
         down = subprocess.run([*compose, "down", "--volumes", "--remove-orphans"], capture_output=True,
                               text=True, timeout=300)

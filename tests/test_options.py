@@ -39,6 +39,7 @@ def choice(*good: str) -> tuple:
 TOPOLOGY = {name: POSITIVE_INT for name in ("volunteers", "trainers", "experts-per-volunteer", "hidden-dim", "steps",
                                            "batch-size", "target-batch-size")}
 TOPOLOGY["task"] = choice("lm", "digits")
+TOPOLOGY["private-volunteers"] = (["abc", "-1", "1.5"], ['"abc"', "-1", "1.5", "true"], ("0", "0", 0))
 TABLE: dict[str, dict[str, tuple]] = {
     "join": {
         "host": STRING, "port": PORT, "announce": ONE_ADDRESS, "initial-peers": ADDRESS, "identity": PATH,

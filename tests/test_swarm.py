@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -31,12 +32,67 @@ def test_compose_runs_each_launcher_command_in_its_own_container():
     compose = render_compose(topology)
     bootstrap = "bootstrap:31337"
     for index in range(topology.volunteers):
-        args = topology.volunteer_args(index, host="0.0.0.0", port=31337, bootstrap=bootstrap,
-                                       announce=f"{topology.volunteer_name(index)}:31337", reachability="public")
+        args = topology.compose_volunteer_args(index, bootstrap=bootstrap)
         assert json.dumps(args) in compose
+        # the same command `peer swarm up` runs, but for where it listens and how it judges its reachability
+        local = topology.volunteer_args(index, host="127.0.0.1", port=0, bootstrap=bootstrap)
+        assert args[args.index("--experts") + 1] == local[local.index("--experts") + 1]
     for index in range(topology.trainers):
         assert f"  {topology.trainer_name(index)}:" in compose
         assert json.dumps(topology.trainer_args(index, bootstrap=bootstrap)) in compose
+
+
+def test_the_last_volunteers_are_private_and_never_the_bootstrap():
+    assert list(Topology().private_indices) == [2]
+    assert list(Topology(volunteers=5, private_volunteers=2).private_indices) == [3, 4]
+    assert list(Topology(volunteers=3, private_volunteers=9).private_indices) == [1, 2]
+    assert list(Topology(volunteers=1).private_indices) == []
+    assert not Topology(volunteers=4, private_volunteers=3).is_private(0)
+    with pytest.raises(ValueError):
+        Topology(private_volunteers=-1)
+    # the trainers wait for a private peer's first call (a circuit and a hole punch), and only then
+    assert "--expert-grace" in Topology().trainer_args(0, bootstrap="b:1")
+    assert "--expert-grace" not in Topology(private_volunteers=0).trainer_args(0, bootstrap="b:1")
+
+
+def test_compose_puts_the_private_volunteer_behind_a_nat_container():
+    """Parsed as Compose reads it (YAML merge keys resolved): the private volunteer is on `home` alone, its route
+    goes through the NAT container (the only service on both networks), and it judges its reachability itself."""
+    yaml = pytest.importorskip("yaml")
+    from peer.topology import HOME_SUBNET, NAT_HOME_IP, NAT_NAME, SWARM_SUBNET
+
+    topology = Topology()
+    services = yaml.safe_load(render_compose(topology))["services"]
+    private = services[topology.volunteer_name(2)]
+    assert list(private["networks"]) == ["home"] and "NET_ADMIN" in private["cap_add"]
+    assert f"ip route replace default via {NAT_HOME_IP}" in private["entrypoint"][2]
+    assert "setpriv --reuid=swarm" in private["entrypoint"][2]  # the peer itself does not run as root
+    assert private["command"][private["command"].index("--reachability") + 1] == "auto"
+    assert "--announce" not in private["command"]
+    nat = services[NAT_NAME]
+    assert set(nat["networks"]) == {"swarm", "home"} and nat["sysctls"] == {"net.ipv4.ip_forward": 1}
+    assert f"-s {HOME_SUBNET} ! -d {HOME_SUBNET} -j MASQUERADE" in nat["command"][0]
+    assert "iptables -P FORWARD DROP" in nat["command"][0]
+    on_both = [name for name, service in services.items() if {"swarm", "home"} <= set(service.get("networks", []))]
+    assert on_both == [NAT_NAME]
+    for index in range(2):
+        public = services[topology.volunteer_name(index)]
+        assert list(public["networks"]) == ["swarm"]
+        assert public["networks"]["swarm"]["ipv4_address"].startswith(SWARM_SUBNET.rsplit(".", 1)[0] + ".")
+    # the private volunteer knows the relays by the names they announce
+    relays = [topology.volunteer_name(i) for i in range(2)]
+    assert private["extra_hosts"] == [f"{n}:{services[n]['networks']['swarm']['ipv4_address']}" for n in relays]
+    no_nat = yaml.safe_load(render_compose(Topology(private_volunteers=0)))
+    assert NAT_NAME not in no_nat["services"] and "home" not in no_nat["networks"]
+
+
+def test_docker_compose_accepts_the_generated_file():
+    tool = shutil.which("docker-compose")
+    if tool is None:
+        pytest.skip("no docker-compose (Debian's 1.29) installed")
+    result = subprocess.run([tool, "--project-name", "swarmd-config", "--file", str(ROOT / "docker" / "compose.yaml"),
+                             "config", "--quiet"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
 
 
 def test_dockerfile_installs_only_what_the_package_declares():
@@ -140,3 +196,29 @@ async def test_the_live_view_reads_the_join_line_peer_join_prints(capsys, tmp_pa
     member = Managed("bootstrap", "volunteer", [])
     launcher._on_line(member, line)
     assert member.experts == "4 experts (ffn.0..ffn.3, hidden 64)"
+
+
+def test_the_live_view_and_summary_show_which_volunteers_are_private_and_how_they_were_reached(tmp_path):
+    """The reachability line as `peer join` prints it (`Reachability.describe`), and a `peer status` row of the
+    closing status read: the live view marks the private volunteer, the summary says what it served."""
+    from peer.reachability import fixed
+    from peer.swarm import Managed, SwarmLauncher
+
+    reachability = fixed("private")
+    reachability.how = "relay"
+    launcher = SwarmLauncher(Topology(), kill_one_at=None, log_dir=tmp_path)
+    members = [Managed(Topology().volunteer_name(i), "volunteer", []) for i in range(3)]
+    launcher.members = members
+    launcher._on_line(members[2], f"peer {'ab' * 20} listening on 127.0.0.1:5")
+    launcher._on_line(members[2], f"reachability: {reachability.describe()}")
+    launcher._on_line(members[0], f"reachability: {fixed('public').describe()}")
+    assert (members[2].peer_id, members[2].reachability, members[0].reachability) == ("ab" * 20, "private", "public")
+    members[2].status = {"reached": "relay", "requests_served": 7,
+                         "connections": {"direct": 0, "upgraded": 1, "relayed": 2}}
+    row = next(line for line in launcher._lines() if line.strip().startswith("volunteer-2"))
+    assert " private " in row and "reached through relays, 1 circuit upgraded by hole punching, 2 relayed; " \
+                                  "7 requests served" in row
+    summary = launcher.summary()
+    volunteer = summary["volunteers"][2]
+    assert volunteer["private"] and volunteer["reached"] == "relay" and volunteer["requests_served"] == 7
+    assert not summary["volunteers"][0]["private"]
