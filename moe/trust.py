@@ -7,6 +7,12 @@ routes to it. What a caller can check without recomputing is the size of a reply
 earlier replies (its running statistics), and against the other experts that answered the same samples. Honest
 experts of one layer see the same inputs and produce outputs of a similar size; a liar stands out by a factor.
 
+Why only "too large": a reply far larger than its peers' dominates the mixture and wrecks the trainer; one far
+smaller only weakens that expert's share of a sample, like an expert that failed and was masked, and honest
+experts do produce it (an expert whose units mostly died, or one the gate rarely trains, answered 0.07x its
+peers' size in loopback swarm runs and was banned for it). So small replies are counted as outliers in the
+statistics' sense (they do not update an expert's record) but never earn a strike.
+
 Why a ban needs several steps: one odd step is not proof (a sample far from the others, a loss spike). An expert
 is banned once `strikes` of its last `window` checked steps were outliers; a ban lasts for the run (it is the
 caller's local decision, never a vote a liar could win) and is listed by `ExpertTrust.bans` (and published for
@@ -106,9 +112,10 @@ class ExpertTrust:
 
     `check(replies, kind=...)` takes one step's accepted replies, `{uid: (samples, outputs)}` (the batch rows each
     expert answered and its outputs for them), and returns a verdict per expert. An expert's reply is an outlier when
-    its size differs from the usual by more than `max_ratio` (either way): compared with the median size of the
-    experts answering the same samples where at least `min_peers` of them did (honest experts of one layer agree
-    in size, so one liar cannot move the median of three), otherwise with its own running statistics. The
+    its size exceeds the usual by more than `max_ratio` (never for being smaller: see the module doc), compared
+    with the median size of the experts answering the same samples where at least `min_peers` of them did
+    (honest experts of one layer agree in size, so one liar cannot move the median of three), otherwise with
+    its own running statistics. The
     comparison with the others decides when it is possible: an honest expert whose outputs grow over training
     stays in line with its peers. Only replies judged normal update an expert's statistics, so a liar cannot
     drag its own record toward its lies."""
@@ -164,10 +171,10 @@ class ExpertTrust:
                 ratio, basis = _median(ratios), "peers"
             else:
                 ratio, basis = record.stats.ratio(size), "history"
-            outlier = not 1 / self.max_ratio <= ratio <= self.max_ratio
+            outlier = ratio > self.max_ratio  # too large: the harmful lie (module doc)
             verdict = Verdict(uid, outlier, ratio, basis)
             verdicts[uid] = verdict
-            if not outlier:
+            if not outlier and ratio >= 1 / self.max_ratio:  # only typical replies shape the record
                 record.stats.observe(size)
             record.checked += 1
             record.outliers += outlier

@@ -128,6 +128,21 @@ def test_trust_bans_a_scaled_liar_by_peers_and_never_an_honest_expert():
     assert list(trust.bans()) == ["ffn.3"]
 
 
+def test_an_expert_far_smaller_than_its_peers_is_never_banned_and_its_record_stays_clean():
+    """An honest expert whose units mostly died answers a fraction of its peers' size: that weakens its share of
+    a sample and harms nobody, so it earns no strike (only "too large" does)."""
+    trust = ExpertTrust()
+    torch.manual_seed(1)
+    for _ in range(50):
+        x = torch.randn(8, HIDDEN)
+        replies = {f"ffn.{i}": (list(range(8)), x + 0.1 * torch.randn(8, HIDDEN)) for i in range(3)}
+        replies["ffn.3"] = (list(range(8)), x * 0.01)
+        verdicts = trust.check(replies)
+        assert verdicts["ffn.3"].ratio < 0.1 and not verdicts["ffn.3"].outlier
+    assert trust.bans() == {}
+    assert trust.record("ffn.3").stats.count == 0  # too small to be typical: it does not shape the record
+
+
 def test_history_decides_when_too_few_experts_share_the_samples_and_honest_drift_is_not_a_lie():
     trust = ExpertTrust(warmup=4)
     scale = 1.0
