@@ -16,6 +16,7 @@ from dht.client import DHTClient
 from moe.bans import BANS_KEY, parse_bans
 from peer.directory import PeerEntry, list_peers
 from peer.p2p.identity import PeerID
+from peer.p2p.relay import show_address
 from peer.p2p.rpc import RPCError, RPCNode
 
 STATUS_METHOD = "peer.status"
@@ -82,7 +83,7 @@ async def gather_status(rpc: RPCNode, dht: DHTClient, *, timeout: float = 3.0,
         served = (reply.get("experts") or {}).get("requests_total", 0) if reachable else 0
         peers.append({
             "peer_id": entry.peer_id,
-            "address": f"{entry.address[0]}:{entry.address[1]}",
+            "address": show_address(entry.address),
             "reachable": reachable,
             "error": reply.get("error"),
             "uptime_s": reply.get("uptime_s"),
@@ -110,7 +111,7 @@ async def gather_status(rpc: RPCNode, dht: DHTClient, *, timeout: float = 3.0,
         for uid in experts:
             prefix = uid.split(".")[0]
             experts_by_prefix[prefix].append({"uid": uid, "peer_id": entry.peer_id,
-                                              "address": f"{entry.address[0]}:{entry.address[1]}"})
+                                              "address": show_address(entry.address)})
     runs = await runs_reader(dht) if runs_reader is not None else []
     extra: dict[str, Any] = {}
     if read_bans:

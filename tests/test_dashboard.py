@@ -155,6 +155,24 @@ def test_view_marks_a_silent_peer_unreachable_then_forgets_it():
     jsonschema.validate(view.snapshot(40.0), load_schema())
 
 
+def test_a_private_peer_shows_as_relayed_with_its_relayed_address_as_written():
+    from peer.p2p.identity import PeerID
+    from peer.p2p.relay import RelayedAddress, show_address
+
+    relayed = RelayedAddress(PeerID(bytes([3]) * 20), ((PeerID(bytes([1]) * 20), ("127.0.0.1", 7001)),
+                                                       (PeerID(bytes([2]) * 20), ("127.0.0.1", 7002)))).to_address()
+    private = PeerEntry(f"{3:040x}", relayed, {"experts": 1, "grid": "ffn.[0:4]", "hidden_dim": 8}, 1e9)
+    assert show_address(relayed).endswith("@127.0.0.1:7002")  # each relay's port once, not the tuple's again
+    assert show_address(("127.0.0.1", 7001)) == "127.0.0.1:7001"
+    view = SwarmView(["127.0.0.1:7001"], started_at=0.0)
+    row = {**_row(3, True, 5), "address": show_address(relayed)}  # as `peer.status` writes it
+    view.observe({"peers": [_row(1, True, 10), row]}, [_entry(1), private], [], {}, 1.0, requests=2)
+    peers = {peer["peer_id"][-1]: peer for peer in view.snapshot(1.0)["peers"]}
+    assert (peers["1"]["reachability"], peers["3"]["reachability"]) == ("direct", "relayed")
+    assert peers["3"]["address"] == show_address(relayed)
+    jsonschema.validate(view.snapshot(1.0), load_schema())
+
+
 def test_view_keeps_a_loss_history_point_per_new_step():
     view = SwarmView([], started_at=0.0)
     run = {"run_id": "digits", "epoch": 1, "trainers": 1, "trainers_in_epoch": 1, "samples": 10,

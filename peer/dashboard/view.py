@@ -16,6 +16,7 @@ from typing import Any, Iterable
 
 from peer.directory import PeerEntry
 from peer.discover import families_from_entries
+from peer.p2p.relay import is_relayed, show_address
 
 STATE_VERSION = 1
 HISTORY_POINTS = 720  # per run: an hour of points at one every 5 s
@@ -225,9 +226,9 @@ class SwarmView:
             entry = self.entries.get(peer_id)
             peers.append({
                 "peer_id": peer_id,
-                "address": row.get("address") or (f"{entry.address[0]}:{entry.address[1]}" if entry else ""),
+                "address": row.get("address") or (show_address(entry.address) if entry else ""),
                 "state": track.state,
-                "reachability": "direct" if track.state == "online" else "unknown",
+                "reachability": _reachability(entry, track.state),
                 "version": row.get("version") or (entry.summary.get("version") if entry else None),
                 "uptime_s": row.get("uptime_s") if track.state == "online" else None,
                 "experts": list(row.get("experts") or []) if track.state == "online" else [],
@@ -279,6 +280,14 @@ def _averaging(points: Iterable[dict[str, Any]]) -> dict[str, Any]:
     seconds = sum(point["averaging_seconds"] for point in points)
     return {"rounds": rounds, "failures": sum(point["averaging_failures"] for point in points),
             "mean_seconds": round(seconds / rounds, 3) if rounds else None}
+
+
+def _reachability(entry: PeerEntry | None, state: str) -> str:
+    """How the swarm reaches a peer: through relays when its directory entry names a relayed address (a private
+    peer), directly when it answers at its own address, unknown while it does not answer."""
+    if entry is not None and is_relayed(entry.address):
+        return "relayed"
+    return "direct" if state == "online" else "unknown"
 
 
 def _coords(uid: str) -> list[int] | None:

@@ -124,6 +124,12 @@ def is_relayed(address: Address) -> bool:
     return isinstance(address[0], str) and address[0].startswith(PREFIX)
 
 
+def show_address(address: Address) -> str:
+    """`address` as people read it: HOST:PORT, or a relayed address as itself (its relays' ports are in it; the
+    tuple's port only repeats the first one's)."""
+    return str(address[0]) if is_relayed(address) else f"{address[0]}:{address[1]}"
+
+
 def parse_relayed(address: Address) -> RelayedAddress:
     """The relayed address in `address`; `MalformedRequest` when it starts like one but is not."""
     host = address[0]
