@@ -54,6 +54,7 @@ from moe.trust import ExpertTrust, row_norms
 from peer.p2p import wire
 from peer.p2p.identity import PeerID
 from peer.p2p.net import Address
+from peer.p2p.relay import is_relayed
 from peer.p2p.rpc import RPCNode
 
 logger = logging.getLogger(__name__)
@@ -112,6 +113,7 @@ class ExpertCall:
     slots: list[int]
     outputs: torch.Tensor | None = None
     error: BaseException | None = None
+    cold: bool = False  # no connection to its server was open when the call went out (see `_cut_short`)
 
     @property
     def uid(self) -> str:
@@ -239,8 +241,10 @@ class MixtureClient:
         self.trust = trust if trust is not None else ExpertTrust()
         self.dht = dht
         self._bans_published: tuple[int, float] = (0, -math.inf)  # (bans published, trio time)
+        # private servers whose cold calls were cut and not held against them -> when the first such cut was
+        self._forgiven_cold: dict[Address, float] = {}
         self.stats: dict[str, float] = {
-            "outlier_replies": 0, "trust_bans": 0,
+            "outlier_replies": 0, "trust_bans": 0, "cold_calls_forgiven": 0,
             "forward_calls": 0, "forward_failures": 0, "backward_calls": 0, "backward_failures": 0,
             "forward_rpcs": 0, "backward_rpcs": 0,
             "replacement_searches": 0, "hedged_samples": 0, "backward_skipped": 0,
@@ -335,9 +339,7 @@ class MixtureClient:
 
         for call in progress.calls:
             if call.outputs is None and call.error is None:
-                # cut by the grace period or the deadline: too slow to be useful now; avoid it for a while
-                call.error = trio.TooSlowError("no answer before the forward deadline or grace period")
-                self._failed(call, call.error, failures, "forward")
+                self._cut_short(call, failures)
         answers = [call for call in progress.calls if call.outputs is not None]
         liars = self._check_replies("outputs", [(call, call.outputs) for call in answers if call.outputs is not None],
                                     failures)
@@ -564,6 +566,9 @@ class MixtureClient:
         (the first valid answer fixes it when the layer was built without one) or fails alone; when the call
         itself fails, all of them fail with its error."""
         location = group[0].choice.location
+        cold = not self.rpc.is_connected(location.address)
+        for call in group:
+            call.cold = cold
         try:
             requests = [(call.uid, [inputs.index_select(0, torch.tensor(call.samples, dtype=torch.long))])
                         for call in group]
@@ -586,6 +591,25 @@ class MixtureClient:
             else:
                 call.outputs = answer[0]
                 self.stats["forward_calls"] += 1
+
+    def _cut_short(self, call: ExpertCall, failures: dict[str, str]) -> None:
+        """A forward call cut by the grace period or the deadline: too slow to be useful now, so its expert is
+        avoided for a while. Except calls to a private server (a relayed address) with no connection open yet:
+        they wait for one to open (a circuit through a relay and a hole-punch attempt take a second or more,
+        against a grace period of 0.2 s), which goes on in the RPC node's nursery, so a later step finds it
+        warm. Avoiding its experts for `ban_time` instead kept private volunteers out of short runs. Forgiven
+        for the RPC node's `connect_timeout` from the first such cut (a connect that fails bans the peer
+        through its error anyway); after that, a cold cut counts as usual. A direct address has no such
+        excuse: a connect that outlasts the grace period is a hung peer."""
+        call.error = trio.TooSlowError("no answer before the forward deadline or grace period")
+        address = call.choice.location.address
+        now = trio.current_time()
+        first = self._forgiven_cold.setdefault(address, now) if call.cold and is_relayed(address) else None
+        if first is not None and now - first <= self.rpc.connect_timeout:
+            self.stats["cold_calls_forgiven"] += 1
+            failures[call.uid] = _describe(call.error)
+            return
+        self._failed(call, call.error, failures, "forward")
 
     def _failed(self, call: ExpertCall, error: BaseException, failures: dict[str, str], stage: str) -> None:
         call.error = error

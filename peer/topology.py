@@ -27,12 +27,6 @@ HOME_SUBNET = "10.77.1.0/24"
 NAT_SWARM_IP = "10.77.0.2"
 NAT_HOME_IP = "10.77.1.2"
 NAT_NAME = "nat"
-# The trainers' --expert-grace with private volunteers. A trainer's first call to a private peer opens a circuit
-# and tries a hole punch first (at least its 1 s dial window) before the call goes out; with `peer train`'s 0.2 s
-# grace that call is cut once the public experts have answered, and the expert is backed off for 30 s, so a
-# short demo run would never use the private experts. 3 s lets the first call finish; later calls reuse the
-# connection and answer in milliseconds, so the grace only shows when an expert is slow or gone.
-PRIVATE_EXPERT_GRACE_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -138,8 +132,7 @@ class Topology:
         # trainers step their own layers every batch and average parameters once per collective epoch (with
         # gradients averaged, a short demo run would update attention and embeddings only a handful of times)
         task = ["--task", self.task, "--k-best", "2", "--average", "parameters"] if self.task == "lm" else []
-        grace = ["--expert-grace", f"{PRIVATE_EXPERT_GRACE_S:g}"] if self.private_indices else []
-        return ["train", "--initial-peers", bootstrap, *task, *grace, "--run-id", self.run_id or self.task,
+        return ["train", "--initial-peers", bootstrap, *task, "--run-id", self.run_id or self.task,
                 "--expert-prefix", self.prefix, "--grid-size", self.grid_text,
                 "--hidden-dim", str(self.hidden_dim), "--steps", str(self.steps),
                 "--batch-size", str(self.batch_size), "--target-batch-size", str(self.target_batch_size),

@@ -50,9 +50,6 @@ def test_the_last_volunteers_are_private_and_never_the_bootstrap():
     assert not Topology(volunteers=4, private_volunteers=3).is_private(0)
     with pytest.raises(ValueError):
         Topology(private_volunteers=-1)
-    # the trainers wait for a private peer's first call (a circuit and a hole punch), and only then
-    assert "--expert-grace" in Topology().trainer_args(0, bootstrap="b:1")
-    assert "--expert-grace" not in Topology(private_volunteers=0).trainer_args(0, bootstrap="b:1")
 
 
 def test_compose_puts_the_private_volunteer_behind_a_nat_container():

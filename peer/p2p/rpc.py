@@ -541,6 +541,11 @@ class RPCNode:
             self.stats["calls_failed"] += 1
             raise
 
+    def is_connected(self, address: Address) -> bool:
+        """An open connection to `address` is pooled (a call there needs no dial or handshake first)."""
+        connection = self._connections.get(address)
+        return connection is not None and not connection.closed
+
     async def _get_connection(self, address: Address, peer_id: PeerID | None, method: str) -> Connection:
         connection = self._connections.get(address)
         if connection is None or connection.closed:

@@ -323,3 +323,35 @@ async def test_calls_cut_by_the_forward_deadline_are_not_counted_as_answers(auto
         with pytest.raises(NotEnoughExperts):
             await s.client.forward(torch.randn(2, HIDDEN), scores(MIXED, ALL_ON_S1), k_best=2, k_min=1,
                                    forward_timeout=3.0, timeout_after_k_min=1.0)
+
+
+async def test_cold_calls_to_a_private_server_cut_by_the_grace_period_are_forgiven_while_it_connects(autojump_clock):
+    """Calls to a private server (relayed address) with no connection yet wait for the circuit and the punch
+    attempt, which go on opening: being cut by the grace period then is not held against its experts, for as
+    long as a connect may take. A direct address, or a warm connection, is avoided as usual."""
+    from moe.beam_search import ExpertChoice
+    from moe.declare import ExpertLocation
+    from moe.mixture import ExpertCall
+    from peer.p2p.identity import PeerID
+    from peer.p2p.relay import RelayedAddress
+
+    relayed = RelayedAddress(PeerID(bytes([7]) * 20), ((PeerID(bytes([1]) * 20), ("127.0.0.1", 7001)),)).to_address()
+    async with RPCNode(Identity.generate(), MemoryNetwork().host("c")) as rpc:
+        blacklist = ExpertBlacklist()
+        client = MixtureClient(rpc, StaticGridOracle({}), "ffn", (4,), blacklist=blacklist)
+
+        def cut(uid: str, address, cold: bool) -> bool:
+            location = ExpertLocation(address[0], address[1], "07" * 20)
+            call = ExpertCall(ExpertChoice(uid, (0,), 1.0, location), [0], [0], cold=cold)
+            client._cut_short(call, failures := {})
+            assert isinstance(call.error, trio.TooSlowError) and uid in failures
+            return blacklist.is_banned(uid, location)
+
+        assert not cut("ffn.0", relayed, cold=True)  # forgiven: its connection is still opening
+        await trio.sleep(rpc.connect_timeout / 2)
+        assert not cut("ffn.1", relayed, cold=True)  # still within the time a connect may take
+        await trio.sleep(rpc.connect_timeout)
+        assert cut("ffn.2", relayed, cold=True)  # longer than any connect: avoided as usual
+        assert cut("ffn.3", ("127.0.0.1", 7002), cold=True)  # a direct address: a hung peer
+        assert cut("ffn.4", ("127.0.0.1", 7003), cold=False)  # a warm connection that did not answer in time
+        assert client.stats["cold_calls_forgiven"] == 2
