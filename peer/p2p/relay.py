@@ -32,7 +32,7 @@ import errno
 import math
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import Any, Awaitable, Callable, TypeVar, Union
 
 import msgpack
 import trio
@@ -43,6 +43,7 @@ from peer.p2p.rpc_protocol import (
     LocalProtocolError,
     RemoteError,
     RemoteProtocolError,
+    RPCError,
     register_error_code,
     remote_error,
 )
@@ -53,6 +54,7 @@ MAX_RELAYS = 3
 MAX_MESSAGE_BYTES = 1024
 TOKEN_BYTES = 16
 _LENGTH = struct.Struct("!I")
+T = TypeVar("T")
 
 # ------------------------------------------------------------------------------------------------------- errors
 
@@ -490,29 +492,50 @@ async def connect_shareable(network: Network, address: Address) -> trio.abc.Stre
     return await network.connect_tcp(address)
 
 
+async def _as_is(circuit: Circuit) -> Circuit:
+    return circuit
+
+
 async def open_circuit(network: Network, relayed: RelayedAddress, *, source: PeerID, timeout: float) -> Circuit:
-    """Ask the relays of `relayed` in order for a circuit to its target; the first that splices one wins.
-    Raises the last relay's `RelayError` (typed), or `OSError` when no relay could be reached at all."""
+    """A circuit to the target of `relayed` through the first of its relays that splices one in its share of
+    `timeout` (`dial_through_relays`)."""
+    return await dial_through_relays(network, relayed, source=source, timeout=timeout, establish=_as_is)
+
+
+async def dial_through_relays(network: Network, relayed: RelayedAddress, *, source: PeerID, timeout: float,
+                              establish: Callable[[Circuit], Awaitable[T]]) -> T:
+    """Ask the relays of `relayed` in order for a circuit to its target and `establish` a connection on it (the
+    RPC node runs its hole punch and handshake end to end there); the first relay through which both succeed
+    wins. Each relay gets an equal share of the time left (the last one all of it): a relay that refuses
+    (`RelayLimitReached`, `NoReservation`) is left at once, and one that hangs -- holds the request, or delays or
+    drops the spliced bytes so the handshake never completes -- costs its share, not the whole dial.
+    `establish` owns the circuit's stream once it returns; on its failure the stream is closed here.
+    Raises the last relay's error: its typed `RelayError`, `establish`'s `RPCError` (a handshake through it
+    failed), or `OSError` when no relay could be reached or none answered in its share."""
     deadline = trio.current_time() + timeout
     last: Exception = OSError("no relay to try")
-    for relay, address in relayed.relays:
+    for index, (relay, address) in enumerate(relayed.relays):
+        now = trio.current_time()
+        if now >= deadline:
+            break
         stream = None
-        with trio.move_on_at(deadline):
+        with trio.move_on_at(now + (deadline - now) / (len(relayed.relays) - index)):
             try:
                 stream = await connect_shareable(network, address)
                 await stream.send_all(connect_request(relayed.target, source))
                 opened = await read_message(stream, ResponseReader())
-                return Circuit(stream, relay, address, opened.observed)
+                result = await establish(Circuit(stream, relay, address, opened.observed))
+                stream = None  # establish's now
+                return result
             except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as error:
                 last = error if isinstance(error, OSError) else OSError(f"relay {relay.short()} closed the "
-                                                                         "circuit request")
-            except (RelayError, RelayProtocolError) as error:
+                                                                         "circuit")
+            except (RelayError, RelayProtocolError, RPCError) as error:
                 last = error
             if stream is not None:
                 await trio.aclose_forcefully(stream)
             continue
         if stream is not None:
             await trio.aclose_forcefully(stream)
-        last = OSError(f"no circuit through relay {relay.short()} within {timeout:.3g} s")
-        break
+        last = OSError(f"no circuit through relay {relay.short()} within its share of {timeout:.3g} s")
     raise last
