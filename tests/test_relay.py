@@ -224,8 +224,8 @@ class Net:
                 nursery.cancel_scope.cancel()
 
     @asynccontextmanager
-    async def dialer(self, name: str):
-        async with RPCNode(Identity.generate(), self.network(name)) as node:
+    async def dialer(self, name: str, **options):
+        async with RPCNode(Identity.generate(), self.network(name), **options) as node:
             yield node
 
 
@@ -557,7 +557,8 @@ async def test_a_caller_moves_on_from_a_delaying_relay_to_the_targets_other_rela
 
 async def test_a_caller_refused_by_a_full_relay_goes_through_the_targets_other_relay(autojump_clock):
     """The first relay runs its `limit` circuits already (`RelayLimitReached`): the dial goes on to the second
-    relay at once."""
+    relay at once. With only the full relay, the dial tries again (a pause, doubling) until its connect timeout,
+    then fails with the relay's typed refusal."""
     net = Net("memory")
     async with AsyncExitStack() as stack:
         full, full_service = await stack.enter_async_context(net.relay("full", limit=1))
@@ -572,13 +573,18 @@ async def test_a_caller_refused_by_a_full_relay_goes_through_the_targets_other_r
         holder = await stack.enter_async_context(net.dialer("holder"))
         await holder.call(first_only, "echo", 0, timeout=10)  # holds the full relay's one circuit (pooled)
         assert full_service.core.circuits == 1
-        dialer = await stack.enter_async_context(net.dialer("d"))
+        dialer = await stack.enter_async_context(net.dialer("d", connect_timeout=1.0))
+        began = trio.current_time()
         with pytest.raises(RelayLimitReached):
             await dialer.call(first_only, "echo", 1, timeout=10)
+        assert trio.current_time() - began <= 1.0 + 1e-6
+        refused = full_service.core.stats["circuits_refused"]
+        assert refused >= 3  # the first try and the retries after 0.25 and 0.5 s pauses
         began = trio.current_time()
         assert (await dialer.call(both, "echo", 2, timeout=10))["args"] == 2
         assert trio.current_time() - began < 1.0  # no time spent waiting on the full relay
-        assert full_service.core.stats["circuits_refused"] == 2 and other_service.core.stats["circuits_opened"] == 1
+        assert full_service.core.stats["circuits_refused"] == refused + 1
+        assert other_service.core.stats["circuits_opened"] == 1
 
 
 async def test_a_dead_relay_in_a_relayed_address_is_skipped_for_the_next(net, clock):

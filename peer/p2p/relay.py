@@ -53,6 +53,7 @@ PREFIX = "relay:"
 MAX_RELAYS = 3
 MAX_MESSAGE_BYTES = 1024
 TOKEN_BYTES = 16
+LIMIT_RETRY_PAUSE = 0.25  # seconds before a dial that every relay refused for its limit tries them again
 _LENGTH = struct.Struct("!I")
 T = TypeVar("T")
 
@@ -506,36 +507,45 @@ async def dial_through_relays(network: Network, relayed: RelayedAddress, *, sour
                               establish: Callable[[Circuit], Awaitable[T]]) -> T:
     """Ask the relays of `relayed` in order for a circuit to its target and `establish` a connection on it (the
     RPC node runs its hole punch and handshake end to end there); the first relay through which both succeed
-    wins. Each relay gets an equal share of the time left (the last one all of it): a relay that refuses
-    (`RelayLimitReached`, `NoReservation`) is left at once, and one that hangs -- holds the request, or delays or
-    drops the spliced bytes so the handshake never completes -- costs its share, not the whole dial.
-    `establish` owns the circuit's stream once it returns; on its failure the stream is closed here.
-    Raises the last relay's error: its typed `RelayError`, `establish`'s `RPCError` (a handshake through it
-    failed), or `OSError` when no relay could be reached or none answered in its share."""
+    wins. Each relay gets an equal share of the time left (the last one all of it): a relay that refuses is left
+    at once, and one that hangs -- holds the request, or delays or drops the spliced bytes so the handshake never
+    completes -- costs its share, not the whole dial. When every relay refused for its limit
+    (`RelayLimitReached`: a busy moment, its circuits close when idle) the round is tried again after a pause
+    (`LIMIT_RETRY_PAUSE`, doubling) while time is left. `establish` owns the circuit's stream once it returns;
+    on its failure the stream is closed here. Raises the last relay's error: its typed `RelayError`,
+    `establish`'s `RPCError` (a handshake through it failed), or `OSError` when no relay could be reached or
+    none answered in its share."""
     deadline = trio.current_time() + timeout
-    last: Exception = OSError("no relay to try")
-    for index, (relay, address) in enumerate(relayed.relays):
-        now = trio.current_time()
-        if now >= deadline:
-            break
-        stream = None
-        with trio.move_on_at(now + (deadline - now) / (len(relayed.relays) - index)):
-            try:
-                stream = await connect_shareable(network, address)
-                await stream.send_all(connect_request(relayed.target, source))
-                opened = await read_message(stream, ResponseReader())
-                result = await establish(Circuit(stream, relay, address, opened.observed))
-                stream = None  # establish's now
-                return result
-            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as error:
-                last = error if isinstance(error, OSError) else OSError(f"relay {relay.short()} closed the "
-                                                                         "circuit")
-            except (RelayError, RelayProtocolError, RPCError) as error:
-                last = error
+    pause = LIMIT_RETRY_PAUSE
+    while True:
+        last: Exception = OSError("no relay to try")
+        full = 0
+        for index, (relay, address) in enumerate(relayed.relays):
+            now = trio.current_time()
+            if now >= deadline:
+                break
+            stream = None
+            with trio.move_on_at(now + (deadline - now) / (len(relayed.relays) - index)):
+                try:
+                    stream = await connect_shareable(network, address)
+                    await stream.send_all(connect_request(relayed.target, source))
+                    opened = await read_message(stream, ResponseReader())
+                    result = await establish(Circuit(stream, relay, address, opened.observed))
+                    stream = None  # establish's now
+                    return result
+                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as error:
+                    last = error if isinstance(error, OSError) else OSError(f"relay {relay.short()} closed the "
+                                                                             "circuit")
+                except (RelayError, RelayProtocolError, RPCError) as error:
+                    last = error
+                    full += isinstance(error, RelayLimitReached)
+                if stream is not None:
+                    await trio.aclose_forcefully(stream)
+                continue
             if stream is not None:
                 await trio.aclose_forcefully(stream)
-            continue
-        if stream is not None:
-            await trio.aclose_forcefully(stream)
-        last = OSError(f"no circuit through relay {relay.short()} within its share of {timeout:.3g} s")
-    raise last
+            last = OSError(f"no circuit through relay {relay.short()} within its share of {timeout:.3g} s")
+        if full < len(relayed.relays) or trio.current_time() + pause >= deadline:
+            raise last
+        await trio.sleep(pause)
+        pause = min(2 * pause, 4 * LIMIT_RETRY_PAUSE)
