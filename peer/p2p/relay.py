@@ -336,7 +336,14 @@ class RelayCore:
 
     A reservation lives while its peer has a poll outstanding and `grace` seconds after its last one ended, so a
     private peer that vanishes is forgotten within `grace`; an offer not accepted by its `deadline` is dropped
-    and its dialer is told `CircuitFailed`-like `RelayError`."""
+    and its dialer is told `CircuitFailed`-like `RelayError`.
+
+    Why `limit` counts circuits in total, over every reserved peer, and not per reserved peer: what bounds a
+    relay is what each circuit costs it (two pumps, two splice buffers, a share of the total byte rate), which
+    is the same whoever the circuit is for; a per-peer cap on top would refuse callers of a busy peer -- one
+    behind a symmetric NAT, whom every caller reaches through a circuit -- while slots stand idle. Slots come
+    back fast instead: an upgraded circuit closes at once and an idle one within `RPCNode.circuit_idle_timeout`,
+    and a refused dialer tries the target's other relay (`dial_through_relays`)."""
 
     def __init__(self, peer_id: PeerID, *, limit: int, rate: float | None = None, total_rate: float | None = None,
                  max_reservations: int = 256, grace: float = 10.0, accept_timeout: float = 5.0):

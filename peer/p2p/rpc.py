@@ -95,7 +95,7 @@ class CallContext:
 
 
 Handler = Callable[[CallContext, Any], Awaitable[Any]]
-CIRCUIT_IDLE_TIMEOUT = 5.0  # seconds before an idle connection through a relay closes (and frees its slot)
+CIRCUIT_IDLE_TIMEOUT = 3.0  # seconds before an idle connection through a relay closes (and frees its slot)
 # a raw protocol sharing the RPC port (the relay's circuits): gets the stream and the prefix bytes already read
 StreamHandler = Callable[[trio.abc.Stream, bytes], Awaitable[None]]
 
