@@ -585,6 +585,14 @@ async def test_a_caller_refused_by_a_full_relay_goes_through_the_targets_other_r
         assert trio.current_time() - began < 1.0  # no time spent waiting on the full relay
         assert full_service.core.stats["circuits_refused"] == refused + 1
         assert other_service.core.stats["circuits_opened"] == 1
+        # the holder's circuit closes once idle for the circuit idle timeout: a dial waiting on the full relay
+        # alone gets the slot then, within its connect timeout
+        from peer.p2p.rpc import CIRCUIT_IDLE_TIMEOUT
+
+        patient = await stack.enter_async_context(net.dialer("patient"))
+        assert patient.connect_timeout > CIRCUIT_IDLE_TIMEOUT
+        assert (await patient.call(first_only, "echo", 3, timeout=10))["args"] == 3
+        assert full_service.core.stats["circuits_refused"] > refused + 1  # it was refused, then retried
 
 
 async def test_a_dead_relay_in_a_relayed_address_is_skipped_for_the_next(net, clock):
