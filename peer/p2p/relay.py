@@ -15,7 +15,7 @@ length-prefixed msgpack response; after an `ok` response the stream is a raw spl
 - `{"op": "accept", "token": bytes}` -- the reserved peer takes the circuit the relay offered it over its
   reservation (the token is a capability only that peer was told).
 The `ok` response carries the other end's address as the relay observes it (`observed`), which is what a
-direct-connection upgrade (hole punching) needs; `open_circuit` returns it with the stream.
+direct-connection upgrade (hole punching) needs; `dial_through_relays` hands it with the stream to its caller.
 
 Each side reads exactly the bytes of its message (`next_read_size`), never past them, so after the response the
 caller holds the bare transport stream and the RPC layer's zero-copy receive path stays as it is.
@@ -498,16 +498,6 @@ async def connect_shareable(network: Network, address: Address) -> trio.abc.Stre
         if error.errno != errno.EOPNOTSUPP:
             raise
     return await network.connect_tcp(address)
-
-
-async def _as_is(circuit: Circuit) -> Circuit:
-    return circuit
-
-
-async def open_circuit(network: Network, relayed: RelayedAddress, *, source: PeerID, timeout: float) -> Circuit:
-    """A circuit to the target of `relayed` through the first of its relays that splices one in its share of
-    `timeout` (`dial_through_relays`)."""
-    return await dial_through_relays(network, relayed, source=source, timeout=timeout, establish=_as_is)
 
 
 async def dial_through_relays(network: Network, relayed: RelayedAddress, *, source: PeerID, timeout: float,
