@@ -24,11 +24,12 @@ from peer.status import format_status, gather_status
 from tests.test_relay_daemon import run_daemon
 
 
-async def upgrade_scenario(trainer_nat: str, seed: int, circuits_left: int):
+async def upgrade_scenario(trainer_nat: str, seed: int, circuits_left: int, after_idle: bool = False):
     """Relays `a` and `b`; a private daemon at `home1` behind a MASQUERADE router `r1`; a trainer at `home2`
     behind `r2` of kind `trainer_nat` calls the daemon's expert twice, then waits until the relays splice
     `circuits_left` circuits (an upgraded circuit closes a moment after the direct connection took over; the
-    scenario's deadline fails the test if it never does). Returns what both ends counted."""
+    scenario's deadline fails the test if it never does). `after_idle`: then waits until no circuit is left (an
+    idle one closes) and calls once more. Returns what both ends counted."""
     network = MemoryNetwork(latency=0.005, seed=seed)
     network.add_nat("r1", "masquerade")
     network.place_behind("home1", "r1")
@@ -67,6 +68,14 @@ async def upgrade_scenario(trainer_nat: str, seed: int, circuits_left: int):
                     while circuits() != circuits_left:
                         await trio.sleep(0.05)
                     outcome["circuits_open"] = circuits()
+                    if after_idle:
+                        idle_since = trio.current_time()
+                        while circuits() != 0:
+                            await trio.sleep(0.05)
+                        outcome["idle_closed_after"] = trio.current_time() - idle_since
+                        assert (await info(rpc, location.address, peer, "priv.0", timeout=10))["hidden_dim"] == 8
+                        outcome["trainer_after_idle"] = puncher.stats()
+                        outcome["skipped"] = puncher.skipped
                     outcome["private"] = private.status()["relay"]["connections"]
                     outcome["served"] = private.expert_server.stats()["requests_total"]
                     outcome["status"] = format_status(await gather_status(first.rpc, first.dht))
@@ -88,10 +97,17 @@ async def test_between_two_masquerade_routers_the_circuit_is_upgraded_and_closes
 
 
 async def test_behind_a_symmetric_nat_the_punch_fails_and_the_calls_go_through_the_relay(autojump_clock):
-    outcome = await upgrade_scenario("symmetric", seed=32, circuits_left=1)
+    """... and once idle for `CIRCUIT_IDLE_TIMEOUT` the kept circuit closes (its relay slot is free again); the
+    next call opens a fresh circuit without trying the punch that just failed."""
+    from peer.p2p.rpc import CIRCUIT_IDLE_TIMEOUT
+
+    outcome = await upgrade_scenario("symmetric", seed=32, circuits_left=1, after_idle=True)
     trainer, private = outcome["trainer"], outcome["private"]
     assert trainer["upgraded"] == 0 and trainer["relayed"] == 1 and trainer["punch_failures"] == 1, trainer
     assert private["upgraded"] == 0 and private["relayed"] == 1, private
     assert outcome["trainer_rpc"]["circuits_dialed"] == 1 and outcome["trainer_rpc"]["calls_failed"] == 0
     assert outcome["circuits_open"] == 1  # the circuit stays and carries the calls
     assert outcome["served"] >= 2
+    assert CIRCUIT_IDLE_TIMEOUT - 1 <= outcome["idle_closed_after"] <= CIRCUIT_IDLE_TIMEOUT + 1
+    later = outcome["trainer_after_idle"]
+    assert later["punch_attempts"] == 1 and later["relayed"] == 2 and outcome["skipped"] == 1, later

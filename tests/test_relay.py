@@ -30,7 +30,7 @@ from peer.p2p.relay import (
     ResponseReader,
 )
 from peer.p2p.relay_service import RelayReservations, RelayService
-from peer.p2p.rpc import ConnectionFailed, HandshakeError, RPCError, RPCNode
+from peer.p2p.rpc import CallTimeout, ConnectionFailed, HandshakeError, RPCError, RPCNode
 
 A, B, C = (PeerID(bytes([n]) * 20) for n in (1, 2, 3))
 
@@ -224,8 +224,8 @@ class Net:
                 nursery.cancel_scope.cancel()
 
     @asynccontextmanager
-    async def dialer(self, name: str):
-        async with RPCNode(Identity.generate(), self.network(name)) as node:
+    async def dialer(self, name: str, **options):
+        async with RPCNode(Identity.generate(), self.network(name), **options) as node:
             yield node
 
 
@@ -429,10 +429,15 @@ def corrupting_relay(toward: str, nth: int, drop: bool = False):
     ("dialer", 2, False, HandshakeError),  # chunk 1 is the relay's ok, then the private peer's hello and proof
     ("dialer", 5, False, ConnectionFailed),  # a sealed reply
     ("private", 4, False, ConnectionFailed),  # a sealed request (chunks 1, 2: the dialer's hello, proof)
-    ("private", 4, True, RPCError),  # a dropped request: the next record fails, or the call times out
+    # dropped chunks: the next record's counter fails it (ConnectionFailed), or, with no next one, the call's
+    # deadline does (CallTimeout) -- a dropped handshake message, a dropped request, a dropped reply
+    ("dialer", 2, True, (ConnectionFailed, CallTimeout)),
+    ("private", 4, True, (ConnectionFailed, CallTimeout)),
+    ("dialer", 5, True, (ConnectionFailed, CallTimeout)),
 ])
-async def test_a_relay_that_corrupts_spliced_bytes_fails_the_connection_with_a_typed_error(net, clock, toward, nth,
-                                                                                           drop, error):
+async def test_a_relay_that_corrupts_or_drops_spliced_bytes_fails_the_call_with_a_typed_error(net, clock, toward,
+                                                                                              nth, drop, error):
+    """Each call is bounded by its timeout, the failure is typed, and no handler sees an altered message."""
     served: list = []
     async with AsyncExitStack() as stack:
         relay_node, _ = await stack.enter_async_context(net.relay(
@@ -442,12 +447,152 @@ async def test_a_relay_that_corrupts_spliced_bytes_fails_the_connection_with_a_t
             while not reservations.relays:
                 await trio.sleep(0.05)
         dialer = await stack.enter_async_context(net.dialer("d"))
-        with trio.fail_after(30):
+        with trio.fail_after(60):
             with pytest.raises(error):
                 for attempt in range(8):  # a call per chunk until the corrupted one
+                    began = trio.current_time()
                     await dialer.call(private.announce, "echo", attempt, timeout=5)
+        if net.memory:  # virtual time: the failed call ended within its timeout
+            assert trio.current_time() - began <= 5 + 1e-6
         assert all(args in range(8) for _, args in served)  # no handler saw altered bytes
         assert len(served) < 8
+
+
+class DelayingStream(trio.abc.Stream):
+    """Forwards to `inner`, from its `start`th chunk on holding each one `hold` seconds, or trickling it a byte
+    per `trickle` seconds."""
+
+    def __init__(self, inner: trio.abc.Stream, start: int, hold: float = 0.0, trickle: float = 0.0):
+        self.inner, self.start, self.hold, self.trickle, self.sent = inner, start, hold, trickle, 0
+
+    async def send_all(self, data) -> None:
+        self.sent += 1
+        if self.sent < self.start:
+            await self.inner.send_all(data)
+            return
+        await trio.sleep(self.hold)
+        if not self.trickle:
+            await self.inner.send_all(data)
+            return
+        for index in range(len(data)):
+            await self.inner.send_all(data[index:index + 1])
+            await trio.sleep(self.trickle)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes=None):
+        return await self.inner.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def delaying_relay(toward: str, start: int, **delay):
+    class DelayingRelay(RelayService):
+        async def _splice(self, dialer, target):
+            if toward == "dialer":
+                await super()._splice(DelayingStream(dialer, start, **delay), target)
+            else:
+                await super()._splice(dialer, DelayingStream(target, start, **delay))
+
+    return DelayingRelay
+
+
+DELAYS = [  # chunk 1 toward the dialer is the relay's own ok, 2 and 3 the private peer's hello and proof
+    ("dialer", 1, {"hold": 30.0}),  # the circuit's ok itself
+    ("dialer", 2, {"hold": 30.0}),  # the handshake through it
+    ("private", 1, {"hold": 30.0}),  # the dialer's hello
+    ("dialer", 2, {"trickle": 1.0}),  # the handshake, a byte a second
+]
+
+
+@pytest.mark.parametrize("toward, start, delay", DELAYS)
+async def test_a_relay_that_delays_spliced_bytes_fails_the_call_within_its_timeout(autojump_clock, toward, start,
+                                                                                   delay):
+    """A relay that holds every spliced chunk for longer than the call's timeout, or trickles it: the call fails
+    with a typed `CallTimeout` (or `ConnectionFailed`), within its timeout, and no handler ran."""
+    net = Net("memory")
+    served: list = []
+    async with AsyncExitStack() as stack:
+        relay_node, _ = await stack.enter_async_context(net.relay(
+            "slow", service_class=delaying_relay(toward, start, **delay)))
+        private, reservations = await stack.enter_async_context(net.private("p", [relay_node], served, want=1))
+        with trio.fail_after(30):
+            while not reservations.relays:
+                await trio.sleep(0.05)
+        dialer = await stack.enter_async_context(net.dialer("d"))
+        began = trio.current_time()
+        with pytest.raises((CallTimeout, ConnectionFailed)):
+            await dialer.call(private.announce, "echo", 1, timeout=5)
+        assert trio.current_time() - began <= 5 + 1e-6
+        assert served == []
+
+
+@pytest.mark.parametrize("toward, start, delay", DELAYS)
+async def test_a_caller_moves_on_from_a_delaying_relay_to_the_targets_other_relay(autojump_clock, toward, start,
+                                                                                  delay):
+    """The target's first relay delays the circuit (its ok, or the handshake through it): the dial gives that
+    relay its share of the connect timeout and then takes the circuit through the second, honest one; the call is
+    answered within its timeout."""
+    net = Net("memory")
+    served: list = []
+    async with AsyncExitStack() as stack:
+        slow, _ = await stack.enter_async_context(net.relay(
+            "slow", service_class=delaying_relay(toward, start, **delay)))
+        honest, honest_service = await stack.enter_async_context(net.relay("honest"))
+        private, reservations = await stack.enter_async_context(net.private("p", [slow, honest], served))
+        with trio.fail_after(30):
+            while len(reservations.relays) < 2:
+                await trio.sleep(0.05)
+        address = RelayedAddress(private.peer_id, ((slow.peer_id, slow.address),
+                                                   (honest.peer_id, honest.address))).to_address()
+        dialer = await stack.enter_async_context(net.dialer("d"))
+        began = trio.current_time()
+        reply = await dialer.call(address, "echo", 1, timeout=10, peer_id=private.peer_id)
+        assert reply["args"] == 1 and trio.current_time() - began < 10
+        assert honest_service.core.stats["circuits_opened"] == 1 and honest_service.core.stats["bytes_relayed"] > 0
+        assert served == [(dialer.peer_id, 1)]
+
+
+async def test_a_caller_refused_by_a_full_relay_goes_through_the_targets_other_relay(autojump_clock):
+    """The first relay runs its `limit` circuits already (`RelayLimitReached`): the dial goes on to the second
+    relay at once. With only the full relay, the dial tries again (a pause, doubling) until its connect timeout,
+    then fails with the relay's typed refusal."""
+    net = Net("memory")
+    async with AsyncExitStack() as stack:
+        full, full_service = await stack.enter_async_context(net.relay("full", limit=1))
+        other, other_service = await stack.enter_async_context(net.relay("other", limit=1))
+        private, reservations = await stack.enter_async_context(net.private("p", [full, other]))
+        with trio.fail_after(30):
+            while len(reservations.relays) < 2:
+                await trio.sleep(0.05)
+        first_only = RelayedAddress(private.peer_id, ((full.peer_id, full.address),)).to_address()
+        both = RelayedAddress(private.peer_id, ((full.peer_id, full.address),
+                                                (other.peer_id, other.address))).to_address()
+        holder = await stack.enter_async_context(net.dialer("holder"))
+        await holder.call(first_only, "echo", 0, timeout=10)  # holds the full relay's one circuit (pooled)
+        assert full_service.core.circuits == 1
+        dialer = await stack.enter_async_context(net.dialer("d", connect_timeout=1.0))
+        began = trio.current_time()
+        with pytest.raises(RelayLimitReached):
+            await dialer.call(first_only, "echo", 1, timeout=10)
+        assert trio.current_time() - began <= 1.0 + 1e-6
+        refused = full_service.core.stats["circuits_refused"]
+        assert refused >= 3  # the first try and the retries after 0.25 and 0.5 s pauses
+        began = trio.current_time()
+        assert (await dialer.call(both, "echo", 2, timeout=10))["args"] == 2
+        assert trio.current_time() - began < 1.0  # no time spent waiting on the full relay
+        assert full_service.core.stats["circuits_refused"] == refused + 1
+        assert other_service.core.stats["circuits_opened"] == 1
+        # the holder's circuit closes once idle for the circuit idle timeout: a dial waiting on the full relay
+        # alone gets the slot then, within its connect timeout
+        from peer.p2p.rpc import CIRCUIT_IDLE_TIMEOUT
+
+        patient = await stack.enter_async_context(net.dialer("patient"))
+        assert patient.connect_timeout > CIRCUIT_IDLE_TIMEOUT
+        assert (await patient.call(first_only, "echo", 3, timeout=10))["args"] == 3
+        assert full_service.core.stats["circuits_refused"] > refused + 1  # it was refused, then retried
 
 
 async def test_a_dead_relay_in_a_relayed_address_is_skipped_for_the_next(net, clock):

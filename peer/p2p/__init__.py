@@ -6,7 +6,7 @@
 - `handshake`: the sans-I/O handshake (who is on the other end, proven by a signed nonce).
 - `rpc_protocol`: the sans-I/O connection protocol (stream ids, replies, error codes, deadlines, cancellation).
 - `rpc`: authenticated RPC, the trio driver of those two cores (`RPCNode`: call, register, listen; typed errors).
-- `relay`: the sans-I/O circuit relay protocol, relayed addresses, `open_circuit` (the dial path's relay branch).
+- `relay`: the sans-I/O circuit relay protocol, relayed addresses, `dial_through_relays` (the dial path's relay branch).
 - `relay_service`: its trio drivers: the relay service of public peers, the reservations of private ones.
 - `net`: transports — real trio sockets, or the in-memory network for deterministic simulation.
 - `bridge`: a background trio thread that synchronous (PyTorch) code calls into.

@@ -61,6 +61,9 @@ RETRY_PAUSE = 0.05  # seconds before connecting again after a reset or a failed 
 PREFIX = b"SWPUNCH1"  # a dialer's first bytes on a circuit it wants upgraded (as long as the relay's MAGIC)
 UPGRADE_TIMEOUT = 2.0  # seconds for the exchange over a circuit (a dial within RPCNode.connect_timeout)
 UPGRADE_WINDOW = 1.0  # seconds of dialing at least, then the circuit is kept
+# seconds after a failed punch to a peer during which its next circuits are not offered one: behind a symmetric
+# NAT it fails again, and each try costs the circuit up to UPGRADE_TIMEOUT before its first call
+RETRY_AFTER_FAILURE = 60.0
 
 
 class PunchFailed(ConnectionFailed):
@@ -244,13 +247,18 @@ class HolePuncher:
     """Drives punches for one RPC node (its network, identity and handshake) and counts the outcomes.
 
     `stats()`: `direct` connections made without help, `upgraded` circuits replaced by a punched connection,
-    `relayed` circuits kept because the punch failed, and the punch attempts themselves."""
+    `relayed` circuits kept because the punch failed (or was not tried: one to the same peer failed within
+    `retry_after` seconds, `skipped`), and the punch attempts themselves."""
 
-    def __init__(self, rpc: "RPCNode", *, timeout: float = 10.0, min_window: float = 2.0):
+    def __init__(self, rpc: "RPCNode", *, timeout: float = 10.0, min_window: float = 2.0,
+                 retry_after: float = RETRY_AFTER_FAILURE):
         self.rpc = rpc
         self.timeout = timeout
         self.min_window = min_window
+        self.retry_after = retry_after
+        self.failed: dict[PeerID, float] = {}  # peer -> when the last punch to it failed
         self.counters = {"direct": 0, "upgraded": 0, "relayed": 0, "punch_attempts": 0, "punch_failures": 0}
+        self.skipped = 0  # of the relayed: circuits not offered a punch (a recent one to their peer failed)
 
     def stats(self) -> dict[str, int]:
         """The counters; `direct` from the node's: connections opened or accepted without a circuit."""
@@ -263,6 +271,11 @@ class HolePuncher:
         """The dialing side (`RPCNode.upgrade_circuit`): ask for a punch on a fresh circuit; the direct stream
         and its handshake, or None (the circuit stays, usable for RPC)."""
         if circuit.remote_observed is None:  # the relay did not say where the other end is
+            self.counters["relayed"] += 1
+            return None
+        failed_at = self.failed.get(expected_peer)
+        if failed_at is not None and trio.current_time() - failed_at < self.retry_after:
+            self.skipped += 1
             self.counters["relayed"] += 1
             return None
         try:
@@ -289,7 +302,13 @@ class HolePuncher:
         except (PunchFailed, PunchProtocolError) as error:
             logger.debug("circuit to %s through relay %s stays: %s", expected_peer.short(), circuit.relay.short(),
                          error)
+            now = trio.current_time()
+            for peer, when in list(self.failed.items()):  # bounded: only the failures still remembered
+                if now - when >= self.retry_after:
+                    del self.failed[peer]
+            self.failed[expected_peer] = now
             return None
+        self.failed.pop(expected_peer, None)
         return punched.stream, punched.handshake
 
     async def punch(self, side_channel: trio.abc.Stream, observed: Address, expected_peer: PeerID, *,

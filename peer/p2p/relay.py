@@ -15,7 +15,7 @@ length-prefixed msgpack response; after an `ok` response the stream is a raw spl
 - `{"op": "accept", "token": bytes}` -- the reserved peer takes the circuit the relay offered it over its
   reservation (the token is a capability only that peer was told).
 The `ok` response carries the other end's address as the relay observes it (`observed`), which is what a
-direct-connection upgrade (hole punching) needs; `open_circuit` returns it with the stream.
+direct-connection upgrade (hole punching) needs; `dial_through_relays` hands it with the stream to its caller.
 
 Each side reads exactly the bytes of its message (`next_read_size`), never past them, so after the response the
 caller holds the bare transport stream and the RPC layer's zero-copy receive path stays as it is.
@@ -32,7 +32,7 @@ import errno
 import math
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import Any, Awaitable, Callable, TypeVar, Union
 
 import msgpack
 import trio
@@ -43,6 +43,7 @@ from peer.p2p.rpc_protocol import (
     LocalProtocolError,
     RemoteError,
     RemoteProtocolError,
+    RPCError,
     register_error_code,
     remote_error,
 )
@@ -52,7 +53,9 @@ PREFIX = "relay:"
 MAX_RELAYS = 3
 MAX_MESSAGE_BYTES = 1024
 TOKEN_BYTES = 16
+LIMIT_RETRY_PAUSE = 0.25  # seconds before a dial that every relay refused for its limit tries them again
 _LENGTH = struct.Struct("!I")
+T = TypeVar("T")
 
 # ------------------------------------------------------------------------------------------------------- errors
 
@@ -339,7 +342,14 @@ class RelayCore:
 
     A reservation lives while its peer has a poll outstanding and `grace` seconds after its last one ended, so a
     private peer that vanishes is forgotten within `grace`; an offer not accepted by its `deadline` is dropped
-    and its dialer is told `CircuitFailed`-like `RelayError`."""
+    and its dialer is told `CircuitFailed`-like `RelayError`.
+
+    Why `limit` counts circuits in total, over every reserved peer, and not per reserved peer: what bounds a
+    relay is what each circuit costs it (two pumps, two splice buffers, a share of the total byte rate), which
+    is the same whoever the circuit is for; a per-peer cap on top would refuse callers of a busy peer -- one
+    behind a symmetric NAT, whom every caller reaches through a circuit -- while slots stand idle. Slots come
+    back fast instead: an upgraded circuit closes at once and an idle one within `RPCNode.circuit_idle_timeout`,
+    and a refused dialer tries the target's other relay (`dial_through_relays`)."""
 
     def __init__(self, peer_id: PeerID, *, limit: int, rate: float | None = None, total_rate: float | None = None,
                  max_reservations: int = 256, grace: float = 10.0, accept_timeout: float = 5.0):
@@ -496,29 +506,49 @@ async def connect_shareable(network: Network, address: Address) -> trio.abc.Stre
     return await network.connect_tcp(address)
 
 
-async def open_circuit(network: Network, relayed: RelayedAddress, *, source: PeerID, timeout: float) -> Circuit:
-    """Ask the relays of `relayed` in order for a circuit to its target; the first that splices one wins.
-    Raises the last relay's `RelayError` (typed), or `OSError` when no relay could be reached at all."""
+async def dial_through_relays(network: Network, relayed: RelayedAddress, *, source: PeerID, timeout: float,
+                              establish: Callable[[Circuit], Awaitable[T]]) -> T:
+    """Ask the relays of `relayed` in order for a circuit to its target and `establish` a connection on it (the
+    RPC node runs its hole punch and handshake end to end there); the first relay through which both succeed
+    wins. Each relay gets an equal share of the time left (the last one all of it): a relay that refuses is left
+    at once, and one that hangs -- holds the request, or delays or drops the spliced bytes so the handshake never
+    completes -- costs its share, not the whole dial. When every relay refused for its limit
+    (`RelayLimitReached`: a busy moment, its circuits close when idle) the round is tried again after a pause
+    (`LIMIT_RETRY_PAUSE`, doubling) while time is left. `establish` owns the circuit's stream once it returns;
+    on its failure the stream is closed here. Raises the last relay's error: its typed `RelayError`,
+    `establish`'s `RPCError` (a handshake through it failed), or `OSError` when no relay could be reached or
+    none answered in its share."""
     deadline = trio.current_time() + timeout
-    last: Exception = OSError("no relay to try")
-    for relay, address in relayed.relays:
-        stream = None
-        with trio.move_on_at(deadline):
-            try:
-                stream = await connect_shareable(network, address)
-                await stream.send_all(connect_request(relayed.target, source))
-                opened = await read_message(stream, ResponseReader())
-                return Circuit(stream, relay, address, opened.observed)
-            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as error:
-                last = error if isinstance(error, OSError) else OSError(f"relay {relay.short()} closed the "
-                                                                         "circuit request")
-            except (RelayError, RelayProtocolError) as error:
-                last = error
+    pause = LIMIT_RETRY_PAUSE
+    while True:
+        last: Exception = OSError("no relay to try")
+        full = 0
+        for index, (relay, address) in enumerate(relayed.relays):
+            now = trio.current_time()
+            if now >= deadline:
+                break
+            stream = None
+            with trio.move_on_at(now + (deadline - now) / (len(relayed.relays) - index)):
+                try:
+                    stream = await connect_shareable(network, address)
+                    await stream.send_all(connect_request(relayed.target, source))
+                    opened = await read_message(stream, ResponseReader())
+                    result = await establish(Circuit(stream, relay, address, opened.observed))
+                    stream = None  # establish's now
+                    return result
+                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as error:
+                    last = error if isinstance(error, OSError) else OSError(f"relay {relay.short()} closed the "
+                                                                             "circuit")
+                except (RelayError, RelayProtocolError, RPCError) as error:
+                    last = error
+                    full += isinstance(error, RelayLimitReached)
+                if stream is not None:
+                    await trio.aclose_forcefully(stream)
+                continue
             if stream is not None:
                 await trio.aclose_forcefully(stream)
-            continue
-        if stream is not None:
-            await trio.aclose_forcefully(stream)
-        last = OSError(f"no circuit through relay {relay.short()} within {timeout:.3g} s")
-        break
-    raise last
+            last = OSError(f"no circuit through relay {relay.short()} within its share of {timeout:.3g} s")
+        if full < len(relayed.relays) or trio.current_time() + pause >= deadline:
+            raise last
+        await trio.sleep(pause)
+        pause = min(2 * pause, 4 * LIMIT_RETRY_PAUSE)

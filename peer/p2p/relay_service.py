@@ -35,7 +35,9 @@ POLL_METHOD = "relay.poll"
 POLL_SECONDS = 4.0  # a poll is answered after this long without offers (keeps dead relays detected quickly)
 POLL_SLACK = 3.0
 REQUEST_TIMEOUT = 5.0  # seconds for a circuit stream's request to arrive
-IDLE_TIMEOUT = 300.0  # a spliced circuit with no byte either way for this long is closed
+# a spliced circuit with no byte either way for this long is closed: honest ends close an idle circuit sooner
+# (`RPCNode.circuit_idle_timeout`), this bounds how long one that does not holds a `--relay-limit` slot
+IDLE_TIMEOUT = 60.0
 SPLICE_CHUNK = 256 * 1024
 _TRANSPORT_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
@@ -434,11 +436,11 @@ class RelayReservations:
             if len(first) < len(punch.PREFIX):
                 return
             if first != punch.PREFIX:  # a dialer that does not punch: these are its handshake's first bytes
-                await self.rpc.accept(stream, initial=first)
+                await self.rpc.accept(stream, initial=first, relayed=True)
                 return
             upgraded = await self.answer_punch(circuit, dialer) if dialer is not None else None
             if upgraded is None:  # no punch here, or it failed: RPC on the circuit
-                await self.rpc.accept(stream)
+                await self.rpc.accept(stream, relayed=True)
                 return
             await trio.aclose_forcefully(stream)  # the direct connection replaces the circuit
             direct, handshake = upgraded

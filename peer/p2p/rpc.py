@@ -95,6 +95,7 @@ class CallContext:
 
 
 Handler = Callable[[CallContext, Any], Awaitable[Any]]
+CIRCUIT_IDLE_TIMEOUT = 3.0  # seconds before an idle connection through a relay closes (and frees its slot)
 # a raw protocol sharing the RPC port (the relay's circuits): gets the stream and the prefix bytes already read
 StreamHandler = Callable[[trio.abc.Stream, bytes], Awaitable[None]]
 
@@ -130,7 +131,7 @@ class Connection:
     calls it brought in, all in one nursery. Decisions are the core's (`protocol`); this only does the I/O."""
 
     def __init__(self, node: "RPCNode", stream: trio.abc.Stream, handshake: HandshakeComplete, *,
-                 dialed: Address | None):
+                 dialed: Address | None, relayed: bool = False):
         self.node = node
         self.stream = stream
         self.peer_id = handshake.peer_id
@@ -138,7 +139,8 @@ class Connection:
         self.dialed = dialed
         self.protocol = RPCConnection(
             initiator=handshake.role is Role.INITIATOR, peer_id=handshake.peer_id, address=self.label,
-            limits=node.limits, methods=node._handlers, budget=node.receive_budget, idle_timeout=node.idle_timeout,
+            limits=node.limits, methods=node._handlers, budget=node.receive_budget,
+            idle_timeout=node.circuit_idle_timeout if relayed else node.idle_timeout,
             now=trio.current_time(), stats=node.stats, keys=handshake.keys,
         )
         self._leftover = handshake.leftover
@@ -363,6 +365,7 @@ class RPCNode:
         connect_timeout: float = 5.0,
         handshake_timeout: float = 5.0,
         idle_timeout: float = 300.0,
+        circuit_idle_timeout: float = CIRCUIT_IDLE_TIMEOUT,
         announce: Address | None = None,
         secure: bool = True,
         swarm_key: SwarmKey | None = None,
@@ -375,6 +378,8 @@ class RPCNode:
         self.connect_timeout = connect_timeout
         self.handshake_timeout = handshake_timeout
         self.idle_timeout = idle_timeout
+        # a connection through a relay's circuit holds one of the relay's `--relay-limit` slots: closed sooner
+        self.circuit_idle_timeout = circuit_idle_timeout
         self.address: Address | None = None
         self.announce = announce
         self.secure = secure  # False: `--insecure-transport`, frames unsealed (the remote must agree)
@@ -465,17 +470,18 @@ class RPCNode:
         self._stream_handlers.pop(prefix, None)
 
     async def accept(self, stream: trio.abc.Stream, *, initial: bytes = b"",
-                     handshake: HandshakeComplete | None = None) -> None:
+                     handshake: HandshakeComplete | None = None, relayed: bool = False) -> None:
         """Serve RPC on a stream that reached this node another way than its listener (a relay circuit, or the
         direct connection a hole punch made of one): the handshake runs on it as on any accepted connection
-        (`initial`: its first bytes, already read), or has run already (`handshake`)."""
+        (`initial`: its first bytes, already read), or has run already (`handshake`). `relayed`: the stream is
+        a circuit (closed after `circuit_idle_timeout` idle)."""
         self.stats["circuits_accepted"] += 1
-        await self._accept(stream, dispatch=False, initial=initial, handshake=handshake)
+        await self._accept(stream, dispatch=False, initial=initial, handshake=handshake, relayed=relayed)
 
     async def _accept(self, stream: trio.abc.Stream, dispatch: bool = True, initial: bytes = b"",
-                      handshake: HandshakeComplete | None = None) -> None:
+                      handshake: HandshakeComplete | None = None, relayed: bool = False) -> None:
         if handshake is not None:
-            connection = Connection(self, stream, handshake, dialed=None)
+            connection = Connection(self, stream, handshake, dialed=None, relayed=relayed)
             self._all_connections.add(connection)
             await connection.run()
             return
@@ -507,7 +513,7 @@ class RPCNode:
             return
         if dispatch:  # a circuit counts as circuits_accepted (`accept`)
             self.stats["connections_accepted"] += 1
-        connection = Connection(self, stream, handshake, dialed=None)
+        connection = Connection(self, stream, handshake, dialed=None, relayed=relayed)
         self._all_connections.add(connection)
         await connection.run()
 
@@ -583,34 +589,27 @@ class RPCNode:
                 pending.done.set()
         if opened is None:
             return
-        stream, handshake = opened
+        stream, handshake, relayed = opened
         self.stats["connections_opened"] += 1
-        connection = Connection(self, stream, handshake, dialed=address)
+        connection = Connection(self, stream, handshake, dialed=address, relayed=relayed)
         self._connections[address] = connection
         self._all_connections.add(connection)
         pending.connection = connection
         pending.done.set()
         await connection.run()
 
-    async def _open(self, address: Address) -> tuple[trio.abc.Stream, HandshakeComplete]:
+    async def _open(self, address: Address) -> tuple[trio.abc.Stream, HandshakeComplete, bool]:
+        """A connection's stream and handshake, and whether it runs through a relay's circuit."""
         with trio.move_on_after(self.connect_timeout):
-            expected = None
             try:
                 if relay.is_relayed(address):  # through a relay's circuit; the handshake runs end to end
                     relayed = relay.parse_relayed(address)
-                    circuit = await relay.open_circuit(self.network, relayed, source=self.peer_id,
-                                                       timeout=self.connect_timeout)
-                    stream, expected = circuit.stream, relayed.target
+                    stream, handshake, through_relay = await relay.dial_through_relays(
+                        self.network, relayed, source=self.peer_id, timeout=self.connect_timeout,
+                        establish=lambda circuit: self._establish_circuit(circuit, relayed.target))
                     self.stats["circuits_dialed"] += 1
-                    if self.on_circuit is not None:
-                        self.on_circuit(circuit)
-                    if self.upgrade_circuit is not None:
-                        upgraded = await self.upgrade_circuit(circuit, relayed.target)
-                        if upgraded is not None:  # a direct connection: the circuit is not needed
-                            await trio.aclose_forcefully(stream)
-                            return upgraded
-                else:
-                    stream = await self.network.connect_tcp(address)
+                    return stream, handshake, through_relay
+                stream = await self.network.connect_tcp(address)
             except OSError as error:
                 raise ConnectionFailed(f"cannot connect: {error.strerror or error}", address=address) from None
             except relay.RelayError as error:
@@ -618,12 +617,24 @@ class RPCNode:
             except relay.RelayProtocolError as error:
                 raise ConnectionFailed(str(error), address=address) from None
             try:
-                handshake = await self._handshake(stream, Role.INITIATOR, expected_peer=expected)
+                handshake = await self._handshake(stream, Role.INITIATOR)
             except BaseException:
                 await trio.aclose_forcefully(stream)
                 raise
-            return stream, handshake
+            return stream, handshake, False
         raise ConnectionFailed(f"no connection within {self.connect_timeout:.3g} s", address=address)
+
+    async def _establish_circuit(self, circuit: relay.Circuit,
+                                 target: PeerID) -> tuple[trio.abc.Stream, HandshakeComplete, bool]:
+        """On a fresh circuit to `target`: a hole punch (`upgrade_circuit`), else the handshake through it."""
+        if self.on_circuit is not None:
+            self.on_circuit(circuit)
+        if self.upgrade_circuit is not None:
+            upgraded = await self.upgrade_circuit(circuit, target)
+            if upgraded is not None:  # a direct connection: the circuit is not needed
+                await trio.aclose_forcefully(circuit.stream)
+                return (*upgraded, False)
+        return circuit.stream, await self._handshake(circuit.stream, Role.INITIATOR, expected_peer=target), True
 
     async def probe(self, address: Address, *, peer_id: PeerID, timeout: float) -> None:
         """Open a fresh connection to `address`, complete the handshake with `peer_id` there, and close it: can
