@@ -389,7 +389,22 @@ async def test_idle_circuit_streams_are_capped_and_timed_out(net, clock):
         await dialer.call(relay_node.address, RESERVE_METHOD, None, timeout=5)
 
 
-class CorruptingStream(trio.abc.Stream):
+class _HostileStream(trio.abc.Stream):
+    """Forwards everything to `inner` but what a subclass's `send_all` does to the bytes sent."""
+
+    inner: trio.abc.Stream
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes=None):
+        return await self.inner.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class CorruptingStream(_HostileStream):
     """Forwards to `inner`, flipping one bit of the `nth` chunk sent through it (or dropping that chunk)."""
 
     def __init__(self, inner: trio.abc.Stream, nth: int, drop: bool = False):
@@ -403,15 +418,6 @@ class CorruptingStream(trio.abc.Stream):
             data = bytearray(data)
             data[len(data) // 2] ^= 0x10
         await self.inner.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.inner.wait_send_all_might_not_block()
-
-    async def receive_some(self, max_bytes=None):
-        return await self.inner.receive_some(max_bytes)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 def corrupting_relay(toward: str, nth: int, drop: bool = False):
@@ -458,7 +464,7 @@ async def test_a_relay_that_corrupts_or_drops_spliced_bytes_fails_the_call_with_
         assert len(served) < 8
 
 
-class DelayingStream(trio.abc.Stream):
+class DelayingStream(_HostileStream):
     """Forwards to `inner`, from its `start`th chunk on holding each one `hold` seconds, or trickling it a byte
     per `trickle` seconds."""
 
@@ -477,15 +483,6 @@ class DelayingStream(trio.abc.Stream):
         for index in range(len(data)):
             await self.inner.send_all(data[index:index + 1])
             await trio.sleep(self.trickle)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.inner.wait_send_all_might_not_block()
-
-    async def receive_some(self, max_bytes=None):
-        return await self.inner.receive_some(max_bytes)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 def delaying_relay(toward: str, start: int, **delay):
