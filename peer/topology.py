@@ -204,7 +204,8 @@ def render_compose(topology: Topology) -> str:
     if private:
         # not `internal`: docker's isolation rules for an internal network drop every bridged packet addressed
         # outside its subnet, which is all the private volunteers send (to the NAT container's MAC); they never
-        # use docker's gateway on it, their default route goes to the NAT container
+        # use docker's gateway on it (their default route goes to the NAT container, which drops its own and
+        # forwards only toward the swarm network)
         lines += ["  home:", "    ipam:", "      config:", f"        - subnet: {HOME_SUBNET}"]
     lines += [""]
     return "\n".join(lines)
@@ -219,12 +220,15 @@ def private_volunteer_ip(index: int) -> str:
 
 
 # The NAT container: what a home router does. Outbound from `home` leaves with the NAT's address (MASQUERADE);
-# inbound is forwarded only as replies to connections from inside; nothing unsolicited gets through. It then
+# inbound is forwarded only as replies to connections from inside; nothing unsolicited gets through. Only toward
+# the swarm network: the NAT drops the default route docker gave it on `home` (a bridge with a gateway on the
+# host) and forwards nothing else, so nothing inside reaches the host's other networks or beyond. It then
 # waits for docker's SIGTERM (a shell as PID 1 would ignore it without the trap, and `down` would wait 10 s).
-_NAT_SCRIPT = (f"set -e; iptables -t nat -A POSTROUTING -s {HOME_SUBNET} ! -d {HOME_SUBNET} -j MASQUERADE; "
+_NAT_SCRIPT = ("set -e; ip route del default 2>/dev/null || true; "
+               f"iptables -t nat -A POSTROUTING -s {HOME_SUBNET} -d {SWARM_SUBNET} -j MASQUERADE; "
                "iptables -P FORWARD DROP; "
                "iptables -A FORWARD -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT; "
-               f"iptables -A FORWARD -s {HOME_SUBNET} -m conntrack --ctstate NEW -j ACCEPT; "
+               f"iptables -A FORWARD -s {HOME_SUBNET} -d {SWARM_SUBNET} -m conntrack --ctstate NEW -j ACCEPT; "
                "iptables -A FORWARD -m conntrack --ctstate NEW -j DROP; "
                "trap 'exit 0' TERM INT; sleep infinity & wait")
 # A private volunteer: its default route goes through the NAT container (set as root, the one thing that needs

@@ -68,8 +68,11 @@ def test_compose_puts_the_private_volunteer_behind_a_nat_container():
     assert "--announce" not in private["command"]
     nat = services[NAT_NAME]
     assert set(nat["networks"]) == {"swarm", "home"} and nat["sysctls"] == {"net.ipv4.ip_forward": 1}
-    assert f"-s {HOME_SUBNET} ! -d {HOME_SUBNET} -j MASQUERADE" in nat["command"][0]
+    assert f"-s {HOME_SUBNET} -d {SWARM_SUBNET} -j MASQUERADE" in nat["command"][0]
     assert "iptables -P FORWARD DROP" in nat["command"][0]
+    # only toward the swarm network: nothing inside reaches the host's other networks through the NAT
+    assert "ip route del default" in nat["command"][0]
+    assert f"-A FORWARD -s {HOME_SUBNET} -d {SWARM_SUBNET} -m conntrack --ctstate NEW -j ACCEPT" in nat["command"][0]
     on_both = [name for name, service in services.items() if {"swarm", "home"} <= set(service.get("networks", []))]
     assert on_both == [NAT_NAME]
     for index in range(2):
