@@ -350,6 +350,25 @@ class MemoryStream(trio.abc.HalfCloseableStream):
 
 
 ReceiveInto = Callable[[memoryview | bytearray], Awaitable[int]]
+TRANSPORT_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+
+
+async def receive_prefix(stream: trio.abc.ReceiveStream, count: int, timeout: float, *, have: bytes = b""
+                         ) -> bytes | None:
+    """The first `count` bytes of `stream` (`have`: the ones already read), which decide what protocol speaks on
+    it (RPC, a relay's circuit, a hole-punch request): fewer when `timeout` passes first, None when the stream
+    ends or breaks before. One prefix reader for every port that serves more than one protocol."""
+    first = have
+    with trio.move_on_after(timeout):
+        try:
+            while len(first) < count:
+                data = await stream.receive_some(count - len(first))
+                if not data:
+                    return None
+                first += data
+        except TRANSPORT_ERRORS:
+            return None
+    return first
 
 
 def receiver_into(stream: trio.abc.ReceiveStream) -> ReceiveInto:

@@ -43,6 +43,7 @@ import trio
 
 from peer.p2p.handshake import HandshakeComplete, Role
 from peer.p2p.identity import PeerID
+from peer.p2p.net import TRANSPORT_ERRORS
 from peer.p2p.rpc_protocol import Address, ConnectionFailed, LocalProtocolError, RemoteProtocolError
 
 if TYPE_CHECKING:
@@ -280,7 +281,7 @@ class HolePuncher:
             return None
         try:
             await circuit.stream.send_all(PREFIX)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        except TRANSPORT_ERRORS:
             self.counters["relayed"] += 1
             return None
         return await self._upgrade(circuit, expected_peer)
@@ -348,7 +349,7 @@ class HolePuncher:
                     if reply:
                         await side_channel.send_all(reply)
                     dial = events[0] if events else None
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            except TRANSPORT_ERRORS:
                 pass
         if dial is None:
             raise core.expire(trio.current_time())

@@ -24,7 +24,7 @@ from peer.p2p import punch, relay
 from peer.p2p.handshake import HandshakeComplete
 from peer.p2p.identity import PeerID
 from peer.p2p.lifetime import owned_nursery
-from peer.p2p.net import Address, receiver_into
+from peer.p2p.net import TRANSPORT_ERRORS, Address, receive_prefix, receiver_into
 from peer.p2p.rpc import CallContext, RPCError, RPCNode
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,6 @@ REQUEST_TIMEOUT = 5.0  # seconds for a circuit stream's request to arrive
 # (`RPCNode.circuit_idle_timeout`), this bounds how long one that does not holds a `--relay-limit` slot
 IDLE_TIMEOUT = 60.0
 SPLICE_CHUNK = 256 * 1024
-_TRANSPORT_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
 
 def _observed(stream: trio.abc.Stream) -> Address | None:
@@ -148,7 +147,7 @@ class RelayService:
                 except relay.MalformedRequest as error:
                     await self._refuse(stream, error)
                     return
-                except _TRANSPORT_ERRORS:
+                except TRANSPORT_ERRORS:
                     return
         finally:
             self._requests -= 1
@@ -163,7 +162,7 @@ class RelayService:
         with trio.move_on_after(REQUEST_TIMEOUT):
             try:
                 await stream.send_all(relay.error_response(error))
-            except _TRANSPORT_ERRORS:
+            except TRANSPORT_ERRORS:
                 pass
 
     async def _connect(self, stream: trio.abc.Stream, request: relay.ConnectRequest) -> None:
@@ -207,7 +206,7 @@ class RelayService:
         with trio.move_on_after(REQUEST_TIMEOUT):
             try:
                 await stream.send_all(relay.ok_response(offer.observed))
-            except _TRANSPORT_ERRORS:
+            except TRANSPORT_ERRORS:
                 return
         if send is None:  # the dialer gave up meanwhile
             return
@@ -224,7 +223,7 @@ class RelayService:
         try:
             with trio.move_on_after(REQUEST_TIMEOUT):
                 await dialer.send_all(relay.ok_response(_observed(target)))
-        except _TRANSPORT_ERRORS:
+        except TRANSPORT_ERRORS:
             return
         scope = trio.CancelScope(deadline=trio.current_time() + self.idle_timeout)
         self._circuits.add(scope)
@@ -246,7 +245,7 @@ class RelayService:
                     if delay > 0:
                         await trio.sleep(delay)
                     await sink.send_all(view[:size])  # sent before it returns: the buffer is free again
-            except _TRANSPORT_ERRORS:
+            except TRANSPORT_ERRORS:
                 pass
             scope.cancel()  # one side ended: the circuit ends (the RPC layer has no half-closed connections)
 
@@ -410,7 +409,7 @@ class RelayReservations:
                 stream = await relay.connect_shareable(self.rpc.network, address)
                 await stream.send_all(relay.accept_request(token))
                 opened = await relay.read_message(stream, relay.ResponseReader())
-            except (*_TRANSPORT_ERRORS, relay.RelayError, relay.RelayProtocolError) as error:
+            except (*TRANSPORT_ERRORS, relay.RelayError, relay.RelayProtocolError) as error:
                 logger.debug("cannot take a circuit from relay %s: %s", peer.short(), error)
                 opened = None
         if opened is None or stream is None:
@@ -423,17 +422,8 @@ class RelayReservations:
         if self.on_incoming is not None:
             self.on_incoming(circuit)
         try:
-            first = b""
-            with trio.move_on_after(self.rpc.handshake_timeout):
-                try:
-                    while len(first) < len(punch.PREFIX):
-                        data = await stream.receive_some(len(punch.PREFIX) - len(first))
-                        if not data:
-                            return
-                        first += data
-                except _TRANSPORT_ERRORS:
-                    return
-            if len(first) < len(punch.PREFIX):
+            first = await receive_prefix(stream, len(punch.PREFIX), self.rpc.handshake_timeout)
+            if first is None or len(first) < len(punch.PREFIX):
                 return
             if first != punch.PREFIX:  # a dialer that does not punch: these are its handshake's first bytes
                 await self.rpc.accept(stream, initial=first, relayed=True)

@@ -44,7 +44,7 @@ from peer.p2p.handshake import (
 )
 from peer.p2p.identity import Identity, PeerID, SwarmKey
 from peer.p2p.lifetime import owned_nursery
-from peer.p2p.net import Address, Network, ReceiveInto, receiver_into
+from peer.p2p.net import TRANSPORT_ERRORS, Address, Network, ReceiveInto, receive_prefix, receiver_into
 from peer.p2p.rpc_protocol import (
     BadRequest,
     CallCompleted,
@@ -79,7 +79,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _SCRATCH_BYTES = 64 * 1024
-_TRANSPORT_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
 
 # ------------------------------------------------------------------------------------------------------ calls
@@ -219,7 +218,7 @@ class Connection:
             logger.warning("closing connection to peer %s%s: protocol error while receiving: %s",
                            self.peer_id.short(), where, error)
             self.close_reason = f"protocol error: {error}"
-        except _TRANSPORT_ERRORS as error:
+        except TRANSPORT_ERRORS as error:
             self.close_reason = f"reset ({error.__class__.__name__})"
 
     async def _read_into_messages(self, receive_into: ReceiveInto) -> None:
@@ -264,7 +263,7 @@ class Connection:
                 for buffer in writes:
                     await stream.send_all(buffer)
                     self.node.stats["bytes_sent"] += memoryview(buffer).nbytes
-        except _TRANSPORT_ERRORS as error:
+        except TRANSPORT_ERRORS as error:
             self._close(f"send failed ({error.__class__.__name__})")
 
     async def _timer(self) -> None:
@@ -487,15 +486,10 @@ class RPCNode:
             return
         first = initial
         if dispatch and self._stream_handlers:  # read the prefix before our hello: it may be no RPC peer
-            with trio.move_on_after(self.handshake_timeout):
-                try:
-                    while len(first) < len(relay.MAGIC):
-                        data = await stream.receive_some(len(relay.MAGIC) - len(first))
-                        if not data:
-                            return
-                        first += data
-                except _TRANSPORT_ERRORS:
-                    return
+            prefix = await receive_prefix(stream, len(relay.MAGIC), self.handshake_timeout, have=initial)
+            if prefix is None:
+                return
+            first = prefix
             handler = self._stream_handlers.get(first)
             if handler is not None:
                 await handler(stream, first)
@@ -696,7 +690,7 @@ class RPCNode:
                         await stream.send_all(reply)
                     if events:
                         return events[0]
-            except _TRANSPORT_ERRORS as error:
+            except TRANSPORT_ERRORS as error:
                 raise HandshakeError(f"connection lost during handshake ({error.__class__.__name__})") from None
             except HandshakeFailed as error:
                 await self._send_last_words(stream, handshake.data_to_send())
@@ -713,5 +707,5 @@ class RPCNode:
         with trio.move_on_after(min(1.0, self.handshake_timeout)):
             try:
                 await stream.send_all(data)
-            except _TRANSPORT_ERRORS:
+            except TRANSPORT_ERRORS:
                 pass
