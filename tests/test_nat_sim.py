@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import time
+from contextlib import asynccontextmanager
 
 import pytest
 import trio
@@ -215,13 +216,13 @@ async def test_daemons_behind_a_nat_find_themselves_private_and_public_ones_publ
 # --------------------------------------------------------------------------------------------- a swarm
 
 
-async def _sim_peer(network: MemoryNetwork, name: str, behind: str | None, bootstrap: list, peers: dict,
-                    *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+@asynccontextmanager
+async def _network_core(network: MemoryNetwork, name: str, behind: str | None, bootstrap: list, **rpc_options):
     """A daemon's network core: RPC and DHT on one port of all interfaces, the dial-back service, the
-    reachability check through its bootstrap peers, a server only once found public."""
+    reachability check through its bootstrap peers (None for the first peer). Yields (rpc, dht, result)."""
     host = network.host(name, behind=behind)
     identity = Identity.from_seed(name.encode())
-    async with RPCNode(identity, host) as rpc:
+    async with RPCNode(identity, host, **rpc_options) as rpc:
         address = await rpc.listen("0.0.0.0", 4000)
         async with DHTNode.open("0.0.0.0", address[1], bootstrap, identity=identity, network=host,
                                 client_mode=bool(bootstrap), clock=trio.current_time,
@@ -229,12 +230,61 @@ async def _sim_peer(network: MemoryNetwork, name: str, behind: str | None, boots
             observed = await dht.observed_address(bootstrap) if bootstrap else None
             rpc.announce = (observed[0], 4000) if observed else (name, 4000)
             DialBackService(rpc, dht).register()
-            result = await check_reachability(rpc, bootstrap) if bootstrap else None
-            if result is None or result.status == "public":
-                await dht.become_server()
-            peers[name] = (dht, result)
-            task_status.started()
-            await trio.sleep_forever()
+            yield rpc, dht, await check_reachability(rpc, bootstrap) if bootstrap else None
+
+
+async def _sim_peer(network: MemoryNetwork, name: str, behind: str | None, bootstrap: list, peers: dict,
+                    *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """`_network_core`, a server only once found public."""
+    async with _network_core(network, name, behind, bootstrap) as (rpc, dht, result):
+        if result is None or result.status == "public":
+            await dht.become_server()
+        peers[name] = (dht, result)
+        task_status.started()
+        await trio.sleep_forever()
+
+
+class _Churn:
+    """The swarm tests' bookkeeping: each peer runs in its own cancel scope, bootstrapping from up to 3 public
+    peers up now; `stop` crashes one; `watch` looks into every public routing table once a virtual second and
+    records any private peer found there. `run(name, behind, bootstrap, task_status=...)` runs one peer and
+    puts it in `peers` (its DHT node first) once it has joined."""
+
+    def __init__(self, network: MemoryNetwork, rng: random.Random, routers: list[str], run):
+        self.network, self.rng, self.routers, self.run = network, rng, routers, run
+        self.peers: dict[str, tuple] = {}
+        self.scopes: dict[str, trio.CancelScope] = {}
+        self.private_ids: set = set()
+        self.violations: list = []
+
+    async def start(self, nursery: trio.Nursery, name: str, private: bool) -> None:
+        public_now = [(n, 4000) for n, entry in self.peers.items() if not entry[0].client_mode]
+        bootstrap = self.rng.sample(public_now, min(3, len(public_now)))
+        if private:
+            self.private_ids.add(Identity.from_seed(name.encode()).peer_id)
+        scope = self.scopes[name] = trio.CancelScope()
+        behind = self.rng.choice(self.routers) if private else None
+
+        async def run(task_status=trio.TASK_STATUS_IGNORED) -> None:
+            with scope:
+                await self.run(name, behind, bootstrap, task_status=task_status)
+
+        await nursery.start(run)
+
+    def stop(self, name: str) -> None:
+        self.network.crash(name)
+        self.scopes.pop(name).cancel()
+        self.peers.pop(name)
+
+    async def watch(self, every_second=lambda: None) -> None:
+        while True:
+            for name, entry in list(self.peers.items()):
+                if not entry[0].client_mode:
+                    leaked = self.private_ids & {n.id for n in entry[0]._table.nodes()}
+                    if leaked:
+                        self.violations.append((trio.current_time(), name, len(leaked)))
+            every_second()
+            await trio.sleep(1)
 
 
 @pytest.mark.slow
@@ -246,39 +296,9 @@ async def test_a_hundred_peers_seventy_percent_private_with_churn(autojump_clock
     routers = [f"r{i}" for i in range(12)]
     for router in routers:
         network.add_nat(router)
-    peers: dict[str, tuple] = {}
-    scopes: dict[str, trio.CancelScope] = {}
-    private_ids: set = set()
-    violations: list = []
-
-    async def start(nursery: trio.Nursery, name: str, private: bool) -> None:
-        public_now = [(n, 4000) for n, (dht, result) in peers.items() if not dht.client_mode]
-        bootstrap = rng.sample(public_now, min(3, len(public_now)))
-        if private:
-            private_ids.add(Identity.from_seed(name.encode()).peer_id)
-        scope = trio.CancelScope()
-        scopes[name] = scope
-
-        async def run(task_status=trio.TASK_STATUS_IGNORED) -> None:
-            with scope:
-                await _sim_peer(network, name, rng.choice(routers) if private else None, bootstrap, peers,
-                                task_status=task_status)
-
-        await nursery.start(run)
-
-    def stop(name: str) -> None:
-        network.crash(name)
-        scopes.pop(name).cancel()
-        peers.pop(name)
-
-    async def watch() -> None:
-        while True:
-            for name, (dht, _) in list(peers.items()):
-                if not dht.client_mode:
-                    leaked = private_ids & {n.id for n in dht._table.nodes()}
-                    if leaked:
-                        violations.append((trio.current_time(), name, len(leaked)))
-            await trio.sleep(1)
+    churn = _Churn(network, rng, routers,
+                   lambda name, behind, bootstrap, **kw: _sim_peer(network, name, behind, bootstrap, peers, **kw))
+    peers, start, stop, watch = churn.peers, churn.start, churn.stop, churn.watch
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(watch)
@@ -307,7 +327,7 @@ async def test_a_hundred_peers_seventy_percent_private_with_churn(autojump_clock
         found = await reader.get("nat swarm key")
         assert found is not None and found.value == b"v"
         nursery.cancel_scope.cancel()
-    assert violations == []
+    assert churn.violations == []
 
 
 # --------------------------------------------------------------------------------------------- reached
@@ -327,44 +347,34 @@ async def _reachable_peer(network: MemoryNetwork, name: str, behind: str | None,
     from peer.p2p.relay_service import RelayReservations, RelayService
     from peer.relays import enable_punching
 
-    host = network.host(name, behind=behind)
-    identity = Identity.from_seed(name.encode())
     # each pair calls once: direct connections idle for the product's 300 s would only hold the simulator's memory
-    async with RPCNode(identity, host, idle_timeout=30.0) as rpc:
-        address = await rpc.listen("0.0.0.0", 4000)
+    async with _network_core(network, name, behind, bootstrap, idle_timeout=30.0) as (rpc, dht, result):
         rpc.register(PING, lambda context, args: _pong(name))
-        async with DHTNode.open("0.0.0.0", address[1], bootstrap, identity=identity, network=host,
-                                client_mode=bool(bootstrap), clock=trio.current_time,
-                                seed=sum(name.encode())) as dht:
-            observed = await dht.observed_address(bootstrap) if bootstrap else None
-            rpc.announce = (observed[0], 4000) if observed else (name, 4000)
-            DialBackService(rpc, dht).register()
-            result = await check_reachability(rpc, bootstrap) if bootstrap else None
-            puncher = enable_punching(rpc)
-            async with trio.open_nursery() as nursery:
-                if result is None or result.status == "public":
-                    await dht.become_server()
-                    service = RelayService(rpc, limit=64)  # the daemon's default --relay-limit
-                    await nursery.start(service.run)
-                    relays[name] = (identity.peer_id, rpc.announced_address)
-                    services[name] = service
-                else:
-                    async def candidates() -> list:
-                        live = sorted(relays.values())
-                        return rng.sample(live, min(6, len(live)))
+        puncher = enable_punching(rpc)
+        async with trio.open_nursery() as nursery:
+            if result is None or result.status == "public":
+                await dht.become_server()
+                service = RelayService(rpc, limit=64)  # the daemon's default --relay-limit
+                await nursery.start(service.run)
+                relays[name] = (rpc.peer_id, rpc.announced_address)
+                services[name] = service
+            else:
+                async def candidates() -> list:
+                    live = sorted(relays.values())
+                    return rng.sample(live, min(6, len(live)))
 
-                    direct = rpc.announced_address
+                direct = rpc.announced_address
 
-                    def changed(relayed) -> None:
-                        rpc.announce = relayed if relayed is not None else direct
+                def changed(relayed) -> None:
+                    rpc.announce = relayed if relayed is not None else direct
 
-                    reservations = RelayReservations(rpc, candidates, on_change=changed)
-                    reservations.answer_punch = puncher.answer
-                    rpc.close_connections("private: reached through relays from now on")
-                    nursery.start_soon(reservations.run)
-                peers[name] = (dht, result, rpc, trio.current_time(), puncher)
-                task_status.started()
-                await trio.sleep_forever()
+                reservations = RelayReservations(rpc, candidates, on_change=changed)
+                reservations.answer_punch = puncher.answer
+                rpc.close_connections("private: reached through relays from now on")
+                nursery.start_soon(reservations.run)
+            peers[name] = (dht, result, rpc, trio.current_time(), puncher)
+            task_status.started()
+            await trio.sleep_forever()
 
 
 async def _pong(name: str) -> str:
@@ -389,12 +399,11 @@ async def test_200_peers_70_percent_private_with_churn_every_private_peer_is_rea
     for router in ("s0", "s1"):
         network.add_nat(router, "symmetric")
     routers += ["s0", "s1"]
-    peers: dict[str, tuple] = {}
     relays: dict[str, tuple] = {}
     services: dict[str, object] = {}
-    scopes: dict[str, trio.CancelScope] = {}
-    private_ids: set = set()
-    violations: list = []
+    churn = _Churn(network, rng, routers, lambda name, behind, bootstrap, **kw: _reachable_peer(
+        network, name, behind, bootstrap, peers, relays, services, rng, **kw))
+    peers = churn.peers
     unreached: list = []
     checked: list = []
     calls = {"issued": 0, "answered": 0, "skipped": 0, "latest": 0.0}
@@ -437,42 +446,21 @@ async def test_200_peers_70_percent_private_with_churn_every_private_peer_is_rea
         checked.append(name)
 
     async def start(nursery: trio.Nursery, name: str, private: bool) -> None:
-        public_now = [(n, 4000) for n, entry in peers.items() if not entry[0].client_mode]
-        bootstrap = rng.sample(public_now, min(3, len(public_now)))
-        if private:
-            private_ids.add(Identity.from_seed(name.encode()).peer_id)
-        scope = trio.CancelScope()
-        scopes[name] = scope
-
-        async def run(task_status=trio.TASK_STATUS_IGNORED) -> None:
-            with scope:
-                await _reachable_peer(network, name, rng.choice(routers) if private else None, bootstrap, peers,
-                                      relays, services, rng, task_status=task_status)
-
-        await nursery.start(run)
+        await churn.start(nursery, name, private)
         if private:
             nursery.start_soon(check, name, trio.current_time())
 
     def stop(name: str) -> None:
-        network.crash(name)
-        scopes.pop(name).cancel()
-        peers.pop(name)
+        churn.stop(name)
         relays.pop(name, None)
         services.pop(name, None)
 
-    async def watch() -> None:
-        while True:
-            for name, entry in list(peers.items()):
-                if not entry[0].client_mode:
-                    leaked = private_ids & {n.id for n in entry[0]._table.nodes()}
-                    if leaked:
-                        violations.append((trio.current_time(), name, len(leaked)))
-            busiest["circuits"] = max([busiest["circuits"], *(s.core.circuits for s in services.values())])
-            await trio.sleep(1)
+    def note_busiest() -> None:
+        busiest["circuits"] = max([busiest["circuits"], *(s.core.circuits for s in services.values())])
 
     started = time.monotonic()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(watch)
+        nursery.start_soon(churn.watch, note_busiest)
         kinds = [True] * 140 + [False] * 60
         rng.shuffle(kinds)
         kinds[:6] = [False] * 6  # the swarm's first peers are public (somebody must be)
@@ -497,7 +485,7 @@ async def test_200_peers_70_percent_private_with_churn_every_private_peer_is_rea
           f"{calls['skipped']} skipped (churn), busiest relay {busiest['circuits']} circuits, {refused} circuit "
           f"requests refused by the relays still up (and retried), {counts}, "
           f"{open_at_end} circuits open at the end")
-    assert violations == []
+    assert churn.violations == []
     assert unreached == [], (len(unreached), unreached[:5])
     assert len(checked) >= 130  # nearly every private peer was checked (a few left before their calls)
     assert calls["answered"] + calls["skipped"] == calls["issued"] > 15_000  # all pairs: every other peer up
