@@ -32,7 +32,7 @@ import logging
 import threading
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import torch
 import trio
@@ -263,10 +263,10 @@ class Averager:
     # ------------------------------------------------------------------------------------------- step
 
     async def step(self, weight: float = 1.0, timeout: float | None = None, expected: int = 0,
-                   abandon: trio.Event | None = None) -> StepResult:
+                   left_behind: Callable[[], Awaitable[bool]] | None = None) -> StepResult:
         """Find a group and average the registered tensors with it (in place). Never raises for other peers'
         failures: they are in the result. `timeout` bounds the whole step (matchmaking + all-reduce);
-        `expected`: peers known to be on their way; `abandon`: set when they went on without us
+        `expected`: peers known to be on their way; `left_behind`: whether they went on without us
         (`Matchmaker.find_group`)."""
         if self.matchmaker is None or self.allreduce_server is None:
             raise RuntimeError("use the averager inside `async with averager:` (or nursery.start(averager.serve))")
@@ -276,7 +276,7 @@ class Averager:
             key, round_ = self.keys.key, self.keys.round
             self.counters["steps"] += 1
             match = await self.matchmaker.find_group(key, round_, timeout=min(self.matchmaking_time, budget),
-                                                     expected=expected, abandon=abandon)
+                                                     expected=expected, left_behind=left_behind)
             matchmaking_seconds = trio.current_time() - started
             if match.group is None or match.group.size < 2:
                 self.keys.on_failure()

@@ -205,8 +205,6 @@ class CollaborativeOptimizer:
         self.target_batch_size = int(target_batch_size)
         self.batch_size_per_step = int(batch_size_per_step)
         self.averaging_timeout = averaging_timeout
-        # while alone in matchmaking, how often to look whether the others already ended the epoch (`_average`)
-        self._left_behind_check = max(min_refresh, matchmaking_time / 10)
         self.load_state_timeout = load_state_timeout
         self.epoch = 0
         self.local_samples = 0
@@ -304,27 +302,17 @@ class CollaborativeOptimizer:
                 run_soon(self.tracker.wake)
 
     async def _average(self, weight: float) -> Any:
-        """One averaging round for the epoch being ended. Beside it, the swarm's records are re-read: when every
-        other trainer is already in a later epoch (they ended this one without seeing us: two trainers that start
-        together race here), a round still alone is abandoned at once instead of holding the training thread for
-        the whole matchmaking window while they train on, which on a fast machine left a trainer a round behind
-        for the rest of its run."""
+        """One averaging round for the epoch being ended. While the round has nobody else in view, the swarm's
+        records are re-read (`left_behind`): when every other trainer is already in a later epoch (they ended
+        this one without seeing us: two trainers that start together race here), the round is abandoned at once
+        instead of holding the training thread for the whole matchmaking window while they train on, which on
+        a fast machine left a trainer a round behind for the rest of its run."""
         epoch = self.epoch
-        abandon = trio.Event()
 
-        async def watch() -> None:
-            while not abandon.is_set():
-                await trio.sleep(self._left_behind_check)
-                progress = await self.tracker.fetch()
-                if progress.epoch > epoch:
-                    abandon.set()
+        async def left_behind() -> bool:
+            return (await self.tracker.fetch()).epoch > epoch
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(watch)
-            try:
-                return await self.averager.step(weight=weight, timeout=self.averaging_timeout, abandon=abandon)
-            finally:
-                nursery.cancel_scope.cancel()
+        return await self.averager.step(weight=weight, timeout=self.averaging_timeout, left_behind=left_behind)
 
     async def _load_state(self, progress: SwarmProgress) -> Any:
         """Download parameters + optimizer state from a trainer of the newest epoch (the most advanced first)."""

@@ -68,7 +68,7 @@ import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import trio
 
@@ -391,15 +391,15 @@ class Matchmaker:
     # ------------------------------------------------------------------------------------------- a round
 
     async def find_group(self, key: str, round: int, *, timeout: float | None = None, expected: int = 0,
-                         abandon: trio.Event | None = None) -> MatchResult:
+                         left_behind: Callable[[], Awaitable[bool]] | None = None) -> MatchResult:
         """Declare under `key`, assemble a group, return it (or `group=None` with a reason). Peers that fail are
         reported in `failed_peers`, never raised. `expected`: how many peers (me included) the caller knows are
         on their way (e.g. DiLoCo trainers that said they are ready): expected like peers of recent rounds, even
         in a first round under the key, and waited for up to half the window (not only `straggler_wait`).
-        `abandon`: the caller sets it when it learns that the peers it came for went on without it (the
-        collaborative optimizer sees them all in a later epoch); a round that has nobody else in view then ends
-        at once without a group, instead of blocking its caller for the rest of the window. A round with company
-        goes on: somebody is here to average with."""
+        `left_behind`: asked every tenth of the window while nobody else is in view, whether the peers the
+        caller came for went on without it (the collaborative optimizer: all of them are in a later epoch); a
+        True ends such a round at once without a group, instead of blocking the caller for the rest of the
+        window. Once somebody is in view it is not asked again: there is someone to average with."""
         if self._round is not None:
             raise RuntimeError("find_group is already running on this matchmaker")
         started = trio.current_time()
@@ -419,8 +419,8 @@ class Matchmaker:
                     # while the store call itself may wait out a dead replica's timeout.
                     nursery.start_soon(self._declare, key, me, expiration)
                     await self._refresh_view(state)
-                    if abandon is not None:  # judged on a view read at least once
-                        nursery.start_soon(self._abandon_if_alone, abandon, state, nursery.cancel_scope)
+                    if left_behind is not None:  # judged on a view read at least once
+                        nursery.start_soon(self._abandon_if_alone, left_behind, state, nursery.cancel_scope)
                     nursery.start_soon(self._poll, state)
                     result = await self._assemble(state, started + window)
                     nursery.cancel_scope.cancel()
@@ -441,14 +441,22 @@ class Matchmaker:
             state.poke()  # every held join gets its final answer
             await self._withdraw(key, expiration)
 
-    async def _abandon_if_alone(self, abandon: trio.Event, state: _Round, scope: trio.CancelScope) -> None:
-        """`find_group`'s `abandon`: end the round when it is set while nobody else is in view, no group is being
-        collected here and none joined (anyone who shows up later finds my declaration withdrawn)."""
-        await abandon.wait()
-        collecting_others = state.assembly is not None and len(state.assembly.joined) > 1
-        others_in_view = any(peer_id != self.peer_id for peer_id in state.view)
-        if not others_in_view and not collecting_others and state.following is None and not state.answered:
-            scope.cancel()
+    async def _abandon_if_alone(self, left_behind: Callable[[], Awaitable[bool]], state: _Round,
+                                scope: trio.CancelScope) -> None:
+        """`find_group`'s `left_behind`: while nobody else is in view, no group is being collected here and none
+        joined, ask it every tenth of the window; end the round when it says so (anyone who shows up later finds
+        my declaration withdrawn)."""
+
+        def alone() -> bool:
+            collecting_others = state.assembly is not None and len(state.assembly.joined) > 1
+            others_in_view = any(peer_id != self.peer_id for peer_id in state.view)
+            return not others_in_view and not collecting_others and state.following is None and not state.answered
+
+        while alone():
+            await trio.sleep(self.matchmaking_time / 10)
+            if alone() and await left_behind() and alone():
+                scope.cancel()
+                return
 
     async def _declare(self, key: str, me: Declaration, expiration: float) -> None:
         t0 = trio.current_time()

@@ -241,20 +241,27 @@ async def test_a_promised_late_peer_is_waited_for_in_a_first_round(autojump_cloc
 
 
 async def test_a_lone_round_is_abandoned_when_its_caller_learns_the_others_went_on(autojump_clock):
-    """The collaborative optimizer sets `abandon` once every other trainer is in a later epoch: a round with
-    nobody in view ends then, not at the window's end; one with company forms its group regardless."""
+    """The collaborative optimizer's `left_behind` says when every other trainer is in a later epoch: a round
+    with nobody in view ends then, not at the window's end; one with company forms its group regardless, and
+    is not asked."""
     async with trio.open_nursery() as nursery:
         memory, peers, makers = await _matchmakers(nursery, 3, target=2, window=5.0)
-        abandon = trio.Event()
         started = trio.current_time()
-        nursery.start_soon(lambda: _set_after(abandon, 1.0))
-        result = await makers[0].find_group("run.averaging.left-behind", 0, abandon=abandon)
+
+        async def after_a_second() -> bool:
+            return trio.current_time() - started >= 1.0
+
+        result = await makers[0].find_group("run.averaging.left-behind", 0, left_behind=after_a_second)
         assert result.group is None and "went on without it" in result.reason
         assert 1.0 <= trio.current_time() - started < 1.5
         assert makers[0].stats["abandoned"] == 1
 
-        together = trio.Event()
-        together.set()  # set from the start: the partner in view keeps the round going
+        asked = []
+
+        async def always() -> bool:
+            asked.append(trio.current_time())
+            return True
+
         results = {}
 
         async def one(index, **kwargs):
@@ -263,12 +270,7 @@ async def test_a_lone_round_is_abandoned_when_its_caller_learns_the_others_went_
         async with trio.open_nursery() as pair:
             pair.start_soon(one, 1)
             await trio.sleep(0.5)  # the partner's declaration is in view before mine starts
-            pair.start_soon(functools.partial(one, 2, abandon=together))
+            pair.start_soon(functools.partial(one, 2, left_behind=always))
         assert results[1].group is not None and results[1].group == results[2].group
-        assert makers[2].stats["abandoned"] == 0
+        assert makers[2].stats["abandoned"] == 0 and asked == []
         nursery.cancel_scope.cancel()
-
-
-async def _set_after(event: trio.Event, seconds: float) -> None:
-    await trio.sleep(seconds)
-    event.set()
