@@ -15,6 +15,7 @@ import trio
 from torch import nn
 
 from moe.beam_search import StaticGridOracle
+from moe.declare import ExpertLocation
 from moe.errors import NotEnoughExperts
 from moe.experts import ExpertKind, OptimizerConfig, make_expert, register_expert_kind
 from moe.mixture import ExpertBlacklist, MixtureClient
@@ -147,7 +148,7 @@ async def test_hung_peer_costs_k_min_plus_grace_and_its_samples_are_hedged(autoj
         assert answered(result, 1) == ["ffn.0.0", "ffn.0.1", "ffn.0.2", "ffn.0.3"]
 
 
-async def test_crashed_peer_fails_fast_and_short_samples_get_the_next_best_experts(autojump_clock, three_servers):
+async def test_crashed_peer_fails_fast_and_its_samples_get_the_next_best_experts(autojump_clock, three_servers):
     async with three_servers() as s:
         s.network.crash("s1")
         x = torch.randn(2, HIDDEN)
@@ -155,8 +156,11 @@ async def test_crashed_peer_fails_fast_and_short_samples_get_the_next_best_exper
         result = await s.client.forward(x, scores(MIXED, ALL_ON_S1), k_best=4, k_min=2, forward_timeout=30.0,
                                         timeout_after_k_min=2.0)
         assert trio.current_time() == start  # nothing to wait for: failures arrive at once
-        assert answered(result, 0) == ["ffn.0.0", "ffn.0.1"]
-        assert answered(result, 1) == ["ffn.0.0", "ffn.0.1"]  # the two best experts not on s1
+        # every sample is refilled to k_best with the best experts not on s1, not only to k_min: sample 0 had
+        # two of its four on s1, sample 1 all four
+        assert answered(result, 0) == ["ffn.0.0", "ffn.0.1", "ffn.0.2", "ffn.0.3"]
+        assert answered(result, 1) == ["ffn.0.0", "ffn.0.1", "ffn.0.2", "ffn.0.3"]
+        assert s.client.stats["replacement_searches"] == 1
         check_outputs_equal_local(result, s.local)
         failures = s.client.stats["forward_failures"]
         assert failures == 4  # one batched call per s1 expert, each failed once
@@ -218,9 +222,9 @@ async def test_peer_dying_mid_forward_is_replaced_by_the_next_best_experts(autoj
                                         timeout_after_k_min=2.0)
         assert "forward" not in CRASH_HOOKS  # the crash did happen during the forward
         assert trio.current_time() == start  # a reset, not a hang: nothing to wait for
-        # k_min=2: the samples short of answers got the best experts not on s1
-        assert answered(result, 0) == ["ffn.0.0", "ffn.0.1"]
-        assert answered(result, 1) == ["ffn.0.0", "ffn.0.1"]
+        # the samples got the best experts not on s1 in place of the dead ones, up to k_best
+        assert answered(result, 0) == ["ffn.0.0", "ffn.0.1", "ffn.0.2", "ffn.0.3"]
+        assert answered(result, 1) == ["ffn.0.0", "ffn.0.1", "ffn.0.2", "ffn.0.3"]
         check_outputs_equal_local(result, s.local)
         assert sorted(result.failures) == ["ffn.1.0", "ffn.1.1", "ffn.1.2", "ffn.1.3"]
         assert all("ConnectionFailed" in why for why in result.failures.values())
@@ -272,8 +276,9 @@ async def test_garbage_answers_are_masked_and_banned(autojump_clock, three_serve
     async with three_servers(kinds=("ffn", "test_nan", "ffn")) as s:
         result = await s.client.forward(torch.randn(2, HIDDEN), scores(MIXED, ALL_ON_S1), k_best=4, k_min=1,
                                         forward_timeout=30.0, timeout_after_k_min=2.0)
-        assert answered(result, 0) == ["ffn.0.0", "ffn.0.1"]
-        assert answered(result, 1) == ["ffn.0.0"]
+        # s1's garbage is replaced by s0's next best experts
+        assert answered(result, 0) == ["ffn.0.0", "ffn.0.1", "ffn.0.2", "ffn.0.3"]
+        assert answered(result, 1) == ["ffn.0.0", "ffn.0.1", "ffn.0.2", "ffn.0.3"]
         assert bool(torch.isfinite(result.outputs).all())
         assert all("BadExpertOutput" in why for why in result.failures.values())
         assert s.blacklist.is_banned("ffn.1.0", s.table["ffn.1.0"])
@@ -355,3 +360,49 @@ async def test_cold_calls_to_a_private_server_cut_by_the_grace_period_are_forgiv
         assert cut("ffn.3", ("127.0.0.1", 7002), cold=True)  # a direct address: a hung peer
         assert cut("ffn.4", ("127.0.0.1", 7003), cold=False)  # a warm connection that did not answer in time
         assert client.stats["cold_calls_forgiven"] == 2
+
+
+async def test_a_late_expert_is_avoided_briefly_a_hung_one_for_longer_each_time(autojump_clock, three_servers):
+    """A call cut by the grace period bans its expert for `first_late_ban`, doubled each time it is late again
+    (up to `ban_time`); an answer in time resets it. A live expert that was slow once is back within a second,
+    instead of being kept out for the whole `ban_time` while the rest of the model learns without it."""
+    async with three_servers() as s:
+        request = dict(k_best=4, k_min=1, forward_timeout=30.0, timeout_after_k_min=1.0)
+        first = s.blacklist.first_late_ban
+        assert first == 1.0 and s.blacklist.ban_time == BAN
+
+        def on_s1(result):
+            return [uid for uid in answered(result, 0) if uid.startswith("ffn.1.")]
+
+        s.network.freeze("s1")  # s1 hangs: its calls are cut by the grace period, never answered
+        for strikes in range(4):
+            await s.client.forward(torch.randn(1, HIDDEN), scores(MIXED), **request)
+            cut_at = trio.current_time()
+            banned_for = first * 2 ** strikes
+            await trio.sleep(banned_for - 0.01)
+            assert s.blacklist.is_banned("ffn.1.0", s.table["ffn.1.0"])  # still avoided
+            await trio.sleep(0.02)
+            assert not s.blacklist.is_banned("ffn.1.0", s.table["ffn.1.0"]), (strikes, trio.current_time() - cut_at)
+
+        s.network.heal()  # s1 answers again: one answer in time resets the doubling
+        result = await s.client.forward(torch.randn(1, HIDDEN), scores(MIXED), **request)
+        assert on_s1(result) == ["ffn.1.0", "ffn.1.1"]
+        s.network.freeze("s1")
+        await s.client.forward(torch.randn(1, HIDDEN), scores(MIXED), **request)
+        await trio.sleep(first + 0.01)
+        assert not s.blacklist.is_banned("ffn.1.0", s.table["ffn.1.0"])
+
+
+async def test_late_bans_double_up_to_the_ban_time_and_errors_ban_for_all_of_it(autojump_clock):
+    blacklist = ExpertBlacklist(ban_time=10.0, first_late_ban=1.0)
+    assert [blacklist.ban_late_expert("ffn.0") for _ in range(6)] == [1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+    blacklist.answered("ffn.0")
+    assert blacklist.ban_late_expert("ffn.0") == 1.0
+    assert blacklist.ban_late_expert("ffn.1") == 1.0  # per expert
+    assert ExpertBlacklist(ban_time=0.5, first_late_ban=1.0).ban_late_expert("ffn.0") == 0.5
+    location = ExpertLocation("127.0.0.1", 7000, "07" * 20)
+    blacklist.ban_expert("ffn.2")  # it answered with an error: the whole ban time, whatever its record
+    await trio.sleep(9.99)
+    assert blacklist.is_banned("ffn.2", location) and not blacklist.is_banned("ffn.1", location)
+    await trio.sleep(0.02)
+    assert not blacklist.is_banned("ffn.2", location)
