@@ -78,9 +78,9 @@ class ExpertBlacklist:
     cannot tell a peer that hangs from one that was slow once (a busy CPU, a burst on its link), and the two need
     opposite treatment: a hung peer must stop costing every step a grace period (after a handful of doublings it
     is avoided as long as a failed one), while a live expert that was late once must be back within a few steps.
-    Banning it for the full `ban_time` kept it out of a third of a short run on a loaded machine: the rest of the
-    model learned without it, and its return (or a ban still running at the held-out evaluation) moved the
-    routing of its samples at once, which is where trainers ended up to 8 points below their usual accuracy."""
+    Banning it for the full `ban_time` kept it out of a third of a short run on a loaded machine (live experts
+    were cut this way a few times per run of tests/test_netns.py with both cores busy): the rest of the model
+    learned without it, and its return moved the routing of its samples at once."""
 
     def __init__(self, ban_time: float = 30.0, first_late_ban: float = 1.0):
         self.ban_time = ban_time
@@ -327,8 +327,8 @@ class MixtureClient:
                     # a sample whose expert failed (an error: a late one stays in flight until the grace period
                     # cuts it) gets the next best at once, up to k_best. Refilling only samples that could no
                     # longer reach k_min left the others with fewer experts than they trained with whenever a
-                    # dead peer's ban expired: the held-out evaluation that hit such a call scored 5-10 points
-                    # below the same model a step earlier.
+                    # dead peer's ban expired: a held-out evaluation that was such a call scored the same model
+                    # up to 10 points lower than one made while the ban still ran.
                     refill = progress.short_of(k_best)
                     retry = [0 if s in progress.exhausted else n for s, n in enumerate(refill)]
                     if any(retry):

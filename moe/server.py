@@ -326,7 +326,9 @@ class ExpertServer:
                     rpc.register(name, handler)
                     registered.append(name)
                 if dht is not None and address is not None:
-                    # the first round runs before `started`: the experts are findable once `run` has started
+                    # the first round runs before `started`: the experts are findable once `run` has started,
+                    # unless that round failed (a store timing out on a loaded machine): then a quarter interval
+                    # later, when it is retried
                     async def declare_round() -> None:  # the address read every round: relays may change it
                         await self.declare(dht, announce or rpc.announced_address or address, rpc.peer_id)
 
