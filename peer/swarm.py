@@ -227,7 +227,7 @@ class SwarmLauncher:
                 if data.get("event") == "progress":
                     member.progress = data
                     self._check_training()
-                else:
+                elif data.get("event") == "result":  # not a `failed_step` line: that one the trainer retries
                     member.result = data
                 return
         if line:

@@ -12,8 +12,11 @@ Output (stdout), made for both people and scripts:
   "elapsed_s" (since start), "step_s" (mean step time since the previous line), "loss", "accuracy",
   "samples_per_s", "experts_alive", "failed_calls" (failed expert calls so far), and on a swarm "epoch",
   "averaging_rounds", "swarm_trainers"}` (a progress bar is drawn on stderr when it is a terminal);
+- a line `{"event": "failed_step", "step", "stage" ("forward" or "backward"), "time", "error"}` for each step
+  that did not get enough expert answers (it is retried with the next batch);
 - last line: a JSON object with the held-out `accuracy`, `loss`, `steps` (done), `interrupted`, `samples_per_s`,
-  `averaging_rounds`, `peers_averaged_with`, `failed_expert_calls`, `checkpoint`...
+  `failed_steps` (and the last 20 `failures`), `averaging_rounds`, `peers_averaged_with`, `failed_expert_calls`,
+  `checkpoint`...
 
 SIGINT or SIGTERM ends the run after the current step: it is evaluated, the result line is written with
 `"interrupted": true`, and the exit status is 130 (SIGINT) or 143 (SIGTERM); a second signal exits at once.
@@ -176,6 +179,7 @@ def run_seed(run_id: str) -> int:
 
 LOCAL_EXPERT_DEFAULTS = {"hidden_dim": 64, "expert_prefix": "ffn", "grid_size": "12"}
 SWARM_WAIT = 15.0  # seconds to wait for a swarm whose daemons have not declared experts yet
+_FAILURES_KEPT = 20  # failed steps the result line lists (each also has a `failed_step` line of its own)
 
 
 def expert_settings(args: argparse.Namespace) -> tuple[int, str, tuple[int, ...]]:
@@ -541,6 +545,7 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
         metrics_bridge = _start_metrics(args, swarm, model, optimizer, training)
         task.before_training(model)
         failed_steps = consecutive_failures = 0
+        failures: list[dict[str, Any]] = []  # the last few failed steps, for the result line
         samples = 0
         train_started = last_line_at = time.monotonic()
         step = last_line_step = 0
@@ -569,6 +574,11 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
                 # that grows, so a swarm that comes back is used again and one that never does ends the run
                 failed_steps += 1
                 consecutive_failures += 1
+                failure = {"event": "failed_step", "step": step + 1, "stage": error.stage,
+                           "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"),
+                           "error": str(error)[:300]}
+                failures = [*failures[-(_FAILURES_KEPT - 1):], failure]
+                out.emit(failure)
                 model.zero_grad(set_to_none=True)
                 if consecutive_failures >= args.max_failed_steps:
                     raise RuntimeError(
@@ -629,7 +639,8 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
             "event": "result", "task": task.name,
             **{k: round(v, 4) if isinstance(v, float) else v for k, v in held_out.items()}, "steps": step,
             "steps_planned": args.steps, "interrupted": stop.requested, "signal": stop.name,
-            "failed_steps": failed_steps, "samples_per_s": round(samples / max(train_seconds, 1e-9), 1),
+            "failed_steps": failed_steps, "failures": failures,
+            "samples_per_s": round(samples / max(train_seconds, 1e-9), 1),
             "train_seconds": round(train_seconds, 3), "wall_seconds": round(time.monotonic() - started, 3),
             "run_id": args.run_id, "local_experts": bool(args.local_experts),
         }

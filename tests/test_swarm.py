@@ -222,3 +222,16 @@ def test_the_live_view_and_summary_show_which_volunteers_are_private_and_how_the
     volunteer = summary["volunteers"][2]
     assert volunteer["private"] and volunteer["reached"] == "relay" and volunteer["requests_served"] == 7
     assert not summary["volunteers"][0]["private"]
+
+
+def test_a_trainers_failed_step_line_is_not_taken_for_its_result(tmp_path):
+    """`peer train` writes a `failed_step` line for a step it retries; only the `result` line is the result."""
+    from peer.swarm import Managed, SwarmLauncher
+
+    launcher = SwarmLauncher(Topology(), kill_one_at=None, log_dir=tmp_path)
+    trainer = Managed("trainer-0", "trainer", [])
+    launcher.members = [trainer]
+    launcher._on_line(trainer, json.dumps({"event": "failed_step", "step": 3, "stage": "backward"}))
+    assert trainer.result is None
+    launcher._on_line(trainer, json.dumps({"event": "result", "accuracy": 0.95, "steps": 10}))
+    assert trainer.result == {"event": "result", "accuracy": 0.95, "steps": 10}

@@ -11,6 +11,7 @@ import pytest
 import torch
 import trio
 
+from moe.errors import NotEnoughExperts
 from peer import train
 from peer.daemon import Daemon, DaemonConfig
 from peer.discover import NoExpertsDeclared
@@ -133,6 +134,28 @@ def test_two_trainers_on_three_daemons_survive_a_dead_daemon_and_average_togethe
         assert me["failed_steps"] == 0
         assert me["averaging_rounds"] >= 1
         assert other["peer_id"] in me["peers_averaged_with"]
+
+
+def test_a_step_without_enough_experts_is_reported_on_a_line_of_its_own_and_in_the_result(monkeypatch, capsys):
+    """A failed step is retried with the next batch; the trainer says which step failed, in which stage and
+    why, so a test or a person can tell a failure at a kill from one that keeps coming."""
+    real_loss, calls = train.DigitsTask.loss, []
+
+    def loss(self, model, x, y):
+        calls.append(len(calls))
+        if len(calls) in (3, 4):
+            raise NotEnoughExperts(stage="backward", needed=1, answered=0, samples_short=2, samples=len(x),
+                                   failures={"ffn.3": "ConnectionResetError"})
+        return real_loss(self, model, x, y)
+
+    monkeypatch.setattr(train.DigitsTask, "loss", loss)
+    result = train.run_training(_args("--local-experts", "--steps", "10", "--log-every", "5"))
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    failed = [line for line in lines if line["event"] == "failed_step"]
+    assert [(f["step"], f["stage"]) for f in failed] == [(3, "backward"), (3, "backward")]
+    assert "ffn.3: ConnectionResetError" in failed[0]["error"] and failed[0]["time"].endswith("+00:00")
+    assert result["steps"] == 10 and result["failed_steps"] == 2 and result["failures"] == failed
+    assert lines[-1] == result and [line["step"] for line in lines if line["event"] == "progress"] == [5, 10]
 
 
 async def _bootstrap_dht(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
