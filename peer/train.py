@@ -28,6 +28,7 @@ SIGINT or SIGTERM ends the run after the current step: it is evaluated, the resu
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import datetime
 import hashlib
@@ -180,6 +181,11 @@ def run_seed(run_id: str) -> int:
 LOCAL_EXPERT_DEFAULTS = {"hidden_dim": 64, "expert_prefix": "ffn", "grid_size": "12"}
 SWARM_WAIT = 15.0  # seconds to wait for a swarm whose daemons have not declared experts yet
 _FAILURES_KEPT = 20  # failed steps the result line lists (each also has a `failed_step` line of its own)
+
+
+def _utc_now() -> str:
+    """The `time` of a progress or failed-step line: ISO 8601, UTC, to the millisecond."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
 
 
 def expert_settings(args: argparse.Namespace) -> tuple[int, str, tuple[int, ...]]:
@@ -545,7 +551,7 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
         metrics_bridge = _start_metrics(args, swarm, model, optimizer, training)
         task.before_training(model)
         failed_steps = consecutive_failures = 0
-        failures: list[dict[str, Any]] = []  # the last few failed steps, for the result line
+        failures: collections.deque[dict[str, Any]] = collections.deque(maxlen=_FAILURES_KEPT)  # for the result
         samples = 0
         train_started = last_line_at = time.monotonic()
         step = last_line_step = 0
@@ -574,10 +580,9 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
                 # that grows, so a swarm that comes back is used again and one that never does ends the run
                 failed_steps += 1
                 consecutive_failures += 1
-                failure = {"event": "failed_step", "step": step + 1, "stage": error.stage,
-                           "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"),
+                failure = {"event": "failed_step", "step": step + 1, "stage": error.stage, "time": _utc_now(),
                            "error": str(error)[:300]}
-                failures = [*failures[-(_FAILURES_KEPT - 1):], failure]
+                failures.append(failure)
                 out.emit(failure)
                 model.zero_grad(set_to_none=True)
                 if consecutive_failures >= args.max_failed_steps:
@@ -600,7 +605,7 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
                 elapsed = now - train_started
                 line = {
                     "event": "progress", "step": step, "steps": args.steps,
-                    "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"),
+                    "time": _utc_now(),
                     "elapsed_s": round(now - started, 3),
                     "step_s": round((now - last_line_at) / (step - last_line_step), 4),  # mean since last line
                     "loss": round(meter.loss, 4),
@@ -639,7 +644,7 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
             "event": "result", "task": task.name,
             **{k: round(v, 4) if isinstance(v, float) else v for k, v in held_out.items()}, "steps": step,
             "steps_planned": args.steps, "interrupted": stop.requested, "signal": stop.name,
-            "failed_steps": failed_steps, "failures": failures,
+            "failed_steps": failed_steps, "failures": list(failures),
             "samples_per_s": round(samples / max(train_seconds, 1e-9), 1),
             "train_seconds": round(train_seconds, 3), "wall_seconds": round(time.monotonic() - started, 3),
             "run_id": args.run_id, "local_experts": bool(args.local_experts),
