@@ -131,9 +131,11 @@ def test_private_volunteers_and_trainers_behind_two_routers_train_average_and_su
             assert min(trainer.steps for trainer in trainers) >= KILL_AT_STEP, [t.lines[-2:] for t in trainers]
 
             # the relay every private peer holds a reservation with dies in the middle of training
+            # read before the kill is sent: `kill()` returns once the process is reaped, and a trainer may see
+            # the death (a reset connection) before that
+            killed_wall = datetime.datetime.now(datetime.timezone.utc)
             second.kill()
             killed_at = time.monotonic()
-            killed_wall = datetime.datetime.now(datetime.timezone.utc)
             moved_by = None
             while time.monotonic() - killed_at < 60:
                 peers = {peer["peer_id"]: peer for peer in swarm_status(net, boot_host, bootstrap)["peers"]}
