@@ -559,16 +559,14 @@ async def run_workers(count: int, worker: Callable[[], Any],
 
 
 def _wire_nbytes(tensors: Sequence[Any], compression: wire.Compression) -> int:
-    """The bytes `tensors` take in a message, as the codec encodes them with `compression` (tensor headers and
-    data; the RPC envelope excluded): what the traffic counts add, not the tensors' nominal sizes. A received
-    tensor was decoded from that encoding; the codecs are idempotent (decoded values encode to the same
-    size), so the receiver counts what the sender sent. Anything but tensors (a hostile chunk) counts 0."""
+    """The tensor data bytes `tensors` take in a message, as the codec encodes them with `compression`
+    (`wire.data_nbytes`: from shapes and dtypes, no encoding): what the traffic counts add, not the tensors'
+    nominal sizes. A received tensor was decoded from that encoding and the codecs keep sizes, so the receiver
+    counts what the sender sent. Anything but tensors (a hostile chunk) counts 0."""
     if not isinstance(tensors, (list, tuple)) or not all(
             isinstance(t, (torch.Tensor, wire.Compressed)) for t in tensors):
         return 0
-    items = [t if isinstance(t, wire.Compressed) or compression == wire.Compression.NONE
-             else wire.compressed(t, compression) for t in tensors]
-    return wire.parts_nbytes(wire.encode(items))
+    return sum(wire.data_nbytes(t, compression) for t in tensors)
 
 
 def _compression_arg(value: Any) -> wire.Compression:

@@ -127,7 +127,8 @@ class PartReducer:
     be taken out exactly (the sum is recomputed without it), and so that every committed sender's whole part can
     be validated (finite; with a robust aggregation, its norm against the median norm) and, with a robust
     aggregation, combined as whole vectors (`averaging.robust`). `rejected`: the committed senders whose part
-    failed validation (left out of the result); `median_norm`: the median norm of the finite parts.
+    failed validation (left out of the result); `median_norm`: the median norm of the finite parts (0.0 where
+    a mean's finite running sum made the part-by-part check unnecessary; only robust aggregations use it).
     """
 
     def __init__(self, part: Part, group_size: int, dtypes: Sequence[torch.dtype], *, now: float = 0.0,
@@ -290,11 +291,19 @@ class PartReducer:
             return self.result
         self.released = True
         senders = sorted(s for s in self.committed if self.weights.get(s, 0.0) > 0)
-        if self.n_chunks and senders:
+        # A mean only rejects non-finite parts, and a finite running sum proves every part in it finite (an inf
+        # or NaN stays one in a sum), so one pass over the sum replaces a pass over each sender's part. A sum
+        # that is not finite (a bad part, or finite parts that overflowed) takes the part-by-part check and is
+        # rebuilt from the parts that pass it.
+        trusted_sum = (bool(senders) and not self.aggregation.robust and not self._dirty and self.n_chunks > 0
+                       and all(sums is not None for sums in self._sum)
+                       and math.isfinite(robust.part_norm(t for sums in self._sum for t in sums or ())))
+        if self.n_chunks and senders and not trusted_sum:
             norms = [robust.part_norm(t for chunk in range(self.n_chunks) for t in self._data[s][chunk])
                      for s in senders]
             rejected, self.median_norm = robust.validate_norms(norms, self.aggregation)
             self.rejected = [senders[i] for i in rejected]
+            self._dirty = True
         self.contributors = [s for s in senders if s not in self.rejected]
         if self.n_chunks == 0:
             self.result = []
@@ -305,7 +314,7 @@ class PartReducer:
                                                        [self.weights[s] for s in self.contributors],
                                                        self.aggregation))
         else:
-            if self._dirty or self.rejected:
+            if self._dirty:
                 self._sum = [None] * self.n_chunks
                 for sender in self.contributors:
                     for chunk, flat in self._data[sender].items():

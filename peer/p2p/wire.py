@@ -59,6 +59,7 @@ __all__ = [
     "WireError",
     "check_message_size",
     "compressed",
+    "data_nbytes",
     "decode",
     "roundtrip",
     "encode",
@@ -333,6 +334,28 @@ def _dequantize_int8_blocks(raw: torch.Tensor, numel: int, block: int, dtype: to
     work = torch.float64 if dtype == torch.float64 else torch.float32
     values = torch.nn.functional.pad(q.to(work), (0, nblocks * block - numel)).view(nblocks, block)
     return values.mul_(scales.to(work).unsqueeze(1)).reshape(-1)[:numel].to(dtype)
+
+
+def data_nbytes(tensor: torch.Tensor | Compressed, compression: Compression = Compression.NONE) -> int:
+    """The bytes of tensor data :func:`encode` sends for ``tensor`` (a :class:`Compressed` one with its own
+    codec), worked out from its shape and dtype without encoding: what traffic counters add per tensor. The
+    one exception is a tensor a quantizing codec cannot represent (NaN, infinity, beyond float32), which goes
+    uncompressed but is counted as compressed here (finding out would take a pass over the data)."""
+    if isinstance(tensor, Compressed):
+        compression = tensor.compression
+        tensor = tensor.tensor
+    if not _TABLE:
+        _load_torch()
+    numel = tensor.numel()
+    if tensor.dtype not in _FLOATING or compression == Compression.NONE:
+        return numel * tensor.element_size()
+    if compression == Compression.FLOAT16:
+        return numel * (tensor.element_size() if tensor.dtype in (torch.float16, torch.bfloat16) else 2)
+    if compression == Compression.UINT8:
+        return numel
+    if compression == Compression.INT8:
+        return _int8_nbytes(numel, INT8_BLOCK)
+    raise WireError(f"unknown compression {compression!r}")
 
 
 def _tensor_payload(

@@ -65,6 +65,18 @@ def test_mean_reducer_rejects_only_non_finite_parts():
     assert float(_flat(part, result).abs().min()) > 1e29  # the 1e30 member moved every element
 
 
+def test_mean_reducer_trusts_a_finite_running_sum():
+    # all finite: one check of the running sum stands for the part-by-part pass (so no median norm), and the
+    # result is the plain mean; a sum that is not finite takes the part-by-part path (the test above)
+    tensor_sets, part, reducer = _setup(4, Aggregation("mean"))
+    for sender in range(4):
+        _send(reducer, part, sender, tensor_sets[sender])
+    result = reducer.finalize()
+    assert reducer.rejected == [] and reducer.contributors == [0, 1, 2, 3] and reducer.median_norm == 0.0
+    mean = torch.stack([_flat_of(part, tensor_sets[s]) for s in range(4)]).mean(0)
+    torch.testing.assert_close(_flat(part, result), mean, atol=1e-6, rtol=0)
+
+
 def test_trimmed_mean_reducer_matches_the_mean_without_outliers():
     tensor_sets, part, reducer = _setup(4, Aggregation("trimmed_mean", trim=0.0))
     for sender in range(4):
