@@ -100,9 +100,7 @@ class Contacts:
         self.peers.heard_from(address, now)
         if node_id == self.peer_id or info.client:
             return False
-        known = self.table.get(node_id)
-        if known is not None and (known.ip, known.port) == address:
-            self.table.add(known, now)
+        if self.table.refresh(node_id, address, now):
             return False
         return self._start_verification(address, now)
 
@@ -154,10 +152,9 @@ class Contacts:
             if previous is not None and (previous.ip, previous.port) == address:
                 self.table.remove(info.node_id)
         info.node_id = node_id
-        existing = self.table.get(node_id)
-        if existing is not None and (existing.ip, existing.port) == address:
-            self.table.add(existing, now)
+        if self.table.refresh(node_id, address, now):
             return NOTHING
+        existing = self.table.get(node_id)
         node = Node(node_id, address[0], address[1])
         head = self.table.add(node, now)
         check = None

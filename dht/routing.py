@@ -111,8 +111,22 @@ class RoutingTable:
         return node_id in self.buckets[self.bucket_index(node.long_id)].nodes
 
     def get(self, node_id: bytes) -> Node | None:
-        node = Node(node_id)
-        return self.buckets[self.bucket_index(node.long_id)].nodes.get(node_id)
+        # int.from_bytes is `Node.long_id` without building a Node (and its hex string) per lookup
+        return self.buckets[self.bucket_index(int.from_bytes(node_id, "big"))].nodes.get(node_id)
+
+    def refresh(self, node_id: bytes, address: tuple[str, int], now: float) -> bool:
+        """The contact held as `node_id` at `address` was heard from again: move it to its bucket's tail (the
+        most recently seen end) and return True. False, and nothing changes, when the table holds no such
+        contact there (the caller then admits or verifies it). Why not `get` then `add`: this runs for every
+        request and every answer, and `add` repeats the bucket search and the limit checks a known contact has
+        already passed."""
+        bucket = self.buckets[self.bucket_index(int.from_bytes(node_id, "big"))]
+        known = bucket.nodes.get(node_id)
+        if known is None or known.ip != address[0] or known.port != address[1]:
+            return False
+        bucket.nodes.move_to_end(node_id)
+        bucket.swarmd_touched = now
+        return True
 
     def __len__(self) -> int:
         return sum(len(bucket) for bucket in self.buckets)
@@ -131,11 +145,11 @@ class RoutingTable:
         while True:
             index = self.bucket_index(node.long_id)
             bucket = self.buckets[index]
-            if node.id not in bucket.nodes:
+            held = node.id in bucket.nodes
+            if not held:
                 self._flat = None
-            before = set(bucket.nodes)
             added = bucket.add_node(node)
-            if node.id not in before and node.id in bucket.nodes:
+            if not held and added:  # a full bucket's add_node puts the newcomer in its replacement cache
                 self._count(node, 1)
             if added:
                 bucket.swarmd_touched = now
@@ -228,7 +242,7 @@ class RoutingTable:
 
     def touch(self, target_id: bytes, now: float) -> None:
         """A lookup for `target_id` ran: its bucket needs no refresh for a while."""
-        self.buckets[self.bucket_index(Node(target_id).long_id)].swarmd_touched = now
+        self.buckets[self.bucket_index(int.from_bytes(target_id, "big"))].swarmd_touched = now
 
     def neighbors(self, target_id: bytes, k: int | None = None, exclude: bytes | None = None) -> list[Node]:
         """The k contacts closest to `target_id` (exact: every bucket is considered)."""

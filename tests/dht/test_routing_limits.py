@@ -116,3 +116,26 @@ async def test_a_swarm_with_proof_of_work_ignores_nodes_without_it(autojump_cloc
         with pytest.raises(ValueError, match="bits of work"):
             await start_node(nursery, "lazy2", network=network.host("lazy2"), config=config, identity=lazy)
         nursery.cancel_scope.cancel()
+
+
+def test_refresh_moves_only_a_contact_held_at_that_address_and_keeps_the_ip_counts():
+    rng = random.Random(7)
+    table = RoutingTable(SELF, k=4, limits=TableLimits(per_ip_bucket=None, per_ip=4, per_prefix=None))
+    first, second, third = ids(rng, 3)
+    for index, node_id in enumerate((first, second, third)):
+        table.add(Node(node_id, "203.0.113.7", 100 + index), 0.0)
+    bucket = table.buckets[table.bucket_index(int.from_bytes(first, "big"))]
+    assert list(bucket.nodes) == [first, second, third]
+    assert table.refresh(first, ("203.0.113.7", 100), 5.0)
+    assert list(bucket.nodes) == [second, third, first] and bucket.swarmd_touched == 5.0
+    # another port, an unknown id: not the held contact, so nothing moves or is added
+    assert not table.refresh(second, ("203.0.113.7", 999), 6.0)
+    assert not table.refresh(ids(rng, 1)[0], ("203.0.113.7", 100), 6.0)
+    assert list(bucket.nodes) == [second, third, first] and bucket.swarmd_touched == 5.0
+    # refreshing and re-adding held contacts counts none of them twice against the IP's share of 4
+    table.add(Node(second, "203.0.113.7", 101), 7.0)
+    fourth = ids(rng, 1)[0]
+    table.add(Node(fourth, "203.0.113.7", 103), 7.0)
+    assert fourth in table and len(table) == 4
+    table.add(Node(ids(rng, 1)[0], "203.0.113.7", 104), 7.0)
+    assert len(table) == 4 and table.refused["table_ip_limit"] == 1
