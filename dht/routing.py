@@ -32,6 +32,7 @@ from kademlia.routing import KBucket
 
 from dht.storage import ip_account
 from peer.p2p.identity import Identity
+from peer.p2p.net import Address
 
 ID_SPACE = 2**160
 _WORK_DOMAIN = b"swarmd-dht-id-work-v1"
@@ -106,21 +107,23 @@ class RoutingTable:
             lows = self._lows = [bucket.range[0] for bucket in self.buckets]
         return max(0, bisect.bisect_right(lows, long_id) - 1)
 
+    def _bucket_of(self, node_id: bytes) -> KBucket:
+        # int.from_bytes is `Node.long_id` without building a Node (and its hex string) per call
+        return self.buckets[self.bucket_index(int.from_bytes(node_id, "big"))]
+
     def __contains__(self, node_id: bytes) -> bool:
-        node = Node(node_id)
-        return node_id in self.buckets[self.bucket_index(node.long_id)].nodes
+        return node_id in self._bucket_of(node_id).nodes
 
     def get(self, node_id: bytes) -> Node | None:
-        # int.from_bytes is `Node.long_id` without building a Node (and its hex string) per lookup
-        return self.buckets[self.bucket_index(int.from_bytes(node_id, "big"))].nodes.get(node_id)
+        return self._bucket_of(node_id).nodes.get(node_id)
 
-    def refresh(self, node_id: bytes, address: tuple[str, int], now: float) -> bool:
+    def refresh(self, node_id: bytes, address: Address, now: float) -> bool:
         """The contact held as `node_id` at `address` was heard from again: move it to its bucket's tail (the
         most recently seen end) and return True. False, and nothing changes, when the table holds no such
         contact there (the caller then admits or verifies it). Why not `get` then `add`: this runs for every
         request and every answer, and `add` repeats the bucket search and the limit checks a known contact has
         already passed."""
-        bucket = self.buckets[self.bucket_index(int.from_bytes(node_id, "big"))]
+        bucket = self._bucket_of(node_id)
         known = bucket.nodes.get(node_id)
         if known is None or known.ip != address[0] or known.port != address[1]:
             return False
@@ -191,13 +194,12 @@ class RoutingTable:
 
     def remove(self, node_id: bytes) -> bool:
         """Forget a contact that failed repeatedly; its bucket promotes the freshest replacement."""
-        node = Node(node_id)
-        bucket = self.buckets[self.bucket_index(node.long_id)]
+        bucket = self._bucket_of(node_id)
         present = node_id in bucket.nodes or node_id in bucket.replacement_nodes
         before = dict(bucket.nodes)
         if node_id in bucket.nodes:
             self._flat = None
-        bucket.remove_node(node)
+        bucket.remove_node(Node(node_id))
         for gone in before.keys() - bucket.nodes.keys():
             self._count(before[gone], -1)
         for promoted in bucket.nodes.keys() - before.keys():
@@ -242,7 +244,7 @@ class RoutingTable:
 
     def touch(self, target_id: bytes, now: float) -> None:
         """A lookup for `target_id` ran: its bucket needs no refresh for a while."""
-        self.buckets[self.bucket_index(int.from_bytes(target_id, "big"))].swarmd_touched = now
+        self._bucket_of(target_id).swarmd_touched = now
 
     def neighbors(self, target_id: bytes, k: int | None = None, exclude: bytes | None = None) -> list[Node]:
         """The k contacts closest to `target_id` (exact: every bucket is considered)."""
