@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import trio
 
-from averaging.matchmaking import Matchmaker
+from averaging.matchmaking import JOIN_METHOD, Matchmaker
 from peer.p2p.net import MemoryNetwork
 from tests.sim_peers import start_peers
 
@@ -273,4 +273,38 @@ async def test_a_lone_round_is_abandoned_when_its_caller_learns_the_others_went_
             pair.start_soon(functools.partial(one, 2, left_behind=always))
         assert results[1].group is not None and results[1].group == results[2].group
         assert makers[2].stats["abandoned"] == 0 and asked == []
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_follower_reads_no_view_while_its_collector_holds_its_join(autojump_clock):
+    """A follower's round is decided by its collector's answer, not by the view: while the collector holds the
+    join (here each join handler answers 0.5 s late), the follower reads the group key no more, where it used to
+    read it every half quiet period (about 20 reads in those 0.5 s); its collector keeps reading meanwhile."""
+    async with trio.open_nursery() as nursery:
+        memory, peers, makers = await _matchmakers(nursery, 2, target=2)
+        reads: dict[int, list[float]] = {0: [], 1: []}
+        held: list[tuple[bytes, float]] = []  # (follower's peer id, when its join arrived)
+        for index, (peer, maker) in enumerate(zip(peers, makers)):
+            get = peer.dht.get
+
+            async def counted_get(*args, _get=get, _index=index, **kwargs):
+                reads[_index].append(trio.current_time())
+                return await _get(*args, **kwargs)
+
+            async def slow_join(ctx, args, _handle=maker._handle_join):
+                held.append((ctx.peer_id, trio.current_time()))
+                await trio.sleep(0.5)
+                return await _handle(ctx, args)
+
+            peer.dht.get = counted_get
+            peer.rpc.unregister(JOIN_METHOD)
+            peer.rpc.register(JOIN_METHOD, slow_join)
+        results = await _find_all(makers)
+        assert sorted(r.group.size for r in results.values()) == [2, 2]
+        assert len(held) == 1, held
+        follower_id, since = held[0]
+        follower = next(i for i, m in enumerate(makers) if m.peer_id == follower_id)
+        during = {i: sum(since + 0.05 < t < since + 0.45 for t in reads[i]) for i in reads}
+        assert during[follower] == 0, during
+        assert during[1 - follower] > 5, during  # the collector still watches the view for more members
         nursery.cancel_scope.cancel()
