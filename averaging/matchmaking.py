@@ -351,7 +351,10 @@ class Matchmaker:
         entry) is read, or when its declaration expires."""
         t0 = state.viewed_at = trio.current_time()
         try:
-            record = await self.dht.get(state.key, latest=False)
+            # two replicas (my own copy counts), not the DHT's default three, and so a frugal read (one query
+            # at a time): the view merges every read of the round, so a declaration one read misses the next one
+            # finds, and these reads are most of a round's DHT traffic
+            record = await self.dht.get(state.key, latest=False, quorum=2)
         except Exception as error:  # a DHT hiccup is one stale view, not a failed round
             logger.debug("matchmaking: reading %s failed: %s", state.key, error)
             return False

@@ -1,10 +1,11 @@
 """State of iterative Kademlia lookups, without I/O: which peer to ask next for a key, and when we are done.
 
 One `Target` per key. Candidates are ordered by XOR distance; the "window" is the k closest candidates that have
-not failed or gone quiet. The driver keeps up to alpha queries active per target and starts a new one the moment
-an answer arrives or a query passes its (per-peer, adaptive) soft timeout: no lockstep rounds, so one slow or
-dead peer never holds back a lookup while live peers can answer. A late answer is still used if it arrives
-before the request's hard timeout. The lookup is done when every peer in the window has answered.
+not failed or gone quiet. The driver keeps up to alpha queries active per target (a frugal quick value lookup:
+no more than the replicas its quorum still lacks) and starts a new one the moment an answer arrives or a query
+passes its (per-peer, adaptive) soft timeout: no lockstep rounds, so one slow or dead peer never holds back a
+lookup while live peers can answer. A late answer is still used if it arrives before the request's hard timeout.
+The lookup is done when every peer in the window has answered.
 
 Disjoint paths (S/Kademlia, Baumgart and Mies 2007, section 4.4): with `paths=d > 1` the lookup of one key runs
 d lookups side by side that never share a peer. The starting candidates are dealt out round-robin (closest
@@ -53,6 +54,7 @@ class Target:
     alpha: int
     want_value: bool = False
     quorum: int | None = None  # value lookups: a path stops after this many replicas answered with a value
+    frugal: bool = False  # quick value lookups: no more queries active than replicas the quorum still lacks
     paths: int = 1  # disjoint paths (see the module docstring)
     candidates: dict[bytes, Candidate] = field(default_factory=dict)
     values: list[tuple[int, Record]] = field(default_factory=list)  # (distance of the replica, record)
@@ -134,10 +136,19 @@ class Target:
         return self._in_flight[path] > 0
 
     def next_candidates(self) -> list[Candidate]:
-        """Candidates to ask now (up to alpha active at once per path), closest first within each path."""
+        """Candidates to ask now (up to alpha active at once per path), closest first within each path. A frugal
+        quick value lookup keeps no more queries active than replicas its quorum still lacks: a replica that
+        answers after the quorum is met was asked for nothing (in a small swarm, where every peer holds every key
+        and this node's own copy counts, alpha queries for a quorum of 3 were half wasted). The price is latency
+        after a crash: a query to a dead replica holds its slot until it goes quiet, where alpha queries would
+        have let the live ones answer meanwhile (bench_dht's get p95 after a kill: 2 ms -> 23 ms), so only a
+        caller that merges many reads anyway asks for it. A query that answers without the value, or goes quiet,
+        frees its slot as before."""
         chosen: list[Candidate] = []
         for path in range(self.paths):
             free = self.alpha - self.active(path)
+            if self.frugal and self.want_value and self.quorum is not None:
+                free = min(free, self.quorum - len(self.path_values[path]) - self.active(path))
             if free <= 0 or self.path_finished(path):
                 continue
             chosen += [c for c in self.window(path) if c.state is State.NEW][:free]

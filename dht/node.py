@@ -359,28 +359,37 @@ class DHTNode:
         acknowledged = await self._store_in_chunks(by_key)
         return [valid and acknowledged.get(key_id, False) for key_id, valid in item_keys]
 
-    async def get(self, key: str | bytes, latest: bool = False) -> Record | None:
+    async def get(self, key: str | bytes, latest: bool = False, quorum: int | None = None) -> Record | None:
         """The merged record of `key` from several replicas, or None. With `latest=True` the lookup continues
         until every one of the k closest live replicas answered, so the newest stored value is found. Over
         `DHTConfig.disjoint_paths` > 1 the key's own value is the paths' vote (records.resolve); against liars,
-        `latest=True` gives every path's vote many replicas."""
-        return (await self.get_many([key], latest=latest))[key]
+        `latest=True` gives every path's vote many replicas. `quorum`: how many replicas (this node's own copy
+        counts as one) a quick read stops after, instead of `DHTConfig.get_quorum`; for a caller that merges
+        many reads of one key anyway (matchmaking's view), where each read need not be as thorough. Such a read
+        is also frugal (dht/lookup.py, `Target.next_candidates`): it keeps no more queries active than replicas
+        it still lacks, which saves a third of its requests and costs it latency when a replica has died."""
+        return (await self.get_many([key], latest=latest, quorum=quorum))[key]
 
-    async def get_many(self, keys: Iterable[str | bytes], latest: bool = False) -> dict[Any, Record | None]:
+    async def get_many(self, keys: Iterable[str | bytes], latest: bool = False,
+                       quorum: int | None = None) -> dict[Any, Record | None]:
         """Records for many keys in one traversal (peers that speak swarmd get one request for all keys they
-        are asked about)."""
+        are asked about). `latest` and `quorum` as in `get`."""
         keys = list(dict.fromkeys(keys))
         for key in keys:
             records.check_key(key, "get")
         ids = {key: key_id_of(key) for key in keys}
         # over d paths each path stops at its share of the quorum (S/Kademlia: a path ends at the value it
         # finds), so a quick get asks about as many replicas as with one path; latest=True runs every window out
-        quorum = None if latest else max(1, math.ceil(self.config.get_quorum / self.config.disjoint_paths))
+        wanted = self.config.get_quorum if quorum is None else quorum
+        if wanted < 1:
+            raise ValueError(f"a get's quorum is at least 1 replica, not {wanted}")
+        path_quorum = None if latest else max(1, math.ceil(wanted / self.config.disjoint_paths))
         targets: dict[bytes, Target] = {}
         key_ids = list(dict.fromkeys(ids.values()))
 
         async def chunk(part: list[bytes]) -> None:
-            targets.update(await self._lookup(set(part), want_value=True, quorum=quorum))
+            targets.update(await self._lookup(set(part), want_value=True, quorum=path_quorum,
+                                              frugal=quorum is not None))
 
         await self._in_chunks(key_ids, chunk)
         now = self.now()
@@ -624,7 +633,7 @@ class DHTNode:
     # ------------------------------------------------------------------------------------------------- lookups
 
     async def _lookup(self, key_ids: set[bytes], *, want_value: bool, quorum: int | None = None,
-                      store: _StorePlan | None = None) -> dict[bytes, Target]:
+                      frugal: bool = False, store: _StorePlan | None = None) -> dict[bytes, Target]:
         """Iterative lookups for all `key_ids` at once (see dht/lookup.py for the stopping rule)."""
         config = self.config
         now = trio.current_time()
@@ -636,7 +645,7 @@ class DHTNode:
         quick = want_value and quorum is not None
         path_alpha = max(1, math.ceil(config.alpha / config.disjoint_paths)) if quick else config.alpha
         for key_id in key_ids:
-            target = Target(key_id, config.k, path_alpha, want_value=want_value, quorum=quorum,
+            target = Target(key_id, config.k, path_alpha, want_value=want_value, quorum=quorum, frugal=frugal,
                             paths=config.disjoint_paths)
             # seeded with 2k of our contacts: holders of a value answer without contacts, so a lookup whose
             # closest candidates died must still have live ones to turn to

@@ -79,6 +79,33 @@ def test_value_quorum_is_counted_per_path():
     assert target.finished() and [len(v) for v in target.path_values] == [1, 1]
 
 
+def test_a_frugal_quick_get_keeps_no_more_queries_active_than_replicas_it_still_lacks():
+    key = node_id(0)
+    target = Target(key, k=8, alpha=3, want_value=True, quorum=3, frugal=True)
+    for n in range(1, 9):
+        target.add(node_id(n), ("10.0.0.1", n))
+    target.add_local(1 << 150, records.decode(key, "mine", 0.0))  # this node's own copy is one of the 3
+    asked = target.next_candidates()
+    assert [c.node_id for c in asked] == [node_id(1), node_id(2)]  # alpha is 3, but only 2 replicas are missing
+    for candidate in asked:
+        target.set_state(candidate, State.ACTIVE)
+    assert target.next_candidates() == []
+    target.on_answer(node_id(1), [], records.decode(key, "v", 0.0), True, SELF_ID)
+    assert target.next_candidates() == []  # one replica still missing, and one query is on its way for it
+    target.on_answer(node_id(2), [], None, False, SELF_ID)  # it had nothing: its slot goes to the next peer
+    assert [c.node_id for c in target.next_candidates()] == [node_id(3)]
+    target.set_state(target.candidates[node_id(3)], State.ACTIVE)
+    target.on_slow(node_id(3))  # gone quiet: a slow query frees its slot too
+    assert [c.node_id for c in target.next_candidates()] == [node_id(4)]
+    # a default quick get, and a lookup without a quorum (a store's, or latest=True), keep alpha queries active
+    for full in (Target(key, k=8, alpha=3, want_value=True, quorum=3), Target(key, k=8, alpha=3, want_value=True),
+                 Target(key, k=8, alpha=3, want_value=True, frugal=True)):
+        for n in range(1, 9):
+            full.add(node_id(n), ("10.0.0.1", n))
+        full.add_local(1 << 150, records.decode(key, "mine", 0.0))
+        assert len(full.next_candidates()) == 3
+
+
 # ------------------------------------------------------------------------------------------------- the vote
 
 
