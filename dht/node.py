@@ -367,7 +367,8 @@ class DHTNode:
         counts as one) a quick read stops after, instead of `DHTConfig.get_quorum`; for a caller that merges
         many reads of one key anyway (matchmaking's view), where each read need not be as thorough. Such a read
         is also frugal (dht/lookup.py, `Target.next_candidates`): it keeps no more queries active than replicas
-        it still lacks, which saves a third of its requests and costs it latency when a replica has died."""
+        it still lacks (in a small swarm where every node holds the key, 2 requests for a quorum of 3 instead of
+        4), which costs it latency when a replica has died."""
         return (await self.get_many([key], latest=latest, quorum=quorum))[key]
 
     async def get_many(self, keys: Iterable[str | bytes], latest: bool = False,
