@@ -23,8 +23,8 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/peer swarm up --task lm --steps 150 --batch-size 8 --target-batch-size 512 --kill-one-at 10
 
-# Everything CI runs: static checks (ruff; mypy, strict on the foundation and the DHT), the default (fast) suite,
-# then the scenarios marked slow.
+# Everything CI runs: static checks (ruff; mypy, strict on the foundation, the DHT and the averaging cores), the
+# default (fast) suite, then the scenarios marked slow.
 test: lint $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15
 	$(BIN)/python -m pytest -q -m slow --durations=15 || test $$? -eq 5
