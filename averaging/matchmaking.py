@@ -144,7 +144,6 @@ class _Round:
         self.following_others: set[PeerID] = set()  # those peers (rechecked once before sealing with room left)
         self.following_since: dict[PeerID, float] = {}  # when a probe first found a chunk member following another
         self.view: dict[PeerID, Declaration] = {}
-        self.viewed_at = -math.inf  # when the last read of the key that built `view` began
         self.excluded: set[PeerID] = set()
         # peers excluded as taken (in a sealed or full group) -> declared_at of their declaration then: a newer
         # declaration means they finished that group's averaging and are matching again
@@ -349,12 +348,14 @@ class Matchmaker:
         Merge, not replace: one read may reach only some replicas and miss a declaration another read saw, and a
         view that flickers never becomes quiet. A peer leaves the view only when its withdrawal (or a newer
         entry) is read, or when its declaration expires."""
-        t0 = state.viewed_at = trio.current_time()
+        t0 = trio.current_time()
         try:
-            # two replicas (my own copy counts), not the DHT's default three, and so a frugal read (one query
-            # at a time): the view merges every read of the round, so a declaration one read misses the next one
-            # finds, and these reads are most of a round's DHT traffic
-            record = await self.dht.get(state.key, latest=False, quorum=2)
+            # A frugal read of the DHT's usual three replicas (my own copy counts as one, dht/node.py `get`): no
+            # query beyond those it still lacks, where a default get keeps alpha in flight and a fourth started
+            # before the third answered. These reads are most of a round's DHT traffic. Two replicas were
+            # cheaper still, but views built from fewer replicas split 1 run in 2 of
+            # test_back_to_back_rounds_with_jitter_form_full_groups into a round with a group short.
+            record = await self.dht.get(state.key, latest=False, quorum=3)
         except Exception as error:  # a DHT hiccup is one stale view, not a failed round
             logger.debug("matchmaking: reading %s failed: %s", state.key, error)
             return False
@@ -510,19 +511,12 @@ class Matchmaker:
         view, never a join or a seal."""
         while True:
             await trio.sleep(max(self.min_quiet, self.quiet_period / 2))
-            if state.following is not None and state.assembly is None:
-                # My join is held by its collector: its answer, not the view, decides my round, and reading the
-                # key every few milliseconds meanwhile was most of matchmaking's DHT traffic. `_catch_up` reads it
-                # at once if the answer sends me back to planning.
-                continue
-            await self._catch_up(state, 0.0)
-
-    async def _catch_up(self, state: _Round, max_age: float) -> None:
-        """Refresh the view unless it was read less than `max_age` seconds ago; a change restarts the quiet
-        period and wakes the round's loops."""
-        if trio.current_time() - state.viewed_at >= max_age and await self._refresh_view(state):
-            state.last_change = trio.current_time()
-            state.poke()
+            # Also while my join is held by its collector: skipping those reads (most of matchmaking's DHT
+            # traffic) left followers planning their next rounds on stale views, and about 1 run in 8 of
+            # test_back_to_back_rounds_with_jitter_form_full_groups then ended a peer's round without a group.
+            if await self._refresh_view(state):
+                state.last_change = trio.current_time()
+                state.poke()
 
     async def _assemble(self, state: _Round, deadline: float) -> MatchResult:
         redirects = 0
@@ -540,7 +534,6 @@ class Matchmaker:
                     return self._result(state, decision, collector.peer_id)
                 if decision is not None and decision.kind == "reject":
                     state.exclude_busy([*decision.busy, collector.peer_id], self.peer_id)
-                await self._catch_up(state, self.quiet_period / 2)  # the view was not read while I followed
                 continue
             if state.assembly is not None or (collector is not None and collector.peer_id == self.peer_id):
                 result = await self._collect(state)
@@ -570,7 +563,6 @@ class Matchmaker:
                          decision.kind if decision else None, decision.reason if decision else "")
             if decision is None:
                 state.last_change = trio.current_time()
-                await self._catch_up(state, self.quiet_period / 2)  # the view was not read while I followed
                 continue  # collector unreachable: excluded, plan again
             if decision.kind == "group" and decision.group is not None and self.peer_id in decision.group:
                 return self._result(state, decision, collector.peer_id)
@@ -584,14 +576,13 @@ class Matchmaker:
             # a collector that already left (its withdrawal not visible yet) or a full one: plan again at once
             self.stats["rejects"] += 1
             state.exclude_busy([*decision.busy, collector.peer_id], self.peer_id)
-            await self._catch_up(state, self.quiet_period / 2)  # the view was not read while I followed
 
     async def _join(self, state: _Round, collector: Declaration, deadline: float) -> Decision | None:
         """One long-poll join; None when the collector is unreachable (it is then excluded and reported)."""
-        state.following = collector
         if collector.address is None or collector.peer_id in self.banned:  # client mode: nobody can join it
             state.excluded.add(collector.peer_id)
             return None
+        state.following = collector  # (set before the return above, it stayed set for the rest of the round)
         args = {"key": state.key, "declaration": state.me.to_wire()}
         timeout = max(0.0, deadline - trio.current_time()) + self._grace()
         t0 = trio.current_time()

@@ -364,11 +364,12 @@ class DHTNode:
         until every one of the k closest live replicas answered, so the newest stored value is found. Over
         `DHTConfig.disjoint_paths` > 1 the key's own value is the paths' vote (records.resolve); against liars,
         `latest=True` gives every path's vote many replicas. `quorum`: how many replicas (this node's own copy
-        counts as one) a quick read stops after, instead of `DHTConfig.get_quorum`; for a caller that merges
-        many reads of one key anyway (matchmaking's view), where each read need not be as thorough. Such a read
+        counts as one) a quick read stops after, instead of `DHTConfig.get_quorum`. A read that names its quorum
         is also frugal (dht/lookup.py, `Target.next_candidates`): it keeps no more queries active than replicas
         it still lacks (in a small swarm where every node holds the key, 2 requests for a quorum of 3 instead of
-        4), which costs it latency when a replica has died."""
+        4), which costs it latency when a replica has died. For a caller that reads one key over and over:
+        matchmaking's view passes 3, the default, for the frugality alone (views built from 2 replicas split
+        its rounds)."""
         return (await self.get_many([key], latest=latest, quorum=quorum))[key]
 
     async def get_many(self, keys: Iterable[str | bytes], latest: bool = False,

@@ -7,7 +7,8 @@ from collections import Counter
 import pytest
 import trio
 
-from averaging.matchmaking import JOIN_METHOD, Matchmaker
+from averaging.assembly import Declaration
+from averaging.matchmaking import JOIN_METHOD, Matchmaker, _Round
 from peer.p2p.net import MemoryNetwork
 from tests.sim_peers import start_peers
 
@@ -276,10 +277,11 @@ async def test_a_lone_round_is_abandoned_when_its_caller_learns_the_others_went_
         nursery.cancel_scope.cancel()
 
 
-async def test_a_follower_reads_no_view_while_its_collector_holds_its_join(autojump_clock):
-    """A follower's round is decided by its collector's answer, not by the view: while the collector holds the
-    join (here each join handler answers 0.5 s late), the follower reads the group key no more, where it used to
-    read it every half quiet period (about 20 reads in those 0.5 s); its collector keeps reading meanwhile."""
+async def test_a_follower_keeps_reading_the_view_while_its_collector_holds_its_join(autojump_clock):
+    """While the collector holds its join (here each join handler answers 0.5 s late), the follower still reads
+    the group key every half quiet period, as its collector does. A follower that skipped those reads (they are
+    most of matchmaking's DHT traffic) planned its next rounds on stale views: in 9 of 16 runs of
+    test_back_to_back_rounds_with_jitter_form_full_groups some peer's round then ended without a group."""
     async with trio.open_nursery() as nursery:
         memory, peers, makers = await _matchmakers(nursery, 2, target=2)
         reads: dict[int, list[float]] = {0: [], 1: []}
@@ -305,6 +307,22 @@ async def test_a_follower_reads_no_view_while_its_collector_holds_its_join(autoj
         follower_id, since = held[0]
         follower = next(i for i, m in enumerate(makers) if m.peer_id == follower_id)
         during = {i: sum(since + 0.05 < t < since + 0.45 for t in reads[i]) for i in reads}
-        assert during[follower] == 0, during
-        assert during[1 - follower] > 5, during  # the collector still watches the view for more members
+        assert during[follower] > 5, during
+        assert during[1 - follower] > 5, during  # the collector watches the view for more members
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_join_that_cannot_be_sent_leaves_the_round_following_nobody(autojump_clock):
+    """A collector in client mode (or banned) cannot be joined: `_join` excludes it at once. It used to leave the
+    round marked as following it, so my probes' answers named a collector I was not joining and a join
+    arriving here was redirected to it."""
+    async with trio.open_nursery() as nursery:
+        memory, peers, makers = await _matchmakers(nursery, 2, target=2)
+        maker = makers[0]
+        state = _Round("run.averaging", Declaration(maker.peer_id, maker.address, 1.0, False, SCHEMA, 0, 5.0, 0.0),
+                       0.0, 0)
+        client = Declaration(makers[1].peer_id, None, 1.0, True, SCHEMA, 0, 5.0, 0.0)
+        assert await maker._join(state, client, deadline=5.0) is None
+        assert client.peer_id in state.excluded
+        assert state.following is None
         nursery.cancel_scope.cancel()
