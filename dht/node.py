@@ -359,23 +359,23 @@ class DHTNode:
         acknowledged = await self._store_in_chunks(by_key)
         return [valid and acknowledged.get(key_id, False) for key_id, valid in item_keys]
 
-    async def get(self, key: str | bytes, latest: bool = False, quorum: int | None = None) -> Record | None:
+    async def get(self, key: str | bytes, latest: bool = False, quorum: int | None = None,
+                  frugal: bool = False) -> Record | None:
         """The merged record of `key` from several replicas, or None. With `latest=True` the lookup continues
         until every one of the k closest live replicas answered, so the newest stored value is found. Over
         `DHTConfig.disjoint_paths` > 1 the key's own value is the paths' vote (records.resolve); against liars,
         `latest=True` gives every path's vote many replicas. `quorum`: how many replicas (this node's own copy
-        counts as one) a quick read stops after, instead of `DHTConfig.get_quorum`. A read that names its quorum
-        is also frugal (dht/lookup.py, `Target.next_candidates`): it keeps no more queries active than replicas
-        it still lacks (in a small swarm where every node holds the key, 2 requests for a quorum of 3 instead of
-        4), which costs it latency when a replica has died. For a caller that reads one key over and over:
-        matchmaking's view passes 3, the default, for the frugality alone (views built from 2 replicas split
-        its rounds)."""
-        return (await self.get_many([key], latest=latest, quorum=quorum))[key]
+        counts as one) a quick read stops after, instead of `DHTConfig.get_quorum`. `frugal=True` (quick reads
+        only): keep no more queries active than replicas the quorum still lacks (dht/lookup.py,
+        `Target.next_candidates`; in a small swarm where every node holds the key, 2 requests for a quorum of 3
+        instead of 4), which costs latency when a replica has died. For a caller that reads one key over and
+        over and merges what it reads: matchmaking's view."""
+        return (await self.get_many([key], latest=latest, quorum=quorum, frugal=frugal))[key]
 
     async def get_many(self, keys: Iterable[str | bytes], latest: bool = False,
-                       quorum: int | None = None) -> dict[Any, Record | None]:
+                       quorum: int | None = None, frugal: bool = False) -> dict[Any, Record | None]:
         """Records for many keys in one traversal (peers that speak swarmd get one request for all keys they
-        are asked about). `latest` and `quorum` as in `get`."""
+        are asked about). `latest`, `quorum` and `frugal` as in `get`."""
         keys = list(dict.fromkeys(keys))
         for key in keys:
             records.check_key(key, "get")
@@ -385,13 +385,15 @@ class DHTNode:
         wanted = self.config.get_quorum if quorum is None else quorum
         if wanted < 1:
             raise ValueError(f"a get's quorum is at least 1 replica, not {wanted}")
+        if frugal and latest:
+            raise ValueError("a latest=True get runs every window out: it cannot be frugal")
         path_quorum = None if latest else max(1, math.ceil(wanted / self.config.disjoint_paths))
         targets: dict[bytes, Target] = {}
         key_ids = list(dict.fromkeys(ids.values()))
 
         async def chunk(part: list[bytes]) -> None:
             targets.update(await self._lookup(set(part), want_value=True, quorum=path_quorum,
-                                              frugal=quorum is not None))
+                                              frugal=frugal))
 
         await self._in_chunks(key_ids, chunk)
         now = self.now()

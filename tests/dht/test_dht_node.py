@@ -60,11 +60,12 @@ async def _memory_swarm(nursery, count, seed=1, **kwargs):
     return network, swarm
 
 
-async def test_a_get_with_its_own_quorum_asks_only_the_replicas_it_lacks(autojump_clock):
-    """Every node of a small swarm holds every key, the reader included. A default quick get (quorum 3, the
+async def test_a_frugal_get_asks_only_the_replicas_its_quorum_lacks(autojump_clock):
+    """Every node of a small swarm holds every key, the reader included. A quick get (quorum 3 by default, the
     reader's own copy counting as one) keeps alpha (3) queries active, so a dead replica costs it no time: it asks
-    at least 3 peers for the 2 copies it lacks. A get given its own quorum is frugal: `quorum=3` asks 2, `quorum=2`
-    (matchmaking's view) asks 1. Each merges what it read with the reader's own copy."""
+    at least 3 peers for the 2 copies it lacks, whether or not it names its quorum. A frugal get asks only what
+    its quorum lacks: 2 for the default quorum (matchmaking's view), 1 for `quorum=2`, none for `quorum=1`. Each
+    merges what it read with the reader's own copy."""
 
     def served(swarm) -> int:
         return sum(r.node.stats()["requests_served"].get("find_value", 0) for r in swarm)
@@ -75,17 +76,20 @@ async def test_a_get_with_its_own_quorum_asks_only_the_replicas_it_lacks(autojum
         assert await reader.store("k", "v", reader.now() + 60, subkey=b"a")
         assert await swarm[3].node.store("k", "w", reader.now() + 60, subkey=b"b")
         await trio.sleep(1)  # background read repairs and gifts settle
-        for quorum, asked in ((None, None), (3, 2), (2, 1), (1, 0)):
+        for quorum, frugal, asked in ((None, False, None), (3, False, None), (None, True, 2), (3, True, 2),
+                                      (2, True, 1), (1, True, 0)):
             before = served(swarm)
-            record = await reader.get("k", quorum=quorum)
+            record = await reader.get("k", quorum=quorum, frugal=frugal)
             await trio.sleep(1)  # a query still in flight when the quorum was met is served meanwhile
             assert {k: e.value for k, e in record.subkeys.items()} == {b"a": "v", b"b": "w"}
             if asked is None:
-                assert served(swarm) - before >= 3
+                assert served(swarm) - before >= 3, (quorum, frugal)
             else:
-                assert served(swarm) - before == asked, quorum
+                assert served(swarm) - before == asked, (quorum, frugal)
         with pytest.raises(ValueError, match="at least 1"):
             await reader.get("k", quorum=0)
+        with pytest.raises(ValueError, match="cannot be frugal"):
+            await reader.get("k", latest=True, frugal=True)
         nursery.cancel_scope.cancel()
 
 
