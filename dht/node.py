@@ -400,8 +400,11 @@ class DHTNode:
         results: dict[Any, Record | None] = {}
         for key, key_id in ids.items():
             if self.config.disjoint_paths > 1:
-                # the vote of the paths (this node's own copy is already on every path, see Target.add_local)
-                results[key] = records.resolve([[r for _, r in found] for found in targets[key_id].path_values], now)
+                # the vote of the paths, each resting on its k/2 closest replicas (this node's own copy is on every
+                # path, by its distance, see Target.add_local)
+                paths = [[r for _, r in sorted(found, key=lambda pair: pair[0])]
+                         for found in targets[key_id].path_values]
+                results[key] = records.resolve(paths, now, voters=max(1, self.config.k // 2))
                 continue
             found = sorted(targets[key_id].values, key=lambda pair: pair[0], reverse=True)  # farthest first
             merged: Record | None = None

@@ -201,3 +201,18 @@ def test_an_update_most_replicas_got_beats_the_stale_value_beside_it_but_one_lia
     paths = [[new] * 10 + [old] * 6 + [forged], [new] * 9 + [old] * 7, [old] * 8 + [new] * 5 + [forged]]
     assert records.resolve(paths, 0.0).value == "v2"  # v2 is seen on all three paths, v1 too: the newest wins
     assert records.resolve([[new] * 4 + [forged]] * 3, 0.0).value == "v2"  # a fifth of a path is not "seen"
+
+
+def test_only_each_paths_closest_replicas_vote_so_far_replicas_an_earlier_writer_reached_do_not_outvote_them():
+    """One stale read of the 10,000-node simulation, in small: the latest write reached the key's closest
+    replicas of every path, the first write had also spread farther out, where the reader's windows ended."""
+    old, new = unsigned("v1", 100.0), unsigned("v2", 200.0)
+    subkeyed = records.Record(None, {b"s": records.Entry("far", 300.0)})  # a subkey only a far replica holds
+    paths = [[new, old, new, new, new] + [old] * 13, [new] * 4 + [old] * 12,
+             [new] * 3 + [old] * 7 + [subkeyed], [new] * 3 + [old] * 2 + [new] * 2 + [old] * 8]
+    assert records.resolve(paths, 0.0).value == "v1"  # every replica votes: v1 is seen on all four paths
+    result = records.resolve(paths, 0.0, voters=5)
+    assert result.value == "v2"  # among the closest five v2 is seen on every path, v1 on two of the four
+    assert result.subkeys[b"s"].value == "far"  # subkeys still merge over every replica
+    assert records.resolve([[new, old, old], [new, old, old], [old]], 0.0).value == "v1"
+    assert records.resolve([[new, old, old], [new, old, old], [old]], 0.0, voters=1).value == "v2"
