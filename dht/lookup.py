@@ -192,6 +192,10 @@ class Target:
             if contact_id != self_id:
                 self.add(contact_id, (host, port), candidate.path)
 
+    def path_records(self) -> list[list[Record]]:
+        """Each path's records, closest replica first: the order `records.resolve` lets its voters vote in."""
+        return [[record for _, record in sorted(values, key=lambda pair: pair[0])] for values in self.path_values]
+
     def add_local(self, distance: int, record: Record) -> None:
         """This node's own copy: it counts once, on every path (the reader trusts itself)."""
         self.values.append((distance, record))

@@ -402,9 +402,8 @@ class DHTNode:
             if self.config.disjoint_paths > 1:
                 # the vote of the paths, each resting on its k/2 closest replicas (this node's own copy is on every
                 # path, by its distance, see Target.add_local)
-                paths = [[r for _, r in sorted(found, key=lambda pair: pair[0])]
-                         for found in targets[key_id].path_values]
-                results[key] = records.resolve(paths, now, voters=max(1, self.config.k // 2))
+                results[key] = records.resolve(targets[key_id].path_records(), now,
+                                               voters=max(1, self.config.k // 2))
                 continue
             found = sorted(targets[key_id].values, key=lambda pair: pair[0], reverse=True)  # farthest first
             merged: Record | None = None

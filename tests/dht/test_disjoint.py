@@ -79,6 +79,19 @@ def test_value_quorum_is_counted_per_path():
     assert target.finished() and [len(v) for v in target.path_values] == [1, 1]
 
 
+def test_each_paths_records_come_closest_replica_first_whatever_order_they_answered_in():
+    key = node_id(0)
+    target = Target(key, k=8, alpha=4, want_value=True, paths=1)
+    for n in (1, 2, 3, 4):
+        target.add(node_id(n), ("10.0.0.1", n))
+    for candidate in target.next_candidates():
+        target.set_state(candidate, State.ACTIVE)
+    for n in (3, 1, 4, 2):  # the farther replicas answer first
+        target.on_answer(node_id(n), [], records.decode(key, f"v{n}", 0.0), True, SELF_ID)
+    target.add_local(5, records.decode(key, "mine", 0.0))  # this node's own copy, by its distance (5)
+    assert [r.value for r in target.path_records()[0]] == ["v1", "v2", "v3", "v4", "mine"]
+
+
 def test_a_frugal_quick_get_keeps_no_more_queries_active_than_replicas_it_still_lacks():
     key = node_id(0)
     target = Target(key, k=8, alpha=3, want_value=True, quorum=3, frugal=True)
