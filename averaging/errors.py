@@ -7,6 +7,8 @@ they tell a driver bug from a misbehaving peer. The wire classes at the end are 
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from peer.p2p.identity import PeerID
 from peer.p2p.rpc import BadRequest, RemoteError, register_error_code
 
@@ -48,7 +50,28 @@ class GroupMismatch(AveragingError):
 
 
 class StateDownloadFailed(AveragingError):
-    """No peer could provide its state (all asked peers failed, refused, or sent inconsistent data)."""
+    """No peer could provide its state (all asked peers failed, refused, or sent inconsistent data). `failures`:
+    what went wrong with each source tried (`StateSourceError`s), when known."""
+
+    def __init__(self, message: str, *, peer: PeerID | None = None, operation: str | None = None,
+                 failures: Sequence[AveragingError] = ()):
+        super().__init__(message, peer=peer, operation=operation)
+        self.failures = list(failures)
+
+
+class StateSourceError(AveragingError):
+    """One source of a state download failed (unreachable, busy, too slow, refused): the download goes on from
+    the others."""
+
+
+class StateHashMismatch(StateSourceError):
+    """The source's state is not the one asked for (another hash than the agreed one, or than the chosen
+    holders'): not a lie, it may be at another step; the download does not use it."""
+
+
+class StateSourceCorrupt(StateSourceError):
+    """The source sent bytes that do not match their digest, or a manifest whose root is not the hash of its own
+    blocks: it is dropped for the rest of the download."""
 
 
 # ------------------------------------------------------------------------------------------ errors on the wire
