@@ -54,7 +54,7 @@ import trio
 
 from averaging.averager import Averager
 from averaging.progress import PeerProgress, ProgressTracker, SwarmProgress, _Rate, estimate
-from averaging.state import install_state_server, load_state_from_peers
+from averaging.state import install_state_server, load_state
 from dht.client import SwarmHandle
 from peer.p2p import wire
 
@@ -229,6 +229,7 @@ class CollaborativeOptimizer:
             "epochs": 0, "averaging_rounds": 0, "averaging_attempts": 0, "averaging_failures": 0,
             "group_sizes": {}, "peers_averaged_with": set(), "state_loads": 0, "state_load_failures": 0,
             "local_transitions": 0, "averaging_seconds": 0.0,
+            "state_load_sources": 0,  # holders of the state the last download fetched from
         }
         self.last_progress: SwarmProgress | None = None
         self._scope: trio.CancelScope | None = None
@@ -315,15 +316,17 @@ class CollaborativeOptimizer:
         return await self.averager.step(weight=weight, timeout=self.averaging_timeout, left_behind=left_behind)
 
     async def _load_state(self, progress: SwarmProgress) -> Any:
-        """Download parameters + optimizer state from a trainer of the newest epoch (the most advanced first)."""
+        """Download parameters + optimizer state from the trainers of the newest epoch, in parallel verified
+        blocks (`averaging.state.load_state`): there is no agreed hash here, so the state is the one the most
+        advanced trainer (most samples) holds, fetched from every candidate holding the same."""
         me = self.averager.peer_id
         providers = sorted((p for p in progress.peers if p.epoch == progress.epoch and p.address is not None
                             and p.peer_id != me), key=lambda p: -p.samples)
         candidates = [(p.peer_id, p.address) for p in providers if p.address is not None]
         if not candidates:
             return None
-        return await load_state_from_peers(self.swarm.rpc, candidates, into=self._state, lock=self.averager.lock,
-                                           timeout=self.load_state_timeout)
+        return await load_state(self.swarm.rpc, candidates, into=self._state, lock=self.averager.lock,
+                                timeout=self.load_state_timeout)
 
     # ------------------------------------------------------------------------------------------ public API
 
@@ -483,7 +486,9 @@ class CollaborativeOptimizer:
             metadata = loaded.metadata if isinstance(loaded.metadata, dict) else {}
             if isinstance(metadata.get("epoch"), int) and not isinstance(metadata.get("epoch"), bool):
                 epoch = max(epoch, metadata["epoch"])
-            logger.info("loaded state of epoch %d from %s", epoch, loaded.peer)
+            self._stats["state_load_sources"] = len(loaded.sources)
+            logger.info("loaded state of epoch %d (%s) from %d holders, metadata from %s", epoch,
+                        loaded.root[:12], len(loaded.sources), loaded.peer)
         else:
             self._stats["state_load_failures"] += 1
         if self.mode == "gradients":

@@ -253,6 +253,8 @@ def test_a_late_or_lagging_trainer_downloads_the_swarms_state_and_epoch(bootstra
         assert lagging.step()  # two epochs behind: catch up instead of applying its own update
         assert lagging.epoch == 3
         assert all(torch.equal(p, q) for p, q in zip(_params(lagging_model), _params(leader_model)))
+        # the verified parallel download: every trainer of epoch 3 that holds the leader's state may serve it
+        assert 1 <= lagging.stats()["state_load_sources"] <= 2
         for opt in (leader, late, lagging):
             opt.close()
 
