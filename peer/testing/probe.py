@@ -9,7 +9,8 @@ that starts the two ends and returns the figure:
     throughput(wan, sender, receiver)   TCP goodput in Mbit/s after a warm-up (the congestion control ramps up)
     loss(wan, a, b)                 fraction of paced UDP datagrams that did not arrive
 
-`python -m peer.testing.probe table` builds testbeds and prints the accuracy table of docs/testbed.md.
+`python -m peer.testing.probe table` builds testbeds and prints the accuracy table of docs/testbed.md,
+`python -m peer.testing.probe congestion` its comparison of congestion controls and MTUs.
 """
 
 from __future__ import annotations
@@ -162,8 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     if args[:1] == ["table"]:
         print(accuracy_table())
         return 0
+    if args[:1] == ["congestion"]:
+        print(congestion_table())
+        return 0
     if not args or args[0] not in probes or not 0 <= len(probes[args[0]][1]) - (len(args) - 1) <= 1:
-        sys.stderr.write(f"usage: python -m peer.testing.probe table | <probe> <args>; probes: {', '.join(probes)}\n")
+        sys.stderr.write("usage: python -m peer.testing.probe table | congestion | <probe> <args>; probes: "
+                         f"{', '.join(probes)}\n")
         return 2
     function, types = probes[args[0]]
     function(*[kind(value) for kind, value in zip(types, args[1:])])
@@ -256,8 +261,8 @@ def cpu_seconds(pid: int) -> float:
 
 
 def accuracy_table(seed: int = 1) -> str:
-    """Measure every profile between two hosts of it (and the asymmetric home link against a lan host) and
-    return the markdown table of docs/testbed.md."""
+    """Measure every profile between two hosts of it, and the mixed pairs home-lan (the asymmetric access link)
+    and home-intercontinental; return the markdown table of docs/testbed.md. About two minutes."""
     from peer.testing.wan import WanTestbed, link
 
     rows = ["| pair | quantity | profile | measured | error |", "|---|---|---|---|---|"]
@@ -273,8 +278,13 @@ def accuracy_table(seed: int = 1) -> str:
             a, b = wan.add_host("a", first), wan.add_host("b", second)
             name = f"{first}–{second}"
             there, back = link(a.profile, b.profile), link(b.profile, a.profile)
-            samples = rtts(wan, a, b, count=50)
-            row(name, "RTT median", 1000 * (there.delay_s + back.delay_s), 1000 * statistics.median(samples), "ms")
+            samples = sorted(rtts(wan, a, b, count=200, interval=0.01))
+            nominal = 1000 * (there.delay_s + back.delay_s)
+            row(name, "RTT median", nominal, 1000 * statistics.median(samples), "ms")
+            if there.jitter_s:
+                deciles = statistics.quantiles(samples, n=10)
+                rows[-1] = rows[-1].replace("RTT median", f"RTT median (p10–p90 {1000 * deciles[0]:.1f}–"
+                                            f"{1000 * deciles[-1]:.1f} ms)")
             for sender, receiver in ((a, b), (b, a)):
                 path = link(sender.profile, receiver.profile)
                 before = cpu_seconds(wan.stage_pid or 0)
@@ -283,7 +293,29 @@ def accuracy_table(seed: int = 1) -> str:
                 row(name, f"{sender.name}→{receiver.name} goodput (stage CPU {stage_cpu:.0%})",
                     path.rate_mbit or 0.0, mbit, "Mbit/s")
             if there.loss:
-                row(name, "loss a→b", there.loss, loss(wan, a, b, count=50000), "")
+                row(name, "loss a→b (100000 datagrams)", 100 * there.loss, 100 * loss(wan, a, b, count=100000), "%")
+            stats = wan.stage_stats()
+            if stats["released"]:
+                rows.append(f"| {name} | stage lateness p50 / p99 / max | 0 | {1000 * stats['late_p50_s']:.1f} / "
+                            f"{1000 * stats['late_p99_s']:.1f} / {1000 * stats['late_max_s']:.1f} ms | |")
+    return "\n".join(rows)
+
+
+def congestion_table(seed: int = 1, seconds: float = 10.0) -> str:
+    """Goodput of CUBIC, BBR and Reno between two intercontinental hosts (150 ms RTT, 0.1% loss, 100 Mbit/s) at
+    the testbed's MTU and at Ethernet's 1500 bytes, with the stage's CPU: why the testbed picks BBR and a
+    jumbo MTU."""
+    from peer.testing.wan import MTU, WanTestbed
+
+    rows = ["| MTU | congestion control | goodput | stage CPU |", "|---|---|---|---|"]
+    for mtu in (MTU, 1500):
+        with WanTestbed(seed=seed, mtu=mtu) as wan:
+            a, b = wan.add_host("a", "intercontinental"), wan.add_host("b", "intercontinental")
+            for congestion in ("cubic", "bbr", "reno"):
+                before = cpu_seconds(wan.stage_pid or 0)
+                mbit = throughput(wan, a, b, seconds=seconds, warmup=2.0, congestion=congestion)
+                stage_cpu = (cpu_seconds(wan.stage_pid or 0) - before) / seconds
+                rows.append(f"| {mtu} | {congestion} | {mbit:.1f} Mbit/s | {stage_cpu:.0%} |")
     return "\n".join(rows)
 
 
