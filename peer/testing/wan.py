@@ -35,8 +35,8 @@ limits: CUBIC cannot fill 100 Mbit/s at 150 ms RTT with 0.1% loss (docs/testbed.
     with WanTestbed(seed=1) as wan:
         a = wan.add_host("a", "home")
         b = wan.add_host("b", "intercontinental")
-        server = wan.spawn(b, ["python", "-m", "http.server", "8000"])
-        wan.run(a, ["curl", f"http://{b.address}:8000/"])
+        server = wan.spawn(b, ["python3", "-m", "http.server", "8000"])
+        wan.run(a, ["python3", "-c", f"import urllib.request; urllib.request.urlopen('http://{b.address}:8000/')"])
 
 Everything (namespaces, the stage, every process in the namespaces) is removed on exit, also on an exception.
 """
@@ -221,7 +221,7 @@ class WanTestbed:
         try:
             self._workdir = tempfile.mkdtemp(prefix=f"swarmd-wan-{self.tag}-")
             self._add_namespace(self.internet)
-            _run("ip", "netns", "exec", self.internet, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1",
+            _run("ip", "netns", "exec", self.internet, "sysctl", "-q", "-e", "-w", "net.ipv4.ip_forward=1",
                  "net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.default.rp_filter=0",
                  "net.ipv4.conf.all.send_redirects=0", "net.ipv4.conf.default.send_redirects=0",
                  "net.ipv6.conf.default.disable_ipv6=1", "net.ipv6.conf.all.disable_ipv6=1")
@@ -387,6 +387,7 @@ class WanTestbed:
         self._expect_line("reloaded", timeout=20)
 
     def _expect_line(self, expected: str, *, timeout: float) -> str:
+        """The stage's next line, which must be `expected` (or, for "{", a JSON object)."""
         line = self._stage_line(timeout)
         if line.strip() != expected and not (expected == "{" and line.startswith("{")):
             raise RuntimeError(f"the delay stage said {line!r}, not {expected!r}; stderr: {self._stage_stderr()}")

@@ -171,3 +171,14 @@ def test_a_stage_that_dies_takes_the_impaired_paths_down_rather_than_leaving_the
         os.kill(wan.stage_pid, 9)
         wan.stage.wait()  # type: ignore[union-attr]
         assert probe.rtts(wan, a, b, count=5, interval=0.05) == []
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(not AVAILABLE, reason=WHY_NOT)
+def test_a_cut_host_is_unreachable_until_restored():
+    with WanTestbed() as wan:
+        a, b = wan.add_host("a", "lan"), wan.add_host("b", "home")
+        wan.cut(b)
+        assert probe.rtts(wan, a, b, count=5, interval=0.05) == []
+        wan.restore(b)
+        assert_within("RTT after restore s", statistics.median(probe.rtts(wan, a, b, count=10)), 0.025)
