@@ -13,15 +13,16 @@ Every snapshot carries its manifest (`averaging.state_hash`: layout, one sha256 
 bytes, and the root over them; computed once per snapshot, in a worker thread when the state is large). A block
 is served as raw bytes (uncompressed: a lossy codec's output could not be checked against the digest).
 
-The downloader (`load_state`) opens snapshots at up to `max_sources` holders at once and keeps those whose
-manifest has the wanted root: the `expected_hash` the caller passes (the hash the round's members agree on), or,
-without one, the root of the first candidate in the given order that answered (callers order candidates most
-advanced first). Then per-source workers (`blocks_in_flight` requests each, deadlines from each source's measured
-throughput) take block indices from one shared queue; every block is checked against its digest before it is
-written into a staging copy. A source that fails (dies, times out, is busy) gives its in-flight blocks back to the
-queue and the next candidate is opened in its place; one that sends bytes not matching their digest (or a
-manifest that is not the hash of its own blocks) is dropped and reported (`StateSourceCorrupt`, naming it);
-blocks already verified are kept either way. When the queue runs dry, idle workers also ask for blocks still in
+The downloader (`load_state`) opens snapshots at up to `max_sources` holders at once and keeps those whose manifest
+has the wanted root: the `expected_hash` the caller passes (the hash the round's members agree on), or, without one,
+the root of the first candidate in the given order that answered (callers order candidates most advanced first;
+should every holder of that root fail, the download starts over with the candidates that held another root, as
+trying the next candidate did before). Then per-source workers (`blocks_in_flight` requests each, deadlines from
+each source's measured throughput) take block indices from one shared queue; every block is checked against its
+digest before it is written into a staging copy. A source that fails (dies, times out, is busy) gives its in-flight
+blocks back to the queue and the next candidate is opened in its place; one that sends bytes not matching their
+digest (or a manifest that is not the hash of its own blocks) is dropped and reported (`StateSourceCorrupt`, naming
+it); blocks already verified are kept either way. When the queue runs dry, idle workers also ask for blocks still in
 flight at a slower source (the first verified answer wins, the other request is cancelled). At the end, one short
 hold of the caller's lock copies the staging tensors into `into`.
 
@@ -279,11 +280,13 @@ class _Download:
         self.config = config
         self.initial_rate = initial_rate
         self.deadline = deadline
-        self.next_candidate = 0
+        self.pending = collections.deque(range(len(self.candidates)))  # candidates not opened yet, in order
+        self.attempt: list[int] = []  # candidates opened for the current root, in order
         self.opening: set[int] = set()
-        self.opened: dict[int, _Source] = {}  # every snapshot opened (to close at the end), by candidate order
-        self.tried_failed: set[int] = set()  # candidates that failed before their manifest was accepted
+        self.opened: dict[int, _Source] = {}  # the last snapshot opened at each candidate (to close at the end)
+        self.failed: set[int] = set()  # candidates that failed before their manifest was accepted
         self.waiting: list[_Source] = []  # opened, the root not chosen yet
+        self.other_roots: list[int] = []  # without an expected hash: candidates holding another root than chosen
         self.sources: list[_Source] = []  # holders of the root: working or worked
         self.failures: list[StateSourceError] = []
         self.manifest: Manifest | None = None
@@ -313,17 +316,32 @@ class _Download:
         return len(self.opening) + len(self.waiting) + sum(1 for s in self.sources if s.failure is None)
 
     def _check_end(self) -> None:
-        if self.complete or (self._alive() == 0 and self.next_candidate >= len(self.candidates)):
+        if not self.complete and self._alive() == 0 and not self.pending and self.other_roots:
+            self._restart()
+        if self.complete or (self._alive() == 0 and not self.pending):
             self.finished.set()
             self._notify()
+
+    def _restart(self) -> None:
+        """Without an expected hash, every holder of the chosen root failed: start over with the candidates that
+        held other roots (in order: the first that answers gives the root), as trying the next candidate did
+        before downloads were parallel. Blocks of the old root are not kept."""
+        logger.info("state download: no holder of %s left, trying the other states", (self.root or "")[:12])
+        self.root, self.manifest = None, None
+        self.staging, self.staging_bytes, self.done, self.remaining = [], [], [], -1
+        self.todo.clear()
+        self.sources = []
+        self.attempt = []
+        self.pending = collections.deque(sorted(self.other_roots))
+        self.other_roots = []
+        self._refill()
 
     def _refill(self) -> None:
         """Open more candidates until `max_sources` are open or being opened."""
         assert self.nursery is not None
-        while (not self.complete and self.next_candidate < len(self.candidates)
-               and self._alive() < self.config.max_sources):
-            order = self.next_candidate
-            self.next_candidate += 1
+        while not self.complete and self.pending and self._alive() < self.config.max_sources:
+            order = self.pending.popleft()
+            self.attempt.append(order)
             self.opening.add(order)
             self.nursery.start_soon(self._open, order)
 
@@ -342,7 +360,7 @@ class _Download:
             source = await self._open_snapshot(order, peer, address)
         except StateSourceError as error:
             self._report(error)
-            self.tried_failed.add(order)
+            self.failed.add(order)
         else:
             self.waiting.append(source)
         finally:
@@ -363,8 +381,12 @@ class _Download:
             raise StateSourceCorrupt("malformed snapshot header", peer=peer, operation="state.open")
         self.opened[order] = source = _Source(order, peer, address, snapshot_id, header.get("metadata"),
                                               _EMPTY, self.initial_rate)
+        if "manifest" not in header:
+            self._close_soon(source)
+            raise StateSourceError("no manifest in the snapshot header (an older version?)", peer=peer,
+                                   operation="state.open")
         try:
-            manifest = Manifest.from_wire(header.get("manifest"))
+            manifest = Manifest.from_wire(header["manifest"])
         except ManifestError as error:
             self._close_soon(source)
             raise StateSourceCorrupt(f"bad manifest: {error}", peer=peer, operation="state.open") from None
@@ -387,8 +409,8 @@ class _Download:
         """Choose the root (without an expected hash: that of the first candidate in order that answered, once
         every candidate before it has failed), then start the waiting holders of it and turn the others away."""
         if self.root is None:
-            for order in range(self.next_candidate):
-                if order in self.tried_failed:
+            for order in self.attempt:
+                if order in self.failed:
                     continue
                 if order in self.opening:
                     return
@@ -401,6 +423,7 @@ class _Download:
                 self._start(source)
             else:
                 self._close_soon(source)
+                self.other_roots.append(source.order)
                 self._report(StateHashMismatch(
                     f"the source holds state {source.manifest.root[:12]}, not the chosen {self.root[:12]}",
                     peer=source.peer, operation="state.open"))
@@ -514,8 +537,15 @@ class _Download:
         source.failure = error
         self._report(error)
         source.scope.cancel()
-        returned = [index for index, fetchers in self.fetching.items()
-                    if source in fetchers and len(fetchers) == 1 and not self.done[index]]
+        # forget its requests now (its cancelled workers clean up later): a block nobody else is fetching goes
+        # back to the queue at once, and is never mistaken for one still in flight
+        returned = []
+        for index in list(self.fetching):
+            fetchers = self.fetching[index]
+            if fetchers.pop(source, None) is not None and not fetchers:
+                del self.fetching[index]
+                if not self.done[index]:
+                    returned.append(index)
         self.todo.extendleft(reversed(returned))
         self._close_soon(source)
         self._notify()

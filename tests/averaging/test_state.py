@@ -396,3 +396,31 @@ async def test_malformed_state_requests_get_typed_errors(autojump_clock):
         await call(state_wire.CLOSE, "garbage")
         assert not server._snapshots
         nursery.cancel_scope.cancel()
+
+
+async def test_without_a_hash_the_next_state_is_fetched_when_every_holder_of_the_first_one_dies(autojump_clock):
+    swarm = Swarm("memory")
+    newest, older = model(19), model(20)
+    config = StateConfig(block_bytes=BLOCK)
+    async with trio.open_nursery() as nursery:
+        best, second, newcomer = await swarm.start(nursery, 3)
+        best_server = serve(best, newest, metadata={"epoch": 5})
+        serve(second, older, metadata={"epoch": 5, "samples": "fewer"})
+        swarm.memory.set_link(best.name, newcomer.name, bandwidth=500_000)
+
+        async def kill_after_two_blocks():
+            while best_server.blocks_served < 2:
+                await trio.sleep(0.001)
+            best.kill()
+
+        nursery.start_soon(kill_after_two_blocks)
+        state = await load_state(newcomer.node, where([best, second]), timeout=30, config=config)
+        nursery.cancel_scope.cancel()
+
+    assert best.killed
+    assert state.root == state_manifest(older, BLOCK).root and state.peer == second.peer_id
+    assert state.metadata == {"epoch": 5, "samples": "fewer"} and state.sources == [second.peer_id]
+    assert [(f.peer, type(f)) for f in state.failures] == [
+        (second.peer_id, StateHashMismatch), (best.peer_id, StateSourceError)]
+    for received, original in zip(state.tensors, older):
+        assert torch.equal(received, original)
