@@ -287,29 +287,46 @@ class Averager:
             group = match.group
             self.keys.on_group(group.peer_ids, self.peer_id, match.round)
             remaining = max(0.0, started + budget - trio.current_time())
-            allreduce_started = trio.current_time()
-            try:
-                outcome = await self.allreduce_server.run(
-                    group, self.tensors, weight=weight, compression=self.compression,
-                    timeout=min(self.allreduce_timeout, max(remaining, 0.001)), lock=self.lock,
-                )
-            except AveragingError as error:
-                self.counters["errors"] += 1
-                logger.warning("averaging round %s failed: %s", group.group_id.hex()[:8], error)
-                result = StepResult(group, False, list(match.failed_peers), match.round, key, str(error),
-                                    matchmaking_seconds, trio.current_time() - allreduce_started)
-                return self._remember(result)
-            self.counters["bytes_sent"] += outcome.bytes_sent
-            self.counters["bytes_received"] += outcome.bytes_received
-            self._judge(outcome, [bytes(member.peer_id) for member in group.members])
-            failed = list(dict.fromkeys([*match.failed_peers, *sorted(outcome.failed_peers)]))
-            self.matchmaker.forget(failed)
-            finished = outcome.fully_averaged
-            self.counters["succeeded" if finished else "partial"] += 1
-            reason = "" if finished else ("deadline" if not outcome.finished else "some parts kept local values")
-            result = StepResult(group, finished, failed, match.round, key, reason, matchmaking_seconds,
-                                trio.current_time() - allreduce_started, outcome)
+            result = await self._average(group, weight, min(self.allreduce_timeout, max(remaining, 0.001)),
+                                         list(match.failed_peers), match.round, key, matchmaking_seconds)
+            if self.matchmaker is not None:
+                self.matchmaker.forget(result.failed_peers)
+            return result
+
+    async def average_in(self, group: GroupInfo, weight: float = 1.0, timeout: float | None = None) -> StepResult:
+        """Average the registered tensors (in place) with a group formed elsewhere (DiLoCo's outer rounds form
+        theirs with `averaging.rounds`): the all-reduce half of `step()`, with the same judging of members."""
+        if self.allreduce_server is None:
+            raise RuntimeError("use the averager inside `async with averager:` (or nursery.start(averager.serve))")
+        async with self._step_lock:
+            self.counters["steps"] += 1
+            return await self._average(group, weight, self.allreduce_timeout if timeout is None else timeout,
+                                       [], 0, "", 0.0)
+
+    async def _average(self, group: GroupInfo, weight: float, timeout: float, failed_before: list[PeerID],
+                       round_: int, key: str, matchmaking_seconds: float) -> StepResult:
+        assert self.allreduce_server is not None
+        allreduce_started = trio.current_time()
+        try:
+            outcome = await self.allreduce_server.run(
+                group, self.tensors, weight=weight, compression=self.compression, timeout=timeout, lock=self.lock,
+            )
+        except AveragingError as error:
+            self.counters["errors"] += 1
+            logger.warning("averaging round %s failed: %s", group.group_id.hex()[:8], error)
+            result = StepResult(group, False, failed_before, round_, key, str(error), matchmaking_seconds,
+                                trio.current_time() - allreduce_started)
             return self._remember(result)
+        self.counters["bytes_sent"] += outcome.bytes_sent
+        self.counters["bytes_received"] += outcome.bytes_received
+        self._judge(outcome, [bytes(member.peer_id) for member in group.members])
+        failed = list(dict.fromkeys([*failed_before, *sorted(outcome.failed_peers)]))
+        finished = outcome.fully_averaged
+        self.counters["succeeded" if finished else "partial"] += 1
+        reason = "" if finished else ("deadline" if not outcome.finished else "some parts kept local values")
+        result = StepResult(group, finished, failed, round_, key, reason, matchmaking_seconds,
+                            trio.current_time() - allreduce_started, outcome)
+        return self._remember(result)
 
     def _judge(self, outcome: AllReduceResult, members: list[bytes]) -> None:
         """One strike per offender of this round, a clean round for the other members; peers with `ban_after`

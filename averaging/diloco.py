@@ -1,7 +1,7 @@
 """DiLoCoOptimizer: training over slow links with many local steps between rare, compressed outer steps.
 
     opt = DiLoCoOptimizer(torch.optim.AdamW(model.parameters()), swarm, run_id="digits", inner_steps=500,
-                          batch_size_per_step=32, compression=wire.Compression.INT8)
+                          batch_size_per_step=32, compression=wire.Compression.INT8, overlap=True)
     for x, y in batches:
         loss_fn(model(x), y).backward()
         opt.step()                      # inner step every batch; an outer step every `inner_steps` of them
@@ -9,92 +9,69 @@
 
 Why: `CollaborativeOptimizer` sends the whole model every collective epoch; over home uplinks that is where the
 time goes. DiLoCo (Douillard et al.) takes `inner_steps` local steps with the wrapped (inner) optimizer, then
-averages the *pseudo-gradient* (outer parameters at the start of the round minus local parameters), weighted by
+averages the *pseudo-gradient* (outer parameters at the start of the phase minus local parameters), weighted by
 the samples behind it, and applies it to the outer parameters with an outer optimizer (default SGD with Nesterov
 momentum, lr 0.7, momentum 0.9). Local parameters are then reset to the outer ones; the inner optimizer's state
 stays local. Traffic drops by `inner_steps` times, and by 4 more with the INT8 codec.
 
-One outer step (`_outer_round`, in the swarm's trio thread):
-1. **Ready.** The trainer publishes, with its progress record (`averaging.progress`, epoch = outer step), that
-   its round is done, then waits (at most `ready_timeout`) until every live trainer of its outer step is ready:
-   they then reach the averager together and form one group: the matchmaker is told how many are ready (it
-   holds out for them) and matches under a schema that includes the outer step, so trainers of different outer
-   steps never share a group.
-2. **Average.** The pseudo-gradients go through the existing averager (`averaging.averager.Averager`), which
-   weighs them by samples; a member lost mid all-reduce is excluded and the survivors' mean renormalised (see
-   `averaging.allreduce`). Only a fully averaged round is applied (one with parts left at local values is
-   skipped; step 4 then downloads the outer step from a member that finished it). With a lossy codec the
-   pseudo-gradient is compressed before it is sent and, with error feedback, what the codec lost is added to
-   the next round's pseudo-gradient.
-3. **Apply.** The outer optimizer steps on the average; local parameters are reset to the outer ones; the outer
-   step number goes up and the hash of the outer state (parameters + outer optimizer state) is published.
-   The codec is deterministic and the reducer of each part keeps the decoded mean it serves, so every member of
-   the group holds bit-identical outer state.
-4. **Agree.** Trainers compare hashes at the same outer step: the hash held by the most trainers (ties: the
-   smaller hash) is the swarm's; one holding another hash downloads outer parameters, outer optimizer state and
-   outer step from a holder of the swarm's (`averaging.state`). A trainer that sees others at a newer outer step
-   (it was slow, or partitioned) does the same, and so does a newcomer before its first inner step.
-   A trainer that sees others but finds no group (a partition) applies nothing and keeps its outer step: the
-   next round's pseudo-gradient covers both rounds, and when the partition heals it re-syncs.
-5. **Finish.** Steps 1-4 run at the next outer step, so a trainer that missed the *last* one would end the run
-   with its own hash. `finish()` (at the end of training, before `close()`) publishes that this trainer is done
-   (`fin`), waits (at most `finish_timeout`) until every live trainer of the run is done too, downloads the
-   swarm's state if its hash is not the canonical one among the finished trainers (step 4's rule), and keeps
-   serving its own state until all finished trainers hold the same outer step and hash, so a laggard can still
-   download from it. A stop request (SIGINT) skips or cuts it short.
+Rounds that wait for nobody in particular (docs/outer-rounds.md): at the end of its inner phase a trainer offers
+its contribution to the coordinator of the next round (`averaging.rounds`); the round starts when every expected
+trainer is ready, or when a learned grace window has passed with a quorum ready. The members average their
+pseudo-gradients with the butterfly all-reduce of `averaging.averager` (a member lost mid-way is excluded and
+the others renormalise) and apply the same outer step, so every trainer that completed outer step N holds
+bit-identical outer state for N (`hash`). A trainer that arrives after its round started is late: it moves to the
+newest outer state (a verified download from the round's members) and offers the same contribution to the next
+round, its weight discounted by staleness. When a round's window opens, the trainers still computing are told,
+and end their inner phase after their current step: a slow machine runs fewer inner steps per outer step, its
+pseudo-gradient weighted by its samples, and slows nobody.
 
-Overlap (`overlap=True`, the "eager / one step delayed" variant): at a round's end the pseudo-gradient is
-handed to a background round and inner steps go on; the averaged update is applied one round later. Local
-parameters keep their own latest progress on top of the new outer parameters (local = outer - own pending
-pseudo-gradient). `stats()["outer_waits"]` counts round ends that had to wait for the background round, and
-`utilization` is compute time over wall time, both from the optimizer's own clocks.
+Overlap (`overlap=True`, the "eager / one step delayed" variant): at a phase's end the pseudo-gradient is handed
+to a background contribution and inner steps go on; its averaged update is applied to the outer state as soon as
+the round ends (in the trio thread), and local parameters move onto it at the next phase's end, keeping their
+own latest progress (local = outer - own progress of the last phase). `stats()["outer_waits"]` counts phase ends
+that had to wait for the background contribution.
 
-Test hooks (environment variables, never CLI flags; the `*_ENV` constants below): `SWARMD_DILOCO_HOLD_AT`,
-`SWARMD_DILOCO_ANNOUNCE`, `SWARMD_DILOCO_TRACE`, `SWARMD_DILOCO_START_WITH`, and
-`SWARMD_DILOCO_SCALE_PSEUDOGRADIENT=X`, which multiplies this trainer's pseudo-gradient by X before it is sent:
-a Byzantine trainer, so tests can check that `aggregation="centered_clip"` keeps the honest trainers' accuracy
-and bans it (tests/test_train_byzantine.py).
+Goodput (`stats()["goodput"]`) is time in inner steps (and what the training loop does between them) over wall
+time, from the optimizer's own clocks.
+
+Test hooks are constructor arguments (`DiLoCoHooks`), never environment variables.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import hashlib
 import logging
 import os
-import sys
 import threading
 import time
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 import torch
 import trio
 
 from averaging.averager import Averager, StepResult
 from averaging.collaborative import initialize_optimizer_state, local_host_towards, state_tensors
+from averaging.group import GroupInfo, Member
 from averaging.progress import PeerProgress, ProgressTracker, SwarmProgress
-from averaging.state import install_state_server, load_state_from_peers
+from averaging.quorum import Dropped, Late, Offer, QuorumPolicy, Resync, Start
+from averaging.rounds import Behind, Holding, RoundService
+from averaging.state import install_state_server, load_state
+from averaging.state_hash import state_digest
 from dht.client import SwarmHandle
 from peer.p2p import wire
+from peer.p2p.identity import PeerID
+from peer.p2p.net import Address
 
 logger = logging.getLogger(__name__)
 
 ALGORITHM = "diloco"
-HOLD_ENV = "SWARMD_DILOCO_HOLD_AT"  # tests: "N" blocks this trainer when its part of outer step N is being sent
-ANNOUNCE_ENV = "SWARMD_DILOCO_ANNOUNCE"  # tests: "1" writes a JSON line to stdout when an outer round starts
-TRACE_ENV = "SWARMD_DILOCO_TRACE"  # tests: a directory where every outer step is saved (torch.save, tensors only)
-START_WITH_ENV = "SWARMD_DILOCO_START_WITH"  # tests, benchmarks: "N" sets `start_with` of a `peer train` process
-SCALE_ENV = "SWARMD_DILOCO_SCALE_PSEUDOGRADIENT"  # tests: "X" makes this trainer a Byzantine one (x X before sending)
 
 T = TypeVar("T")
+Members = tuple[tuple[bytes, Address | None], ...]
 
 
-def state_hash(tensors: list[torch.Tensor]) -> str:
-    """sha256 (hex, 32 characters kept) over the exact bytes of `tensors`: equal iff bit-identical."""
-    digest = hashlib.sha256()
-    for tensor in tensors:
-        digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:32]
+state_hash = state_digest  # the outer state's hash: a manifest root, so downloads are verified block by block
 
 
 def nesterov_sgd(params: list[torch.Tensor], lr: float = 0.7, momentum: float = 0.9) -> torch.optim.Optimizer:
@@ -138,6 +115,33 @@ class ErrorFeedback:
         self._pending = []
 
 
+@dataclasses.dataclass
+class DiLoCoHooks:
+    """What tests change in a trainer, passed to the constructor (product code reads no environment for it).
+
+    hold_at: block this trainer's trio thread while its part of outer round N is being pushed (a test then kills
+    it at exactly that moment; a line `{"event": "diloco_hold", ...}` goes to `on_event` first). on_event: gets
+    every structured event (a dict; `peer train` prints them as JSON lines). trace_dir: save every outer step
+    (torch.save, tensors only) there. scale_pseudo_gradient: a Byzantine trainer that sends x times its
+    pseudo-gradient. slowdown: compute takes this many times longer (the trainer sleeps (slowdown - 1) times the
+    measured compute of each inner step, counted as compute)."""
+
+    hold_at: int | None = None
+    on_event: Callable[[dict[str, Any]], None] | None = None
+    trace_dir: str | None = None
+    scale_pseudo_gradient: float = 1.0
+    slowdown: float = 1.0
+
+
+@dataclasses.dataclass
+class _Contribution:
+    """One phase's pseudo-gradient on its way through the rounds: computed for round `base`."""
+
+    base: int
+    samples: int
+    started: float  # trio time it was offered first
+
+
 class DiLoCoOptimizer:
     """Wraps any torch optimizer (the inner one) for DiLoCo training over a `peer.client.Swarm` (see module doc).
 
@@ -145,6 +149,9 @@ class DiLoCoOptimizer:
     with `outer_lr`, `outer_momentum`). `compression`: the codec of the pseudo-gradients (`peer.p2p.wire`);
     `error_feedback`: carry the codec's loss to the next round. `overlap`: delayed outer update (see module doc).
     `aggregation`: how the pseudo-gradients are reduced (mean, or Byzantine-robust: `averaging.robust`).
+    `quorum`: when rounds start and how stale a contribution may be (`averaging.quorum.QuorumPolicy`).
+    `start_with`: wait (at most `start_timeout`) until that many trainers of the run are visible before the first
+    inner step, so a run's first trainers start from one state together.
     """
 
     def __init__(
@@ -161,11 +168,8 @@ class DiLoCoOptimizer:
         compression: wire.Compression = wire.Compression.NONE,
         error_feedback: bool = True,
         overlap: bool = False,
-        target_group_size: int = 64,
-        min_group_size: int = 2,
-        matchmaking_time: float = 3.0,
+        quorum: QuorumPolicy | None = None,
         averaging_timeout: float = 60.0,
-        ready_timeout: float = 15.0,
         load_state_timeout: float = 60.0,
         listen: bool = True,
         listen_host: str | None = None,
@@ -178,6 +182,7 @@ class DiLoCoOptimizer:
         start_timeout: float = 300.0,
         finish_timeout: float = 10.0,
         aggregation: str = "mean",
+        hooks: DiLoCoHooks | None = None,
     ):
         if inner_steps < 1 or batch_size_per_step < 1:
             raise ValueError("inner_steps and batch_size_per_step must be positive")
@@ -188,14 +193,14 @@ class DiLoCoOptimizer:
         self.batch_size_per_step = int(batch_size_per_step)
         self.compression = wire.Compression(compression)
         self.overlap = overlap
+        self.policy = quorum or QuorumPolicy()
         self.should_stop = should_stop  # polled during an outer round: a stop request (SIGINT) abandons it
         self.averaging_timeout = averaging_timeout
-        self.ready_timeout = ready_timeout
         self.load_state_timeout = load_state_timeout
-        env_start = os.environ.get(START_WITH_ENV, "")
-        self.start_with = int(env_start) if env_start.isdigit() else int(start_with)
+        self.start_with = int(start_with)
         self.start_timeout = start_timeout
         self.finish_timeout = finish_timeout
+        self.hooks = hooks or DiLoCoHooks()
         self.outer_step = 0
         self.round_steps = 0
         self.round_samples = 0
@@ -208,7 +213,7 @@ class DiLoCoOptimizer:
         initialize_optimizer_state(self.outer_optimizer)
         self._outer_state = [t for _, t in state_tensors(self.outer_optimizer)]  # what trainers that catch up download
         self.pseudo = [torch.zeros_like(p) for p in self.params]  # what the averager averages
-        self._anchor = [p.detach().clone() for p in self.params]  # overlap: local parameters at the round start
+        self._anchor = [p.detach().clone() for p in self.params]  # overlap: local parameters at the phase start
         self.feedback = ErrorFeedback(self.pseudo, self.compression, error_feedback)
         self.hash = state_hash(self._outer_state)
 
@@ -216,39 +221,53 @@ class DiLoCoOptimizer:
         self._stats: dict[str, Any] = {
             "outer_steps": 0, "rounds": 0, "group_sizes": {}, "solo_steps": 0, "skipped_rounds": 0,
             "state_loads": 0, "state_load_failures": 0, "resyncs": 0, "final_resyncs": 0, "outer_waits": 0,
-            "bytes_sent": 0, "bytes_received": 0, "compute_seconds": 0.0, "blocked_seconds": 0.0,
+            "late_contributions": 0, "stale_contributions": 0, "dropped_contributions": 0, "lost_rounds": 0,
+            "cut_short": 0, "bytes_sent": 0, "bytes_received": 0, "compute_seconds": 0.0, "blocked_seconds": 0.0,
         }
+        self.round_records: collections.deque[dict[str, Any]] = collections.deque(maxlen=1000)
         self._bytes_at_round: tuple[int, int] = (0, 0)
         self.bytes_per_outer_step = 0
+        self._created = time.monotonic()
         self._started: float | None = None
         self._last_step_end: float | None = None
-        self._background: trio.Event | None = None  # overlap: set when the background round ended
-        self._background_result: tuple[str, float] | None = None
-        self._hold_at = int(os.environ[HOLD_ENV]) if os.environ.get(HOLD_ENV, "").isdigit() else None
-        self._trace = os.environ.get(TRACE_ENV) or None
-        self._scale = float(os.environ.get(SCALE_ENV) or 1.0)
+        self._background: trio.Event | None = None  # overlap: set when the background contribution ended
+        self._background_outcome = ""
         self._held = False
+        self._members_of: dict[int, Members] = {}  # outer step -> members of the round that produced it
+        self._failed: set[bytes] = set()  # peers my last all-reduce saw fail
+        self._inflight_round: int | None = None  # the round a background contribution is offered to now
+        self._finishing = False  # finish() was called: no more contributions
+        self._cut_at: float | None = None  # monotonic time by which this phase must end (a round opened)
+        self._last_step_seconds: float | None = None
+        self._step_seconds = 0.0  # an exponential average of an inner step's wall time, between step() calls
+        self._joined_at_step = 0
+        self.first_contribution: dict[str, Any] | None = None
         self.last_progress: SwarmProgress | None = None
+        self._address: Address | None = None
 
         self.averager = Averager(
             swarm.rpc, swarm.dht, self.pseudo, prefix=f"{run_id}.diloco",
-            names=[f"pseudo.{i}" for i in range(len(self.pseudo))], target_group_size=target_group_size,
-            min_group_size=min_group_size, matchmaking_time=matchmaking_time, allreduce_timeout=averaging_timeout,
+            names=[f"pseudo.{i}" for i in range(len(self.pseudo))], allreduce_timeout=averaging_timeout,
             compression=self.compression, lock=threading.Lock(), serve_state=False,
             aggregation=aggregation,  # mean, centered_clip, trimmed_mean: see averaging.robust
+        )
+        self.rounds = RoundService(
+            swarm.rpc, run_id, self.policy, holding=self._holding, expected=self._expected, on_open=self._on_open,
+            address=lambda: self._address, banned=lambda: self.averager.strikes.banned, roster_ttl=progress_ttl,
         )
         self.tracker = ProgressTracker(
             swarm.dht, run_id, self.inner_steps * self.batch_size_per_step, ttl=progress_ttl,
             min_refresh=min_refresh, max_refresh=max_refresh, client_mode=not listen,
             publish_interval=publish_interval,
         )
-        self.tracker.info.update({"alg": ALGORITHM, "ready": -1, "hash": self.hash, "bytes": 0, "util": None})
+        self.tracker.info.update({"alg": ALGORITHM, "hash": self.hash, "bytes": 0, "util": None})
         host = listen_host
         if listen and host is None:
             initial_peers = getattr(swarm, "initial_peers", None)
             host = local_host_towards(initial_peers[0]) if initial_peers else "127.0.0.1"
         self._scope: trio.CancelScope | None = swarm.bridge.start_and_wait(self._serve, host if listen else None)
         self.swarm.run(self._join)  # a newcomer holds the swarm's outer state before its first inner step
+        self._joined_at_step = self.outer_step
 
     # ------------------------------------------------------------------------------------------ trio side
 
@@ -261,186 +280,368 @@ class DiLoCoOptimizer:
             state_server = None
             if rpc.announced_address is not None:
                 state_server = install_state_server(rpc, self._get_state, lock=self._lock)
-                self.tracker.address = rpc.announced_address
+                self.tracker.address = self._address = rpc.announced_address
             try:
                 async with trio.open_nursery() as nursery:
                     self._nursery = nursery
                     await nursery.start(self.averager.serve)
                     assert self.averager.allreduce_server is not None
                     self.averager.allreduce_server.hook = self._on_allreduce_event
+                    await nursery.start(self.rounds.serve)
                     await nursery.start(self.tracker.run)
                     task_status.started(scope)
             finally:
                 if state_server is not None:
                     state_server.uninstall()
 
+    def _emit(self, event: dict[str, Any]) -> None:
+        if self.hooks.on_event is not None:
+            self.hooks.on_event(event)
+
     def _on_allreduce_event(self, name: str, info: dict[str, Any]) -> None:
-        """Counts the bytes of our pushes; in tests (`HOLD_ENV`) blocks the whole trainer while its part of the
-        chosen outer step is being sent, so a test can SIGKILL it at exactly that moment."""
-        if name == "chunk_pushed" and self._hold_at == self.outer_step and not self._held:
+        """Counts nothing; with `hooks.hold_at`, blocks the whole trainer while its part of that outer round is
+        being sent, so a test can SIGKILL it at exactly that moment."""
+        if name == "chunk_pushed" and self.hooks.hold_at == self.outer_step and not self._held:
             self._held = True
-            sys.stdout.write('{"event": "diloco_hold", "outer_step": %d, "phase": "%s", "part": %d}\n'
-                             % (self.outer_step, name, int(info.get("part", -1))))
-            sys.stdout.flush()
+            self._emit({"event": "diloco_hold", "outer_step": self.outer_step, "phase": name,
+                        "part": int(info.get("part", -1))})
             time.sleep(3600)  # blocks the trio thread on purpose: nothing of this trainer moves until the kill
 
     def _get_state(self) -> tuple[Any, list[torch.Tensor]]:
-        """Called by the state server under the lock: the outer state with its step and hash."""
-        return {"outer_step": self.outer_step, "hash": self.hash, "run_id": self.run_id,
-                "algorithm": ALGORITHM}, self._outer_state
+        """Called by the state server under the lock: the outer state with its step, hash and the members of the
+        round that produced it (a trainer that catches up needs them to find the next round)."""
+        members = self._members_of.get(self.outer_step, ())
+        return {"outer_step": self.outer_step, "hash": self.hash, "run_id": self.run_id, "algorithm": ALGORITHM,
+                "members": [[p, list(a) if a is not None else None] for p, a in members]}, self._outer_state
+
+    def _holding(self) -> Holding:
+        return Holding(self.outer_step, self.hash, self._members_of.get(self.outer_step, ()))
+
+    def _view(self, step: int) -> Members:
+        """Trainers of the run at outer step `step` in the progress records (and me, when I am there)."""
+        me = self.tracker.peer_id
+        progress = self.tracker.progress()
+        members = [(bytes(p.peer_id), p.address) for p in progress.peers
+                   if p.info.get("alg") and not p.left and p.epoch == step and p.peer_id != me]
+        if self.outer_step == step:
+            members.append((bytes(me), self._address))
+        return tuple(members)
+
+    def _candidates(self, step: int) -> Members:
+        """Who may coordinate round `step`: the members of the round that produced outer step `step`, and the
+        trainers at that step in the progress records (so that trainers whose rounds split, or that started
+        apart, meet again under one coordinator)."""
+        merged = dict(self._view(step))
+        merged.update((p, a) for p, a in self._members_of.get(step, ()) if a is not None or p not in merged)
+        return tuple(merged.items())
+
+    def _expected(self, step: int) -> dict[bytes, Address | None]:
+        """Whom I expect in a round I coordinate: the members of the round that produced outer step `step` that my
+        last all-reduce did not see fail, and the trainers at that step in the progress records; for a round of
+        an outer step I know nothing of (the first of a run), every trainer of the roster (those busy elsewhere
+        say so when the window opens)."""
+        if step not in self._members_of:
+            return {**dict(self.rounds.roster()), **dict(self._view(step))}
+        return {p: a for p, a in self._candidates(step) if p not in self._failed}
+
+    def _on_open(self, step: int, closes_in: float) -> bool:
+        """A coordinator opened round `step`, whose window closes in `closes_in` seconds. When this phase's
+        contribution goes there, the phase ends early enough to make the window (`step()` checks). Returns whether
+        I will offer to that round (not when I already did, or when I am behind and will be late anyway)."""
+        last = self._last_step_end  # None: the loop has not started yet (it will come)
+        idle = self._finishing or (last is not None and time.monotonic() - last > max(2.0, 20 * self._step_seconds))
+        coming = step == self._next_round() and not idle  # a trainer whose loop stopped calling step() is not
+        if coming:
+            self._cut_at = time.monotonic() + closes_in
+        return coming
+
+    def _next_round(self) -> int:
+        """The round the current phase's contribution will be offered to (in overlap, the one after the round
+        the background contribution is in)."""
+        inflight = self._inflight_round
+        return self.outer_step if inflight is None else max(self.outer_step, inflight + 1)
+
+    def _note_roster(self) -> None:
+        """The trainers the progress records show, into the rounds' roster."""
+        now = self.tracker.dht.now()
+        for peer in self.tracker.progress().peers:
+            if peer.left:
+                self.rounds.forget(bytes(peer.peer_id))
+            elif peer.info.get("alg") and now - peer.time <= self.tracker.ttl:  # a record refreshed in time
+                self.rounds.note(bytes(peer.peer_id), peer.address)
+
+    # ------------------------------------------------------------------------------------------ contributions
+
+    async def _contribute(self, contribution: _Contribution) -> str:
+        try:
+            return await self._offer_until_taken(contribution)
+        finally:
+            self._inflight_round = None
+
+    async def _offer_until_taken(self, contribution: _Contribution) -> str:
+        """Offer the pseudo-gradient in `self.pseudo` (computed for round `contribution.base`) until a round takes
+        it. Returns "averaged", "solo", "lost" (a round took it but did not finish: nothing applied), "dropped"
+        (too stale, or refused), or "skipped" (no coordinator answered: nothing applied)."""
+        step = max(contribution.base, self.outer_step)
+        deadline = trio.current_time() + self.averaging_timeout + self.load_state_timeout
+        while trio.current_time() < deadline:
+            step = max(step, self.outer_step)
+            staleness = step - contribution.base
+            if staleness > self.policy.max_staleness:
+                return self._drop(contribution, f"stale by {staleness} rounds (at most {self.policy.max_staleness})")
+            offer = Offer(bytes(self.tracker.peer_id), contribution.base, contribution.samples, self.hash,
+                          self._address)
+            if self.tracker.last_fetch_age > self.tracker.max_refresh:
+                self.last_progress = await self.tracker.fetch()  # the roster is no older than the tracker keeps it
+            self._note_roster()
+            self._inflight_round = step
+            verdict = await self.rounds.enter(step, offer, deadline=deadline)
+            if verdict is None:
+                logger.warning("diloco: no coordinator of round %d answered; the contribution waits", step)
+                return "skipped"
+            if isinstance(verdict, Start):
+                return await self._average(verdict, contribution)
+            if isinstance(verdict, Dropped):
+                return self._drop(contribution, verdict.reason)
+            if isinstance(verdict, Behind):
+                self._stats["late_contributions"] += 1
+                holding = verdict.holding
+                logger.info("diloco: round %d is over; catching up to outer step %d", step, holding.step)
+                if not await self._download(holding, [verdict.source, *holding.members], deadline):
+                    return "lost"
+                step = self.outer_step
+                continue
+            start = verdict.start
+            self._members_of[start.step + 1] = tuple((m.peer, m.address) for m in start.members)
+            if isinstance(verdict, Late):
+                self._stats["late_contributions"] += 1
+                logger.info("diloco: late for round %d (%s); catching up", start.step, start.reason)
+            elif isinstance(verdict, Resync):
+                logger.warning("diloco: my outer state at step %d (%s) is not the round's (%s); catching up",
+                               self.outer_step, self.hash[:12], start.hash[:12])
+            if not await self._catch_up(start.step + 1, self._members_of[start.step + 1], deadline):
+                return "lost"
+            step = self.outer_step
+        return "lost"
+
+    def _drop(self, contribution: _Contribution, reason: str) -> str:
+        self._stats["dropped_contributions"] += 1
+        logger.warning("diloco: dropped the contribution of round %d (%d samples): %s", contribution.base,
+                       contribution.samples, reason)
+        self._record({"outcome": "dropped", "base": contribution.base, "samples": contribution.samples,
+                      "reason": reason})
+        return "dropped"
+
+    async def _average(self, start: Start, contribution: _Contribution) -> str:
+        """I am a member of `start`: average, apply, remember the round."""
+        me = start.member(bytes(self.tracker.peer_id))
+        assert me is not None
+        began = trio.current_time()
+        outcome = "solo"
+        result: StepResult | None = None
+        others = [p for p, _ in self.rounds.roster() if p != bytes(self.tracker.peer_id)]
+        if len(start.members) == 1 and others:
+            # alone in a round while other trainers of the run are live (a partition, or they were reachable a
+            # moment ago): apply nothing, so this trainer's progress is not lost in a state the others will not
+            # hold; the next round's pseudo-gradient covers this one too
+            logger.info("diloco: round %d had no other member while %d trainers are live; nothing applied",
+                        start.step, len(others))
+            self._record({"outcome": "skipped", "round": start.step, "members": 1, "reason": start.reason,
+                          "base": contribution.base})
+            return "skipped"
+        if len(start.members) > 1:
+            group = GroupInfo.create(start.group_id, [
+                Member(PeerID(m.peer), m.address, m.bandwidth) for m in start.members])
+            result = await self.averager.average_in(group, weight=me.weight, timeout=self.averaging_timeout)
+            self._count_traffic(result)
+            self._failed = {bytes(p) for p in result.failed_peers}
+            outcome = "averaged" if result.finished else "lost"
+        if outcome == "lost":
+            self._stats["lost_rounds"] += 1
+            logger.info("diloco: round %d did not finish (%s); nothing applied", start.step,
+                        result.reason if result is not None else "")
+        else:
+            if self.outer_step != start.step or self.hash != start.hash:
+                # moved meanwhile (a download by another path): this round's update does not fit my state
+                outcome = "lost"
+                self._stats["lost_rounds"] += 1
+            else:
+                self._apply_outer(start, contribution, me.weight)
+                self._members_of[self.outer_step] = tuple((m.peer, m.address) for m in start.members)
+                self._forget_old_members()
+                if me.staleness:
+                    self._stats["stale_contributions"] += 1
+                if outcome == "solo":
+                    self._stats["solo_steps"] += 1
+                else:
+                    sizes = self._stats["group_sizes"]
+                    sizes[len(start.members)] = sizes.get(len(start.members), 0) + 1
+                self.tracker.note_group([m.peer for m in start.members])
+                if self.first_contribution is None:
+                    self.first_contribution = {
+                        "seconds": round(time.monotonic() - self._created, 3),
+                        "outer_steps": start.step - self._joined_at_step + 1, "round": start.step}
+                self.rounds.held_changed()
+                self._publish_state()
+        self._stats["rounds"] += 1
+        self._record({
+            "outcome": outcome, "round": start.step, "members": len(start.members), "reason": start.reason,
+            "waited": round(start.waited, 4), "window": round(start.window, 4), "base": contribution.base,
+            "staleness": me.staleness, "samples": me.samples, "weight": me.weight,
+            "seconds": round(trio.current_time() - began, 4),
+            "since_offer": round(trio.current_time() - contribution.started, 4),
+            "contributors": [{"peer": PeerID(m.peer).short(), "samples": m.samples, "staleness": m.staleness,
+                              "weight": round(m.weight, 4)} for m in start.members],
+        })
+        return outcome
+
+    def _record(self, record: dict[str, Any]) -> None:
+        record = {"event": "outer_round", "outer_step": self.outer_step, **record}
+        self.round_records.append(record)
+        self._emit(record)
+
+    def _forget_old_members(self) -> None:
+        for step in [s for s in self._members_of if s < self.outer_step - self.policy.max_staleness - 2]:
+            del self._members_of[step]
+
+    async def _catch_up(self, step: int, holders: Members, deadline: float) -> bool:
+        """Move to outer step `step` or newer: wait until one of `holders` holds it, then download it from the
+        holders at that step (checked against the hash they report). True when I hold at least `step`."""
+        while self.outer_step < step and trio.current_time() < deadline:
+            holding = await self.rounds.await_step(step, holders, deadline=deadline)
+            if holding is None:
+                logger.warning("diloco: nobody of round %d holds outer step %d yet", step - 1, step)
+                return False
+            sources: Sequence[tuple[bytes, Address | None]] = [
+                (p, a) for p, a in holding.members if a is not None] or holders
+            if await self._download(holding, sources, deadline):
+                return True
+        return self.outer_step >= step
+
+    async def _download(self, holding: Holding, sources: Sequence[tuple[bytes, Address | None]],
+                        deadline: float) -> bool:
+        """Download the outer state `holding` describes from `sources`; True when what arrived is outer step
+        `holding.step` or newer and hashes to what its provider claims."""
+        me = bytes(self.tracker.peer_id)
+        candidates = list(dict.fromkeys((PeerID(p), a) for p, a in sources if a is not None and p != me))
+        staging = [torch.empty_like(t) for t in self._outer_state]
+        try:
+            # in parallel verified blocks from every holder of that hash (a source that dies or lies is dropped)
+            loaded = await load_state(self.swarm.rpc, candidates, into=staging, expected_hash=holding.hash,
+                                      timeout=max(0.0, min(self.load_state_timeout, deadline - trio.current_time())))
+        except Exception as error:  # nobody could give it: the contribution is lost, the next one retries
+            self._stats["state_load_failures"] += 1
+            logger.warning("diloco: loading outer step %d failed: %s", holding.step, error)
+            return False
+        metadata = loaded.metadata if isinstance(loaded.metadata, dict) else {}
+        step, claimed = metadata.get("outer_step"), metadata.get("hash")
+        downloaded_hash = holding.hash  # every block was checked against it
+        if not isinstance(step, int) or step < holding.step or claimed != downloaded_hash:
+            self._stats["state_load_failures"] += 1
+            logger.warning("diloco: the outer state from %s is not what it claims (step %r); ignored",
+                           loaded.peer.short(), step)
+            return False
+        members: list[tuple[bytes, Address | None]] = []
+        for item in metadata.get("members") or []:
+            try:
+                members.append((bytes(item[0]), (str(item[1][0]), int(item[1][1])) if item[1] else None))
+            except (TypeError, ValueError, IndexError):
+                continue
+        with self._lock:
+            for target, source in zip(self._outer_state, staging):
+                target.copy_(source)
+            self.outer_step = step
+            self.hash = downloaded_hash
+        self._members_of[step] = tuple(members)
+        self._stats["state_loads"] += 1
+        self._stats["resyncs"] += 1
+        self._stats["bytes_received"] += sum(t.numel() * t.element_size() for t in self._outer_state)
+        logger.info("diloco: loaded outer step %d (%s) from %d holders in %.3f s", step, self.hash[:12],
+                    len(loaded.sources), loaded.seconds)
+        self.rounds.held_changed()
+        self._publish_state()
+        return True
 
     def _count_traffic(self, result: StepResult) -> None:
-        """Bytes of this all-reduce as they crossed the wire: the encoded chunks pushed and pulled, as the
-        all-reduce counts them (tensor headers and data; the RPC envelope excluded)."""
+        """Bytes of this all-reduce as they crossed the wire (encoded chunks pushed and pulled)."""
         if result.allreduce is None:
             return
         self._stats["bytes_sent"] += result.allreduce.bytes_sent
         self._stats["bytes_received"] += result.allreduce.bytes_received
 
-    def _canonical(self, progress: SwarmProgress, epoch: int) -> tuple[str | None, list[PeerProgress]]:
-        """The swarm's hash at outer step `epoch` (held by the most trainers, me included; ties: the smaller)
-        and the other trainers holding it that serve their state."""
-        counts: dict[str, int] = {}
-        me = self.tracker.peer_id
-        for peer in progress.peers:
-            value = peer.info.get("hash")
-            if peer.peer_id != me and peer.epoch == epoch and isinstance(value, str) and peer.info.get("alg"):
-                counts[value] = counts.get(value, 0) + 1
-        if epoch == self.outer_step:
-            counts[self.hash] = counts.get(self.hash, 0) + 1
-        if not counts:
-            return None, []
-        best = min(counts, key=lambda h: (-counts[h], h))
-        holders = [p for p in progress.peers if p.peer_id != me and p.epoch == epoch
-                   and p.info.get("hash") == best and p.address is not None]
-        return best, holders
-
-    async def _resync(self, progress: SwarmProgress, timeout: float | None = None) -> bool:
-        """Hold the swarm's outer state: download it when another trainer is at a newer outer step, or at mine
-        with the hash most trainers hold (within `timeout`, default `load_state_timeout`). Returns True when the
-        state was replaced."""
-        newest = max((p.epoch for p in progress.peers if p.info.get("alg")), default=self.outer_step)
-        epoch = max(newest, self.outer_step)
-        best, holders = self._canonical(progress, epoch)
-        if best is None or (epoch == self.outer_step and best == self.hash) or not holders:
-            return False
-        holders.sort(key=lambda p: -p.samples)
-        try:
-            loaded = await load_state_from_peers(
-                self.swarm.rpc, [(p.peer_id, p.address) for p in holders if p.address is not None],
-                into=self._outer_state, lock=self._lock,
-                timeout=self.load_state_timeout if timeout is None else timeout)
-        except Exception as error:  # nobody could give it: keep our state, try again at the next round
-            self._stats["state_load_failures"] += 1
-            logger.warning("diloco: loading the outer state failed: %s", error)
-            return False
-        metadata = loaded.metadata if isinstance(loaded.metadata, dict) else {}
-        step = metadata.get("outer_step")
-        self.outer_step = step if isinstance(step, int) and not isinstance(step, bool) else epoch
-        self.hash = state_hash(self._outer_state)
-        self._stats["state_loads"] += 1
-        self._stats["resyncs"] += 1
-        self._stats["bytes_received"] += sum(t.numel() * t.element_size() for t in self._outer_state)
-        logger.info("diloco: loaded outer step %d (%s) from %s", self.outer_step, self.hash[:12], loaded.peer)
-        self._publish_state()
-        return True
-
     def _publish_state(self) -> None:
         self.tracker.new_epoch(self.outer_step)
-        self.tracker.info.update({"hash": self.hash, "ready": -1})
-
-    async def _publish_now(self) -> None:
-        self._publish_state()
-        await self.tracker.publish()
+        self.tracker.info.update({"hash": self.hash})
 
     async def _join(self) -> None:
+        """Before the first inner step: wait for `start_with` trainers, then hold the swarm's newest outer state
+        (the one most trainers at the newest step hold)."""
         progress = await self.tracker.fetch()
         if self.start_with > 1:
             await self.tracker.publish()  # be counted by the others that wait too
             deadline = trio.current_time() + self.start_timeout
-            while (len([p for p in progress.peers if p.info.get("alg")]) < self.start_with
+            while (len([p for p in progress.peers if p.info.get("alg") and not p.left]) < self.start_with
                    and trio.current_time() < deadline):
                 await trio.sleep(self.tracker.min_refresh)
                 progress = await self.tracker.fetch()
         self.last_progress = progress
         if await self._resync(progress):
-            self._reset_local()
+            self._reset_local()  # the first inner step starts from the swarm's outer parameters
         else:
             await self.tracker.publish()
 
-    async def _wait_ready(self) -> tuple[SwarmProgress, bool]:
-        """Publish that my round is done and wait until every live trainer of my outer step is too (or someone
-        is past it, or `ready_timeout`). Returns (latest view, whether a newer outer step exists)."""
-        self.tracker.info["ready"] = self.outer_step
-        await self.tracker.publish()
-        deadline = trio.current_time() + self.ready_timeout
-        while True:
-            progress = await self.tracker.fetch()
-            peers = [p for p in progress.peers if p.info.get("alg")]
-            if any(p.epoch > self.outer_step for p in peers):
-                return progress, True
-            waiting = [p for p in peers if p.epoch == self.outer_step and p.info.get("ready") != self.outer_step]
-            if not waiting or trio.current_time() >= deadline:
-                return progress, False
-            await trio.sleep(self.tracker.min_refresh)
+    def _canonical(self, peers: list[PeerProgress]) -> tuple[int, str | None, list[PeerProgress]]:
+        """The newest outer step among `peers` (and me), the hash most trainers at it hold (ties: mine, then the
+        smaller), and the others holding that hash."""
+        me = self.tracker.peer_id
+        others = [p for p in peers if p.peer_id != me and p.info.get("alg") and not p.left]
+        step = max([p.epoch for p in others] + [self.outer_step])
+        counts = collections.Counter(p.info.get("hash") for p in others
+                                     if p.epoch == step and isinstance(p.info.get("hash"), str))
+        if step == self.outer_step:
+            counts[self.hash] += 1
+        if not counts:
+            return step, None, []
+        top = max(counts.values())
+        tied = sorted(str(h) for h, n in counts.items() if n == top)
+        best = self.hash if self.hash in tied and step == self.outer_step else tied[0]
+        return step, best, [p for p in others if p.epoch == step and p.info.get("hash") == best]
 
-    def _match_only_my_outer_step(self) -> None:
-        """Matchmake under a schema that includes the outer step: only trainers at the same outer step can form a
-        group. Why: pseudo-gradients are relative to the outer parameters of one outer step; a trainer still
-        matchmaking for step k (it reached the averager late) would otherwise join a group of step k+1, mix
-        pseudo-gradients of two bases and leave the rounds and outer steps of its members out of phase (seen in
-        the process test on a loaded machine: a group of four at steps 2 and 3, and one trainer ending at outer
-        step 11). The group key stays the same, so the matchmaker's memory of who averages under it (its
-        patience for stragglers) carries over from step to step."""
-        matchmaker = self.averager.matchmaker
-        assert matchmaker is not None, "the averager serves while the optimizer is open"
-        step = hashlib.sha256(self.averager.schema + b"|diloco-outer-step|%d" % self.outer_step)
-        matchmaker.schema = step.digest()[:len(self.averager.schema)]
+    async def _resync(self, progress: SwarmProgress, timeout: float | None = None) -> bool:
+        """Download the swarm's outer state (`_canonical`) when it is not mine. True when it was replaced."""
+        step, best, holders = self._canonical(list(progress.peers))
+        if best is None or (step == self.outer_step and best == self.hash) or not holders:
+            return False
+        deadline = trio.current_time() + (self.load_state_timeout if timeout is None else timeout)
+        holding = Holding(step, best, tuple((bytes(p.peer_id), p.address) for p in holders))
+        sources = sorted(holding.members, key=lambda m: 0 if m[1] is not None else 1)
+        return await self._download(holding, list(sources), deadline)
 
-    async def _outer_round(self, weight: float) -> tuple[str, float]:
-        """Steps 1-2 of the module doc; returns (what happened, seconds): "averaged" (self.pseudo holds the
-        group mean), "solo" (nobody else trains: self.pseudo is our own), "skipped" (others exist, no group:
-        apply nothing) or "resynced" (we were behind: the outer state was downloaded)."""
-        started = trio.current_time()
-        if os.environ.get(ANNOUNCE_ENV) == "1":
-            sys.stdout.write('{"event": "diloco_round", "outer_step": %d}\n' % self.outer_step)
-            sys.stdout.flush()
-        progress, behind = await self._wait_ready()
-        self.last_progress = progress
-        others = [p for p in progress.peers if p.peer_id != self.tracker.peer_id and p.info.get("alg")]
-        if behind or (others and self._canonical(progress, self.outer_step)[0] != self.hash):
-            if await self._resync(progress):
-                return "resynced", trio.current_time() - started
-        self._last_group = []
-        self._match_only_my_outer_step()
-        # the trainers of my outer step that said they are ready come to the averager now: the matchmaker holds
-        # out for them (a first round under the key has no memory of who averages there; on a loaded machine
-        # the first declarations seen then were cut into partial groups)
-        # (banned peers are not waited for: our matchmaking refuses them anyway)
-        banned = self.averager.strikes.banned
-        ready = 1 + sum(1 for p in others if p.epoch == self.outer_step and p.info.get("ready") == self.outer_step
-                        and bytes(p.peer_id) not in banned)
-        result: StepResult = await self.averager.step(weight=weight, timeout=self.averaging_timeout, expected=ready)
-        self._stats["rounds"] += 1
-        self._count_traffic(result)
-        logger.info("diloco: outer step %d: group of %d, %s%s", self.outer_step, result.group_size,
-                    "averaged" if result.finished else "not averaged", f" ({result.reason})" if result.reason else "")
-        if result.group is not None and result.group_size >= 2 and result.finished:
-            sizes = self._stats["group_sizes"]
-            sizes[result.group_size] = sizes.get(result.group_size, 0) + 1
-            self.tracker.note_group(list(result.group.peer_ids))
-            self._last_group = [bytes(p) for p in result.group.peer_ids]
-            outcome = "averaged"
-        else:
-            # a group whose all-reduce did not average every part (a member lost and its part not retried, or
-            # the deadline) leaves other values here than the members that finished hold: apply nothing, the
-            # agreement after the round downloads the outer step from one of those
-            outcome = "skipped" if others or result.group is not None else "solo"
-        return outcome, trio.current_time() - started
-
-    async def _interruptible_round(self, weight: float) -> tuple[str, float]:
-        """`_outer_round`, abandoned (as a skipped round: nothing applied) within 0.1 s of `should_stop()`."""
-        return await self._until_stop(("skipped", 0.0), self._outer_round, weight)
+    async def _finish(self, timeout: float) -> bool:
+        """Step 5 of the module doc; True when every live trainer of the run finished with my outer step and
+        hash. Polls the run's progress records (the others publish `fin` when they get here)."""
+        me = self.tracker.peer_id
+        with trio.move_on_after(timeout) as scope:
+            await self._wait_background()  # overlap: nothing else may write the outer state meanwhile
+            self.tracker.info["fin"] = True
+            await self.tracker.publish()
+            while True:
+                progress = await self.tracker.fetch()
+                self.last_progress = progress
+                others = [p for p in progress.peers if p.peer_id != me and p.info.get("alg") and not p.left]
+                finished = [p for p in others if p.info.get("fin")]
+                # only finished trainers: their state is final, so the download is the last one
+                if finished and await self._resync(dataclasses.replace(progress, peers=tuple(finished)),
+                                                   timeout=max(0.0, scope.deadline - trio.current_time())):
+                    self._stats["final_resyncs"] += 1
+                    self._reset_local()
+                    await self.tracker.publish()
+                    continue
+                if len(finished) == len(others) and all(
+                        p.epoch == self.outer_step and p.info.get("hash") == self.hash for p in finished):
+                    return True  # everyone agrees: nobody needs my state any more
+                await trio.sleep(self.tracker.min_refresh)
+        return False
 
     async def _until_stop(self, default: T, work: Callable[..., Awaitable[T]], *args: Any) -> T:
         """`await work(*args)`, cancelled within 0.1 s of `should_stop()` (then `default` is returned)."""
@@ -463,19 +664,19 @@ class DiLoCoOptimizer:
             nursery.start_soon(run_work)
         return outcome
 
-    async def _background_round(self, weight: float, done: trio.Event) -> None:
+    async def _background_contribution(self, contribution: _Contribution, done: trio.Event) -> None:
         try:
-            self._background_result = await self._outer_round(weight)
-        except Exception as error:  # the round is best effort; the next one re-syncs if we drifted
+            self._background_outcome = await self._contribute(contribution)
+        except Exception as error:  # the round is best effort; the next contribution catches up if we drifted
             logger.warning("diloco: background outer round failed: %s", error)
-            self._background_result = ("skipped", 0.0)
+            self._background_outcome = "lost"
         finally:
             done.set()
 
-    async def _start_background(self, weight: float) -> None:
+    async def _start_background(self, contribution: _Contribution) -> None:
         done = trio.Event()
         self._background = done
-        self._nursery.start_soon(self._background_round, weight, done)
+        self._nursery.start_soon(self._background_contribution, contribution, done)
 
     async def _wait_background(self) -> None:
         if self._background is not None:
@@ -501,7 +702,17 @@ class DiLoCoOptimizer:
         if self._started is None:
             self._started = now
         elif self._last_step_end is not None:
+            last = now - self._last_step_end + (self._last_step_seconds or 0.0)
+            if self._step_seconds == 0.0:
+                self._step_seconds = last
+            else:  # one long pause (the loop waited on something else) moves the estimate by a bounded amount
+                self._step_seconds = 0.8 * self._step_seconds + 0.2 * min(last, 4.0 * self._step_seconds)
             self._stats["compute_seconds"] += now - self._last_step_end  # forward + backward since the last step
+            if self.hooks.slowdown > 1.0:
+                extra = (self.hooks.slowdown - 1.0) * (now - self._last_step_end)
+                time.sleep(extra)
+                self._stats["compute_seconds"] += extra
+                now = time.monotonic()
         samples = self.batch_size_per_step if batch_size is None else int(batch_size)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -512,19 +723,31 @@ class DiLoCoOptimizer:
         ended = False
         after_compute = time.monotonic()
         self._stats["compute_seconds"] += after_compute - now
-        if self.round_steps >= self.inner_steps:
+        self._last_step_seconds = after_compute - now
+        cut = self._must_cut(after_compute)
+        if self.round_steps >= self.inner_steps or cut:
+            if cut:
+                self._stats["cut_short"] += 1
+            self._cut_at = None
             if self.overlap:
-                self._end_round_overlapped()
+                self._end_phase_overlapped()
             else:
-                self._end_round()
+                self._end_phase()
             ended = True
         self._last_step_end = time.monotonic()
         if ended:
             self._stats["blocked_seconds"] += self._last_step_end - after_compute
         return ended
 
+    def _must_cut(self, now: float) -> bool:
+        """A round this phase goes to opened, and the steps left would miss its window: end the phase now."""
+        if self._cut_at is None or self.round_steps >= self.inner_steps:
+            return False
+        left = (self.inner_steps - self.round_steps) * self._step_seconds
+        return now + left > self._cut_at
+
     @property
-    def utilization(self) -> float | None:
+    def goodput(self) -> float | None:
         """Compute time (inner steps and what the training loop does between them) over wall time."""
         if self._started is None or self._last_step_end is None or self._last_step_end <= self._started:
             return None
@@ -532,18 +755,21 @@ class DiLoCoOptimizer:
         blocked = float(self._stats["blocked_seconds"])
         return max(0.0, min(1.0, 1.0 - blocked / wall))
 
-    # ------------------------------------------------------------------------------------------ rounds
+    utilization = goodput  # the figure's older name
+
+    # ------------------------------------------------------------------------------------------ phases
 
     def _pseudo_gradient(self, base: list[torch.Tensor]) -> None:
         with torch.no_grad():
             for pseudo, start, p in zip(self.pseudo, base, self.params):
-                pseudo.copy_(start).sub_(p.detach()).mul_(self._scale)
+                pseudo.copy_(start).sub_(p.detach()).mul_(self.hooks.scale_pseudo_gradient)
             self.feedback.compress(self.pseudo)
 
-    def _apply_outer(self) -> None:
-        """The outer optimizer steps on the (averaged) pseudo-gradient in self.pseudo."""
+    def _apply_outer(self, start: Start, contribution: _Contribution, weight: float) -> None:
+        """The outer optimizer steps on the averaged pseudo-gradient in self.pseudo (the trio thread, as soon as
+        the round ends, so trainers that catch up can download the new outer step at once)."""
         with self._lock, torch.no_grad():
-            before = [p.clone() for p in self.outer_params] if self._trace else None
+            before = [p.clone() for p in self.outer_params] if self.hooks.trace_dir else None
             for outer, pseudo in zip(self.outer_params, self.pseudo):
                 outer.grad = pseudo.clone()
             self.outer_optimizer.step()
@@ -552,20 +778,20 @@ class DiLoCoOptimizer:
             self.hash = state_hash(self._outer_state)
         self.feedback.commit()
         self._stats["outer_steps"] += 1
-        if before is not None and self._trace is not None:
-            self._save_trace(before)
+        if before is not None:
+            self._save_trace(before, start, weight)
 
-    def _save_trace(self, before: list[torch.Tensor]) -> None:
-        os.makedirs(self._trace or ".", exist_ok=True)
-        path = os.path.join(self._trace or ".", f"{self.swarm.rpc.peer_id.hex()}.{self.outer_step}.pt")
+    def _save_trace(self, before: list[torch.Tensor], start: Start, weight: float) -> None:
+        directory = self.hooks.trace_dir or "."
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f"{self.swarm.rpc.peer_id.hex()}.{self.outer_step}.pt")
         torch.save({"outer_step": torch.tensor(self.outer_step), "before": before,
                     "after": [p.clone() for p in self.outer_params], "averaged": [p.clone() for p in self.pseudo],
-                    "own": [p.clone() for p in self._own_trace], "weight": torch.tensor(float(self._trace_weight)),
-                    "group": [torch.tensor(list(g)) for g in getattr(self, "_last_group", [])],
-                    "hash": self.hash}, path)
+                    "own": [p.clone() for p in self._own_trace], "weight": torch.tensor(float(weight)),
+                    "group": [torch.tensor(list(m.peer)) for m in start.members], "hash": self.hash}, path)
 
     def _reset_local(self, keep: list[torch.Tensor] | None = None) -> None:
-        """Local parameters <- outer parameters (minus `keep`, our own pending pseudo-gradient, in overlap)."""
+        """Local parameters <- outer parameters (minus `keep`, our own latest progress, in overlap)."""
         with torch.no_grad():
             for index, (p, outer, anchor) in enumerate(zip(self.params, self.outer_params, self._anchor)):
                 p.copy_(outer)
@@ -578,127 +804,96 @@ class DiLoCoOptimizer:
         self.bytes_per_outer_step = (sent - self._bytes_at_round[0]) + (received - self._bytes_at_round[1])
         self._bytes_at_round = (sent, received)
         self.tracker.info.update({"bytes": int(self.bytes_per_outer_step),
-                                  "util": None if self.utilization is None else round(self.utilization, 3)})
+                                  "util": None if self.goodput is None else round(self.goodput, 3)})
 
-    def _end_round(self) -> None:
-        weight = float(max(1, self.round_samples))
+    def _count_outcome(self, outcome: str) -> None:
+        if outcome in ("skipped", "lost", "dropped"):
+            self._stats["skipped_rounds"] += 1
+
+    def _contribution(self, base: int) -> _Contribution:
+        self._own_trace = [p.clone() for p in self.pseudo] if self.hooks.trace_dir else []
+        return _Contribution(base, max(1, self.round_samples), 0.0)
+
+    def _end_phase(self) -> None:
+        step_before = self.outer_step
         self._pseudo_gradient(self.outer_params)
-        self._own_trace = [p.clone() for p in self.pseudo] if self._trace else []
-        self._trace_weight = weight
-        outcome, _ = self.swarm.run(self._interruptible_round, weight)
-        if outcome in ("averaged", "solo"):
-            if outcome == "solo":
-                self._stats["solo_steps"] += 1
-            self._apply_outer()
+        contribution = self._contribution(self.outer_step)
+        outcome = self.swarm.run(self._until_stop, "skipped", self._timed_contribute, contribution)
+        self._count_outcome(outcome)
+        if outcome in ("averaged", "solo") or self.outer_step != step_before:
             self._reset_local()
-        elif outcome == "resynced":
-            self._reset_local()
-        else:
-            self._stats["skipped_rounds"] += 1  # keep the local parameters: the next round covers both
+        # else: nothing applied and the outer state did not move: keep the local parameters, the next phase's
+        # pseudo-gradient covers both phases
         self.round_steps = self.round_samples = 0
         self._account_round()
-        if self.should_stop is None or not self.should_stop():
-            self.swarm.run(self._agree)
 
-    async def _agree(self) -> None:
-        """After an outer step: publish our hash and, once the others of our group published theirs (or a short
-        wait passed), re-sync if the swarm's hash is another."""
-        self._publish_state()
-        await self.tracker.publish()
-        deadline = trio.current_time() + min(self.ready_timeout, 5.0)
-        group = set(getattr(self, "_last_group", []))
-        while True:
-            progress = await self.tracker.fetch()
-            at_step = {bytes(p.peer_id) for p in progress.peers if p.epoch >= self.outer_step}
-            if group <= at_step | {bytes(self.tracker.peer_id)} or trio.current_time() >= deadline:
-                break
-            await trio.sleep(self.tracker.min_refresh)
-        self.last_progress = progress
-        if await self._resync(progress):
-            self._reset_local()
+    async def _timed_contribute(self, contribution: _Contribution) -> str:
+        contribution.started = trio.current_time()
+        return await self._contribute(contribution)
 
-    async def _finish(self, timeout: float) -> bool:
-        """Step 5 of the module doc; True when every live trainer of the run finished with my outer step and
-        hash. Polls the run's progress records (the others publish `fin` when they get here)."""
-        me = self.tracker.peer_id
-        with trio.move_on_after(timeout) as scope:
-            await self._wait_background()  # overlap: nothing else may write the outer state meanwhile
-            self.tracker.info["fin"] = True
-            await self.tracker.publish()
-            while True:
-                progress = await self.tracker.fetch()
-                self.last_progress = progress
-                others = [p for p in progress.peers if p.peer_id != me and p.info.get("alg")]
-                finished = [p for p in others if p.info.get("fin")]
-                # only finished trainers: their state is final, so the download is the last one
-                if finished and await self._resync(dataclasses.replace(progress, peers=tuple(finished)),
-                                                   timeout=max(0.0, scope.deadline - trio.current_time())):
-                    self._stats["final_resyncs"] += 1
-                    self._reset_local()
-                    await self.tracker.publish()
-                    continue
-                if len(finished) == len(others) and all(
-                        p.epoch == self.outer_step and p.info.get("hash") == self.hash for p in finished):
-                    return True  # everyone agrees: nobody needs my state any more
-                await trio.sleep(self.tracker.min_refresh)
-        return False
-
-    def _end_round_overlapped(self) -> None:
-        """Overlap: apply the previous round's average (waiting for it only if it is not done), hand this
-        round's pseudo-gradient to a background round, keep training."""
+    def _end_phase_overlapped(self) -> None:
+        """Overlap: wait for the previous contribution only if it is not done, move the local parameters onto the
+        newest outer state (keeping this phase's progress), hand this phase's pseudo-gradient to a background
+        contribution, keep training."""
         blocked = False
         if self._background is not None and not self._background.is_set():
             blocked = True
             self._stats["outer_waits"] += 1
-            self.swarm.run(self._wait_background)
+            self.swarm.run(self._until_stop, None, self._wait_background)
         with torch.no_grad():
             progress_since = [anchor - p.detach() for anchor, p in zip(self._anchor, self.params)]
         if self._background is not None:
-            outcome, _ = self._background_result or ("skipped", 0.0)
-            if outcome in ("averaged", "solo"):
-                if outcome == "solo":
-                    self._stats["solo_steps"] += 1
-                self._apply_outer()
-            elif outcome == "skipped":
-                self._stats["skipped_rounds"] += 1
+            self._count_outcome(self._background_outcome)
             self._account_round()
-            self.swarm.run(self._publish_now)
-        weight = float(max(1, self.round_samples))
         with torch.no_grad():
             for pseudo, delta in zip(self.pseudo, progress_since):
-                pseudo.copy_(delta).mul_(self._scale)
+                pseudo.copy_(delta).mul_(self.hooks.scale_pseudo_gradient)
             self.feedback.compress(self.pseudo)
-        self._own_trace = [p.clone() for p in self.pseudo] if self._trace else []
-        self._trace_weight = weight
+        contribution = self._contribution(self.outer_step)
         self._reset_local(keep=progress_since)
         self.round_steps = self.round_samples = 0
-        self.swarm.run(self._start_background, weight)
+        self.swarm.run(self._start_background, contribution)
         if blocked:
             logger.info("diloco: an inner step waited for the outer round")
 
     def finish(self, timeout: float | None = None) -> bool:
-        """Call once when training ends, before `close()`: a final agreement on the outer state (module doc,
-        step 5), at most `timeout` seconds (default `finish_timeout`). Skipped, or cut short, once
+        """Call once when training ends, before `close()`: a final agreement on the outer state, at most
+        `timeout` seconds (default `finish_timeout`): wait for a contribution still in flight, publish that this
+        trainer is done, download the state the finished trainers hold if it is not mine, and keep serving mine
+        until every finished trainer holds the same outer step and hash. Skipped, or cut short, once
         `should_stop()` is true. Returns True when all live trainers of the run finished with my outer step and
         hash."""
         if self._scope is None or (self.should_stop is not None and self.should_stop()):
             return False
         limit = self.finish_timeout if timeout is None else timeout
-        return bool(self.swarm.run(self._until_stop, False, self._finish, limit))
+        self._finishing = True
+        agreed = bool(self.swarm.run(self._until_stop, False, self._finish, limit))
+        if self.overlap:
+            self._reset_local()  # the last contribution's update is applied: end on the outer parameters
+        return agreed
 
     def stats(self) -> dict[str, Any]:
-        """What this trainer did: outer steps, group sizes, state loads, bytes, waits, utilization."""
+        """What this trainer did: outer steps, rounds (late, stale, dropped, lost), state loads, bytes, goodput."""
         stats = dict(self._stats)
         stats["group_sizes"] = dict(sorted(stats["group_sizes"].items()))
         stats["compute_seconds"] = round(stats["compute_seconds"], 3)
         stats["blocked_seconds"] = round(stats["blocked_seconds"], 3)
+        goodput = self.goodput
         stats.update({
             "algorithm": ALGORITHM, "outer_step": self.outer_step, "hash": self.hash,
             "inner_steps": self.inner_steps, "local_steps": self.local_steps,
             "bytes_per_outer_step": self.bytes_per_outer_step, "compression": self.compression.name.lower(),
             "overlap": self.overlap, "peer_id": str(self.averager.peer_id),
-            "utilization": None if self.utilization is None else round(self.utilization, 4),
+            "goodput": None if goodput is None else round(goodput, 4),
+            "utilization": None if goodput is None else round(goodput, 4),
+            "first_contribution": self.first_contribution,
+            "grace_window": round(self.rounds.grace.window(self.rounds.rtt), 4),
+            "rtt": round(self.rounds.rtt, 4), "coordinated": self.rounds.stats["coordinated"],
         })
+        last = next((r for r in reversed(self.round_records) if "round" in r), None)
+        if last is not None:
+            stats["last_round"] = {k: last.get(k) for k in ("round", "members", "reason", "waited", "window",
+                                                            "staleness", "outcome")}
         progress = self.last_progress
         if progress is not None:
             stats["swarm_trainers"] = len([p for p in progress.peers if p.info.get("alg")])
@@ -726,4 +921,4 @@ class DiLoCoOptimizer:
         self.close()
 
 
-__all__ = ["ALGORITHM", "DiLoCoOptimizer", "ErrorFeedback", "nesterov_sgd", "state_hash"]
+__all__ = ["ALGORITHM", "DiLoCoHooks", "DiLoCoOptimizer", "ErrorFeedback", "nesterov_sgd", "state_hash"]

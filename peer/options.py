@@ -89,12 +89,12 @@ class Integer(Kind):
 
 
 class Number(Kind):
-    """A finite float above `minimum` (or at least `minimum` when `inclusive`)."""
+    """A finite float above `minimum` (or at least `minimum` when `inclusive`), at most `maximum` when given."""
 
     what = "a number"
 
-    def __init__(self, minimum: float = 0.0, *, inclusive: bool = False):
-        self.minimum, self.inclusive = minimum, inclusive
+    def __init__(self, minimum: float = 0.0, *, inclusive: bool = False, maximum: float | None = None):
+        self.minimum, self.inclusive, self.maximum = minimum, inclusive, maximum
 
     def from_text(self, text: str) -> float:
         try:
@@ -117,6 +117,8 @@ class Number(Kind):
         if not self.inclusive and value <= self.minimum:
             raise OptionError(f"{value:g} must be positive" if self.minimum == 0
                               else f"{value:g} must be above {self.minimum:g}")
+        if self.maximum is not None and value > self.maximum:
+            raise OptionError(f"{value:g} must be at most {self.maximum:g}")
         return value
 
 
@@ -251,6 +253,7 @@ POSITIVE_INT = Integer(minimum=1)
 PORT = Integer(0, 65535, what="a port number")
 POSITIVE = Number()
 NOT_NEGATIVE = Number(inclusive=True)
+FRACTION = Number(inclusive=True, maximum=1.0)
 TEXT = Text()
 PATH = PathKind()
 ADDRESS = Address()
@@ -602,6 +605,14 @@ TRAIN = OptionSet("peer train", [
            "pseudo-gradients (int8: blockwise 8-bit with error feedback)"),
     Option("overlap", SWITCH, False, "with --algorithm diloco: average in the background and apply the outer update "
            "one outer step late, so compute never waits on the network"),
+    Option("start-with", POSITIVE_INT, 1, "with --algorithm diloco: wait until this many trainers of the run are "
+           "visible before the first step, so the first trainers start from one state together"),
+    Option("quorum-min", POSITIVE_INT, 2, "with --algorithm diloco: an outer round starts after its grace window "
+           "once at least this many trainers are ready (or every trainer it expects is)"),
+    Option("quorum-fraction", FRACTION, 0.5, "with --algorithm diloco: ... and at least this fraction of the "
+           "trainers recently live"),
+    Option("max-staleness", Integer(minimum=0), 4, "with --algorithm diloco: a late pseudo-gradient joins the next "
+           "round, weighted samples / (1 + staleness); staler ones are dropped, with a logged reason"),
     Option("group-size", POSITIVE_INT, 4, "target averaging group size"),
     Option("aggregation", Text(["mean", "centered_clip", "trimmed_mean"]), "mean", "how each averaging part is "
            "reduced: mean, or Byzantine-robust (parts validated against the group's median norm, then CenteredClip "

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -37,6 +38,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TextIO
@@ -48,6 +50,7 @@ from dht.client import SwarmHandle
 from peer.options import TRAIN, OptionParser, parse_grid_size
 
 if TYPE_CHECKING:
+    from averaging.diloco import DiLoCoHooks
     from moe.mixture import RemoteMixtureOfExperts
     from peer.lm import LMTask
 
@@ -427,14 +430,17 @@ class _Output:
         self.bar = self.stderr.isatty()
         self.shared = self.bar and _same_terminal(self.stdout, self.stderr)
         self._bar_open = False  # the cursor is on a drawn bar line
+        self._lock = threading.Lock()
 
     def emit(self, line: dict[str, Any]) -> None:
-        if self._bar_open and self.shared:
-            self.stderr.write("\r\x1b[K")
-            self.stderr.flush()
-            self._bar_open = False
-        self.stdout.write(json.dumps(line) + "\n")
-        self.stdout.flush()
+        """Thread-safe: DiLoCo's outer-round events come from the swarm's trio thread."""
+        with self._lock:
+            if self._bar_open and self.shared:
+                self.stderr.write("\r\x1b[K")
+                self.stderr.flush()
+                self._bar_open = False
+            self.stdout.write(json.dumps(line) + "\n")
+            self.stdout.flush()
 
     def draw_bar(self, line: dict[str, Any]) -> None:
         if not self.bar:
@@ -473,16 +479,17 @@ def _failed_expert_calls(model: Any, swarm: SwarmHandle | None) -> int:
 
 
 # what a DiLoCo trainer adds to its progress and result lines
-DILOCO_LINE = ("algorithm", "outer_step", "hash", "bytes_sent", "bytes_per_outer_step", "utilization",
+DILOCO_LINE = ("algorithm", "outer_step", "hash", "bytes_sent", "bytes_per_outer_step", "goodput",
                "swarm_trainers")
 
 
 def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]], None] | None = None,
-                 stop: StopSignal | None = None) -> dict[str, Any]:
+                 stop: StopSignal | None = None, hooks: DiLoCoHooks | None = None) -> dict[str, Any]:
     """Train as configured by `args` (see `add_arguments`); print progress and the result; return the result.
     `on_progress` (optional) receives every progress line as a dict, in the training thread. Once `stop` is
     requested (`peer train` installs it for SIGINT/SIGTERM) the run ends after the current step: it is
-    evaluated and its result (`"interrupted": true`, `"steps"` done) written as usual."""
+    evaluated and its result (`"interrupted": true`, `"steps"` done) written as usual. `hooks`: test hooks of
+    the DiLoCo optimizer (`averaging.diloco.DiLoCoHooks`; tests pass them, the command line cannot)."""
     from moe.errors import NotEnoughExperts
 
     if not args.local_experts and not args.initial_peers:
@@ -493,6 +500,7 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
     batches = task.batches(args)
 
     stop = stop or StopSignal()
+    out = _Output()
     swarm = None
     metrics_bridge = None
     optimizer: Any = None
@@ -527,15 +535,21 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
         else:
             base = torch.optim.Adam(model.parameters(), lr=args.lr)
         if swarm is not None and diloco:
-            from averaging.diloco import DiLoCoOptimizer
+            from averaging.diloco import DiLoCoHooks, DiLoCoOptimizer
+            from averaging.quorum import QuorumPolicy
             from peer.p2p.wire import Compression
 
+            diloco_hooks = dataclasses.replace(hooks) if hooks is not None else DiLoCoHooks()
+            if diloco_hooks.on_event is None:
+                diloco_hooks.on_event = out.emit  # outer rounds, as JSON lines beside the progress lines
             optimizer = DiLoCoOptimizer(
                 base, swarm, args.run_id, inner_steps=args.inner_steps, batch_size_per_step=args.batch_size,
                 outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                 compression=Compression[args.compression.upper()], overlap=args.overlap,
-                target_group_size=max(args.group_size, 2), matchmaking_time=args.matchmaking_time,
-                listen=not args.client_mode, should_stop=lambda: stop.requested, aggregation=args.aggregation,
+                quorum=QuorumPolicy(quorum_min=args.quorum_min, quorum_fraction=args.quorum_fraction,
+                                    max_staleness=args.max_staleness),
+                start_with=args.start_with, listen=not args.client_mode, should_stop=lambda: stop.requested,
+                aggregation=args.aggregation, hooks=diloco_hooks,
             )
         elif swarm is not None:
             from averaging.collaborative import CollaborativeOptimizer
@@ -546,7 +560,6 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
                 matchmaking_time=args.matchmaking_time, listen=not args.client_mode, aggregation=args.aggregation,
             )
         meter = _Meter()
-        out = _Output()
         training: dict[str, Any] = {"step": 0, "samples": 0}  # what --metrics-port exports of the loop
         metrics_bridge = _start_metrics(args, swarm, model, optimizer, training)
         task.before_training(model)
@@ -653,7 +666,11 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
             stats = optimizer.stats()
             result.update({key: stats[key] for key in (*DILOCO_LINE, "group_sizes", "state_loads", "resyncs",
                                                         "final_resyncs", "outer_waits", "bytes_received",
-                                                        "peer_id")})
+                                                        "peer_id", "utilization", "rounds", "late_contributions",
+                                                        "stale_contributions", "dropped_contributions",
+                                                        "lost_rounds", "cut_short", "coordinated",
+                                                        "first_contribution", "compute_seconds",
+                                                        "blocked_seconds", "grace_window", "rtt")})
             averaging = optimizer.averager.stats()  # Byzantine-robust aggregation: whom this trainer banned
             result.update({key: averaging[key] for key in ("aggregation", "banned", "rejected_parts")})
         elif optimizer is not None:
@@ -740,21 +757,22 @@ def _plain_args(args: argparse.Namespace) -> dict[str, Any]:
             if isinstance(v, (str, int, float, bool, list, Path, type(None)))}
 
 
-def run_command(args: argparse.Namespace) -> int:
+def run_command(args: argparse.Namespace, hooks: DiLoCoHooks | None = None) -> int:
     """`peer train` as a command: train with SIGINT/SIGTERM handled (see `StopSignal`); the exit status is 0 for
     a finished run, 130 after SIGINT and 143 after SIGTERM (the result line is written in every case)."""
     stop = StopSignal()
     with stop.installed():
-        run_training(args, stop=stop)
+        run_training(args, stop=stop, hooks=hooks)
     if getattr(args, "algorithm", None) == "diloco" and stop.signum == signal.SIGINT:
         return 0  # a DiLoCo run stopped with Ctrl-C is a clean stop (the outer state is on the other trainers)
     return stop.exit_code()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, hooks: DiLoCoHooks | None = None) -> int:
+    """`peer train`; `hooks` are the tests' (see `peer.testing.trainer`)."""
     args = build_parser().parse_args(argv)
     try:
-        return run_command(args)
+        return run_command(args, hooks)
     except KeyboardInterrupt:  # Ctrl-C before the handlers were installed (while parsing, importing)
         return 130
     except Exception as error:  # one line, like the other `peer` commands

@@ -24,6 +24,8 @@ PORT = (["abc", "70000", "-1"], ['"abc"', "70000", "-1", "true"], ("4464", "4464
 POSITIVE = (["fast", "0", "-1", "nan", "inf"], ['"fast"', "0", "-1.5", "nan", "inf", "false"], ("2.5", "2.5", 2.5))
 NOT_NEGATIVE = (["abc", "-0.1", "nan"], ['"abc"', "-0.1", "true"], ("0", "0", 0.0))
 INTEGER = (["abc", "1.5"], ['"abc"', "1.5", "true"], ("-4", "-4", -4))
+NOT_NEGATIVE_INT = (["abc", "1.5", "-1"], ['"abc"', "1.5", "true", "-1"], ("0", "0", 0))
+FRACTION = (["abc", "-0.1", "1.5", "nan"], ['"abc"', "-0.1", "1.5", "true"], ("0.25", "0.25", 0.25))
 STRING = ([], ["5", "true", "[1]", "{a = 1}"], ("some-text", '"some-text"', "some-text"))
 PATH = ([""], ["5", "true", '""'], ("some/dir", '"some/dir"', Path("some/dir")))
 SWITCH = ([None], ['"yes"', "1"], (None, "true", True))
@@ -74,7 +76,8 @@ TABLE: dict[str, dict[str, tuple]] = {
         "checkpoint": PATH, "log-every": POSITIVE_INT, "local-experts": SWITCH, "expert-lr": POSITIVE,
         "threads": POSITIVE_INT, "max-failed-steps": POSITIVE_INT, "task": choice("lm", "digits"),
         "seq-len": POSITIVE_INT, "insecure-transport": SWITCH, "metrics-port": PORT,
-        "swarm-key": PATH, "allow-peers": PATH,
+        "swarm-key": PATH, "allow-peers": PATH, "start-with": POSITIVE_INT, "quorum-min": POSITIVE_INT,
+        "quorum-fraction": FRACTION, "max-staleness": NOT_NEGATIVE_INT,
     },
     "swarm up": {**TOPOLOGY, "kill-one-at": POSITIVE, "log-dir": PATH},
     "swarm compose": TOPOLOGY,

@@ -1,6 +1,6 @@
 """`peer train --algorithm diloco` as processes (tests/peer_processes.py) with a Byzantine trainer: 4 trainers of
 the digits classifier, one of which scales its pseudo-gradient x1000 before every outer all-reduce (the test hook
-`SWARMD_DILOCO_SCALE_PSEUDOGRADIENT` of averaging/diloco.py). With `--aggregation centered_clip` the three honest
+`--scale` of peer.testing.trainer). With `--aggregation centered_clip` the three honest
 trainers reach the held-out accuracy of the same three trainers without the attacker (not more than 1 point
 lower) and ban it; with `--aggregation mean` the same attacker wrecks the training (the process-free,
 deterministic version is tests/averaging/test_byzantine_training.py).
@@ -20,7 +20,7 @@ HONEST = 3  # trainers --seed 0..2; the attacker is --seed 3
 # 12 outer steps of 20 inner steps: the digits classifier is near its plateau, so the 1-point comparison
 # measures the attack rather than the noise of a short run
 COMMON = ["--inner-steps", "20", "--steps", "240", "--lr", "0.01", "--log-every", "40"]
-ATTACK = {"SWARMD_DILOCO_SCALE_PSEUDOGRADIENT": "1000"}
+ATTACK = ["--scale", "1000"]
 
 
 @pytest.fixture
@@ -36,7 +36,7 @@ def _swarm(processes: ProcessGroup, aggregation: str, *, attacker: bool) -> list
     address = _daemon(processes)
     count = HONEST + attacker
     return [_trainer(processes, address, *COMMON, "--aggregation", aggregation, "--seed", str(i), start_with=count,
-                     env=ATTACK if i == HONEST else None)
+                     hooks=ATTACK if i == HONEST else ())
             for i in range(count)]
 
 

@@ -6,18 +6,19 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 import signal
+import sys
 import time
+from typing import Sequence
 
 import pytest
 import torch
 
 from tests.averaging.test_diloco import _reference_check
-from tests.peer_processes import PeerProcess, ProcessGroup, start_daemon
+from tests.peer_processes import ChildProcess, PeerProcess, ProcessGroup, start_daemon
 
 TRAINER = ["--algorithm", "diloco", "--local-experts", "--hidden-dim", "16", "--grid-size", "2", "--batch-size",
-           "16", "--matchmaking-time", "2", "--threads", "1"]
+           "16", "--threads", "1"]
 
 
 @pytest.fixture
@@ -33,11 +34,14 @@ def _daemon(processes: ProcessGroup) -> str:
     return address
 
 
-def _trainer(processes: ProcessGroup, address: str, *args: str, start_with: int, env: dict | None = None
+def _trainer(processes: ProcessGroup, address: str, *args: str, start_with: int, hooks: Sequence[str] = ()
              ) -> PeerProcess:
-    # start_with: trainers started together begin together, however far apart a loaded machine brings them up
-    full_env = {**os.environ, "SWARMD_DILOCO_START_WITH": str(start_with), **(env or {})}
-    return processes.add(PeerProcess(["train", "--initial-peers", address, *TRAINER, *args], env=full_env))
+    """A `peer train` process; with `hooks` (options of `peer.testing.trainer`) through the test entry point.
+    start_with: trainers started together begin together, however far apart a loaded machine brings them up."""
+    train = ["train", "--initial-peers", address, *TRAINER, "--start-with", str(start_with), *args]
+    if hooks:
+        return processes.add(ChildProcess([sys.executable, "-m", "peer.testing.trainer", *hooks, "--", *train[1:]]))
+    return processes.add(PeerProcess(train))
 
 
 def _result(process: PeerProcess, timeout: float = 300.0) -> dict:
@@ -50,9 +54,8 @@ def _result(process: PeerProcess, timeout: float = 300.0) -> dict:
 @pytest.mark.slow
 def test_four_trainer_processes_agree_and_match_reference_nesterov(processes, tmp_path):
     address = _daemon(processes)
-    env = {"SWARMD_DILOCO_TRACE": str(tmp_path)}
     trainers = [_trainer(processes, address, "--inner-steps", "20", "--steps", "200", "--seed", str(i),
-                         "--log-every", "20", start_with=4, env=env) for i in range(4)]
+                         "--log-every", "20", start_with=4, hooks=["--trace", str(tmp_path)]) for i in range(4)]
     results = [_result(t) for t in trainers]
     assert all(t.wait(30) == 0 for t in trainers)
     assert {r["outer_step"] for r in results} == {10}
@@ -64,12 +67,12 @@ def test_four_trainer_processes_agree_and_match_reference_nesterov(processes, tm
 def test_trainer_killed_while_sending_its_part_the_others_finish_and_agree(processes, tmp_path):
     address = _daemon(processes)
     common = ["--inner-steps", "20", "--steps", "80", "--log-every", "20"]
-    victim = _trainer(processes, address, *common, "--seed", "9", start_with=4, env={"SWARMD_DILOCO_HOLD_AT": "1"})
-    trace = {"SWARMD_DILOCO_TRACE": str(tmp_path)}
-    others = [_trainer(processes, address, *common, "--seed", str(i), start_with=4, env=trace) for i in range(3)]
+    victim = _trainer(processes, address, *common, "--seed", "9", start_with=4, hooks=["--hold-at", "1"])
+    trace = ["--trace", str(tmp_path)]
+    others = [_trainer(processes, address, *common, "--seed", str(i), start_with=4, hooks=trace) for i in range(3)]
     victim.read_until(r'"diloco_hold"', 300)
     victim.kill()  # SIGKILL while its part of outer step 2 is being sent
-    hold = json.loads(victim.lines[-1])
+    hold = json.loads([line for line in victim.lines if "diloco_hold" in line][-1])
     assert (hold["outer_step"], hold["phase"]) == (1, "chunk_pushed"), hold  # the round 1 -> 2, while sending
     results = [_result(t) for t in others]
     assert all(t.wait(30) == 0 for t in others)
@@ -97,9 +100,8 @@ def test_trainer_killed_while_sending_its_part_the_others_finish_and_agree(proce
 def test_sigint_during_an_outer_step_exits_0_within_10_s(processes):
     address = _daemon(processes)
     common = ["--inner-steps", "10", "--steps", "1000", "--log-every", "5"]
-    frozen = _trainer(processes, address, *common, "--seed", "1", start_with=2, env={"SWARMD_DILOCO_HOLD_AT": "0"})
-    trainer = _trainer(processes, address, *common, "--seed", "0", start_with=2, env={"SWARMD_DILOCO_ANNOUNCE": "1"})
-    trainer.read_until(r'"diloco_round"', 120)
+    frozen = _trainer(processes, address, *common, "--seed", "1", start_with=2, hooks=["--hold-at", "0"])
+    trainer = _trainer(processes, address, *common, "--seed", "0", start_with=2)
     frozen.read_until(r'"diloco_hold"', 120)  # the other stopped in the middle of sending: we are in the round
     started = time.monotonic()
     trainer.signal(signal.SIGINT)

@@ -16,7 +16,7 @@ import torch
 import trio
 from torch import nn
 
-from averaging.diloco import DiLoCoOptimizer, ErrorFeedback, state_hash
+from averaging.diloco import DiLoCoHooks, DiLoCoOptimizer, ErrorFeedback, state_hash
 from peer.p2p import wire
 from peer.p2p.bridge import Bridge
 from peer.p2p.net import MemoryNetwork
@@ -131,13 +131,25 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
 
 
-def _make(swarm: SimSwarm, **options: Any) -> tuple[nn.Module, DiLoCoOptimizer]:
-    model = _model()
+def _make(swarm: SimSwarm, model: nn.Module | None = None, **options: Any) -> tuple[nn.Module, DiLoCoOptimizer]:
+    model = _model() if model is None else model
     inner = torch.optim.SGD(model.parameters(), lr=0.05)
-    defaults = dict(inner_steps=5, batch_size_per_step=4, matchmaking_time=1.5, averaging_timeout=20.0,
-                    ready_timeout=8.0, progress_ttl=10.0, min_refresh=0.05, max_refresh=0.5)
+    defaults = dict(inner_steps=5, batch_size_per_step=4, averaging_timeout=20.0, progress_ttl=10.0,
+                    min_refresh=0.05, max_refresh=0.5)
     defaults.update(options)
     return model, DiLoCoOptimizer(inner, swarm, "sim", **defaults)
+
+
+def _make_together(swarms: list[SimSwarm], **options: Any) -> list[tuple[nn.Module, DiLoCoOptimizer]]:
+    """Trainers built at the same time (each constructor waits for `start_with` of them), in swarm order."""
+    made: dict[int, tuple[nn.Module, DiLoCoOptimizer]] = {}
+    models = [_model() for _ in swarms]  # here: _model seeds torch's global generator, threads would race on it
+
+    def build(index: int) -> None:
+        made[index] = _make(swarms[index], models[index], **options)
+
+    _threads([lambda i=i: build(i) for i in range(len(swarms))])
+    return [made[i] for i in range(len(swarms))]
 
 
 def _train(model: nn.Module, opt: DiLoCoOptimizer, steps: int, seed: int, rows: int = 4,
@@ -203,9 +215,8 @@ def _reference_check(trace_dir: str, steps: int, count: int) -> None:
 def test_four_trainers_agree_after_every_outer_step_and_match_reference_nesterov(bridge, tmp_path):
     memory = MemoryNetwork(latency=0.002)
     peers = _start_swarm(bridge, memory, 4)
-    made = [_make(SimSwarm(bridge, peer)) for peer in peers]
-    for _, opt in made:
-        opt._trace = str(tmp_path)
+    made = _make_together([SimSwarm(bridge, peer) for peer in peers], hooks=DiLoCoHooks(trace_dir=str(tmp_path)),
+                          start_with=4)
     try:
         _threads([lambda m=m, o=o, i=i: _train(m, o, 15, seed=i) for i, (m, o) in enumerate(made)])
         assert {opt.outer_step for _, opt in made} == {3}
@@ -223,7 +234,7 @@ def test_four_trainers_agree_after_every_outer_step_and_match_reference_nesterov
 def test_newcomer_holds_the_outer_params_and_momentum_before_its_first_inner_step(bridge):
     memory = MemoryNetwork(latency=0.002)
     peers = _start_swarm(bridge, memory, 3)
-    made = [_make(SimSwarm(bridge, peer)) for peer in peers[:2]]
+    made = _make_together([SimSwarm(bridge, peer) for peer in peers[:2]], start_with=2)
     try:
         _threads([lambda m=m, o=o, i=i: _train(m, o, 25, seed=i) for i, (m, o) in enumerate(made)])
         assert {opt.outer_step for _, opt in made} == {5}
@@ -256,8 +267,8 @@ def _in_bridge(bridge: Bridge, fn: Any, *args: Any) -> None:
 def test_partitioned_trainer_resyncs_after_the_partition_heals(bridge):
     memory = MemoryNetwork(latency=0.002)
     peers = _start_swarm(bridge, memory, 4)
-    made = [_make(SimSwarm(bridge, peer), ready_timeout=3.0, matchmaking_time=1.0, load_state_timeout=4.0,
-                  averaging_timeout=8.0) for peer in peers]
+    made = _make_together([SimSwarm(bridge, peer) for peer in peers], load_state_timeout=4.0, averaging_timeout=8.0,
+                          start_with=4)
     names = [peer.name for peer in peers]
     cut = threading.Event()
 
@@ -295,8 +306,8 @@ def test_partitioned_trainer_resyncs_after_the_partition_heals(bridge):
 def test_finish_resyncs_a_trainer_partitioned_during_the_last_outer_round(bridge):
     memory = MemoryNetwork(latency=0.002)
     peers = _start_swarm(bridge, memory, 4)
-    made = [_make(SimSwarm(bridge, peer), ready_timeout=3.0, matchmaking_time=1.0, load_state_timeout=4.0,
-                  averaging_timeout=8.0) for peer in peers]
+    made = _make_together([SimSwarm(bridge, peer) for peer in peers], load_state_timeout=4.0, averaging_timeout=8.0,
+                          start_with=4)
     names = [peer.name for peer in peers]
 
     def partition_at(step: int) -> None:
@@ -334,7 +345,7 @@ def test_finish_resyncs_a_trainer_partitioned_during_the_last_outer_round(bridge
 def test_finish_returns_within_its_timeout_when_nobody_is_left_to_agree_with(bridge):
     memory = MemoryNetwork(latency=0.002)
     peers = _start_swarm(bridge, memory, 3)
-    made = [_make(SimSwarm(bridge, peer)) for peer in peers]
+    made = _make_together([SimSwarm(bridge, peer) for peer in peers], start_with=3)
     try:
         _threads([lambda m=m, o=o, i=i: _train(m, o, 5, seed=i) for i, (m, o) in enumerate(made)])
         assert len({opt.hash for _, opt in made}) == 1
@@ -360,7 +371,8 @@ def test_finish_returns_within_its_timeout_when_nobody_is_left_to_agree_with(bri
 def test_overlap_no_inner_step_waits_when_the_round_is_faster_than_inner_steps(bridge):
     memory = MemoryNetwork(latency=0.01)
     peers = _start_swarm(bridge, memory, 2)
-    made = [_make(SimSwarm(bridge, peer), overlap=True, inner_steps=40, compression=INT8) for peer in peers]
+    made = _make_together([SimSwarm(bridge, peer) for peer in peers], overlap=True, inner_steps=40,
+                          compression=INT8, start_with=2)
     gate = threading.Barrier(2, timeout=60)
     rounds: list[list[int]] = [[], []]
 
@@ -383,7 +395,9 @@ def test_overlap_no_inner_step_waits_when_the_round_is_faster_than_inner_steps(b
         for _, opt in made:
             stats = opt.stats()
             assert stats["outer_waits"] == 0, stats
-            assert stats["outer_step"] == 3, stats  # 4 rounds, the last one's update still in flight
+            assert stats["outer_step"] >= 3, stats  # 4 rounds, the last one's update maybe still in flight
+        _threads([lambda o=o: o.finish(timeout=30.0) for _, o in made])  # waits for it
+        assert {opt.outer_step for _, opt in made} == {4}
         assert len({opt.hash for _, opt in made}) == 1
         assert state_hash(made[0][1]._outer_state) == made[1][1].hash
     finally:

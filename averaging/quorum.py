@@ -1,0 +1,364 @@
+"""Who is in an outer round and when it starts: the quorum and grace-window rule, with no I/O.
+
+The contract is docs/outer-rounds.md. In short: the coordinator of round N collects offers (a trainer's ready
+message: its contribution's base round, samples, the hash of the outer state it holds); the round starts when
+every expected trainer is ready, or once the grace window has passed with a quorum ready, or, past the window,
+as soon as a quorum is; `max_wait` after the window opened it starts with whoever is ready. Offers that come
+after the start are late: they are told so, with the start, and go to the next round, stale.
+
+Why a core: the rule decides whether a volunteer's work counts and whether the swarm waits, so it must be exact
+and testable at scale. Here it is plain objects: offers and `now` in, verdicts, deadlines and a `Start` out; no
+trio, no sockets, no clock. `averaging.rounds` drives it over RPC; the tests drive 1,000 simulated trainers
+through it under a mock clock.
+
+- `QuorumPolicy`: the knobs (quorum count and fraction, grace bounds, staleness limit), validated once.
+- `GraceEstimator`: the window, learned from the arrival offsets of recent rounds (never fixed).
+- `OuterRound`: one round at its coordinator.
+- `coordinator_order`: the candidates of a round, ranked the same way by everyone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import Counter, deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+Address = tuple[str, int]
+
+__all__ = [
+    "Admission", "Dropped", "GraceEstimator", "Late", "Offer", "OuterRound", "Queued", "QuorumPolicy", "Resync",
+    "Start", "Verdict", "contribution_weight", "coordinator_order", "quantile",
+]
+
+
+@dataclass(frozen=True)
+class QuorumPolicy:
+    """How long an outer round waits, and for how many.
+
+    quorum_min, quorum_fraction: the quorum is max(quorum_min, ceil(quorum_fraction * live)), at most the number
+    of trainers live (those expected plus those ready), so it can always be met. grace_*: bounds and shape of the
+    learned window (`GraceEstimator`). max_wait: the hard bound after the window opened. max_staleness: older
+    contributions are dropped, with a reason."""
+
+    quorum_min: int = 2
+    quorum_fraction: float = 0.5
+    grace_min: float = 0.05
+    grace_max: float = 5.0
+    grace_initial: float = 1.0
+    grace_percentile: float = 0.9
+    grace_margin: float = 0.25
+    max_wait: float = 30.0
+    max_staleness: int = 4
+    history: int = 64
+
+    def __post_init__(self) -> None:
+        if self.quorum_min < 1:
+            raise ValueError("quorum_min must be at least 1")
+        if not 0.0 <= self.quorum_fraction <= 1.0:
+            raise ValueError("quorum_fraction must be within [0, 1]")
+        if not 0.0 <= self.grace_min <= self.grace_max:
+            raise ValueError("need 0 <= grace_min <= grace_max")
+        if not 0.0 < self.grace_percentile <= 1.0:
+            raise ValueError("grace_percentile must be within (0, 1]")
+        if self.grace_margin < 0 or self.grace_initial < 0:
+            raise ValueError("grace_margin and grace_initial must be >= 0")
+        if self.max_wait < self.grace_max:
+            raise ValueError("max_wait must be at least grace_max")
+        if self.max_staleness < 0 or self.history < 1:
+            raise ValueError("max_staleness must be >= 0 and history >= 1")
+
+    def quorum(self, live: int) -> int:
+        """Ready trainers needed to start after the window, when `live` trainers are expected or ready."""
+        wanted = max(self.quorum_min, math.ceil(self.quorum_fraction * live))
+        return max(1, min(wanted, live))
+
+
+def quantile(values: Iterable[float], q: float) -> float:
+    """The `q` quantile of `values` (nearest rank on the sorted values); 0 for none."""
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    rank = min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))
+    return ordered[rank]
+
+
+class GraceEstimator:
+    """The grace window: the `grace_percentile` of recent arrival offsets, times (1 + margin), plus two round
+    trips, within [grace_min, grace_max]; `grace_initial` until a round has been seen.
+
+    Why offsets from the window's opening: they measure how far apart ready trainers arrive, which is what the
+    window must cover; they do not include how long a phase takes, so slow rounds do not inflate it."""
+
+    def __init__(self, policy: QuorumPolicy):
+        self.policy = policy
+        self._offsets: deque[float] = deque(maxlen=policy.history)
+
+    def observe(self, offsets: Iterable[float]) -> None:
+        """The members' arrival offsets of one round (seconds after its window opened)."""
+        for offset in offsets:
+            if math.isfinite(offset):
+                self._offsets.append(min(max(0.0, offset), self.policy.max_wait))
+
+    @property
+    def offsets(self) -> tuple[float, ...]:
+        return tuple(self._offsets)
+
+    def window(self, rtt: float = 0.0) -> float:
+        policy = self.policy
+        slack = 2.0 * max(0.0, rtt) if math.isfinite(rtt) else 0.0
+        if self._offsets:
+            base = quantile(self._offsets, policy.grace_percentile) * (1.0 + policy.grace_margin) + slack
+        else:
+            base = max(policy.grace_initial, slack)
+        return min(max(base, policy.grace_min), policy.grace_max)
+
+
+def contribution_weight(samples: int, staleness: int) -> float:
+    """A contribution's averaging weight: its samples, discounted by staleness as samples / (1 + staleness)
+    (the usual staleness-aware rule of asynchronous SGD: an update computed k steps ago counts 1/(k+1))."""
+    return float(max(0, samples)) / (1.0 + max(0, staleness))
+
+
+def coordinator_order(run: str, step: int, candidates: Iterable[bytes]) -> list[bytes]:
+    """The candidates for coordinating round `step`, best first: ranked by sha256(run, step, peer id), so the
+    role moves from round to round and everyone holding the same candidates ranks them the same way."""
+    def rank(peer: bytes) -> bytes:
+        return hashlib.sha256(b"swarmd-round|%s|%d|%s" % (run.encode(), step, peer)).digest()
+
+    return sorted(set(bytes(c) for c in candidates), key=rank)
+
+
+@dataclass(frozen=True)
+class Offer:
+    """A trainer's ready message for a round. `intent`: no contribution yet, only "expect me" (a trainer that
+    just caught up registers so that it is told when the window opens)."""
+
+    peer: bytes
+    base: int
+    samples: int
+    hash: str
+    address: Address | None = None
+    bandwidth: float = 1.0
+    intent: bool = False
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A member of a started round, as every member sees it."""
+
+    peer: bytes
+    address: Address | None
+    bandwidth: float
+    samples: int
+    staleness: int
+    weight: float
+    offset: float  # seconds after the window opened that its offer arrived (0 when before)
+
+
+@dataclass(frozen=True)
+class Start:
+    """A round's start: who averages (sorted by peer id), with what weights, on which outer state (`hash`)."""
+
+    step: int
+    hash: str
+    members: tuple[Admission, ...]
+    resync: tuple[bytes, ...]  # ready, but holding another outer state: told to download and come back stale
+    reason: str  # "all ready", "quorum after grace", "quorum", "max wait"
+    waited: float  # seconds from the window's opening to the start
+    window: float  # the grace window the round used
+    group_id: bytes = field(default=b"")
+
+    def __post_init__(self) -> None:
+        if not self.group_id:
+            digest = hashlib.sha256(b"swarmd-round|%d|%s|" % (self.step, self.hash.encode()))
+            for member in self.members:
+                digest.update(member.peer)
+            object.__setattr__(self, "group_id", digest.digest()[:16])
+
+    @property
+    def peers(self) -> list[bytes]:
+        return [m.peer for m in self.members]
+
+    def member(self, peer: bytes) -> Admission | None:
+        for admission in self.members:
+            if admission.peer == peer:
+                return admission
+        return None
+
+    @property
+    def offsets(self) -> list[float]:
+        return [m.offset for m in self.members]
+
+
+@dataclass(frozen=True)
+class Queued:
+    """Wait: the round has not started; `deadline` is when it will at the latest by time alone (None: unknown
+    yet, e.g. the window is not open)."""
+
+    deadline: float | None
+
+
+@dataclass(frozen=True)
+class Late:
+    """The round started without this offer; the contribution goes to the next round."""
+
+    start: Start
+
+
+@dataclass(frozen=True)
+class Resync:
+    """This trainer holds another outer state than the round's: download `start.hash`, come back stale."""
+
+    start: Start
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """The offer cannot enter this round at all (too stale, from the future, or malformed)."""
+
+    reason: str
+
+
+Verdict = Queued | Start | Late | Resync | Dropped
+
+
+class OuterRound:
+    """One round at its coordinator: offers and deaths in, the start out (see the module doc).
+
+    `expected`: trainers the coordinator counts on (members of the previous round not seen failing); offers
+    with `intent` add to them. `own_hash`: the coordinator's outer state hash at this step, the tie-breaker of
+    the agreement (None when it does not hold this step). `window`: the grace window, from the estimator."""
+
+    def __init__(self, step: int, expected: Iterable[bytes], policy: QuorumPolicy, window: float,
+                 own_hash: str | None = None):
+        self.step = step
+        self.policy = policy
+        self.window = min(max(window, policy.grace_min), policy.grace_max)
+        self.own_hash = own_hash
+        self.expected: set[bytes] = {bytes(p) for p in expected}
+        self.offers: dict[bytes, tuple[Offer, float]] = {}  # ready (non-intent) offers and their arrival times
+        self.opened_at: float | None = None
+        self.start: Start | None = None
+        self.gone: set[bytes] = set()
+        self._notified = False
+
+    # ------------------------------------------------------------------------------------------ events
+
+    def offer(self, offer: Offer, now: float) -> Verdict:
+        """A ready message (or an intent). Returns what to answer: Queued, or the verdict of a started round."""
+        peer = bytes(offer.peer)
+        if self.start is not None:
+            return self._verdict_after_start(peer)
+        staleness = self.step - offer.base
+        if staleness < 0:
+            return Dropped(f"its base round {offer.base} is ahead of round {self.step}")
+        if staleness > self.policy.max_staleness:
+            return Dropped(f"stale by {staleness} rounds (at most {self.policy.max_staleness})")
+        if offer.samples < 0 or not math.isfinite(offer.bandwidth) or offer.bandwidth < 0:
+            return Dropped("malformed offer")
+        self.gone.discard(peer)
+        self.expected.add(peer)
+        if not offer.intent:
+            self.offers[peer] = (offer, now)
+            if self.opened_at is None and (staleness == 0 or len(self.offers) >= self._quorum()):
+                self.opened_at = now
+        return Queued(self.deadline())
+
+    def lost(self, peer: bytes) -> None:
+        """`peer` was found dead or unresponsive: it is no longer expected (an offer it made stays: if it is
+        really gone, the all-reduce leaves it out)."""
+        peer = bytes(peer)
+        if self.start is None:
+            self.expected.discard(peer)
+            self.gone.add(peer)
+
+    # ------------------------------------------------------------------------------------------ decisions
+
+    def to_notify(self) -> list[bytes]:
+        """Once, when the window opens: the expected trainers not ready yet (told to end their phase)."""
+        if self.opened_at is None or self._notified or self.start is not None:
+            return []
+        self._notified = True
+        return sorted(p for p in self.expected if p not in self.offers)
+
+    def closes_in(self, now: float) -> float:
+        """Seconds until the grace window closes (0 when closed or not open)."""
+        if self.opened_at is None:
+            return 0.0
+        return max(0.0, self.opened_at + self.window - now)
+
+    def _live(self) -> int:
+        return len(self.expected | set(self.offers))
+
+    def _quorum(self) -> int:
+        return self.policy.quorum(self._live())
+
+    def deadline(self) -> float | None:
+        """When a start may next fire by time alone (None: only an event can start it)."""
+        if self.start is not None or self.opened_at is None or not self.offers:
+            return None
+        if len(self.offers) >= self._quorum():
+            return self.opened_at + self.window
+        return self.opened_at + self.policy.max_wait
+
+    def poll(self, now: float) -> Start | None:
+        """The start, once a rule of the module doc fires (then for good)."""
+        if self.start is not None:
+            return self.start
+        if not self.offers:
+            return None
+        ready = set(self.offers)
+        reason = ""
+        if self.expected <= ready:
+            reason = "all ready"
+        elif self.opened_at is not None:
+            after_window = now >= self.opened_at + self.window
+            if after_window and len(ready) >= self._quorum():
+                reason = "quorum after grace" if self._quorum_since() <= self.opened_at + self.window else "quorum"
+            elif now >= self.opened_at + self.policy.max_wait:
+                reason = "max wait"
+        if not reason:
+            return None
+        self.start = self._make_start(reason, now)
+        return self.start
+
+    def _quorum_since(self) -> float:
+        """When the quorum was reached (arrival time of its last offer)."""
+        times = sorted(t for _, t in self.offers.values())
+        return times[min(len(times), self._quorum()) - 1]
+
+    def _make_start(self, reason: str, now: float) -> Start:
+        counts = Counter(offer.hash for offer, _ in self.offers.values())
+        top = max(counts.values())
+        tied = sorted(h for h, n in counts.items() if n == top)
+        canonical = self.own_hash if self.own_hash in tied else tied[0]
+        opened = self.opened_at if self.opened_at is not None else now
+        members = []
+        resync = []
+        for peer in sorted(self.offers):
+            offer, arrived = self.offers[peer]
+            if offer.hash != canonical:
+                resync.append(peer)
+                continue
+            staleness = self.step - offer.base
+            members.append(Admission(peer, offer.address, offer.bandwidth, offer.samples, staleness,
+                                     contribution_weight(offer.samples, staleness), max(0.0, arrived - opened)))
+        return Start(self.step, canonical, tuple(members), tuple(resync), reason, max(0.0, now - opened),
+                     self.window)
+
+    def _verdict_after_start(self, peer: bytes) -> Verdict:
+        start = self.start
+        assert start is not None
+        if start.member(peer) is not None:
+            return start
+        if peer in start.resync:
+            return Resync(start)
+        return Late(start)
+
+    def verdict(self, peer: bytes) -> Verdict:
+        """What to answer `peer` now (a waiting trainer polls this until it is no longer Queued)."""
+        if self.start is not None:
+            return self._verdict_after_start(bytes(peer))
+        return Queued(self.deadline())
