@@ -74,8 +74,7 @@ def worker(options: argparse.Namespace) -> None:
     else:
         optimizer = DiLoCoOptimizer(
             base, swarm, RUN_ID, inner_steps=options.inner_steps, batch_size_per_step=options.batch_size,
-            compression=Compression[options.compression.upper()], overlap=options.overlap,
-            target_group_size=TRAINERS, matchmaking_time=options.matchmaking_time, start_with=TRAINERS)
+            compression=Compression[options.compression.upper()], overlap=options.overlap, start_with=TRAINERS)
     averagers = [optimizer.averager]
     print(json.dumps({"event": "ready"}), flush=True)
     sys.stdin.readline()
