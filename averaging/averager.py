@@ -293,23 +293,27 @@ class Averager:
                 self.matchmaker.forget(result.failed_peers)
             return result
 
-    async def average_in(self, group: GroupInfo, weight: float = 1.0, timeout: float | None = None) -> StepResult:
-        """Average the registered tensors (in place) with a group formed elsewhere (DiLoCo's outer rounds form
-        theirs with `averaging.rounds`): the all-reduce half of `step()`, with the same judging of members."""
+    async def average_in(self, group: GroupInfo, weight: float = 1.0, timeout: float | None = None,
+                         tensors: Sequence[torch.Tensor] | None = None) -> StepResult:
+        """Average the registered tensors, or `tensors` (in place), with a group formed elsewhere (DiLoCo's outer
+        rounds form theirs with `averaging.rounds`, and average one fragment of the model at a time): the
+        all-reduce half of `step()`, with the same judging of members."""
         if self.allreduce_server is None:
             raise RuntimeError("use the averager inside `async with averager:` (or nursery.start(averager.serve))")
         async with self._step_lock:
             self.counters["steps"] += 1
             return await self._average(group, weight, self.allreduce_timeout if timeout is None else timeout,
-                                       [], 0, "", 0.0)
+                                       [], 0, "", 0.0, tensors)
 
     async def _average(self, group: GroupInfo, weight: float, timeout: float, failed_before: list[PeerID],
-                       round_: int, key: str, matchmaking_seconds: float) -> StepResult:
+                       round_: int, key: str, matchmaking_seconds: float,
+                       tensors: Sequence[torch.Tensor] | None = None) -> StepResult:
         assert self.allreduce_server is not None
         allreduce_started = trio.current_time()
         try:
             outcome = await self.allreduce_server.run(
-                group, self.tensors, weight=weight, compression=self.compression, timeout=timeout, lock=self.lock,
+                group, self.tensors if tensors is None else list(tensors), weight=weight,
+                compression=self.compression, timeout=timeout, lock=self.lock,
             )
         except AveragingError as error:
             self.counters["errors"] += 1

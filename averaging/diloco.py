@@ -51,8 +51,9 @@ import torch
 import trio
 
 from averaging.averager import Averager, StepResult
-from averaging.collaborative import initialize_optimizer_state, local_host_towards, state_tensors
+from averaging.collaborative import local_host_towards
 from averaging.group import GroupInfo, Member
+from averaging.outer_state import ErrorFeedback, OuterState, nesterov_sgd
 from averaging.progress import PeerProgress, ProgressTracker, SwarmProgress
 from averaging.quorum import Dropped, Late, Offer, QuorumPolicy, Resync, Start
 from averaging.rounds import Behind, Holding, RoundService
@@ -72,47 +73,6 @@ Members = tuple[tuple[bytes, Address | None], ...]
 
 
 state_hash = state_digest  # the outer state's hash: a manifest root, so downloads are verified block by block
-
-
-def nesterov_sgd(params: list[torch.Tensor], lr: float = 0.7, momentum: float = 0.9) -> torch.optim.Optimizer:
-    """The default outer optimizer of DiLoCo."""
-    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=True)
-
-
-class ErrorFeedback:
-    """Compress with `compression`, remembering what was lost so the next round sends it (error feedback).
-
-    `compress(x)` returns what the receivers decode from `x + residual` and keeps the new residual. Since every
-    round sends the residual of the one before, the sum of what was sent over n rounds differs from the sum of
-    the inputs by exactly the last residual: for INT8 at most max|block| / 127 per element (the codec's bound,
-    on the last round's input), independent of n."""
-
-    def __init__(self, tensors: list[torch.Tensor], compression: wire.Compression, enabled: bool = True):
-        self.compression = wire.Compression(compression)
-        self.enabled = enabled and self.compression != wire.Compression.NONE
-        self.residuals = [torch.zeros_like(t) for t in tensors] if self.enabled else []
-        self._pending: list[torch.Tensor] = []
-
-    def compress(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Replace `values` in place by what the codec delivers; the residual is kept until `commit()`."""
-        if self.compression == wire.Compression.NONE:
-            return values
-        self._pending = []
-        for index, value in enumerate(values):
-            if self.enabled:
-                value.add_(self.residuals[index])
-            sent = wire.roundtrip(value, self.compression)
-            if self.enabled:
-                self._pending.append(value - sent)
-            value.copy_(sent)
-        return values
-
-    def commit(self) -> None:
-        """The compressed values were applied: their loss is what the next round adds."""
-        if self.enabled and self._pending:
-            for residual, pending in zip(self.residuals, self._pending):
-                residual.copy_(pending)
-        self._pending = []
 
 
 @dataclasses.dataclass
@@ -135,11 +95,13 @@ class DiLoCoHooks:
 
 @dataclasses.dataclass
 class _Contribution:
-    """One phase's pseudo-gradient on its way through the rounds: computed for round `base`."""
+    """One phase's pseudo-gradient on its way through the rounds: computed for round `base`, on the tensors
+    `indices` (its fragment)."""
 
     base: int
     samples: int
     started: float  # trio time it was offered first
+    indices: list[int]
 
 
 class DiLoCoOptimizer:
@@ -151,7 +113,10 @@ class DiLoCoOptimizer:
     `aggregation`: how the pseudo-gradients are reduced (mean, or Byzantine-robust: `averaging.robust`).
     `quorum`: when rounds start and how stale a contribution may be (`averaging.quorum.QuorumPolicy`).
     `start_with`: wait (at most `start_timeout`) until that many trainers of the run are visible before the first
-    inner step, so a run's first trainers start from one state together.
+    inner step, so a run's first trainers start from one state together. `fragments`: Streaming DiLoCo
+    (`averaging.outer_state`): an outer round every inner_steps / fragments local steps, each on one fragment of
+    the parameters, so every fragment is synchronised every `inner_steps` steps and peak traffic drops about
+    `fragments` times; `outer_step` then counts fragment rounds (`fragments` per `inner_steps`).
     """
 
     def __init__(
@@ -182,6 +147,7 @@ class DiLoCoOptimizer:
         start_timeout: float = 300.0,
         finish_timeout: float = 10.0,
         aggregation: str = "mean",
+        fragments: int = 1,
         hooks: DiLoCoHooks | None = None,
     ):
         if inner_steps < 1 or batch_size_per_step < 1:
@@ -201,23 +167,20 @@ class DiLoCoOptimizer:
         self.start_timeout = start_timeout
         self.finish_timeout = finish_timeout
         self.hooks = hooks or DiLoCoHooks()
-        self.outer_step = 0
         self.round_steps = 0
         self.round_samples = 0
         self.local_steps = 0
 
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
-        self.outer_params = [p.detach().clone() for p in self.params]
         make_outer = outer_optimizer or (lambda ps: nesterov_sgd(ps, outer_lr, outer_momentum))
-        self.outer_optimizer = make_outer(self.outer_params)
-        initialize_optimizer_state(self.outer_optimizer)
-        self._outer_state = [t for _, t in state_tensors(self.outer_optimizer)]  # what trainers that catch up download
-        self.pseudo = [torch.zeros_like(p) for p in self.params]  # what the averager averages
-        self._anchor = [p.detach().clone() for p in self.params]  # overlap: local parameters at the phase start
-        self.feedback = ErrorFeedback(self.pseudo, self.compression, error_feedback)
-        self.hash = state_hash(self._outer_state)
-
         self._lock = threading.Lock()
+        self.outer = OuterState(self.params, make_outer, compression=self.compression, error_feedback=error_feedback,
+                                fragments=fragments, scale=self.hooks.scale_pseudo_gradient, lock=self._lock)
+        self.fragments = len(self.outer.fragments)
+        # a phase is inner_steps / fragments local steps: each fragment is synchronised every inner_steps steps
+        self.phase_steps = max(1, self.inner_steps // self.fragments)
+        self._samples_since = [0] * self.fragments  # samples behind each fragment's next contribution
+
         self._stats: dict[str, Any] = {
             "outer_steps": 0, "rounds": 0, "group_sizes": {}, "solo_steps": 0, "skipped_rounds": 0,
             "state_loads": 0, "state_load_failures": 0, "resyncs": 0, "final_resyncs": 0, "outer_waits": 0,
@@ -246,8 +209,8 @@ class DiLoCoOptimizer:
         self._address: Address | None = None
 
         self.averager = Averager(
-            swarm.rpc, swarm.dht, self.pseudo, prefix=f"{run_id}.diloco",
-            names=[f"pseudo.{i}" for i in range(len(self.pseudo))], allreduce_timeout=averaging_timeout,
+            swarm.rpc, swarm.dht, self.outer.pseudo, prefix=f"{run_id}.diloco",
+            names=[f"pseudo.{i}" for i in range(len(self.outer.pseudo))], allreduce_timeout=averaging_timeout,
             compression=self.compression, lock=threading.Lock(), serve_state=False,
             aggregation=aggregation,  # mean, centered_clip, trimmed_mean: see averaging.robust
         )
@@ -256,7 +219,7 @@ class DiLoCoOptimizer:
             address=lambda: self._address, banned=lambda: self.averager.strikes.banned, roster_ttl=progress_ttl,
         )
         self.tracker = ProgressTracker(
-            swarm.dht, run_id, self.inner_steps * self.batch_size_per_step, ttl=progress_ttl,
+            swarm.dht, run_id, self.phase_steps * self.batch_size_per_step, ttl=progress_ttl,
             min_refresh=min_refresh, max_refresh=max_refresh, client_mode=not listen,
             publish_interval=publish_interval,
         )
@@ -385,11 +348,15 @@ class DiLoCoOptimizer:
         step = max(contribution.base, self.outer_step)
         deadline = trio.current_time() + self.averaging_timeout + self.load_state_timeout
         while trio.current_time() < deadline:
-            step = max(step, self.outer_step)
-            staleness = step - contribution.base
+            step = self._aligned(max(step, self.outer_step), contribution.base)
+            staleness = (step - contribution.base) // self.fragments  # in rounds of its own fragment
             if staleness > self.policy.max_staleness:
                 return self._drop(contribution, f"stale by {staleness} rounds (at most {self.policy.max_staleness})")
-            offer = Offer(bytes(self.tracker.peer_id), contribution.base, contribution.samples, self.hash,
+            if self.outer_step < step:  # a fragment's contribution waits for the next round of that fragment
+                if not await self._catch_up(step, self._candidates(step - 1), deadline):
+                    return "lost"
+                continue
+            offer = Offer(bytes(self.tracker.peer_id), step - staleness, contribution.samples, self.hash,
                           self._address)
             if self.tracker.last_fetch_age > self.tracker.max_refresh:
                 self.last_progress = await self.tracker.fetch()  # the roster is no older than the tracker keeps it
@@ -424,6 +391,10 @@ class DiLoCoOptimizer:
             step = self.outer_step
         return "lost"
 
+    def _aligned(self, step: int, base: int) -> int:
+        """The first round at or after `step` that synchronises the fragment of round `base`."""
+        return step + (base - step) % self.fragments
+
     def _drop(self, contribution: _Contribution, reason: str) -> str:
         self._stats["dropped_contributions"] += 1
         logger.warning("diloco: dropped the contribution of round %d (%d samples): %s", contribution.base,
@@ -452,7 +423,8 @@ class DiLoCoOptimizer:
         if len(start.members) > 1:
             group = GroupInfo.create(start.group_id, [
                 Member(PeerID(m.peer), m.address, m.bandwidth) for m in start.members])
-            result = await self.averager.average_in(group, weight=me.weight, timeout=self.averaging_timeout)
+            result = await self.averager.average_in(group, weight=me.weight, timeout=self.averaging_timeout,
+                                                    tensors=[self.pseudo[i] for i in contribution.indices])
             self._count_traffic(result)
             self._failed = {bytes(p) for p in result.failed_peers}
             outcome = "averaged" if result.finished else "lost"
@@ -547,11 +519,7 @@ class DiLoCoOptimizer:
                 members.append((bytes(item[0]), (str(item[1][0]), int(item[1][1])) if item[1] else None))
             except (TypeError, ValueError, IndexError):
                 continue
-        with self._lock:
-            for target, source in zip(self._outer_state, staging):
-                target.copy_(source)
-            self.outer_step = step
-            self.hash = downloaded_hash
+        self.outer.replace(staging, step, downloaded_hash)
         self._members_of[step] = tuple(members)
         self._stats["state_loads"] += 1
         self._stats["resyncs"] += 1
@@ -586,7 +554,7 @@ class DiLoCoOptimizer:
                 progress = await self.tracker.fetch()
         self.last_progress = progress
         if await self._resync(progress):
-            self._reset_local()  # the first inner step starts from the swarm's outer parameters
+            self.outer.reset_local()  # the first inner step starts from the swarm's outer parameters
         else:
             await self.tracker.publish()
 
@@ -634,7 +602,7 @@ class DiLoCoOptimizer:
                 if finished and await self._resync(dataclasses.replace(progress, peers=tuple(finished)),
                                                    timeout=max(0.0, scope.deadline - trio.current_time())):
                     self._stats["final_resyncs"] += 1
-                    self._reset_local()
+                    self.outer.reset_local()
                     await self.tracker.publish()
                     continue
                 if len(finished) == len(others) and all(
@@ -685,6 +653,32 @@ class DiLoCoOptimizer:
     # ------------------------------------------------------------------------------------------ public API
 
     @property
+    def outer_step(self) -> int:
+        """Outer rounds applied (with fragments: fragment rounds)."""
+        return self.outer.step
+
+    @property
+    def hash(self) -> str:
+        """The hash of the outer state (`state_hash`): equal on every trainer that completed the same outer step."""
+        return self.outer.hash
+
+    @property
+    def outer_params(self) -> list[torch.Tensor]:
+        return self.outer.outer_params
+
+    @property
+    def outer_optimizer(self) -> torch.optim.Optimizer:
+        return self.outer.optimizer
+
+    @property
+    def _outer_state(self) -> list[torch.Tensor]:
+        return self.outer.tensors
+
+    @property
+    def pseudo(self) -> list[torch.Tensor]:
+        return self.outer.pseudo
+
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
@@ -725,7 +719,7 @@ class DiLoCoOptimizer:
         self._stats["compute_seconds"] += after_compute - now
         self._last_step_seconds = after_compute - now
         cut = self._must_cut(after_compute)
-        if self.round_steps >= self.inner_steps or cut:
+        if self.round_steps >= self.phase_steps or cut:
             if cut:
                 self._stats["cut_short"] += 1
             self._cut_at = None
@@ -741,9 +735,9 @@ class DiLoCoOptimizer:
 
     def _must_cut(self, now: float) -> bool:
         """A round this phase goes to opened, and the steps left would miss its window: end the phase now."""
-        if self._cut_at is None or self.round_steps >= self.inner_steps:
+        if self._cut_at is None or self.round_steps >= self.phase_steps:
             return False
-        left = (self.inner_steps - self.round_steps) * self._step_seconds
+        left = (self.phase_steps - self.round_steps) * self._step_seconds
         return now + left > self._cut_at
 
     @property
@@ -759,24 +753,11 @@ class DiLoCoOptimizer:
 
     # ------------------------------------------------------------------------------------------ phases
 
-    def _pseudo_gradient(self, base: list[torch.Tensor]) -> None:
-        with torch.no_grad():
-            for pseudo, start, p in zip(self.pseudo, base, self.params):
-                pseudo.copy_(start).sub_(p.detach()).mul_(self.hooks.scale_pseudo_gradient)
-            self.feedback.compress(self.pseudo)
-
     def _apply_outer(self, start: Start, contribution: _Contribution, weight: float) -> None:
-        """The outer optimizer steps on the averaged pseudo-gradient in self.pseudo (the trio thread, as soon as
-        the round ends, so trainers that catch up can download the new outer step at once)."""
-        with self._lock, torch.no_grad():
-            before = [p.clone() for p in self.outer_params] if self.hooks.trace_dir else None
-            for outer, pseudo in zip(self.outer_params, self.pseudo):
-                outer.grad = pseudo.clone()
-            self.outer_optimizer.step()
-            self.outer_optimizer.zero_grad(set_to_none=True)
-            self.outer_step += 1
-            self.hash = state_hash(self._outer_state)
-        self.feedback.commit()
+        """The outer optimizer steps on the averaged pseudo-gradient of the contribution's fragment (in the trio
+        thread, as soon as the round ends, so trainers that catch up can download the new outer step at once)."""
+        before = [p.clone() for p in self.outer_params] if self.hooks.trace_dir else None
+        self.outer.apply(contribution.indices)
         self._stats["outer_steps"] += 1
         if before is not None:
             self._save_trace(before, start, weight)
@@ -790,15 +771,6 @@ class DiLoCoOptimizer:
                     "own": [p.clone() for p in self._own_trace], "weight": torch.tensor(float(weight)),
                     "group": [torch.tensor(list(m.peer)) for m in start.members], "hash": self.hash}, path)
 
-    def _reset_local(self, keep: list[torch.Tensor] | None = None) -> None:
-        """Local parameters <- outer parameters (minus `keep`, our own latest progress, in overlap)."""
-        with torch.no_grad():
-            for index, (p, outer, anchor) in enumerate(zip(self.params, self.outer_params, self._anchor)):
-                p.copy_(outer)
-                if keep is not None:
-                    p.sub_(keep[index])
-                anchor.copy_(p)
-
     def _account_round(self) -> None:
         sent, received = self._stats["bytes_sent"], self._stats["bytes_received"]
         self.bytes_per_outer_step = (sent - self._bytes_at_round[0]) + (received - self._bytes_at_round[1])
@@ -811,19 +783,27 @@ class DiLoCoOptimizer:
             self._stats["skipped_rounds"] += 1
 
     def _contribution(self, base: int) -> _Contribution:
+        """This phase's contribution to round `base`: its fragment's pseudo-gradient (already in `pseudo`) and the
+        samples behind it (every phase since that fragment last contributed)."""
         self._own_trace = [p.clone() for p in self.pseudo] if self.hooks.trace_dir else []
-        return _Contribution(base, max(1, self.round_samples), 0.0)
+        fragment = base % self.fragments
+        self._samples_since = [n + self.round_samples for n in self._samples_since]
+        samples, self._samples_since[fragment] = self._samples_since[fragment], 0
+        return _Contribution(base, max(1, samples), 0.0, list(self.outer.fragment(base)))
 
     def _end_phase(self) -> None:
         step_before = self.outer_step
-        self._pseudo_gradient(self.outer_params)
-        contribution = self._contribution(self.outer_step)
+        indices = self.outer.fragment(step_before)
+        self.outer.from_outer(indices)
+        contribution = self._contribution(step_before)
         outcome = self.swarm.run(self._until_stop, "skipped", self._timed_contribute, contribution)
         self._count_outcome(outcome)
-        if outcome in ("averaged", "solo") or self.outer_step != step_before:
-            self._reset_local()
-        # else: nothing applied and the outer state did not move: keep the local parameters, the next phase's
-        # pseudo-gradient covers both phases
+        if outcome in ("averaged", "solo") and self.outer_step == step_before + 1:
+            self.outer.reset_local(indices)  # this fragment's local parameters <- its new outer parameters
+        elif self.outer_step != step_before:
+            self.outer.reset_local()  # the outer state moved by a download: start again from it
+        # else: nothing applied and the outer state did not move: keep the local parameters, the next
+        # pseudo-gradient of this fragment covers this phase too
         self.round_steps = self.round_samples = 0
         self._account_round()
 
@@ -832,25 +812,20 @@ class DiLoCoOptimizer:
         return await self._contribute(contribution)
 
     def _end_phase_overlapped(self) -> None:
-        """Overlap: wait for the previous contribution only if it is not done, move the local parameters onto the
-        newest outer state (keeping this phase's progress), hand this phase's pseudo-gradient to a background
-        contribution, keep training."""
+        """Overlap: wait for the previous contribution only if it is not done, rebase the fragments whose rounds
+        were applied (keeping their fresh progress), hand the due fragment's fresh progress to a background
+        contribution, keep training (`averaging.outer_state`)."""
         blocked = False
         if self._background is not None and not self._background.is_set():
             blocked = True
             self._stats["outer_waits"] += 1
             self.swarm.run(self._until_stop, None, self._wait_background)
-        with torch.no_grad():
-            progress_since = [anchor - p.detach() for anchor, p in zip(self._anchor, self.params)]
         if self._background is not None:
             self._count_outcome(self._background_outcome)
             self._account_round()
-        with torch.no_grad():
-            for pseudo, delta in zip(self.pseudo, progress_since):
-                pseudo.copy_(delta).mul_(self.hooks.scale_pseudo_gradient)
-            self.feedback.compress(self.pseudo)
-        contribution = self._contribution(self.outer_step)
-        self._reset_local(keep=progress_since)
+        base = self.outer_step
+        self.outer.from_progress(self.outer.fragment(base))
+        contribution = self._contribution(base)
         self.round_steps = self.round_samples = 0
         self.swarm.run(self._start_background, contribution)
         if blocked:
@@ -869,7 +844,7 @@ class DiLoCoOptimizer:
         self._finishing = True
         agreed = bool(self.swarm.run(self._until_stop, False, self._finish, limit))
         if self.overlap:
-            self._reset_local()  # the last contribution's update is applied: end on the outer parameters
+            self.outer.reset_local()  # the last contribution's update is applied: end on the outer parameters
         return agreed
 
     def stats(self) -> dict[str, Any]:
@@ -881,7 +856,7 @@ class DiLoCoOptimizer:
         goodput = self.goodput
         stats.update({
             "algorithm": ALGORITHM, "outer_step": self.outer_step, "hash": self.hash,
-            "inner_steps": self.inner_steps, "local_steps": self.local_steps,
+            "inner_steps": self.inner_steps, "fragments": self.fragments, "local_steps": self.local_steps,
             "bytes_per_outer_step": self.bytes_per_outer_step, "compression": self.compression.name.lower(),
             "overlap": self.overlap, "peer_id": str(self.averager.peer_id),
             "goodput": None if goodput is None else round(goodput, 4),

@@ -605,6 +605,9 @@ TRAIN = OptionSet("peer train", [
            "pseudo-gradients (int8: blockwise 8-bit with error feedback)"),
     Option("overlap", SWITCH, False, "with --algorithm diloco: average in the background and apply the outer update "
            "one outer step late, so compute never waits on the network"),
+    Option("fragments", POSITIVE_INT, 1, "with --algorithm diloco: Streaming DiLoCo, the model split into this "
+           "many fragments synchronised in turn (an outer round every --inner-steps / N local steps, each sending "
+           "1/N of the model), so peak bandwidth drops about N times"),
     Option("start-with", POSITIVE_INT, 1, "with --algorithm diloco: wait until this many trainers of the run are "
            "visible before the first step, so the first trainers start from one state together"),
     Option("quorum-min", POSITIVE_INT, 2, "with --algorithm diloco: an outer round starts after its grace window "

@@ -548,7 +548,8 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
                 compression=Compression[args.compression.upper()], overlap=args.overlap,
                 quorum=QuorumPolicy(quorum_min=args.quorum_min, quorum_fraction=args.quorum_fraction,
                                     max_staleness=args.max_staleness),
-                start_with=args.start_with, listen=not args.client_mode, should_stop=lambda: stop.requested,
+                start_with=args.start_with, fragments=args.fragments, listen=not args.client_mode,
+                should_stop=lambda: stop.requested,
                 aggregation=args.aggregation, hooks=diloco_hooks,
             )
         elif swarm is not None:
@@ -573,7 +574,8 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
         # and takes one more; one that downloaded an outer step its rounds had not reached yet is ahead and stops
         # there. Counting local steps instead left such a trainer waiting alone for a round nobody else took
         # (ending one outer step behind), or taking a solo outer step past the end (one ahead).
-        outer_target = args.steps // args.inner_steps if optimizer is not None and diloco else 0
+        outer_target = (args.steps // args.inner_steps * optimizer.fragments) if optimizer is not None and diloco \
+            else 0
         step_limit = 2 * args.steps if outer_target else args.steps  # a bound for a trainer that keeps missing
 
         def training_continues() -> bool:

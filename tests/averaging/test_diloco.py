@@ -433,3 +433,29 @@ async def test_allreduce_counts_the_encoded_bytes_it_sends_and_receives(autojump
     for result in (a, b):
         assert numel * per_element <= result.bytes_sent <= numel * per_element * 1.01 + 2000
     assert a.bytes_sent == b.bytes_received and b.bytes_sent == a.bytes_received  # what one sent, the other got
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_streaming_fragments_alternate_and_each_round_sends_its_fragment_only(bridge, overlap):
+    memory = MemoryNetwork(latency=0.002)
+    peers = _start_swarm(bridge, memory, 2)
+    made = _make_together([SimSwarm(bridge, peer) for peer in peers], start_with=2, inner_steps=10, fragments=2,
+                          overlap=overlap)
+    whole = _make_together([SimSwarm(bridge, peer) for peer in _start_swarm(bridge, memory, 2, first=2)],
+                           start_with=2, inner_steps=10)
+    try:
+        _threads([lambda m=m, o=o, i=i: _train(m, o, 40, seed=i) for i, (m, o) in enumerate(made + whole)])
+        _threads([lambda o=o: o.finish(timeout=30.0) for _, o in made + whole])
+        opt = made[0][1]
+        assert opt.fragments == 2 and opt.phase_steps == 5
+        assert {o.outer_step for _, o in made} == {8} and len({o.hash for _, o in made}) == 1  # 2 per 10 steps
+        assert {o.outer_step for _, o in whole} == {4}
+        rounds = [r for r in opt.round_records if r.get("outcome") == "averaged"]
+        assert [r["round"] % 2 for r in rounds] == [0, 1] * 4
+        # a fragment round sends about half of what a whole-model round sends (the model's two Linear layers)
+        per_round = opt.stats()["bytes_sent"] / len(rounds)
+        whole_per_round = whole[0][1].stats()["bytes_sent"] / 4
+        assert per_round < 0.75 * whole_per_round, (per_round, whole_per_round)
+    finally:
+        for _, o in made + whole:
+            o.close()
