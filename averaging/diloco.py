@@ -468,7 +468,7 @@ class DiLoCoOptimizer:
         return outcome
 
     def _record(self, record: dict[str, Any]) -> None:
-        record = {"event": "outer_round", "outer_step": self.outer_step, **record}
+        record = {"event": "outer_round", "outer_step": self.outer_step, "hash": self.hash, **record}
         self.round_records.append(record)
         self._emit(record)
 
@@ -775,8 +775,18 @@ class DiLoCoOptimizer:
         sent, received = self._stats["bytes_sent"], self._stats["bytes_received"]
         self.bytes_per_outer_step = (sent - self._bytes_at_round[0]) + (received - self._bytes_at_round[1])
         self._bytes_at_round = (sent, received)
-        self.tracker.info.update({"bytes": int(self.bytes_per_outer_step),
-                                  "util": None if self.goodput is None else round(self.goodput, 3)})
+        last = next((r for r in reversed(self.round_records) if "members" in r), None)
+        first = self.first_contribution
+        self.tracker.info.update({
+            "bytes": int(self.bytes_per_outer_step), "util": None if self.goodput is None else round(self.goodput, 3),
+            # churn as people read it (peer status, the dashboard): the last round's members and why it started,
+            # the grace window now, contributions that came late, and how soon this trainer first contributed
+            "mem": None if last is None else int(last["members"]),
+            "why": None if last is None else str(last.get("reason", ""))[:32],
+            "win": round(self.rounds.grace.window(self.rounds.rtt), 3),
+            "late": int(self._stats["late_contributions"]),
+            "join": None if first is None else int(first["outer_steps"]),
+        })
 
     def _count_outcome(self, outcome: str) -> None:
         if outcome in ("skipped", "lost", "dropped"):

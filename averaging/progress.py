@@ -402,12 +402,25 @@ def algorithm_summary(reports: Iterable[PeerProgress]) -> dict[str, Any]:
     hashes = {r.info.get("hash") for r in reports if r.epoch == newest and r.info.get("hash")}
     numbers = [float(i["bytes"]) for i in infos if isinstance(i.get("bytes"), (int, float))]
     utilization = [float(i["util"]) for i in infos if isinstance(i.get("util"), (int, float))]
+
+    def values(key: str) -> list[float]:
+        return [float(i[key]) for i in infos if isinstance(i.get(key), (int, float)) and not isinstance(i[key], bool)]
+
+    members, windows, late, joins = values("mem"), values("win"), values("late"), values("join")
+    reasons = [str(i["why"]) for i in infos if isinstance(i.get("why"), str) and i["why"]]
     return {
         "algorithm": str(infos[0]["alg"]),
         "outer_step": newest,
         "bytes_per_outer_step": int(sum(numbers) / len(numbers)) if numbers else None,
         "utilization": round(sum(utilization) / len(utilization), 3) if utilization else None,
         "hashes_agree": len(hashes) <= 1,
+        # DiLoCo's rounds under churn (averaging/diloco.py): the last round's members, why it started (most
+        # trainers' last round), the grace window, late contributions, and the slowest joiner's first round
+        "round_members": int(max(members)) if members else None,
+        "round_started": max(set(reasons), key=reasons.count) if reasons else None,
+        "grace_window": round(max(windows), 3) if windows else None,
+        "late_contributions": int(sum(late)),
+        "joiner_first_contribution": int(max(joins)) if joins else None,
     }
 
 

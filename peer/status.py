@@ -183,6 +183,14 @@ def format_status(status: dict[str, Any]) -> str:
                              f"{run.get('bytes_per_outer_step')} bytes per outer step, utilization "
                              f"{'?' if utilization is None else utilization}, outer hashes "
                              f"{'agree' if run.get('hashes_agree') else 'DIFFER'}")
+                if run.get("round_members") is not None:
+                    window = run.get("grace_window")
+                    joined = run.get("joiner_first_contribution")
+                    lines.append(f"    last round: {plural(run['round_members'], 'member')} "
+                                 f"({run.get('round_started') or '?'}), grace window "
+                                 f"{'?' if window is None else f'{window:.3f} s'}, "
+                                 f"{plural(run.get('late_contributions', 0), 'late contribution')}"
+                                 + ("" if joined is None else f", first contributions within {joined} outer steps"))
             else:
                 lines.append("    algorithm collaborative")
             for group in run.get("recent_groups", []):

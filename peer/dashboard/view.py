@@ -257,6 +257,7 @@ class SwarmView:
                 "samples_per_s": info.get("samples_per_s"),
                 "recent_groups": info.get("recent_groups", []),
                 "averaging": _averaging(run.points.values()),
+                "rounds": {key: info.get(key) for key in ROUND_KEYS},
                 "latest": {peer: dict(point) for peer, point in sorted(run.points.items())},
                 "history": list(run.history),
             })
@@ -271,6 +272,10 @@ class SwarmView:
             "runs": runs,
             "events": list(self.events),
         }
+
+
+ROUND_KEYS = ("algorithm", "outer_step", "round_members", "round_started", "grace_window", "late_contributions",
+              "joiner_first_contribution", "utilization", "hashes_agree")  # DiLoCo's rounds (progress.py)
 
 
 def _averaging(points: Iterable[dict[str, Any]]) -> dict[str, Any]:

@@ -142,6 +142,13 @@ function drawRuns(state) {
         `${p.samples_per_s.toFixed(0)} samples/s, epoch ${p.epoch}`));
     const groups = run.recent_groups.map(group => el("li", {}, `${group.length} trainers: ${group.join(", ")}`));
     const avg = run.averaging;
+    const r = run.rounds || {};
+    const rounds = r.algorithm === "diloco" ?
+      `outer step ${r.outer_step ?? "-"}: last round ${r.round_members ?? "-"} member(s) (${r.round_started ?? "-"}), ` +
+      `grace window ${r.grace_window === null || r.grace_window === undefined ? "-" : r.grace_window.toFixed(3) + " s"}, ` +
+      `${r.late_contributions ?? 0} late contribution(s), goodput ${r.utilization ?? "-"}, ` +
+      `joiners contribute within ${r.joiner_first_contribution ?? "-"} outer step(s), ` +
+      `outer hashes ${r.hashes_agree === false ? "DIFFER" : "agree"}` : "";
     const averaging = `averaging: ${avg.rounds} round(s) taken part in, ${avg.failures} failed` +
       (avg.mean_seconds === null ? "" : `, ${avg.mean_seconds.toFixed(2)} s each on average`);
     return el("div", {class: "run", "data-run-id": run.run_id},
@@ -150,6 +157,7 @@ function drawRuns(state) {
       el("div", {class: "plots"}, plot(run.history, "loss", "training loss", "loss"),
         plot(run.history, "samples_per_s", "samples/s (all trainers)", "rate")),
       el("p", {}, "trainers:"), el("ul", {}, ...trainers), el("p", {class: "averaging"}, averaging),
+      ...(rounds ? [el("p", {class: "rounds"}, rounds)] : []),
       el("p", {}, groups.length ? "recent averaging groups:" : "no averaging group yet"), el("ul", {}, ...groups));
   }));
 }
