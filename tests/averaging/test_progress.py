@@ -261,3 +261,22 @@ async def test_status_lists_the_live_runs_and_their_progress(autojump_clock):
         runs = {run["run_id"]: run for run in await list_runs(observer)}
         assert runs["digits"]["trainers"] == 1  # the dead trainer is gone from the listing
         nursery.cancel_scope.cancel()
+
+
+def test_algorithm_summary_shows_dilocos_rounds_under_churn():
+    from averaging.progress import PeerProgress, algorithm_summary
+    from peer.p2p.identity import PeerID
+
+    def report(index: int, epoch: int, **info: object) -> PeerProgress:
+        return PeerProgress(PeerID(bytes([index]) * 20), epoch, 0, 0.0, 0.0,
+                            info={"alg": "diloco", "hash": "h", **info})
+
+    summary = algorithm_summary([
+        report(1, 7, mem=3, why="quorum after grace", win=0.2, late=1, join=1),
+        report(2, 7, mem=4, why="all ready", win=0.25, late=2, join=2),
+        report(3, 7, mem=4, why="all ready", win=0.1, late=0),
+    ])
+    assert summary["round_members"] == 4 and summary["round_started"] == "all ready"
+    assert summary["grace_window"] == 0.25 and summary["late_contributions"] == 3
+    assert summary["joiner_first_contribution"] == 2 and summary["hashes_agree"] is True
+    assert algorithm_summary([report(1, 0)])["round_members"] is None  # before any round
