@@ -52,6 +52,7 @@ import trio
 
 from averaging.averager import Averager, StepResult
 from averaging.collaborative import local_host_towards
+from averaging.gather import GatherService, combine, prefer_gather
 from averaging.group import GroupInfo, Member
 from averaging.outer_state import ErrorFeedback, OuterState, nesterov_sgd
 from averaging.progress import PeerProgress, ProgressTracker, SwarmProgress
@@ -116,7 +117,10 @@ class DiLoCoOptimizer:
     inner step, so a run's first trainers start from one state together. `fragments`: Streaming DiLoCo
     (`averaging.outer_state`): an outer round every inner_steps / fragments local steps, each on one fragment of
     the parameters, so every fragment is synchronised every `inner_steps` steps and peak traffic drops about
-    `fragments` times; `outer_step` then counts fragment rounds (`fragments` per `inner_steps`).
+    `fragments` times; `outer_step` then counts fragment rounds (`fragments` per `inner_steps`). `exchange`: how a
+    round's members combine their pseudo-gradients: "butterfly" all-reduce, "gather" (every member sends its
+    compressed update to every other, all combine the same set: for sparse codecs; `averaging.gather`), or
+    "auto" (the one that sends fewer bytes for the group and codec).
     """
 
     def __init__(
@@ -148,8 +152,11 @@ class DiLoCoOptimizer:
         finish_timeout: float = 10.0,
         aggregation: str = "mean",
         fragments: int = 1,
+        exchange: str = "auto",
         hooks: DiLoCoHooks | None = None,
     ):
+        if exchange not in ("auto", "butterfly", "gather"):
+            raise ValueError("exchange must be auto, butterfly or gather")
         if inner_steps < 1 or batch_size_per_step < 1:
             raise ValueError("inner_steps and batch_size_per_step must be positive")
         self.optimizer = optimizer
@@ -218,6 +225,8 @@ class DiLoCoOptimizer:
             swarm.rpc, run_id, self.policy, holding=self._holding, expected=self._expected, on_open=self._on_open,
             address=lambda: self._address, banned=lambda: self.averager.strikes.banned, roster_ttl=progress_ttl,
         )
+        self.exchange = exchange
+        self.gather = GatherService(swarm.rpc, members_of=self.rounds.members_of_group)
         self.tracker = ProgressTracker(
             swarm.dht, run_id, self.phase_steps * self.batch_size_per_step, ttl=progress_ttl,
             min_refresh=min_refresh, max_refresh=max_refresh, client_mode=not listen,
@@ -251,9 +260,11 @@ class DiLoCoOptimizer:
                     assert self.averager.allreduce_server is not None
                     self.averager.allreduce_server.hook = self._on_allreduce_event
                     await nursery.start(self.rounds.serve)
+                    self.gather.install()
                     await nursery.start(self.tracker.run)
                     task_status.started(scope)
             finally:
+                self.gather.uninstall()
                 if state_server is not None:
                     state_server.uninstall()
 
@@ -408,8 +419,7 @@ class DiLoCoOptimizer:
         me = start.member(bytes(self.tracker.peer_id))
         assert me is not None
         began = trio.current_time()
-        outcome = "solo"
-        result: StepResult | None = None
+        outcome, reason = "solo", ""
         others = [p for p, _ in self.rounds.roster() if p != bytes(self.tracker.peer_id)]
         if len(start.members) == 1 and others:
             # alone in a round while other trainers of the run are live (a partition, or they were reachable a
@@ -420,7 +430,9 @@ class DiLoCoOptimizer:
             self._record({"outcome": "skipped", "round": start.step, "members": 1, "reason": start.reason,
                           "base": contribution.base})
             return "skipped"
-        if len(start.members) > 1:
+        if len(start.members) > 1 and self._gathers(start, contribution.indices):
+            outcome, reason = await self._gather(start, contribution)
+        elif len(start.members) > 1:
             group = GroupInfo.create(start.group_id, [
                 Member(PeerID(m.peer), m.address, m.bandwidth) for m in start.members])
             result = await self.averager.average_in(group, weight=me.weight, timeout=self.averaging_timeout,
@@ -428,10 +440,10 @@ class DiLoCoOptimizer:
             self._count_traffic(result)
             self._failed = {bytes(p) for p in result.failed_peers}
             outcome = "averaged" if result.finished else "lost"
+            reason = result.reason
         if outcome == "lost":
             self._stats["lost_rounds"] += 1
-            logger.info("diloco: round %d did not finish (%s); nothing applied", start.step,
-                        result.reason if result is not None else "")
+            logger.info("diloco: round %d did not finish (%s); nothing applied", start.step, reason)
         else:
             if self.outer_step != start.step or self.hash != start.hash:
                 # moved meanwhile (a download by another path): this round's update does not fit my state
@@ -466,6 +478,40 @@ class DiLoCoOptimizer:
                               "weight": round(m.weight, 4)} for m in start.members],
         })
         return outcome
+
+    def _gathers(self, start: Start, indices: list[int]) -> bool:
+        """All-gather (`averaging.gather`) instead of the butterfly: with `exchange="gather"`, or with "auto" when
+        it sends fewer bytes for this group and codec; never when a member cannot be called. Every member decides
+        the same from the same start."""
+        if self.exchange == "butterfly" or any(m.address is None for m in start.members):
+            return False
+        if self.exchange == "gather":
+            return True
+        dense = sum(self.pseudo[i].numel() * self.pseudo[i].element_size() for i in indices)
+        compressed = sum(wire.data_nbytes(self.pseudo[i], self.compression) for i in indices)
+        return prefer_gather(len(start.members), compressed, dense)
+
+    async def _gather(self, start: Start, contribution: _Contribution) -> tuple[str, str]:
+        """This round by all-gather: push, agree on the set with the coordinator, combine it (robust rules on the
+        decoded values); judged like the butterfly's rounds (rejected contributions are strikes)."""
+        tensors = [self.pseudo[i] for i in contribution.indices]
+        result = await self.gather.run(start.group_id, [(m.peer, m.address) for m in start.members], tensors,
+                                       self.compression, (start.coordinator, start.coordinator_address),
+                                       deadline=trio.current_time() + self.averaging_timeout)
+        self._stats["bytes_sent"] += result.bytes_sent
+        self._stats["bytes_received"] += result.bytes_received
+        self._failed = set(result.failed)
+        if result.contributions is None or result.chosen is None:
+            return "lost", result.reason
+        weights = {m.peer: m.weight for m in start.members}
+        rejected = combine(result.contributions, weights, self.averager.aggregation, tensors)
+        newly = self.averager.strikes.record_round(set(rejected), result.chosen)
+        if newly:
+            logger.warning("diloco: banning %s (contributions rejected in %d rounds)",
+                           ", ".join(PeerID(p).short() for p in sorted(newly)), self.averager.strikes.ban_after)
+        if len(result.contributions) - len(rejected) < 1:
+            return "lost", "every contribution was rejected"
+        return "averaged", ""
 
     def _record(self, record: dict[str, Any]) -> None:
         record = {"event": "outer_round", "outer_step": self.outer_step, "hash": self.hash, **record}

@@ -169,6 +169,8 @@ class Start:
     waited: float  # seconds from the window's opening to the start
     window: float  # the grace window the round used
     group_id: bytes = field(default=b"")
+    coordinator: bytes = b""  # who started it (it decides an all-gather's set: averaging.gather)
+    coordinator_address: Address | None = None
 
     def __post_init__(self) -> None:
         if not self.group_id:
@@ -232,8 +234,9 @@ class OuterRound:
     the agreement (None when it does not hold this step). `window`: the grace window, from the estimator."""
 
     def __init__(self, step: int, expected: Iterable[bytes], policy: QuorumPolicy, window: float,
-                 own_hash: str | None = None):
+                 own_hash: str | None = None, coordinator: tuple[bytes, Address | None] = (b"", None)):
         self.step = step
+        self.coordinator = coordinator
         self.policy = policy
         self.window = min(max(window, policy.grace_min), policy.grace_max)
         self.own_hash = own_hash
@@ -346,7 +349,7 @@ class OuterRound:
             members.append(Admission(peer, offer.address, offer.bandwidth, offer.samples, staleness,
                                      contribution_weight(offer.samples, staleness), max(0.0, arrived - opened)))
         return Start(self.step, canonical, tuple(members), tuple(resync), reason, max(0.0, now - opened),
-                     self.window)
+                     self.window, coordinator=self.coordinator[0], coordinator_address=self.coordinator[1])
 
     def _verdict_after_start(self, peer: bytes) -> Verdict:
         start = self.start

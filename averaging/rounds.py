@@ -143,6 +143,8 @@ def _number(value: Any, *, low: float = 0.0) -> float:
 def start_to_wire(start: Start) -> dict[str, Any]:
     return {"step": start.step, "hash": start.hash, "reason": start.reason, "waited": start.waited,
             "window": start.window, "group_id": start.group_id, "resync": list(start.resync),
+            "coordinator": [start.coordinator, list(start.coordinator_address)
+                            if start.coordinator_address is not None else None],
             "members": [[m.peer, list(m.address) if m.address is not None else None, m.bandwidth, m.samples,
                          m.staleness, m.weight, m.offset] for m in start.members]}
 
@@ -171,9 +173,12 @@ def start_from_wire(obj: Any) -> Start:
     if not isinstance(group_id, (bytes, bytearray)) or not 1 <= len(group_id) <= 64:
         raise ValueError("bad group id")
     reason = obj.get("reason")
+    coordinator = obj.get("coordinator")
+    if not isinstance(coordinator, list) or len(coordinator) != 2:
+        raise ValueError("bad coordinator")
     return Start(step, hash_, tuple(admissions), tuple(_peer(p) for p in resync),
                  reason if isinstance(reason, str) else "", _number(obj.get("waited")), _number(obj.get("window")),
-                 bytes(group_id))
+                 bytes(group_id), _peer(coordinator[0]), _address(coordinator[1]))
 
 
 def _verdict_to_wire(verdict: Verdict, now: float) -> dict[str, Any]:
@@ -439,6 +444,14 @@ class RoundService:
         coordinated.wake()
         return {**_verdict_to_wire(verdict, now), "roster": self._gossip()}
 
+    def members_of_group(self, group_id: bytes) -> list[bytes] | None:
+        """The members of a round this trainer started (for `averaging.gather`'s decision), by group id."""
+        for coordinated in self.rounds.values():
+            start = coordinated.core.start
+            if start is not None and start.group_id == group_id:
+                return start.peers
+        return None
+
     async def _better_candidate(self, step: int, skipped: list[bytes]) -> tuple[bytes, Address] | None:
         """A candidate ranked before me that I believe alive (probing the ones the trainer could not reach, and
         the ones I suspect); None when I am the best."""
@@ -468,7 +481,8 @@ class RoundService:
     def _coordinate(self, step: int) -> _Coordinated:
         banned = self._banned()
         expected = {p: a for p, a in self._expected(step).items() if p not in banned}
-        core = OuterRound(step, expected, self.policy, self.grace.window(self.rtt), own_hash=self._own_hash(step))
+        core = OuterRound(step, expected, self.policy, self.grace.window(self.rtt), own_hash=self._own_hash(step),
+                          coordinator=(self.me, self._address()))
         coordinated = _Coordinated(core, dict(expected))
         self.rounds[step] = coordinated
         for old in sorted(self.rounds)[:-self.keep_rounds]:

@@ -608,6 +608,9 @@ TRAIN = OptionSet("peer train", [
     Option("fragments", POSITIVE_INT, 1, "with --algorithm diloco: Streaming DiLoCo, the model split into this "
            "many fragments synchronised in turn (an outer round every --inner-steps / N local steps, each sending "
            "1/N of the model), so peak bandwidth drops about N times"),
+    Option("exchange", Text(["auto", "butterfly", "gather"]), "auto", "with --algorithm diloco: how a round's "
+           "members combine their pseudo-gradients: butterfly all-reduce, gather (each sends its compressed update "
+           "to all, all combine the same set: for sparse codecs), or auto (whichever sends fewer bytes)"),
     Option("start-with", POSITIVE_INT, 1, "with --algorithm diloco: wait until this many trainers of the run are "
            "visible before the first step, so the first trainers start from one state together"),
     Option("quorum-min", POSITIVE_INT, 2, "with --algorithm diloco: an outer round starts after its grace window "

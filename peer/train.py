@@ -548,7 +548,8 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
                 compression=Compression[args.compression.upper()], overlap=args.overlap,
                 quorum=QuorumPolicy(quorum_min=args.quorum_min, quorum_fraction=args.quorum_fraction,
                                     max_staleness=args.max_staleness),
-                start_with=args.start_with, fragments=args.fragments, listen=not args.client_mode,
+                start_with=args.start_with, fragments=args.fragments, exchange=args.exchange,
+                listen=not args.client_mode,
                 should_stop=lambda: stop.requested,
                 aggregation=args.aggregation, hooks=diloco_hooks,
             )

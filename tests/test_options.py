@@ -77,6 +77,7 @@ TABLE: dict[str, dict[str, tuple]] = {
         "threads": POSITIVE_INT, "max-failed-steps": POSITIVE_INT, "task": choice("lm", "digits"),
         "seq-len": POSITIVE_INT, "insecure-transport": SWITCH, "metrics-port": PORT,
         "swarm-key": PATH, "allow-peers": PATH, "start-with": POSITIVE_INT, "fragments": POSITIVE_INT,
+        "exchange": choice("auto", "butterfly", "gather"),
         "quorum-min": POSITIVE_INT, "quorum-fraction": FRACTION, "max-staleness": NOT_NEGATIVE_INT,
     },
     "swarm up": {**TOPOLOGY, "kill-one-at": POSITIVE, "log-dir": PATH},

@@ -459,3 +459,20 @@ def test_streaming_fragments_alternate_and_each_round_sends_its_fragment_only(br
     finally:
         for _, o in made + whole:
             o.close()
+
+
+def test_gather_exchange_agrees_and_matches_reference_nesterov(bridge, tmp_path):
+    memory = MemoryNetwork(latency=0.002)
+    peers = _start_swarm(bridge, memory, 4)
+    made = _make_together([SimSwarm(bridge, peer) for peer in peers], hooks=DiLoCoHooks(trace_dir=str(tmp_path)),
+                          start_with=4, exchange="gather", compression=INT8)
+    try:
+        _threads([lambda m=m, o=o, i=i: _train(m, o, 15, seed=i) for i, (m, o) in enumerate(made)])
+        assert {opt.outer_step for _, opt in made} == {3} and len({opt.hash for _, opt in made}) == 1
+        _reference_check(str(tmp_path), 3, 4)  # the weighted mean of the members' compressed pseudo-gradients
+        stats = made[0][1].stats()
+        assert stats["group_sizes"] == {4: 3} and stats["bytes_sent"] > 0
+        assert all(o.gather.stats["rounds"] == 3 for _, o in made)
+    finally:
+        for _, opt in made:
+            opt.close()
