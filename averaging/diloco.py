@@ -56,7 +56,7 @@ from averaging.gather import GatherService, combine, prefer_gather
 from averaging.group import GroupInfo, Member
 from averaging.outer_state import ErrorFeedback, OuterState, nesterov_sgd
 from averaging.progress import PeerProgress, ProgressTracker, SwarmProgress
-from averaging.quorum import Dropped, Late, Offer, QuorumPolicy, Resync, Start
+from averaging.quorum import Dropped, Late, Offer, QuorumPolicy, Resync, Start, check_start
 from averaging.rounds import Behind, Holding, RoundService
 from averaging.state import install_state_server, load_state
 from averaging.state_hash import state_digest
@@ -418,6 +418,15 @@ class DiLoCoOptimizer:
         """I am a member of `start`: average, apply, remember the round."""
         me = start.member(bytes(self.tracker.peer_id))
         assert me is not None
+        problem = check_start(start, self.policy)
+        if problem is not None:  # a coordinator that breaks the rules: not followed, and not asked first again
+            logger.warning("diloco: round %d's start from %s breaks the rules (%s); not taken", start.step,
+                           PeerID(start.coordinator).short() if start.coordinator else "?", problem)
+            if start.coordinator:
+                self.rounds.suspect(start.coordinator)
+            self._record({"outcome": "lost", "round": start.step, "reason": f"bad start: {problem}",
+                          "base": contribution.base})
+            return "lost"
         began = trio.current_time()
         outcome, reason = "solo", ""
         others = [p for p, _ in self.rounds.roster() if p != bytes(self.tracker.peer_id)]

@@ -29,7 +29,7 @@ Address = tuple[str, int]
 
 __all__ = [
     "Admission", "Dropped", "GraceEstimator", "Late", "Offer", "OuterRound", "Queued", "QuorumPolicy", "Resync",
-    "Start", "Verdict", "contribution_weight", "coordinator_order", "quantile",
+    "Start", "Verdict", "check_start", "contribution_weight", "coordinator_order", "quantile", "samples_cap",
 ]
 
 
@@ -40,7 +40,8 @@ class QuorumPolicy:
     quorum_min, quorum_fraction: the quorum is max(quorum_min, ceil(quorum_fraction * live)), at most the number
     of trainers live (those expected plus those ready), so it can always be met. grace_*: bounds and shape of the
     learned window (`GraceEstimator`). max_wait: the hard bound after the window opened. max_staleness: older
-    contributions are dropped, with a reason."""
+    contributions are dropped, with a reason. max_samples_ratio: a contribution counts at most this many times
+    the samples of the round's (lower) median contribution, so weight cannot be bought by claiming it."""
 
     quorum_min: int = 2
     quorum_fraction: float = 0.5
@@ -52,6 +53,7 @@ class QuorumPolicy:
     max_wait: float = 30.0
     max_staleness: int = 4
     history: int = 64
+    max_samples_ratio: float = 4.0
 
     def __post_init__(self) -> None:
         if self.quorum_min < 1:
@@ -68,6 +70,8 @@ class QuorumPolicy:
             raise ValueError("max_wait must be at least grace_max")
         if self.max_staleness < 0 or self.history < 1:
             raise ValueError("max_staleness must be >= 0 and history >= 1")
+        if not self.max_samples_ratio >= 1.0:
+            raise ValueError("max_samples_ratio must be at least 1")
 
     def quorum(self, live: int) -> int:
         """Ready trainers needed to start after the window, when `live` trainers are expected or ready."""
@@ -119,6 +123,30 @@ def contribution_weight(samples: int, staleness: int) -> float:
     """A contribution's averaging weight: its samples, discounted by staleness as samples / (1 + staleness)
     (the usual staleness-aware rule of asynchronous SGD: an update computed k steps ago counts 1/(k+1))."""
     return float(max(0, samples)) / (1.0 + max(0, staleness))
+
+
+def samples_cap(samples: Iterable[int], ratio: float) -> int:
+    """The most samples a contribution of a round may count: `ratio` times the lower median of the round's."""
+    ordered = sorted(samples)
+    if not ordered:
+        return 0
+    return int(ratio * ordered[(len(ordered) - 1) // 2])
+
+
+def check_start(start: "Start", policy: QuorumPolicy) -> str | None:
+    """What is wrong with a start a coordinator sent (None: nothing): a member checks the weights and shares it
+    is told to use against the rules, so a coordinator cannot hand weight to anyone."""
+    cap = samples_cap([m.samples for m in start.members], policy.max_samples_ratio)
+    for member in start.members:
+        if member.samples > cap:
+            return f"{member.samples} samples above the cap of {cap}"
+        if member.bandwidth != 1.0:
+            return "a member with another share than the others"
+        if not 0 <= member.staleness <= policy.max_staleness:
+            return f"staleness {member.staleness} out of bounds"
+        if abs(member.weight - contribution_weight(member.samples, member.staleness)) > 1e-9 * max(1.0, member.weight):
+            return "a weight that is not samples / (1 + staleness)"
+    return None
 
 
 def coordinator_order(run: str, step: int, candidates: Iterable[bytes]) -> list[bytes]:
@@ -338,6 +366,8 @@ class OuterRound:
         tied = sorted(h for h, n in counts.items() if n == top)
         canonical = self.own_hash if self.own_hash in tied else tied[0]
         opened = self.opened_at if self.opened_at is not None else now
+        cap = samples_cap([offer.samples for offer, _ in self.offers.values() if offer.hash == canonical],
+                          self.policy.max_samples_ratio)
         members = []
         resync = []
         for peer in sorted(self.offers):
@@ -346,8 +376,10 @@ class OuterRound:
                 resync.append(peer)
                 continue
             staleness = self.step - offer.base
-            members.append(Admission(peer, offer.address, offer.bandwidth, offer.samples, staleness,
-                                     contribution_weight(offer.samples, staleness), max(0.0, arrived - opened)))
+            samples = min(offer.samples, cap)
+            # every member reduces an equal share: a claimed bandwidth would let a liar take the whole vector
+            members.append(Admission(peer, offer.address, 1.0, samples, staleness,
+                                     contribution_weight(samples, staleness), max(0.0, arrived - opened)))
         return Start(self.step, canonical, tuple(members), tuple(resync), reason, max(0.0, now - opened),
                      self.window, coordinator=self.coordinator[0], coordinator_address=self.coordinator[1])
 

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from averaging.quorum import (
+    Admission,
     Dropped,
     GraceEstimator,
     Late,
@@ -22,6 +23,7 @@ from averaging.quorum import (
     QuorumPolicy,
     Resync,
     Start,
+    check_start,
     contribution_weight,
     coordinator_order,
     quantile,
@@ -321,3 +323,19 @@ def test_a_thousand_trainers_with_heavy_tails_and_churn_no_round_waits_past_its_
     assert figures["counted"] == figures["completed"], figures  # every completed contribution is in its round
     assert figures["late"] > 0, figures  # the heavy tail made some trainers late (the window did not wait)
     assert 0.05 <= figures["window"] <= 2.0, figures
+
+
+def test_claimed_samples_are_capped_and_claimed_bandwidth_ignored():
+    core = OuterRound(3, [peer(i) for i in range(1, 5)], POLICY, window=0.5)
+    for i in range(1, 4):
+        core.offer(offer(i, samples=100), 0.0)
+    core.offer(Offer(peer(4), 3, 10**6, "h", ("10.0.0.1", 1004), 1e9), 0.0)  # claims weight and bandwidth
+    start = core.poll(0.0)
+    assert start is not None
+    liar = start.member(peer(4))
+    assert liar is not None and liar.samples == 400 and liar.weight == 400.0 and liar.bandwidth == 1.0
+    assert check_start(start, POLICY) is None
+    forged = Start(start.step, start.hash, tuple(
+        m if m.peer != peer(4) else Admission(m.peer, m.address, 1.0, 10**6, 0, 1e6, 0.0) for m in start.members),
+        (), "all ready", 0.0, 0.5)
+    assert "cap" in (check_start(forged, POLICY) or "")
