@@ -887,6 +887,8 @@ class DiLoCoOptimizer:
             self.swarm.run(self._until_stop, None, self._wait_background)
         if self._background is not None:
             self._count_outcome(self._background_outcome)
+            if self._background_outcome not in ("averaged", "solo"):
+                self.outer.unapplied()  # its progress goes into this fragment's next contribution
             self._account_round()
         base = self.outer_step
         self.outer.from_progress(self.outer.fragment(base))

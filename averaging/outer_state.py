@@ -115,6 +115,7 @@ class OuterState:
         self.step = 0
         self.hash = state_digest(self.tensors)
         self._stale: set[int] = set()  # fragments whose outer parameters moved since their last rebase (overlap)
+        self._pending: dict[int, torch.Tensor] = {}  # overlap: the progress of the contribution in flight
 
     def fragment(self, step: int) -> list[int]:
         """The tensor indices round `step` synchronises."""
@@ -135,11 +136,21 @@ class OuterState:
         `indices` (compressed), which becomes their pending contribution."""
         with torch.no_grad():
             self.rebase()
+            self._pending = {}
             for index in indices:
                 fresh = self.anchor[index] - self.params[index].detach()
                 self.pseudo[index].copy_(fresh).mul_(self.scale)
                 self.anchor[index].copy_(self.params[index].detach())
+                self._pending[index] = fresh
             self.feedback.compress(self.pseudo, indices)
+
+    def unapplied(self) -> None:
+        """Overlap: the last contribution was not applied (its round was lost or skipped): its progress is fresh
+        again, so the fragment's next contribution carries it (no work is lost)."""
+        with torch.no_grad():
+            for index, fresh in self._pending.items():
+                self.anchor[index].add_(fresh)
+        self._pending = {}
 
     def rebase(self, indices: Sequence[int] | None = None) -> None:
         """Overlap: local <- outer - fresh, anchor <- outer, on the fragments applied since their last rebase (or
@@ -176,6 +187,7 @@ class OuterState:
             self.hash = state_digest(self.tensors)
         self.feedback.commit()
         self._stale.update(chosen)
+        self._pending = {}
 
     def replace(self, tensors: Sequence[torch.Tensor], step: int, hash_: str) -> None:
         """A downloaded outer state (already verified against `hash_`); every fragment must be rebased."""

@@ -81,3 +81,14 @@ def test_overlap_with_fragments_contributes_all_progress_since_the_fragments_las
     outer.from_progress([0])  # round 2 (fragment 0): the two phases since its contribution
     assert torch.equal(outer.pseudo[0], torch.full((3,), 2.0))
     assert torch.equal(params[1], torch.full((2,), -3.0))  # new outer (-2) minus fresh (1)
+
+
+def test_overlap_a_lost_round_gives_its_progress_back_to_the_next_contribution():
+    params, outer = _state()
+    _move(params, 1.0)
+    outer.from_progress([0, 1])  # contributes 1
+    _move(params, 0.5)
+    outer.unapplied()  # the round was lost: nothing applied
+    outer.from_progress([0, 1])
+    assert all(torch.allclose(q, torch.full_like(q, 1.5)) for q in outer.pseudo)  # both phases' progress
+    assert outer.step == 0
