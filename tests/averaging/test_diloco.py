@@ -17,6 +17,7 @@ import trio
 from torch import nn
 
 from averaging.diloco import DiLoCoHooks, DiLoCoOptimizer, ErrorFeedback, state_hash
+from averaging.quorum import QuorumPolicy
 from peer.p2p import wire
 from peer.p2p.bridge import Bridge
 from peer.p2p.net import MemoryNetwork
@@ -134,8 +135,10 @@ def _model() -> nn.Module:
 def _make(swarm: SimSwarm, model: nn.Module | None = None, **options: Any) -> tuple[nn.Module, DiLoCoOptimizer]:
     model = _model() if model is None else model
     inner = torch.optim.SGD(model.parameters(), lr=0.05)
+    # a window of at least 2 s: on a loaded machine a trainer descheduled for a moment must not cut its phase
+    # (most tests check that every member's phases end together)
     defaults = dict(inner_steps=5, batch_size_per_step=4, averaging_timeout=20.0, progress_ttl=10.0,
-                    min_refresh=0.05, max_refresh=0.5)
+                    min_refresh=0.05, max_refresh=0.5, quorum=QuorumPolicy(grace_min=2.0))
     defaults.update(options)
     return model, DiLoCoOptimizer(inner, swarm, "sim", **defaults)
 
