@@ -4,7 +4,7 @@ PYTHON ?= python3
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: run test test-fast lint bench clean-venv docker-image
+.PHONY: run test test-fast lint docs bench clean-venv docker-image
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,8 +24,9 @@ run: $(STAMP)
 	$(BIN)/peer swarm up --task lm --steps 150 --batch-size 8 --target-batch-size 512 --kill-one-at 10
 
 # Everything CI runs: static checks (ruff; mypy, strict on the foundation, the DHT and the averaging cores), the
-# default (fast) suite, then the scenarios marked slow.
-test: lint $(STAMP)
+# documentation site (a broken link or a missing page fails it), the default (fast) suite, then the scenarios
+# marked slow.
+test: lint docs $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15
 	$(BIN)/python -m pytest -q -m slow --durations=15 || test $$? -eq 5
 
@@ -36,6 +37,18 @@ lint: $(STAMP)
 # The default suite only (a few minutes): for the edit-test loop.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15
+
+# The documentation site: docs/ as configured by mkdocs.yml, built in strict mode (any warning fails: a broken
+# link or anchor, a page missing from the nav or a nav entry without its page, an API reference that does not
+# resolve) into site/ (git-ignored). Installs the `docs` extra into the virtual environment when missing.
+DOCS_STAMP := $(VENV)/.docs-stamp
+
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/python -m pip install --quiet -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(BIN)/mkdocs build --strict
 
 bench: $(STAMP)
 	for bench in benchmarks/bench_*.py; do $(BIN)/python $$bench || exit 1; done
