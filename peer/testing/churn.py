@@ -14,7 +14,8 @@ is a `subprocess.Popen` under a name, a spawn is a callable that returns one.
 Actions run in list order: each is applied once its time has come (`at`, seconds after the first `poll`) and its
 condition holds (`when`), and only after the action before it was applied; so "stop then cont" can never run the
 other way round. `kill` is SIGKILL, `stop` SIGSTOP, `cont` SIGCONT; signalling a process that has already exited
-is recorded (outcome "exited"), not an error.
+is recorded (outcome "exited"), not an error. A signal's `pick` chooses its target when it is applied (e.g. "the
+trainer that has run longest"); when it returns None the action is recorded as "skipped" and nothing is sent.
 """
 
 from __future__ import annotations
@@ -32,30 +33,36 @@ SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "cont": signal.SIGCON
 @dataclass(frozen=True)
 class Action:
     """One step: `kind` ("kill", "stop", "cont" or "spawn") applied to the process named `target`; `start`
-    (spawn only) returns the new process."""
+    (spawn only) returns the new process; `pick` (signals only) names the target when the action is applied
+    (None: skip it), `target` is then only a label."""
 
     kind: str
     target: str
     at: float | None = None
     when: Callable[[], bool] | None = None
     start: Callable[[], subprocess.Popen[Any]] | None = None
+    pick: Callable[[], str | None] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in (*SIGNALS, "spawn"):
             raise ValueError(f"unknown churn action {self.kind!r}")
         if (self.kind == "spawn") != (self.start is not None):
             raise ValueError("a spawn, and only a spawn, needs `start`")
+        if self.kind == "spawn" and self.pick is not None:
+            raise ValueError("a spawn names its process: no `pick`")
 
 
 @dataclass(frozen=True)
 class Applied:
-    """What happened: the action, when (seconds after the start), the pid it concerned, and the outcome
-    ("done", or "exited" when the target had already exited)."""
+    """What happened: the action, when (seconds after the start), the pid it concerned, the outcome ("done",
+    "exited" when the target had already exited, "skipped" when `pick` chose nobody: pid 0) and the process it
+    reached (`action.target`, or what `pick` chose)."""
 
     action: Action
     time: float
     pid: int
     outcome: str
+    target: str = ""
 
 
 class Churn:
@@ -110,9 +117,12 @@ class Churn:
         if action.kind == "spawn":
             assert action.start is not None
             process = self.processes[action.target] = action.start()
-            return Applied(action, self.elapsed(), process.pid, "done")
-        process = self.processes[action.target]
+            return Applied(action, self.elapsed(), process.pid, "done", action.target)
+        target = action.target if action.pick is None else action.pick()
+        if target is None:
+            return Applied(action, self.elapsed(), 0, "skipped")
+        process = self.processes[target]
         if process.poll() is not None:
-            return Applied(action, self.elapsed(), process.pid, "exited")
+            return Applied(action, self.elapsed(), process.pid, "exited", target)
         process.send_signal(SIGNALS[action.kind])
-        return Applied(action, self.elapsed(), process.pid, "done")
+        return Applied(action, self.elapsed(), process.pid, "done", target)

@@ -94,3 +94,15 @@ def test_malformed_actions_are_refused():
         Action("spawn", "a")
     with pytest.raises(ValueError):
         Action("kill", "a", start=lambda: subprocess.Popen(["true"]))
+
+
+def test_pick_chooses_the_target_when_applied_and_none_skips(sleepers):
+    chosen = {"name": None}
+    churn = Churn([Action("kill", "oldest", pick=lambda: chosen["name"]),
+                   Action("kill", "oldest", pick=lambda: "b")], sleepers)
+    applied = churn.run(timeout=5)
+    assert [(a.outcome, a.target, a.pid) for a in applied] == [("skipped", "", 0),
+                                                               ("done", "b", sleepers["b"].pid)]
+    assert sleepers["b"].wait(timeout=5) == -9 and sleepers["a"].poll() is None
+    with pytest.raises(ValueError):
+        Action("spawn", "c", start=lambda: subprocess.Popen(["true"]), pick=lambda: "c")
