@@ -53,10 +53,19 @@ def markdown_text(text: str) -> str:
     out = []
     for part in parts:
         if part.startswith("`") and part.endswith("`") and len(part) > 1:
-            out.append(part.replace("|", "\\|"))
+            out.append(code(part[1:-1]))
         else:
             out.append("".join(_ESCAPED.get(char, char) for char in part))
     return "".join(out)
+
+
+def code(text: str) -> str:
+    """Inline code that may hold `|` inside a table cell: as HTML with the pipe as an entity, which neither
+    Python-Markdown nor GitHub takes for a column separator; plain backticks otherwise."""
+    if "|" not in text:
+        return f"`{text}`"
+    escaped = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("|", "&#124;")
+    return f"<code>{escaped}</code>"
 
 
 def shown_default(option: Option) -> str:
@@ -85,12 +94,12 @@ def option_rows(parser: argparse.ArgumentParser, option_set: OptionSet) -> list[
     actions = _actions_by_flag(parser)
     rows = ["| option | what it does | default |", "|---|---|---|"]
     for option in option_set.options:
-        usage = option_usage(option, actions[option.flag]).replace("|", "\\|")
+        usage = code(option_usage(option, actions[option.flag]))
         what = markdown_text(option.help)
         if option is CONFIG:
             what += " (not itself a config key)"
         default = "**required**" if option.required else markdown_text(shown_default(option))
-        rows.append(f"| `{usage}` | {what} | {default} |")
+        rows.append(f"| {usage} | {what} | {default} |")
     return rows
 
 
