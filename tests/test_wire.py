@@ -329,9 +329,14 @@ def test_compression_arguments_are_validated():
     with pytest.raises(WireError):
         compressed("not a tensor", Compression.UINT8)
     with pytest.raises(WireError):
-        compressed(torch.zeros(1), 7)
+        compressed(torch.zeros(1), 99)
     with pytest.raises(WireError):
-        encode(torch.zeros(1), compression=9)
+        encode(torch.zeros(1), compression=99)
+    for density in (0, -0.5, 1.5, float("nan"), True, "0.1"):
+        with pytest.raises(WireError):
+            compressed(torch.zeros(1), Compression.TOPK2, density=density)
+        with pytest.raises(WireError):
+            encode(torch.zeros(1), compression=Compression.TOPK2, density=density)
 
 
 # --------------------------------------------------------------------------------------------------- hostile input

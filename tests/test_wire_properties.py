@@ -348,8 +348,9 @@ def mutations(draw, header):
 @st.composite
 def mutated_messages(draw):
     batch = draw(st.lists(tensors(shape=st.lists(st.integers(0, 4), max_size=3)), min_size=1, max_size=3))
-    # the blockwise INT8 codec's header rules (scales inside the buffer) are checked in tests/averaging/test_diloco.py
-    codec = draw(st.sampled_from([c for c in Compression if c != Compression.INT8]))
+    # the blockwise codecs' header rules (scales inside the buffer) are checked in tests/averaging/test_diloco.py
+    # (INT8) and tests/test_wire_codecs.py (INT4, INT2, TOPK2, TOPK8)
+    codec = draw(st.sampled_from([Compression.NONE, Compression.FLOAT16, Compression.UINT8]))
     message = wire.encode_bytes([draw(scalars), batch], compression=codec)
     body, headers, data = split_message(message)
     target = draw(st.integers(0, len(headers) - 1))
@@ -495,6 +496,9 @@ def test_mutated_messages_reach_the_tensor_header_checks(monkeypatch):
 
 @given(tensors(), st.sampled_from(list(Compression)), st.booleans())
 @example(torch.tensor([1.0, math.inf]), Compression.INT8, False)  # sent uncompressed, counted compressed
+@example(torch.tensor(math.inf, dtype=torch.float16), Compression.INT4, False)
+@example(torch.randn(9000, generator=torch.Generator().manual_seed(1)), Compression.TOPK2, True)
+@example(torch.randn(9000, generator=torch.Generator().manual_seed(1)), Compression.TOPK8, False)
 def test_data_nbytes_is_the_data_the_encoder_sends(tensor, compression, wrapped):
     item = wire.compressed(tensor, compression) if wrapped else tensor
     parts = wire.encode([item], compression=Compression.NONE if wrapped else compression)
@@ -504,9 +508,9 @@ def test_data_nbytes_is_the_data_the_encoder_sends(tensor, compression, wrapped)
                     ext_hook=lambda code, payload: headers.append(msgpack.unpackb(payload)))
     _, _, sent_codec, _, sent_nbytes, _ = headers[0]
     counted = wire.data_nbytes(item, Compression.NONE if wrapped else compression)
-    if sent_codec == Compression.NONE and compression in (Compression.UINT8, Compression.INT8) \
+    if sent_codec == Compression.NONE and compression not in (Compression.NONE, Compression.FLOAT16) \
             and tensor.dtype in FLOATING and tensor.numel():
-        # the documented exception: values the 8-bit codec cannot hold went uncompressed
+        # the documented exception: values a quantizing codec cannot hold went uncompressed
         if counted != sent_nbytes:
             wide = tensor.to(torch.float64)
             assert not bool(torch.isfinite(wide).all()) or float(wide.abs().max()) > 3.0e38

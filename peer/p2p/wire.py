@@ -55,12 +55,16 @@ __all__ = [
     "HEADER_BYTES",
     "LimitExceeded",
     "Limits",
+    "MalformedTensor",
     "TENSOR_EXT_CODE",
     "WireError",
     "check_message_size",
     "compressed",
     "data_nbytes",
     "decode",
+    "default_density",
+    "set_default_density",
+    "topk_params",
     "roundtrip",
     "encode",
     "encode_bytes",
@@ -88,6 +92,13 @@ class WireError(Exception):
 
 class LimitExceeded(WireError):
     """A message (or its length prefix) exceeds one of the :class:`Limits`; detected before allocating for it."""
+
+
+class MalformedTensor(WireError):
+    """A tensor in a received message breaks the format: its header (dtype, shape, codec, offset, length, codec
+    parameters) or its bytes (scales, packed codes, indices) are not what the codec can produce. Raised by
+    :func:`decode` before any tensor of that message is handed out; the RPC layer answers the call (or fails the
+    reply) it came in with a typed error and keeps the connection, like any other :class:`WireError`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,16 +155,119 @@ class Compression(IntEnum):
         (``roundtrip(roundtrip(x)) == roundtrip(x)``), which lets every member of an all-reduce hold bit-identical
         values. Size: 1 + 4/256 bytes per element. A tensor holding NaN or infinity, or whose block maximum
         exceeds float32's range, is sent uncompressed.
+
+    The codecs below are for pseudo-gradients at the frontier of compression (DiLoCo's outer gradients, with error
+    feedback: `averaging.outer_state.ErrorFeedback`). All of them: deterministic (the same bytes in every process
+    for the same input and parameters, on a given torch build and CPU), idempotent on their own output
+    (``roundtrip(roundtrip(x)) == roundtrip(x)``, which lets every member of an all-reduce or all-gather hold
+    bit-identical values), decoded exactly from the bytes (no state on the receiver); a tensor holding NaN or
+    infinity, or a value beyond float32's range, is sent uncompressed. The bounds are for float32 and float64
+    input; float16 and bfloat16 tensors decode back to their dtype (rounded, and clamped to its finite range).
+    "+ rounding" below is the float rounding of the quantizer's arithmetic in the working precision (float64 for
+    float64 input, float32 otherwise): a few units in the last place of the block's largest magnitude.
+
+    INT4: blockwise symmetric 4-bit quantization: blocks of ``INT4_BLOCK`` (64) elements, each with a float32
+        scale s, ``q = round(x / s)`` in [-7, 7] sent as 4-bit two's complement (code -8 is invalid), two per
+        byte (element 2i in the low nibble of byte i), decoded as ``q * s``. The scale has 5 significant bits:
+        the smallest ``m * 2**e >= max|block| / 7`` with ``16 <= m < 32`` (at least 2**-126). A power of two,
+        as INT8 uses, would waste up to half the range (one of the 4 bits); 5 bits waste at most 1/16 of it,
+        keep ``q * s`` exact in float32 and bfloat16 (3 bits times 5 bits), and keep the codec idempotent (the
+        decoded block's maximum is exactly ``7 * s``, whose scale is s again). Error per element:
+        ``|x - x'| <= s / 2 < max|block| * 17 / 224`` (+ rounding); zeros are exact. Size: 1/2 + 4/64 bytes per
+        element; params ``[block]``; the buffer holds the blocks' float32 scales, then the packed codes.
+    INT2: blockwise 2-bit quantization, sign and magnitude: blocks of ``INT2_BLOCK`` (128) elements, each with two
+        float32 magnitude levels ``a <= b``; an element is sent as its sign (bit 1 of its code: negative) and
+        whether its magnitude is nearer b than a (bit 0; ties to b), four codes per byte (element 4i in the low
+        bits of byte i), decoded as ``+-a`` or ``+-b``. The levels are one Lloyd (2-means) step from the block's
+        extremes lo = min|x| and hi = max|x|: the mean magnitude of the elements nearer lo, and of those nearer
+        hi (see `_two_levels`). Error per element: ``|x - x'| <= (hi - lo) / 2`` (+ rounding), since a is at
+        most and b at least the midpoint; and over a block the squared error is at most that of sending each
+        element as the nearer of lo and hi (a Lloyd step never increases it), which is at most
+        ``||block||**2 - hi**2``: the codec is a contraction, as error feedback needs. Why not one scale with
+        symmetric levels: on heavy-tailed pseudo-gradients (benchmarks/bench_codecs.py) the levels
+        ``+-s/2, +-3s/2`` with s from the block maximum give a relative L2 error above 1 (every small value becomes
+        +-s/2), ``-s, 0, s`` give 0.69 at blocks of 64; two levels per block of 128 give 0.46 for the same 2.5 bits
+        per element. Size: 1/4 + 8/128 bytes per element; params ``[block]``; the buffer holds the blocks'
+        (a, b) pairs, then the packed codes.
+
+    TOPK2, TOPK8: sparse top-k (SparseLoCo's setting with TOPK2): the flattened tensor is cut into chunks of
+        ``chunk`` elements (``TOPK_CHUNK``, 4096, or the whole tensor when smaller; the last chunk may be
+        shorter); each full chunk keeps the k elements of largest magnitude (``k = ceil(density * chunk)``, the
+        density being the tensor's own or :func:`default_density`, see :func:`topk_params`), a last chunk of
+        n < chunk elements keeps ``ceil(k * n / chunk)``. Ties are broken by the lower index, so the kept set is
+        a function of the values alone. Every element not kept decodes to exactly 0. params ``[chunk, k]`` with
+        ``1 <= k <= chunk <= 65536``: the receiver reads them from the header, never from its own configuration.
+        The buffer holds, in order: the chunks' float32 scales, the kept elements' indices inside their chunk
+        (strictly increasing within a chunk, chunk after chunk; 12 bits each, two in three bytes, little-endian,
+        when chunk <= 4096, else 16 bits), then their values:
+        - TOPK2: 2 bits per kept element, INT2's sign-and-magnitude code and levels on the chunk's kept values
+          (two float32 levels a <= b per chunk; lo and hi are the smallest and largest kept magnitude), four per
+          byte. Error per kept element: ``|x - x'| <= (hi - lo) / 2`` (+ rounding), a chunk's squared error on
+          its kept values at most ``||kept||**2 - hi**2``. (Measured on heavy-tailed pseudo-gradients at 2%: the
+          kept values' relative L2 error is 0.26, against 0.84 for symmetric levels from the chunk maximum.) A
+          kept zero (a chunk with fewer than k non-zeros) may decode to +a.
+        - TOPK8: one int8 per kept element in [-127, 127], with a power-of-two scale per chunk as INT8's (from
+          the largest kept magnitude): ``|x - x'| <= s / 2 <= hi / 127``, and ``<= |x|``.
+        Size: per chunk 8 (TOPK2) or 4 (TOPK8) bytes of scales, per kept element 12 bits of index plus 2 or 8
+        bits of value: about 1/108 (TOPK2) and 1/78 (TOPK8) of float32 at the default 2%.
     """
 
     NONE = 0
     FLOAT16 = 1
     UINT8 = 2
     INT8 = 3
+    INT4 = 4
+    INT2 = 5
+    TOPK2 = 6
+    TOPK8 = 7
 
 
 INT8_BLOCK = 256
 """Elements per block of the blockwise INT8 codec (one float32 scale per block)."""
+INT4_BLOCK = 64
+"""Elements per block of the INT4 codec: the scale costs 1/2 bit per element (an eighth of the 4-bit codes).
+Measured on pseudo-gradients (benchmarks/bench_codecs.py --blocks), relative L2 error / bits per element: blocks
+of 32: 0.123 / 5, 64: 0.154 / 4.5, 128: 0.190 / 4.25, 256: 0.231 / 4.125."""
+INT2_BLOCK = 128
+"""Elements per block of the INT2 codec: its two levels cost 1/2 bit per element. Measured as INT4_BLOCK: 64:
+0.41 / 3 bits, 128: 0.46 / 2.5, 256: 0.50 / 2.25."""
+TOPK_CHUNK = 4096
+"""Elements per chunk of the top-k codecs: an index inside a chunk takes 12 bits; a chunk's scales cost 1/64 bit
+(TOPK8: 1/128) per element; and a chunk still spreads what is kept over the whole tensor."""
+TOPK_DENSITY = 0.02
+"""The default fraction of each chunk the top-k codecs keep (see :func:`default_density`)."""
+_TOPK = (Compression.TOPK2, Compression.TOPK8)
+_MAX_CHUNK = 1 << 16  # chunk-local indices fit in uint16
+_MAX_BLOCK = 1 << 20
+_density = TOPK_DENSITY
+
+
+def default_density() -> float:
+    """The fraction of each chunk the top-k codecs keep for a tensor that does not carry its own (``compressed(t,
+    codec, density=...)``): ``TOPK_DENSITY`` unless :func:`set_default_density` changed it. The receiver needs no
+    setting: the number kept travels in each tensor's header."""
+    return _density
+
+
+def set_default_density(density: float) -> None:
+    """Set the process-wide default density of the top-k codecs (e.g. from a ``--density`` option): ``0 <
+    density <= 1``. Only what this process sends changes; tensors marked with their own density keep it."""
+    global _density
+    _density = _check_density(density)
+
+
+def _check_density(density: object) -> float:
+    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 < density <= 1.0:
+        raise WireError(f"top-k density must be a number in (0, 1], got {density!r}")
+    return float(density)
+
+
+def topk_params(numel: int, density: float | None = None) -> tuple[int, int]:
+    """``(chunk, k)`` of a tensor of ``numel`` elements sent with a top-k codec at ``density`` (default:
+    :func:`default_density`): what its header carries."""
+    density = _density if density is None else _check_density(density)
+    chunk = max(1, min(TOPK_CHUNK, numel))
+    return chunk, max(1, min(chunk, math.ceil(density * chunk)))
 
 
 # torch is imported on first use, not with this module: `peer status` and the DHT speak this codec without ever
@@ -222,14 +336,17 @@ def dtype_from_name(name: object) -> torch.dtype | None:
 
 @dataclasses.dataclass(frozen=True)
 class Compressed:
-    """A tensor marked with the codec it must be sent with, overriding ``encode(..., compression=...)``."""
+    """A tensor marked with the codec it must be sent with, overriding ``encode(..., compression=...)``, and for
+    the top-k codecs the fraction kept (None: :func:`default_density`)."""
 
     tensor: torch.Tensor
     compression: Compression
+    density: float | None = None
 
 
-def compressed(tensor: torch.Tensor, compression: Compression) -> Compressed:
-    """Mark one tensor to be sent with ``compression`` (decoded back as a tensor of its original dtype)."""
+def compressed(tensor: torch.Tensor, compression: Compression, *, density: float | None = None) -> Compressed:
+    """Mark one tensor to be sent with ``compression`` (decoded back as a tensor of its original dtype);
+    ``density`` (0 < density <= 1) is the fraction the top-k codecs keep, ignored by the other codecs."""
     if not _TABLE:
         _load_torch()
     if not isinstance(tensor, torch.Tensor):
@@ -238,7 +355,7 @@ def compressed(tensor: torch.Tensor, compression: Compression) -> Compressed:
         compression = Compression(compression)
     except ValueError as exc:
         raise WireError(f"unknown compression {compression!r}") from exc
-    return Compressed(tensor, compression)
+    return Compressed(tensor, compression, None if density is None else _check_density(density))
 
 
 def check_message_size(n: int, limits: Limits = DEFAULT_LIMITS) -> None:
@@ -310,9 +427,7 @@ def _quantize_int8_blocks(tensor: torch.Tensor, block: int) -> torch.Tensor | No
     absmax = padded.abs().amax(dim=1).to(torch.float64)
     if not bool(torch.isfinite(absmax).all()) or (numel and float(absmax.max()) > 3.0e38):
         return None
-    mantissa, exponent = torch.frexp(absmax / 127.0)
-    exponent = torch.where(mantissa == 0.5, exponent - 1, exponent).clamp_(min=-149)
-    scales = torch.where(absmax > 0, torch.ldexp(torch.ones_like(absmax), exponent), torch.zeros_like(absmax))
+    scales = _pow2_scales(absmax, 127.0)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales)).to(work.dtype)
     q = padded.div(safe.unsqueeze(1)).round_().clamp_(-127, 127).to(torch.int8).reshape(-1)[:numel]
     out = torch.empty(nblocks * 4 + numel, dtype=torch.uint8)
@@ -336,13 +451,333 @@ def _dequantize_int8_blocks(raw: torch.Tensor, numel: int, block: int, dtype: to
     return values.mul_(scales.to(work).unsqueeze(1)).reshape(-1)[:numel].to(dtype)
 
 
-def data_nbytes(tensor: torch.Tensor | Compressed, compression: Compression = Compression.NONE) -> int:
+# --------------------------------------------------------------------- INT4, INT2 and the top-k codecs (encode)
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision a codec computes in: float64 for float64 tensors, float32 for the others."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _pow2_scales(absmax: torch.Tensor, top: float) -> torch.Tensor:
+    """INT8's scales: the smallest power of two >= absmax / top (at least 2**-149; 0 where absmax is 0)."""
+    mantissa, exponent = torch.frexp(absmax / top)
+    exponent = torch.where(mantissa == 0.5, exponent - 1, exponent).clamp_(min=-149)
+    return torch.where(absmax > 0, torch.ldexp(torch.ones_like(absmax), exponent), torch.zeros_like(absmax))
+
+
+def _grid_scales(absmax: torch.Tensor, top: float) -> torch.Tensor:
+    """INT4's and INT2's scales (float64): the smallest ``m * 2**e >= absmax / top`` with ``16 <= m < 32``, at
+    least 2**-126; 0 where absmax is 0. ``top * s`` gives back s exactly, which makes the codecs idempotent."""
+    mantissa, exponent = torch.frexp(absmax / top)
+    scales = torch.ldexp(torch.ceil(mantissa * 32), exponent - 5).clamp_(min=2.0**-126)
+    return torch.where(absmax > 0, scales, torch.zeros_like(scales))
+
+
+def _pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes of `bits` bits packed 8 // bits to a byte, the first in the low bits; the padding is zeros."""
+    per = 8 // bits
+    if codes.numel() % per:
+        codes = torch.cat([codes, codes.new_zeros(per - codes.numel() % per)])
+    groups = codes.view(-1, per)
+    packed = groups[:, 0].clone()
+    for position in range(1, per):  # over the codes of a byte (1 or 3), not over elements
+        packed |= groups[:, position] << (bits * position)
+    return packed
+
+
+def _unpack_codes(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """The `count` codes of `packed` (inverse of _pack_codes); padding bits that are not zero are malformed."""
+    per, mask = 8 // bits, (1 << bits) - 1
+    codes = torch.stack([(packed >> (bits * position)) & mask for position in range(per)], dim=1).view(-1)
+    if bool(codes[count:].any()):
+        raise MalformedTensor("packed codes: padding bits are not zero")
+    return codes[:count]
+
+
+def _rows(numel: int, length: int) -> list[tuple[int, int, int]]:
+    """(first row, rows, elements per row) of a flat tensor cut into rows of `length`: the full rows, then a
+    shorter last one."""
+    full, last = divmod(numel, length)
+    return ([(0, full, length)] if full else []) + ([(full, 1, last)] if last else [])
+
+
+def _topk_parts(numel: int, chunk: int, k: int) -> list[tuple[int, int, int, int]]:
+    """(first chunk, chunks, elements per chunk, kept per chunk) of the full chunks and of a shorter last one."""
+    return [(first, rows, length, -(-k * length // chunk)) for first, rows, length in _rows(numel, chunk)]
+
+
+def _int4_nbytes(numel: int, block: int) -> int:
+    return -(-numel // block) * 4 + (numel + 1) // 2
+
+
+def _int2_nbytes(numel: int, block: int) -> int:
+    return -(-numel // block) * 8 + (numel + 3) // 4
+
+
+def _topk_nbytes(numel: int, chunk: int, k: int, codec: Compression) -> int:
+    parts = _topk_parts(numel, chunk, k)
+    chunks = sum(rows for _, rows, _, _ in parts)
+    kept = sum(rows * kk for _, rows, _, kk in parts)
+    index_bytes = (3 * kept + 1) // 2 if chunk <= 4096 else 2 * kept
+    if codec == Compression.TOPK2:
+        return chunks * 8 + index_bytes + (kept + 3) // 4
+    return chunks * 4 + index_bytes + kept
+
+
+def _representable(magnitude_max: torch.Tensor) -> bool:
+    """Whether the largest magnitudes of some rows can be sent by a quantizing codec: finite, within float32."""
+    return bool(torch.isfinite(magnitude_max).all()) and float(magnitude_max.max()) <= 3.0e38
+
+
+def _quantize_int4(tensor: torch.Tensor, block: int) -> torch.Tensor | None:
+    """INT4 (see Compression): one uint8 buffer holding the float32 scales of the blocks, then the packed codes;
+    None when the values cannot be represented (NaN, inf, beyond float32)."""
+    flat = tensor.reshape(-1)
+    numel = flat.numel()
+    if numel == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    nblocks = -(-numel // block)
+    work = flat.to(_work_dtype(tensor.dtype))
+    padded = torch.nn.functional.pad(work, (0, nblocks * block - numel)).view(nblocks, block)
+    absmax = padded.abs().amax(dim=1).to(torch.float64)
+    if not _representable(absmax):
+        return None
+    scales = _grid_scales(absmax, 7.0)
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales)).to(work.dtype).unsqueeze(1)
+    # q in [-7, 7] as 4-bit two's complement (padded is a new tensor: divided in place)
+    codes = padded.div_(safe).round_().clamp_(-7, 7).to(torch.int8).view(torch.uint8) & 0xF
+    packed = _pack_codes(codes.reshape(-1)[:numel], 4)
+    out = torch.empty(nblocks * 4 + packed.numel(), dtype=torch.uint8)
+    out[: nblocks * 4].view(torch.float32).copy_(scales.to(torch.float32))
+    out[nblocks * 4:].copy_(packed)
+    return out
+
+
+def _two_levels(magnitude: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The magnitude levels of INT2 and TOPK2 for rows of magnitudes (float32 or float64): one Lloyd (2-means)
+    step from the row's extremes. With lo and hi the smallest and largest magnitude of a row, the elements nearer
+    hi (ties included) and the others form two groups; the levels are their mean magnitudes (float64 sums, exact
+    when a group's values are equal, which makes the codecs idempotent; lo or hi for an empty group), rounded to
+    float32. Returns (lower levels, upper levels) as float32 per row and, per element, whether it is sent as the
+    upper level: the nearer of the two (ties to the upper one)."""
+    lo = magnitude.amin(dim=1, keepdim=True)
+    hi = magnitude.amax(dim=1, keepdim=True)
+    upper = (magnitude - lo) >= (hi - magnitude)
+    count_upper = upper.sum(dim=1, keepdim=True)
+    count_lower = magnitude.shape[1] - count_upper
+    zero = torch.zeros((), dtype=magnitude.dtype)
+    sum_upper = torch.where(upper, magnitude, zero).sum(dim=1, keepdim=True, dtype=torch.float64)
+    sum_lower = torch.where(upper, zero, magnitude).sum(dim=1, keepdim=True, dtype=torch.float64)
+    hi32 = torch.where(count_upper > 0, sum_upper / count_upper.clamp(min=1), hi.double()).to(torch.float32)
+    lo32 = torch.where(count_lower > 0, sum_lower / count_lower.clamp(min=1), lo.double()).to(torch.float32)
+    lo_w, hi_w = lo32.to(magnitude.dtype), hi32.to(magnitude.dtype)
+    return lo32.view(-1), hi32.view(-1), (magnitude - lo_w) >= (hi_w - magnitude)
+
+
+def _quantize_int2(tensor: torch.Tensor, block: int) -> torch.Tensor | None:
+    """INT2 (see Compression): the blocks' (lower, upper) float32 levels, then the packed 2-bit codes; None when
+    the values cannot be represented (NaN, inf, beyond float32)."""
+    flat = tensor.reshape(-1)
+    numel = flat.numel()
+    if numel == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    work = flat.to(_work_dtype(tensor.dtype))
+    levels, codes = [], []
+    for first, rows, length in _rows(numel, block):  # the full blocks, then a shorter last one (no padding)
+        part = work[first * block: first * block + rows * length].view(rows, length)
+        magnitude = part.abs()
+        if not _representable(magnitude.amax(dim=1)):
+            return None
+        lo32, hi32, upper = _two_levels(magnitude)
+        levels.append(torch.stack([lo32, hi32], dim=1).view(-1))
+        codes.append((upper.to(torch.uint8) | ((part < 0).to(torch.uint8) << 1)).view(-1))
+    return torch.cat([torch.cat(levels).view(torch.uint8), _pack_codes(torch.cat(codes), 2)])
+
+
+def _pack_indices(indices: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Chunk-local indices as bytes: 12 bits each (two in three bytes) when chunk <= 4096, else uint16."""
+    if chunk > 4096:
+        return torch.stack([indices & 0xFF, indices >> 8], dim=1).to(torch.uint8).view(-1)
+    count = indices.numel()
+    pairs = torch.nn.functional.pad(indices.to(torch.int32), (0, count % 2)).view(-1, 2)
+    first, second = pairs[:, 0], pairs[:, 1]
+    packed = torch.stack([first & 0xFF, (first >> 8) | ((second & 0xF) << 4), second >> 4], dim=1)
+    return packed.to(torch.uint8).view(-1)[: (3 * count + 1) // 2]
+
+
+def _unpack_indices(raw: torch.Tensor, count: int, chunk: int) -> torch.Tensor:
+    if chunk > 4096:
+        pairs = raw.view(-1, 2).to(torch.int64)
+        return pairs[:, 0] | (pairs[:, 1] << 8)
+    triples = torch.nn.functional.pad(raw, (0, 3 * ((count + 1) // 2) - raw.numel())).view(-1, 3).to(torch.int64)
+    if count % 2 and int(triples[-1, 1]) >> 4:
+        raise MalformedTensor("top-k indices: padding bits are not zero")
+    first = triples[:, 0] | ((triples[:, 1] & 0xF) << 8)
+    second = (triples[:, 1] >> 4) | (triples[:, 2] << 4)
+    return torch.stack([first, second], dim=1).view(-1)[:count]
+
+
+def _topk_rows(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """Ascending indices of the k elements of largest magnitude in each row, ties to the lower index.
+
+    torch.topk picks k + 1 (on the magnitudes' bit patterns, which order like the magnitudes, NaN and infinity
+    above all finite values): a row whose (k+1)-th is smaller than its k-th has exactly one top-k set, which
+    any implementation finds; the rows where they tie take a stable sort instead (rare for real values)."""
+    count, length = rows.shape
+    if k >= length:
+        return torch.arange(length).expand(count, length)
+    bits = rows.abs().view(torch.int64 if rows.dtype == torch.float64 else torch.int32)
+    top = torch.topk(bits, k + 1, dim=1, sorted=False)
+    at_floor = top.values == top.values.amin(dim=1, keepdim=True)
+    tied = at_floor.sum(dim=1) > 1
+    if not bool(tied.any()):
+        chosen = top.indices[~at_floor].view(count, k)
+    else:
+        clear = ~tied
+        chosen = torch.empty(count, k, dtype=torch.int64)
+        chosen[clear] = top.indices[clear][~at_floor[clear]].view(-1, k)
+        chosen[tied] = torch.sort(bits[tied], dim=1, descending=True, stable=True).indices[:, :k]
+    return chosen.to(torch.int32).sort(dim=1).values.to(torch.int64)  # an int32 sort is 5x faster
+
+
+def _encode_topk(tensor: torch.Tensor, codec: Compression, chunk: int, k: int) -> torch.Tensor | None:
+    """TOPK2 / TOPK8 (see Compression): scales, indices, values in one uint8 buffer; None when the values cannot
+    be represented (NaN, inf, beyond float32)."""
+    flat = tensor.reshape(-1)
+    numel = flat.numel()
+    if numel == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    work = flat.to(_work_dtype(tensor.dtype))
+    scales, indices, values = [], [], []
+    for first, rows, length, kept in _topk_parts(numel, chunk, k):  # the full chunks, then a shorter last one
+        part = work[first * chunk: first * chunk + rows * length].view(rows, length)
+        index = _topk_rows(part, kept)
+        value = part.gather(1, index)
+        magnitude = value.abs()
+        hi = magnitude.amax(dim=1)
+        if not _representable(hi):  # the largest magnitudes (NaN and infinity too) are among those kept
+            return None
+        if codec == Compression.TOPK2:
+            lo32, hi32, upper = _two_levels(magnitude)
+            scales.append(torch.stack([lo32, hi32], dim=1).view(-1))
+            values.append((upper.to(torch.uint8) | ((value < 0).to(torch.uint8) << 1)).view(-1))
+        else:
+            scale = _pow2_scales(hi.to(torch.float64), 127.0)
+            safe = torch.where(scale > 0, scale, torch.ones_like(scale)).to(work.dtype).unsqueeze(1)
+            values.append(value.div_(safe).round_().clamp_(-127, 127).to(torch.int8).view(torch.uint8).view(-1))
+            scales.append(scale.to(torch.float32))
+        indices.append(index.reshape(-1))
+    scale_bytes = torch.cat(scales).view(torch.uint8)
+    index_bytes = _pack_indices(torch.cat(indices), chunk)
+    value_bytes = torch.cat(values)
+    if codec == Compression.TOPK2:
+        value_bytes = _pack_codes(value_bytes, 2)
+    return torch.cat([scale_bytes, index_bytes, value_bytes])
+
+
+# --------------------------------------------------------------------- INT4, INT2 and the top-k codecs (decode)
+
+
+def _to_dtype(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Decoded values (float32 / float64) in the tensor's dtype; float16 and bfloat16 clamped to their finite range
+    (a scale rounded up may put a block's top level just past it)."""
+    if dtype in (torch.float16, torch.bfloat16):
+        limit = torch.finfo(dtype).max
+        values = values.clamp_(-limit, limit)
+    return values.to(dtype)
+
+
+def _check_scales(scales: torch.Tensor, what: str) -> None:
+    if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+        raise MalformedTensor(f"{what}: scales must be finite and non-negative")
+
+
+def _dequantize_int4(raw: torch.Tensor, numel: int, block: int, dtype: torch.dtype) -> torch.Tensor:
+    nblocks = -(-numel // block)
+    scales = raw[: nblocks * 4].view(torch.float32)
+    _check_scales(scales, "INT4")
+    codes = _unpack_codes(raw[nblocks * 4:], 4, numel)
+    if bool((codes == 8).any()):
+        raise MalformedTensor("INT4: code -8 is not a level")
+    work = _work_dtype(dtype)
+    levels = ((codes.view(torch.int8) ^ 8) - 8).to(work)
+    padded = torch.nn.functional.pad(levels, (0, nblocks * block - numel)).view(nblocks, block)
+    return _to_dtype(padded.mul_(scales.to(work).unsqueeze(1)).view(-1)[:numel], dtype)
+
+
+def _check_levels(levels: torch.Tensor, what: str) -> None:
+    """(lower, upper) float32 magnitude levels per row: finite, non-negative, lower <= upper."""
+    _check_scales(levels, what)
+    if bool((levels[:, 0] > levels[:, 1]).any()):
+        raise MalformedTensor(f"{what}: a lower magnitude level is above its upper one")
+
+
+def _two_level_values(codes: torch.Tensor, levels: torch.Tensor, work: torch.dtype) -> torch.Tensor:
+    """Values of 2-bit codes (bit 0: upper level, bit 1: negative) on rows whose (lower, upper) levels are given."""
+    levels = levels.to(work)
+    magnitude = torch.where((codes & 1).bool(), levels[:, 1:2], levels[:, 0:1])
+    return torch.where((codes & 2).bool(), -magnitude, magnitude)
+
+
+def _dequantize_int2(raw: torch.Tensor, numel: int, block: int, dtype: torch.dtype) -> torch.Tensor:
+    nblocks = -(-numel // block)
+    levels = raw[: nblocks * 8].view(torch.float32).view(nblocks, 2)
+    _check_levels(levels, "INT2")
+    codes = _unpack_codes(raw[nblocks * 8:], 2, numel)
+    codes = torch.nn.functional.pad(codes, (0, nblocks * block - numel)).view(nblocks, block)
+    return _to_dtype(_two_level_values(codes, levels, _work_dtype(dtype)).view(-1)[:numel], dtype)
+
+
+def _decode_topk(raw: torch.Tensor, numel: int, chunk: int, k: int, codec: Compression,
+                 dtype: torch.dtype) -> torch.Tensor:
+    parts = _topk_parts(numel, chunk, k)
+    chunks = sum(rows for _, rows, _, _ in parts)
+    kept = sum(rows * kk for _, rows, _, kk in parts)
+    per_chunk = 2 if codec == Compression.TOPK2 else 1
+    cursor = chunks * 4 * per_chunk
+    scales = raw[:cursor].view(torch.float32).view(chunks, per_chunk)
+    if codec == Compression.TOPK2:
+        _check_levels(scales, "TOPK2")
+    else:
+        _check_scales(scales, "TOPK8")
+    index_nbytes = (3 * kept + 1) // 2 if chunk <= 4096 else 2 * kept
+    indices = _unpack_indices(raw[cursor: cursor + index_nbytes], kept, chunk)
+    cursor += index_nbytes
+    if codec == Compression.TOPK2:
+        codes = _unpack_codes(raw[cursor:], 2, kept)
+    else:
+        codes = raw[cursor:].view(torch.int8)
+        if bool((codes == -128).any()):
+            raise MalformedTensor("TOPK8: value -128 is not a level")
+    work = _work_dtype(dtype)
+    out = torch.zeros(numel, dtype=work)
+    seen = 0
+    for first, rows, length, kk in parts:
+        index = indices[seen: seen + rows * kk].view(rows, kk)
+        if kk > 1 and not bool((index[:, 1:] > index[:, :-1]).all()):
+            raise MalformedTensor(f"{codec.name}: indices of a chunk are not strictly increasing")
+        if bool((index[:, -1] >= length).any()):
+            raise MalformedTensor(f"{codec.name}: an index is past the end of its chunk")
+        code = codes[seen: seen + rows * kk].view(rows, kk)
+        scale = scales[first: first + rows]
+        if codec == Compression.TOPK2:
+            value = _two_level_values(code, scale, work)
+        else:
+            value = code.to(work).mul_(scale.to(work))
+        out[first * chunk: first * chunk + rows * length].view(rows, length).scatter_(1, index, value)
+        seen += rows * kk
+    return _to_dtype(out, dtype)
+
+
+def data_nbytes(tensor: torch.Tensor | Compressed, compression: Compression = Compression.NONE, *,
+                density: float | None = None) -> int:
     """The bytes of tensor data :func:`encode` sends for ``tensor`` (a :class:`Compressed` one with its own
-    codec), worked out from its shape and dtype without encoding: what traffic counters add per tensor. The
-    one exception is a tensor a quantizing codec cannot represent (NaN, infinity, beyond float32), which goes
-    uncompressed but is counted as compressed here (finding out would take a pass over the data)."""
+    codec and density), worked out from its shape and dtype without encoding: what traffic counters add per
+    tensor. The one exception is a tensor a quantizing codec cannot represent (NaN, infinity, beyond float32),
+    which goes uncompressed but is counted as compressed here (finding out would take a pass over the data)."""
     if isinstance(tensor, Compressed):
-        compression = tensor.compression
+        compression, density = tensor.compression, tensor.density
         tensor = tensor.tensor
     if not _TABLE:
         _load_torch()
@@ -355,11 +790,17 @@ def data_nbytes(tensor: torch.Tensor | Compressed, compression: Compression = Co
         return numel
     if compression == Compression.INT8:
         return _int8_nbytes(numel, INT8_BLOCK)
+    if compression == Compression.INT4:
+        return _int4_nbytes(numel, INT4_BLOCK)
+    if compression == Compression.INT2:
+        return _int2_nbytes(numel, INT2_BLOCK)
+    if compression in _TOPK:
+        return _topk_nbytes(numel, *topk_params(numel, density), Compression(compression))
     raise WireError(f"unknown compression {compression!r}")
 
 
 def _tensor_payload(
-    tensor: torch.Tensor, compression: Compression, cursor: int
+    tensor: torch.Tensor, compression: Compression, cursor: int, density: float | None = None
 ) -> tuple[bytes, memoryview | None, int]:
     """Pack one tensor's ext header; return (ext payload, its bytes or None if empty, the next cursor)."""
     name = _DTYPE_NAMES.get(tensor.dtype)
@@ -371,7 +812,7 @@ def _tensor_payload(
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
     shape = list(tensor.shape)
-    params: list[float] = []
+    params: list[float] | list[int] = []
     data = tensor
     if tensor.dtype not in _FLOATING:
         compression = Compression.NONE
@@ -395,6 +836,20 @@ def _tensor_payload(
             compression = Compression.NONE
         else:
             data, params = blocks, [INT8_BLOCK]
+    elif compression in (Compression.INT4, Compression.INT2):
+        block = INT4_BLOCK if compression == Compression.INT4 else INT2_BLOCK
+        packed = _quantize_int4(tensor, block) if compression == Compression.INT4 else _quantize_int2(tensor, block)
+        if packed is None:
+            compression = Compression.NONE
+        else:
+            data, params = packed, [block]
+    elif compression in _TOPK:
+        chunk, k = topk_params(tensor.numel(), density)
+        sparse = _encode_topk(tensor, compression, chunk, k)
+        if sparse is None:
+            compression = Compression.NONE
+        else:
+            data, params = sparse, [chunk, k]
     if not data.is_contiguous():
         data = data.contiguous()
     nbytes = data.numel() * data.element_size()
@@ -408,12 +863,14 @@ def _tensor_payload(
     return payload, view, cursor
 
 
-def encode(obj: Any, *, compression: Compression = Compression.NONE) -> list[bytes | memoryview]:
+def encode(obj: Any, *, compression: Compression = Compression.NONE,
+           density: float | None = None) -> list[bytes | memoryview]:
     """Encode ``obj`` as a list of parts whose concatenation is the message (see the module docstring).
 
     Tensor data is not copied: the memoryviews alias the tensors' storage (a non-contiguous tensor is made
     contiguous once; compressed tensors are new buffers), so do not modify the tensors until the parts are sent.
-    ``compression`` applies to every floating tensor not wrapped with :func:`compressed`. Tensors on another
+    ``compression`` applies to every floating tensor not wrapped with :func:`compressed` (``density``, the top-k
+    codecs' fraction kept, to those tensors too; default :func:`default_density`). Tensors on another
     device are copied to the CPU (they always decode as CPU tensors); autograd history is not sent.
     Raises WireError for objects that cannot be sent (unsupported type or dtype, ints beyond 64 bits, too deep).
     """
@@ -421,6 +878,7 @@ def encode(obj: Any, *, compression: Compression = Compression.NONE) -> list[byt
         default_compression = Compression(compression)
     except ValueError as exc:
         raise WireError(f"unknown compression {compression!r}") from exc
+    default_density = None if density is None else _check_density(density)
     views: list[memoryview] = []
     offsets: list[int] = []
     cursor = 0
@@ -430,13 +888,13 @@ def encode(obj: Any, *, compression: Compression = Compression.NONE) -> list[byt
         if not _TABLE:
             _load_torch()
         if isinstance(value, Compressed):
-            tensor, codec = value.tensor, value.compression
+            tensor, codec, fraction = value.tensor, value.compression, value.density
         elif isinstance(value, torch.Tensor):
-            tensor, codec = value, default_compression
+            tensor, codec, fraction = value, default_compression, default_density
         else:
             raise WireError(f"cannot encode objects of type {type(value).__name__}")
         before = cursor
-        payload, view, cursor = _tensor_payload(tensor, codec, cursor)
+        payload, view, cursor = _tensor_payload(tensor, codec, cursor, fraction)
         if view is not None:
             views.append(view)
             offsets.append(_align(before))
@@ -466,18 +924,19 @@ def encode(obj: Any, *, compression: Compression = Compression.NONE) -> list[byt
     return parts
 
 
-def roundtrip(tensor: torch.Tensor, compression: Compression) -> torch.Tensor:
-    """What a peer decodes when ``tensor`` is sent with ``compression`` (exactly: the same code path). Used where
-    the sender must hold the same values as the receivers (the reducer of an all-reduce part, error feedback)."""
+def roundtrip(tensor: torch.Tensor, compression: Compression, *, density: float | None = None) -> torch.Tensor:
+    """What a peer decodes when ``tensor`` is sent with ``compression`` (and, for the top-k codecs, ``density``;
+    default :func:`default_density`), exactly: the same code path. Used where the sender must hold the same
+    values as the receivers (the reducer of an all-reduce part, error feedback)."""
     if Compression(compression) == Compression.NONE:
         return tensor
-    decoded: torch.Tensor = decode(bytearray(encode_bytes(compressed(tensor, compression))))
+    decoded: torch.Tensor = decode(bytearray(encode_bytes(compressed(tensor, compression, density=density))))
     return decoded
 
 
-def encode_bytes(obj: Any, *, compression: Compression = Compression.NONE) -> bytes:
+def encode_bytes(obj: Any, *, compression: Compression = Compression.NONE, density: float | None = None) -> bytes:
     """:func:`encode` joined into one ``bytes`` (one copy of the tensor data)."""
-    return b"".join(encode(obj, compression=compression))
+    return b"".join(encode(obj, compression=compression, density=density))
 
 
 # ----------------------------------------------------------------------------------------------------------- decode
@@ -521,6 +980,34 @@ def _check_tree(obj: Any, max_depth: int) -> None:
         level = nested
 
 
+def _expected_nbytes(codec: Compression, dtype: torch.dtype, numel: int, params: list[Any]) -> int:
+    """The exact byte length of a tensor's data given its header, after checking the codec's parameters."""
+    if codec == Compression.NONE:
+        expected = numel * _ITEMSIZE[dtype]
+    elif codec == Compression.FLOAT16:
+        expected = numel * 2
+    elif codec == Compression.UINT8:
+        if len(params) != 2 or not all(type(p) in (int, float) and math.isfinite(p) for p in params):
+            raise MalformedTensor(f"malformed 8-bit codec parameters {params!r}")
+        if params[1] < 0:
+            raise MalformedTensor("negative 8-bit codec scale")
+        return numel
+    elif codec in (Compression.INT8, Compression.INT4, Compression.INT2):
+        if len(params) != 1 or type(params[0]) is not int or not 1 <= params[0] <= _MAX_BLOCK:
+            raise MalformedTensor(f"malformed {codec.name} block parameters {params!r}")
+        if codec == Compression.INT8:
+            return _int8_nbytes(numel, params[0])
+        return (_int4_nbytes if codec == Compression.INT4 else _int2_nbytes)(numel, params[0])
+    else:  # the top-k codecs: [chunk, k], 1 <= k <= chunk <= 2**16
+        if (len(params) != 2 or not all(type(p) is int for p in params)
+                or not 1 <= params[1] <= params[0] <= _MAX_CHUNK):
+            raise MalformedTensor(f"malformed {codec.name} parameters {params!r} (need [chunk, k])")
+        return _topk_nbytes(numel, params[0], params[1], codec)
+    if params:
+        raise MalformedTensor(f"unexpected codec parameters {params!r}")
+    return expected
+
+
 class _TensorReader:
     """ext_hook for one message: validates each tensor header against the buffer and the limits, then builds it."""
 
@@ -548,62 +1035,59 @@ class _TensorReader:
                 max_ext_len=0,
             )
         except Exception as exc:
-            raise WireError(f"malformed tensor header: {exc}") from exc
+            raise MalformedTensor(f"malformed tensor header: {exc}") from exc
         if type(header) is not list or len(header) != 6:
-            raise WireError("malformed tensor header")
+            raise MalformedTensor("malformed tensor header")
         name, shape, codec_id, offset, nbytes, params = header
         dtype = dtype_from_name(name)
         if dtype is None:
-            raise WireError(f"unknown tensor dtype {name!r}")
+            raise MalformedTensor(f"unknown tensor dtype {name!r}")
         if type(shape) is not list or not all(type(d) is int and 0 <= d < 1 << 63 for d in shape):
-            raise WireError(f"malformed tensor shape {shape!r}")
+            raise MalformedTensor(f"malformed tensor shape {shape!r}")
         numel = math.prod(shape)
         if numel > self.limits.max_tensor_elements:
             raise LimitExceeded(
                 f"tensor of {numel} elements exceeds max_tensor_elements={self.limits.max_tensor_elements}"
             )
         if type(codec_id) is not int or codec_id not in Compression._value2member_map_:
-            raise WireError(f"unknown compression id {codec_id!r}")
+            raise MalformedTensor(f"unknown compression id {codec_id!r}")
         codec = Compression(codec_id)
         if codec != Compression.NONE and dtype not in _FLOATING:
-            raise WireError(f"compression {codec.name} on a {name} tensor")
-        stored = {Compression.NONE: dtype, Compression.FLOAT16: torch.float16, Compression.UINT8: torch.uint8,
-                  Compression.INT8: torch.uint8}[codec]
-        if codec == Compression.INT8:
-            if (type(params) is not list or len(params) != 1 or type(params[0]) is not int
-                    or not 1 <= params[0] <= 1 << 20):
-                raise WireError(f"malformed 8-bit block parameters {params!r}")
-            expected = _int8_nbytes(numel, params[0])
-        else:
-            expected = numel * _ITEMSIZE[stored]
-        if type(nbytes) is not int or nbytes != expected:
-            raise WireError(f"tensor byte length {nbytes!r} does not match shape {shape} of {stored}")
+            raise MalformedTensor(f"compression {codec.name} on a {name} tensor")
         if type(params) is not list:
-            raise WireError("malformed tensor codec parameters")
-        if codec == Compression.UINT8:
-            if len(params) != 2 or not all(type(p) in (int, float) and math.isfinite(p) for p in params):
-                raise WireError(f"malformed 8-bit codec parameters {params!r}")
-            if params[1] < 0:
-                raise WireError("negative 8-bit codec scale")
-        elif params and codec != Compression.INT8:
-            raise WireError(f"unexpected codec parameters {params!r}")
+            raise MalformedTensor("malformed tensor codec parameters")
+        expected = _expected_nbytes(codec, dtype, numel, params)
+        if type(nbytes) is not int or nbytes != expected:
+            raise MalformedTensor(f"tensor byte length {nbytes!r} does not match shape {shape} with {codec.name}")
         if type(offset) is not int or offset < 0:
-            raise WireError(f"malformed tensor offset {offset!r}")
+            raise MalformedTensor(f"malformed tensor offset {offset!r}")
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
         if offset % ALIGNMENT or offset < self.end or offset + nbytes > self.available:
-            raise WireError(f"tensor buffer [{offset}, {offset + nbytes}) is misplaced or past the message end")
+            raise MalformedTensor(f"tensor buffer [{offset}, {offset + nbytes}) is misplaced or past the message end")
         self.end = offset + nbytes
         start = self.data_start + offset
         raw: memoryview | bytearray = self.view[start : start + nbytes]
         if isinstance(raw, memoryview) and raw.readonly:
             raw = bytearray(raw)  # the one copy; a writable buffer is used in place
         data = torch.frombuffer(raw, dtype=torch.uint8)
-        if stored == torch.bool and bool((data > 1).any()):
-            raise WireError("bool tensor holds bytes other than 0 and 1")
+        if codec == Compression.NONE and dtype == torch.bool and bool((data > 1).any()):
+            raise MalformedTensor("bool tensor holds bytes other than 0 and 1")
         if codec == Compression.INT8:
             return _dequantize_int8_blocks(data, numel, params[0], dtype).view(shape)
-        data = data.view(stored)
+        if codec in (Compression.INT4, Compression.INT2) or codec in _TOPK:
+            try:
+                if codec == Compression.INT4:
+                    return _dequantize_int4(data, numel, params[0], dtype).view(shape)
+                if codec == Compression.INT2:
+                    return _dequantize_int2(data, numel, params[0], dtype).view(shape)
+                return _decode_topk(data, numel, params[0], params[1], codec, dtype).view(shape)
+            except MalformedTensor:
+                raise
+            except (RuntimeError, ValueError, IndexError) as exc:  # a torch op refused what the checks let through
+                raise MalformedTensor(f"{codec.name} tensor: {exc}") from exc
+        data = data.view(torch.float16 if codec == Compression.FLOAT16 else
+                         torch.uint8 if codec == Compression.UINT8 else dtype)
         if codec == Compression.FLOAT16:
             data = data.to(dtype)
         elif codec == Compression.UINT8:
