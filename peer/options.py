@@ -601,8 +601,10 @@ TRAIN = OptionSet("peer train", [
     Option("inner-steps", POSITIVE_INT, 50, "with --algorithm diloco: local steps between outer steps"),
     Option("outer-lr", POSITIVE, 0.7, "with --algorithm diloco: learning rate of the outer Nesterov SGD"),
     Option("outer-momentum", NOT_NEGATIVE, 0.9, "with --algorithm diloco: momentum of the outer Nesterov SGD"),
-    Option("compression", Text(["none", "float16", "int8"]), "none", "with --algorithm diloco: codec of the "
-           "pseudo-gradients (int8: blockwise 8-bit with error feedback)"),
+    Option("compression", Text(["none", "float16", "int8", "int4", "int2", "topk2", "topk8"]), "none",
+           "with --algorithm diloco: codec of the pseudo-gradients, all lossy ones with error feedback (int8, int4, "
+           "int2: blockwise 8, 4 and 2 bits; topk2, topk8: the largest 2% of each chunk of 4096 with 2-bit or "
+           "8-bit values)"),
     Option("overlap", SWITCH, False, "with --algorithm diloco: average in the background and apply the outer update "
            "one outer step late, so compute never waits on the network"),
     Option("fragments", POSITIVE_INT, 1, "with --algorithm diloco: Streaming DiLoCo, the model split into this "
