@@ -111,10 +111,14 @@ class Limits:
     max_depth: nesting of lists/dicts (the top-level container counts as depth 1).
     max_str_len: bytes of one UTF-8 string.   max_bin_len: bytes of one ``bytes`` value.
     max_container_len: items of one list or entries of one dict.
+    max_decoded_bytes: bytes of all the tensors decoded from one message together (elements times their dtype's
+        size, checked from each tensor's header before that tensor is made).
 
     Decoded tensors can take more memory than the message: up to 4x for the float16 codec and 8x for the 8-bit
-    codec (both decoding to float64; the blockwise INT8 codec decodes to the original dtype); uncompressed
-    tensors decoded from a writable buffer take none.
+    codec (both decoding to float64; the blockwise INT8 codec decodes to the original dtype), 16x and 32x for
+    INT4 and INT2 decoding to float64, and far more for the top-k codecs (a chunk of 65536 elements keeping one
+    costs 13 bytes): hence max_decoded_bytes, whose default still admits the 8-bit codec's worst case on a
+    message of max_message_bytes. Uncompressed tensors decoded from a writable buffer take none.
     """
 
     max_message_bytes: int = 1 << 30
@@ -123,6 +127,7 @@ class Limits:
     max_str_len: int = 1 << 20
     max_bin_len: int = 1 << 30
     max_container_len: int = 1_000_000
+    max_decoded_bytes: int = 1 << 33
 
 
 DEFAULT_LIMITS = Limits()
@@ -1017,6 +1022,7 @@ class _TensorReader:
         self.available = max(0, view.nbytes - data_start)
         self.limits = limits
         self.end = 0  # end of the last non-empty buffer, relative to data_start
+        self.decoded = 0  # bytes of the tensors decoded so far (their dtypes' sizes, not the wire's)
 
     def __call__(self, code: int, payload: bytes) -> torch.Tensor:
         if code != TENSOR_EXT_CODE:
@@ -1049,6 +1055,10 @@ class _TensorReader:
             raise LimitExceeded(
                 f"tensor of {numel} elements exceeds max_tensor_elements={self.limits.max_tensor_elements}"
             )
+        self.decoded += numel * _ITEMSIZE[dtype]
+        if self.decoded > self.limits.max_decoded_bytes:
+            raise LimitExceeded(f"the tensors of this message decode to more than max_decoded_bytes="
+                                f"{self.limits.max_decoded_bytes}")
         if type(codec_id) is not int or codec_id not in Compression._value2member_map_:
             raise MalformedTensor(f"unknown compression id {codec_id!r}")
         codec = Compression(codec_id)
