@@ -585,3 +585,15 @@ def test_sparse_tensors_cannot_expand_a_small_message_past_max_decoded_bytes():
     assert len(made) == 39  # the 40th was refused from its header
     decoded = wire.decode(message, limits=wire.Limits(max_decoded_bytes=40 * 4 * numel))
     assert len(decoded) == 40 and torch.equal(decoded[0], one)
+
+
+@pytest.mark.parametrize("codec", [Compression.INT8] + NEW, ids=lambda c: c.name)
+def test_a_finite_float16_tensor_never_decodes_to_infinity(codec):
+    """A block scale rounded up puts the top level past float16's largest finite value (INT8: 64 * 1024 =
+    65536 for 65504): decoded values are clamped to the dtype's finite range."""
+    x = torch.tensor([65504.0, -65504.0, 1.0, 60000.0] * 20, dtype=torch.float16)
+    y = wire.roundtrip(x, codec, density=0.5)
+    assert bool(torch.isfinite(y).all())
+    if codec not in TOPK:  # (the top-k codecs drop half of it)
+        assert float((y.float() - x.float()).abs().max()) <= 65504 / 127 * 16
+    assert torch.equal(wire.roundtrip(y, codec, density=0.5), y)

@@ -159,7 +159,8 @@ class Compression(IntEnum):
         division and the decoding exact and the codec idempotent on its own output for the same blocks
         (``roundtrip(roundtrip(x)) == roundtrip(x)``), which lets every member of an all-reduce hold bit-identical
         values. Size: 1 + 4/256 bytes per element. A tensor holding NaN or infinity, or whose block maximum
-        exceeds float32's range, is sent uncompressed.
+        exceeds float32's range, is sent uncompressed. float16 and bfloat16 tensors decode clamped to their
+        finite range (a scale rounded up could put 65504 at 64 * 1024, which float16 rounds to infinity).
 
     The codecs below are for pseudo-gradients at the frontier of compression (DiLoCo's outer gradients, with error
     feedback: `averaging.outer_state.ErrorFeedback`). All of them: deterministic (the same bytes in every process
@@ -455,7 +456,7 @@ def _dequantize_int8_blocks(raw: torch.Tensor, numel: int, block: int, dtype: to
     q = raw[nblocks * 4:].view(torch.int8)
     work = torch.float64 if dtype == torch.float64 else torch.float32
     values = torch.nn.functional.pad(q.to(work), (0, nblocks * block - numel)).view(nblocks, block)
-    return values.mul_(scales.to(work).unsqueeze(1)).reshape(-1)[:numel].to(dtype)
+    return _to_dtype(values.mul_(scales.to(work).unsqueeze(1)).reshape(-1)[:numel], dtype)
 
 
 # --------------------------------------------------------------------- INT4, INT2 and the top-k codecs (encode)
