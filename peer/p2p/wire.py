@@ -17,8 +17,10 @@ at or after ``4 + body_len``; every non-empty buffer starts at a multiple of :da
 message start, buffers appear in body order and do not overlap, and the message ends exactly where the last buffer
 ends. (Offsets are relative to the data section so that the body can be packed in one pass: its length, which
 decides where the data section begins, is not known until packing is done.) ``params`` is ``[]`` except for
-``Compression.UINT8`` where it is ``[min, scale]`` and ``Compression.INT8`` where it is ``[block]`` (the buffer then
-holds one float32 scale per block followed by one int8 per element).
+``Compression.UINT8`` where it is ``[min, scale]``, ``Compression.INT8``, ``INT4`` and ``INT2`` where it is
+``[block]`` (the buffer then holds the blocks' float32 scales followed by the packed values), and ``TOPK2`` and
+``TOPK8`` where it is ``[chunk, k]`` (see :class:`Compression` for each codec's buffer). A tensor that breaks
+these rules, or its codec's, is refused with :class:`MalformedTensor`.
 
 Why this layout: large tensors are never copied into the msgpack body. :func:`encode` hands back a list of parts
 (small ``bytes`` plus ``memoryview`` objects over the tensors' own storage) that a socket can send with
