@@ -726,8 +726,8 @@ def _check_levels(levels: torch.Tensor, what: str) -> None:
 def _two_level_values(codes: torch.Tensor, levels: torch.Tensor, work: torch.dtype) -> torch.Tensor:
     """Values of 2-bit codes (bit 0: upper level, bit 1: negative) on rows whose (lower, upper) levels are given."""
     levels = levels.to(work)
-    magnitude = torch.where((codes & 1).bool(), levels[:, 1:2], levels[:, 0:1])
-    return torch.where((codes & 2).bool(), -magnitude, magnitude)
+    table = torch.cat([levels, -levels], dim=1)  # per row: a, b, -a, -b, indexed by the code
+    return table.gather(1, codes.to(torch.int64))
 
 
 def _dequantize_int2(raw: torch.Tensor, numel: int, block: int, dtype: torch.dtype) -> torch.Tensor:
