@@ -82,7 +82,8 @@ class Model:
 @dataclass(frozen=True)
 class Scenario:
     """What to run; see the module docstring for the churn options. `outer_steps` is the run's length
-    (`--steps` = outer_steps * inner_steps). `fragments`: passed as `--fragments N` (when `peer train` has it).
+    (`--steps` = outer_steps * inner_steps). `fragments`: passed as `--fragments N` (Streaming DiLoCo: outer steps
+    then count fragment rounds, N per `inner_steps`, and the churn schedule's steps are those).
     `stall_timeout`: give up when no live trainer reported a new outer step for that long (a swarm that stopped
     moving; averaging/diloco.py has rounds that never end, see `pick_victim`). `train_args`: more `peer train`
     arguments for every trainer. `workarounds`: options of `peer.testing.trainer`
@@ -218,6 +219,7 @@ class Runner:
         self.trainers: dict[str, Trainer] = {}
         self.daemons: list[tuple[subprocess.Popen[str], LineReader]] = []
         self.plan = plan(scenario)
+        self.final_step = scenario.outer_steps * (scenario.fragments or 1)  # with fragments: fragment rounds
         self.applied: list[dict[str, Any]] = []
         self.started = time.monotonic()
         self.bootstrap = ""
@@ -372,16 +374,20 @@ class Runner:
             finally:
                 meter.stop()
                 self._stop_all()
+                self._save_events()
             first = self._hosts["t0"]
             rtt = 2 * wan.link(first, first).delay_s
             up = first.profile.up_mbit * 1e6 / 8 if first.profile.up_mbit else None
             reports = {name: self._report(trainer, meter) for name, trainer in self.trainers.items()}
         events = {name: list(t.reader.events) for name, t in self.trainers.items()}
-        for name, lines in events.items():  # beside each trainer's stderr log, for a person to read
-            with open(os.path.join(self.workdir, f"{name}.jsonl"), "w") as file:
-                file.writelines(json.dumps(line) + "\n" for line in lines)
         return ScenarioResult(scenario, self.plan, self.applied, reports, events, self.elapsed(), rtt, up,
                               self.workdir)
+
+    def _save_events(self) -> None:
+        """Each trainer's JSON lines beside its stderr log, for a person to read (also after a failed run)."""
+        for name, trainer in self.trainers.items():
+            with open(os.path.join(self.workdir, f"{name}.jsonl"), "w") as file:
+                file.writelines(json.dumps(line) + "\n" for line in trainer.reader.events)
 
     def _follow(self, churn: Churn) -> None:
         """Apply the schedule as the trainers report, until every trainer not killed is done."""
@@ -466,7 +472,7 @@ class Runner:
         outer_step = int(result.get("outer_step", trainer.outer_step))
         return TrainerReport(
             name=trainer.name, joiner=trainer.joiner, slowdown=trainer.slowdown, killed=trainer.killed_at is not None,
-            finished=finished, reached_end=finished and outer_step >= self.scenario.outer_steps,
+            finished=finished, reached_end=finished and outer_step >= self.final_step,
             exit_code=trainer.process.returncode, outer_step=outer_step, hash=result.get("hash"),
             accuracy=result.get("accuracy"), goodput=result.get("goodput"),
             bytes_sent=int(result.get("bytes_sent", 0)), bytes_received=int(result.get("bytes_received", 0)),
