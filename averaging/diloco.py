@@ -358,6 +358,7 @@ class DiLoCoOptimizer:
         (too stale, or refused), or "skipped" (no coordinator answered: nothing applied)."""
         step = max(contribution.base, self.outer_step)
         deadline = trio.current_time() + self.averaging_timeout + self.load_state_timeout
+        retries = 0
         while trio.current_time() < deadline:
             step = self._aligned(max(step, self.outer_step), contribution.base)
             staleness = (step - contribution.base) // self.fragments  # in rounds of its own fragment
@@ -398,7 +399,10 @@ class DiLoCoOptimizer:
                 logger.warning("diloco: my outer state at step %d (%s) is not the round's (%s); catching up",
                                self.outer_step, self.hash[:12], start.hash[:12])
             if not await self._catch_up(start.step + 1, self._members_of[start.step + 1], deadline):
-                return "lost"
+                retries += 1
+                if retries > 2:
+                    return "lost"
+                continue  # that round produced nothing: offered again, its coordinator starts it anew
             step = self.outer_step
         return "lost"
 
@@ -438,6 +442,8 @@ class DiLoCoOptimizer:
                         start.step, len(others))
             self._record({"outcome": "skipped", "round": start.step, "members": 1, "reason": start.reason,
                           "base": contribution.base})
+            if start.coordinator == bytes(self.tracker.peer_id):
+                self.rounds.round_failed(start.step)
             return "skipped"
         if len(start.members) > 1 and self._gathers(start, contribution.indices):
             outcome, reason = await self._gather(start, contribution)
@@ -476,6 +482,8 @@ class DiLoCoOptimizer:
                         "outer_steps": start.step - self._joined_at_step + 1, "round": start.step}
                 self.rounds.held_changed()
                 self._publish_state()
+        if outcome == "lost" and start.coordinator == bytes(self.tracker.peer_id):
+            self.rounds.round_failed(start.step)
         self._stats["rounds"] += 1
         self._record({
             "outcome": outcome, "round": start.step, "members": len(start.members), "reason": start.reason,

@@ -199,10 +199,12 @@ class Start:
     group_id: bytes = field(default=b"")
     coordinator: bytes = b""  # who started it (it decides an all-gather's set: averaging.gather)
     coordinator_address: Address | None = None
+    attempt: int = 0  # a round that produced nothing is started again by its coordinator, as the next attempt
 
     def __post_init__(self) -> None:
         if not self.group_id:
-            digest = hashlib.sha256(b"swarmd-round|%d|%s|" % (self.step, self.hash.encode()))
+            digest = hashlib.sha256(b"swarmd-round|%d|%d|%s|%s|" % (self.step, self.attempt, self.hash.encode(),
+                                                                     self.coordinator))
             for member in self.members:
                 digest.update(member.peer)
             object.__setattr__(self, "group_id", digest.digest()[:16])
@@ -262,9 +264,11 @@ class OuterRound:
     the agreement (None when it does not hold this step). `window`: the grace window, from the estimator."""
 
     def __init__(self, step: int, expected: Iterable[bytes], policy: QuorumPolicy, window: float,
-                 own_hash: str | None = None, coordinator: tuple[bytes, Address | None] = (b"", None)):
+                 own_hash: str | None = None, coordinator: tuple[bytes, Address | None] = (b"", None),
+                 attempt: int = 0):
         self.step = step
         self.coordinator = coordinator
+        self.attempt = attempt
         self.policy = policy
         self.window = min(max(window, policy.grace_min), policy.grace_max)
         self.own_hash = own_hash
@@ -381,7 +385,8 @@ class OuterRound:
             members.append(Admission(peer, offer.address, 1.0, samples, staleness,
                                      contribution_weight(samples, staleness), max(0.0, arrived - opened)))
         return Start(self.step, canonical, tuple(members), tuple(resync), reason, max(0.0, now - opened),
-                     self.window, coordinator=self.coordinator[0], coordinator_address=self.coordinator[1])
+                     self.window, coordinator=self.coordinator[0], coordinator_address=self.coordinator[1],
+                     attempt=self.attempt)
 
     def _verdict_after_start(self, peer: bytes) -> Verdict:
         start = self.start

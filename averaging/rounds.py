@@ -144,7 +144,7 @@ def start_to_wire(start: Start) -> dict[str, Any]:
     return {"step": start.step, "hash": start.hash, "reason": start.reason, "waited": start.waited,
             "window": start.window, "group_id": start.group_id, "resync": list(start.resync),
             "coordinator": [start.coordinator, list(start.coordinator_address)
-                            if start.coordinator_address is not None else None],
+                            if start.coordinator_address is not None else None], "attempt": start.attempt,
             "members": [[m.peer, list(m.address) if m.address is not None else None, m.bandwidth, m.samples,
                          m.staleness, m.weight, m.offset] for m in start.members]}
 
@@ -178,7 +178,7 @@ def start_from_wire(obj: Any) -> Start:
         raise ValueError("bad coordinator")
     return Start(step, hash_, tuple(admissions), tuple(_peer(p) for p in resync),
                  reason if isinstance(reason, str) else "", _number(obj.get("waited")), _number(obj.get("window")),
-                 bytes(group_id), _peer(coordinator[0]), _address(coordinator[1]))
+                 bytes(group_id), _peer(coordinator[0]), _address(coordinator[1]), _count(obj.get("attempt", 0)))
 
 
 def _verdict_to_wire(verdict: Verdict, now: float) -> dict[str, Any]:
@@ -285,10 +285,10 @@ class RoundService:
         on_open: Callable[[int, float], bool],
         address: Callable[[], Address | None],
         banned: Callable[[], set[bytes]] = set,
-        ack_floor: float = 1.0,
+        ack_floor: float = 2.0,
         poll_limit: float = 2.0,
         keep_rounds: int = 8,
-        suspect_for: float = 10.0,
+        suspect_for: float = 30.0,
         roster_ttl: float = 30.0,
     ):
         self.rpc = rpc
@@ -310,6 +310,7 @@ class RoundService:
         self._roster: dict[bytes, tuple[Address, float]] = {}  # peer -> (address, trio time last heard of)
         self._suspects: dict[bytes, float] = {}  # peer -> trio time until which it is asked last
         self.rounds: dict[int, _Coordinated] = {}
+        self._attempts: dict[int, int] = {}  # step -> attempt of the next round started for it
         self._dead: dict[int, set[bytes]] = {}  # per round: better candidates this coordinator found dead
         self._held = trio.Event()  # set (and renewed) whenever `holding()` may have changed
         self._nursery: trio.Nursery | None = None
@@ -444,6 +445,15 @@ class RoundService:
         coordinated.wake()
         return {**_verdict_to_wire(verdict, now), "roster": self._gossip()}
 
+    def round_failed(self, step: int) -> None:
+        """A round this trainer started produced nothing here (lost, or skipped alone): forget it, so the next
+        offer for that step starts it again (as a new attempt) instead of being told it is late for a round
+        after which nobody holds the next outer step."""
+        coordinated = self.rounds.get(step)
+        if coordinated is not None and coordinated.core.start is not None and self._holding().step <= step:
+            del self.rounds[step]
+            self._attempts[step] = self._attempts.get(step, 0) + 1
+
     def members_of_group(self, group_id: bytes) -> list[bytes] | None:
         """The members of a round this trainer started (for `averaging.gather`'s decision), by group id."""
         for coordinated in self.rounds.values():
@@ -482,12 +492,13 @@ class RoundService:
         banned = self._banned()
         expected = {p: a for p, a in self._expected(step).items() if p not in banned}
         core = OuterRound(step, expected, self.policy, self.grace.window(self.rtt), own_hash=self._own_hash(step),
-                          coordinator=(self.me, self._address()))
+                          coordinator=(self.me, self._address()), attempt=self._attempts.get(step, 0))
         coordinated = _Coordinated(core, dict(expected))
         self.rounds[step] = coordinated
         for old in sorted(self.rounds)[:-self.keep_rounds]:
             del self.rounds[old]
             self._dead.pop(old, None)
+            self._attempts.pop(old, None)
         self.stats["coordinated"] += 1
         assert self._nursery is not None, "the round service is not serving"
         self._nursery.start_soon(self._drive, coordinated)
