@@ -204,7 +204,6 @@ class DiLoCoOptimizer:
         self._background_outcome = ""
         self._held = False
         self._members_of: dict[int, Members] = {}  # outer step -> members of the round that produced it
-        self._failed: set[bytes] = set()  # peers my last all-reduce saw fail
         self._inflight_round: int | None = None  # the round a background contribution is offered to now
         self._finishing = False  # finish() was called: no more contributions
         self._cut_at: float | None = None  # monotonic time by which this phase must end (a round opened)
@@ -310,23 +309,30 @@ class DiLoCoOptimizer:
         return tuple(merged.items())
 
     def _expected(self, step: int) -> dict[bytes, Address | None]:
-        """Whom I expect in a round I coordinate: the members of the round that produced outer step `step` that my
-        last all-reduce did not see fail, and the trainers at that step in the progress records; for a round of
+        """Whom I expect in a round I coordinate: the members of the round that produced outer step `step`, and the
+        trainers at that step in the progress records; for a round of
         an outer step I know nothing of (the first of a run), every trainer of the roster (those busy elsewhere
         say so when the window opens)."""
         if step not in self._members_of:
             return {**dict(self.rounds.roster()), **dict(self._view(step))}
-        return {p: a for p, a in self._candidates(step) if p not in self._failed}
+        # not minus the peers my last all-reduce saw fail: a timeout on a loaded machine is no proof of death, and
+        # the window's opening probes every expected trainer anyway (a dead one refuses it at once)
+        return dict(self._candidates(step))
 
     def _on_open(self, step: int, closes_in: float) -> bool:
         """A coordinator opened round `step`, whose window closes in `closes_in` seconds. When this phase's
         contribution goes there, the phase ends early enough to make the window (`step()` checks). Returns whether
-        I will offer to that round (not when I already did, or when I am behind and will be late anyway)."""
+        I will offer to (or am offering to) that round; not when I am behind and will be late anyway."""
         last = self._last_step_end  # None: the loop has not started yet (it will come)
         idle = self._finishing or (last is not None and time.monotonic() - last > max(2.0, 20 * self._step_seconds))
+        if step == self._inflight_round:
+            return True  # my offer to that round is on its way (it may have met a redirect, or the network)
         coming = step == self._next_round() and not idle  # a trainer whose loop stopped calling step() is not
         if coming:
             self._cut_at = time.monotonic() + closes_in
+        else:
+            logger.debug("diloco: not coming to round %d (next %d, idle %s, finishing %s)", step, self._next_round(),
+                         idle, self._finishing)
         return coming
 
     def _next_round(self) -> int:
@@ -453,7 +459,6 @@ class DiLoCoOptimizer:
             result = await self.averager.average_in(group, weight=me.weight, timeout=self.averaging_timeout,
                                                     tensors=[self.pseudo[i] for i in contribution.indices])
             self._count_traffic(result)
-            self._failed = {bytes(p) for p in result.failed_peers}
             outcome = "averaged" if result.finished else "lost"
             reason = result.reason
         if outcome == "lost":
@@ -517,7 +522,6 @@ class DiLoCoOptimizer:
                                        deadline=trio.current_time() + self.averaging_timeout)
         self._stats["bytes_sent"] += result.bytes_sent
         self._stats["bytes_received"] += result.bytes_received
-        self._failed = set(result.failed)
         if result.contributions is None or result.chosen is None:
             return "lost", result.reason
         weights = {m.peer: m.weight for m in start.members}
@@ -616,6 +620,7 @@ class DiLoCoOptimizer:
                 await trio.sleep(self.tracker.min_refresh)
                 progress = await self.tracker.fetch()
         self.last_progress = progress
+        self._note_roster()  # the trainers seen now are the first round's candidates (a later read may miss some)
         if await self._resync(progress):
             self.outer.reset_local()  # the first inner step starts from the swarm's outer parameters
         else:

@@ -494,6 +494,7 @@ class RoundService:
         core = OuterRound(step, expected, self.policy, self.grace.window(self.rtt), own_hash=self._own_hash(step),
                           coordinator=(self.me, self._address()), attempt=self._attempts.get(step, 0))
         coordinated = _Coordinated(core, dict(expected))
+        logger.debug("round %d: coordinating, expecting %s", step, sorted(PeerID(p).short() for p in expected))
         self.rounds[step] = coordinated
         for old in sorted(self.rounds)[:-self.keep_rounds]:
             del self.rounds[old]
@@ -549,6 +550,7 @@ class RoundService:
                 logger.info("round %d: %s did not take the opening (%s)", core.step, PeerID(peer).short(), error)
                 coming = False
         if not coming and core.start is None and peer not in core.offers:
+            logger.debug("round %d: %s will not come", core.step, PeerID(peer).short())
             self.stats["lost_on_open"] += 1
             core.lost(peer)
             coordinated.wake()
