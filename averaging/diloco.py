@@ -353,6 +353,8 @@ class DiLoCoOptimizer:
     # ------------------------------------------------------------------------------------------ contributions
 
     async def _contribute(self, contribution: _Contribution) -> str:
+        if not contribution.started:
+            contribution.started = trio.current_time()  # first offered now (in overlap, from the background)
         try:
             return await self._offer_until_taken(contribution)
         finally:
@@ -509,9 +511,11 @@ class DiLoCoOptimizer:
             return False
         if self.exchange == "gather":
             return True
-        dense = sum(self.pseudo[i].numel() * self.pseudo[i].element_size() for i in indices)
         compressed = sum(wire.data_nbytes(self.pseudo[i], self.compression) for i in indices)
-        return prefer_gather(len(start.members), compressed, dense)
+        sparse = self.compression in (wire.Compression.TOPK2, wire.Compression.TOPK8)
+        returned = compressed if not sparse else sum(
+            wire.data_nbytes(self.pseudo[i], wire.Compression.INT8) for i in indices)
+        return prefer_gather(len(start.members), compressed, returned)
 
     async def _gather(self, start: Start, contribution: _Contribution) -> tuple[str, str]:
         """This round by all-gather: push, agree on the set with the coordinator, combine it (robust rules on the
@@ -874,7 +878,7 @@ class DiLoCoOptimizer:
         indices = self.outer.fragment(step_before)
         self.outer.from_outer(indices)
         contribution = self._contribution(step_before)
-        outcome = self.swarm.run(self._until_stop, "skipped", self._timed_contribute, contribution)
+        outcome = self.swarm.run(self._until_stop, "skipped", self._contribute, contribution)
         self._count_outcome(outcome)
         if outcome in ("averaged", "solo") and self.outer_step == step_before + 1:
             self.outer.reset_local(indices)  # this fragment's local parameters <- its new outer parameters
@@ -884,10 +888,6 @@ class DiLoCoOptimizer:
         # pseudo-gradient of this fragment covers this phase too
         self.round_steps = self.round_samples = 0
         self._account_round()
-
-    async def _timed_contribute(self, contribution: _Contribution) -> str:
-        contribution.started = trio.current_time()
-        return await self._contribute(contribution)
 
     def _end_phase_overlapped(self) -> None:
         """Overlap: wait for the previous contribution only if it is not done, rebase the fragments whose rounds

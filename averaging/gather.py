@@ -4,9 +4,10 @@ other member, then all of them combine the same set, in the same order, so all h
 Why not the butterfly (`averaging.allreduce`): a reducer averages parts from members whose sparse supports differ,
 and the mean of k-sparse vectors is dense: sending it back costs the dense bytes and loses what sparsity saved.
 With an all-gather a member uploads its compressed update to each of the n-1 others, which is cheaper than the
-butterfly's two dense transfers whenever (n - 1) * compressed < 2 * dense: for top-k at 2% with 2-bit values
-(about 1.3% of fp32) up to about 40 members against int8 (see `prefer_gather`). Nobody reduces for others, so
-no reducer can lie about an average: each member computes it from the contributions themselves.
+butterfly's compressed push and dense (int8) return whenever n < 1 + int8 / compressed: for top-k at 2% with
+2-bit values (1/108 of fp32) up to 27 members (see `prefer_gather`); never for a dense codec beyond 2 members.
+Nobody reduces for others, so no reducer can lie about an average: each member computes it from the contributions
+themselves.
 
 Agreement on the set. Members can lose contributions (a sender dies half-way through its pushes, a link drops),
 and members combining different sets would hold different states. So after its pushes, every member reports the
@@ -47,12 +48,15 @@ REPORT = "averaging.gather.report"
 __all__ = ["GatherResult", "GatherRound", "GatherService", "PUSH", "REPORT", "combine", "decide", "prefer_gather"]
 
 
-def prefer_gather(members: int, compressed_bytes: int, dense_bytes: int) -> bool:
-    """All-gather when each member's uploads, (n - 1) * compressed, cost less than the butterfly's dense push and
-    pull, 2 * (n - 1) / n * dense (per member, with every member reducing an equal part)."""
+def prefer_gather(members: int, compressed_bytes: int, returned_bytes: int) -> bool:
+    """All-gather when each member's uploads, (n - 1) * compressed, cost less than the butterfly's: pushes of
+    (n - 1) / n of its compressed update, and (n - 1) / n of the averaged vector sent back at `returned_bytes`
+    (the compressed size again for a dense codec, so the butterfly wins from 3 members on; for a sparse codec
+    the mean of sparse vectors is dense, so it goes back at int8's size at least)."""
     if members < 2:
         return False
-    return (members - 1) * compressed_bytes < 2.0 * (members - 1) / members * dense_bytes
+    share = (members - 1) / members
+    return (members - 1) * compressed_bytes < share * (compressed_bytes + returned_bytes)
 
 
 def decide(members: Sequence[bytes], reports: Mapping[bytes, Iterable[bytes]]) -> list[bytes]:

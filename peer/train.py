@@ -699,6 +699,10 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
         out.emit(result)
         if evaluation_error is not None and not stop.requested:
             raise RuntimeError(f"held-out evaluation failed: {evaluation_error}")
+        if outer_target and optimizer.outer_step < outer_target and not stop.requested:
+            raise RuntimeError(f"reached outer step {optimizer.outer_step} of {outer_target} in {step} local steps "
+                               f"(the bound is twice --steps): the swarm's rounds did not take this trainer's "
+                               f"contributions (the progress lines' 'why' says what they answered)")
         return result
     finally:
         if metrics_bridge is not None:

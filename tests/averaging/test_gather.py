@@ -23,10 +23,14 @@ def test_decide_keeps_what_every_reporter_holds_in_member_order():
 
 
 def test_prefer_gather_only_when_it_sends_fewer_bytes():
-    assert prefer_gather(4, compressed_bytes=10, dense_bytes=1000)
-    assert not prefer_gather(4, compressed_bytes=1000, dense_bytes=1000)  # dense codecs: the butterfly
-    assert not prefer_gather(64, compressed_bytes=100, dense_bytes=1000)  # too many members for 10%
-    assert not prefer_gather(1, compressed_bytes=1, dense_bytes=1000)
+    # a sparse codec (1/108 of fp32) against the butterfly returning the dense mean at int8 (1/4)
+    assert prefer_gather(4, compressed_bytes=10, returned_bytes=270)
+    assert prefer_gather(27, compressed_bytes=10, returned_bytes=270)
+    assert not prefer_gather(28, compressed_bytes=10, returned_bytes=270)  # too many members
+    # a dense codec: the butterfly sends (n - 1) / n twice, the gather n - 1 times
+    assert not prefer_gather(2, compressed_bytes=250, returned_bytes=250)
+    assert not prefer_gather(4, compressed_bytes=250, returned_bytes=250)
+    assert not prefer_gather(1, compressed_bytes=1, returned_bytes=1000)
 
 
 def test_combine_is_a_weighted_mean_and_robust_rules_reject_outliers():
