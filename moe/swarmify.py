@@ -65,14 +65,29 @@ class _Site:
     install: Callable[[RemoteMixtureOfExperts], None]  # put the mixture where the dense block was
 
 
+# expert state name -> (the dense block's parameter path, whether the dense block stores it transposed)
+WeightMap = dict[str, tuple[str, bool]]
+
+
 class SwarmFFN(nn.Module):
     """A mixture of remote experts standing in for an FFN block: [..., hidden] -> [..., hidden], every token
-    routed on its own; `dropout` is the dropout the dense block applied to its output."""
+    routed on its own; `dropout` is the dropout the dense block applied to its output.
 
-    def __init__(self, mixture: RemoteMixtureOfExperts, dropout: nn.Module | None = None):
+    `dense` is the block it replaced, moved to the meta device (its structure without its memory) and kept out of
+    the state dict, with `weight_map` saying where each expert tensor goes in it: `moe.export.deswarmify` rebuilds
+    the plain model from them and the experts' weights read back from the daemons."""
+
+    dense: nn.Module | None
+    weight_map: WeightMap
+
+    def __init__(self, mixture: RemoteMixtureOfExperts, dropout: nn.Module | None = None, *,
+                 dense: nn.Module | None = None, weight_map: WeightMap | None = None):
         super().__init__()
         self.mixture = mixture
         self.dropout = dropout if dropout is not None else nn.Identity()
+        # plain attributes (not submodules): neither in state_dict() nor in parameters()
+        self.__dict__["dense"] = dense.to("meta") if dense is not None else None
+        self.__dict__["weight_map"] = dict(weight_map or {})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -122,13 +137,17 @@ def _torch_layer_site(path: str, layer: nn.Module) -> _Site:
                 "down.bias": linear2.bias}
 
     def install(mixture: RemoteMixtureOfExperts) -> None:
+        dense = nn.ModuleDict({name: getattr(torch_layer, name) for name in ("linear1", "linear2", "dropout")})
         for name in ("linear1", "linear2", "dropout"):
             delattr(torch_layer, name)
         if isinstance(torch_layer, nn.TransformerEncoderLayer):  # the decoder layer has no fused path
+            dense.__dict__["activation_relu_or_gelu"] = torch_layer.activation_relu_or_gelu  # restored on export
             torch_layer.activation_relu_or_gelu = 0  # keeps torch's fused inference path (reads linear1) off
         # a submodule (so its gate is trained), called where the dense block was: both layer classes call
         # self._ff_block, and an instance attribute shadows the class's method
-        swarm_ffn = SwarmFFN(mixture, out_dropout)
+        swarm_ffn = SwarmFFN(mixture, out_dropout, dense=dense, weight_map={
+            "up.weight": ("linear1.weight", False), "up.bias": ("linear1.bias", False),
+            "down.weight": ("linear2.weight", False), "down.bias": ("linear2.bias", False)})
         torch_layer.add_module("swarm_ffn", swarm_ffn)
         torch_layer.__dict__["_ff_block"] = swarm_ffn
 
@@ -147,7 +166,9 @@ def _gpt2_site(path: str, block: nn.Module) -> _Site:
                 "down.bias": down_bias}
 
     def install(mixture: RemoteMixtureOfExperts) -> None:
-        block.mlp = SwarmFFN(mixture, dropout)
+        block.mlp = SwarmFFN(mixture, dropout, dense=mlp, weight_map={
+            "up.weight": ("c_fc.weight", True), "up.bias": ("c_fc.bias", False),
+            "down.weight": ("c_proj.weight", True), "down.bias": ("c_proj.bias", False)})
 
     return _Site(path, up_weight.shape[0], f"gpt2_ffn@{up_weight.shape[1]}", weights, install)
 
@@ -160,7 +181,9 @@ def _llama_site(path: str, layer: nn.Module) -> _Site:
         return {"gate.weight": gate.weight, "up.weight": up.weight, "down.weight": down.weight}
 
     def install(mixture: RemoteMixtureOfExperts) -> None:
-        layer.mlp = SwarmFFN(mixture)
+        layer.mlp = SwarmFFN(mixture, dense=mlp, weight_map={
+            "gate.weight": ("gate_proj.weight", False), "up.weight": ("up_proj.weight", False),
+            "down.weight": ("down_proj.weight", False)})
 
     return _Site(path, gate.in_features, f"swiglu@{gate.out_features}", weights, install)
 
@@ -295,4 +318,4 @@ def swarmify(
     return specs
 
 
-__all__ = ["ExpertSpec", "SwarmFFN", "SwarmNotServing", "expert_specs", "find_ffn_blocks", "swarmify"]
+__all__ = ["ExpertSpec", "SwarmFFN", "SwarmNotServing", "WeightMap", "expert_specs", "find_ffn_blocks", "swarmify"]

@@ -1,4 +1,5 @@
-"""Upcycling: writing a dense block's weights into served experts, over an authenticated RPC.
+"""Upcycling and export: writing a dense block's weights into served experts, and reading them back, over
+authenticated RPCs.
 
 Why an RPC and an allow list: `moe.swarmify(..., upcycle=True)` starts every expert of a layer from the dense
 FFN block it replaces, so the swarmified model computes at step 0 exactly what the dense one did. Overwriting
@@ -9,6 +10,12 @@ on who the caller is, not on what it claims. A daemon with an empty list refuses
 
 The write goes through the runtime's `exclusive` slot (no batch of that expert runs meanwhile), replaces the
 module's weights and clears the optimizer's state (its moments belong to the old weights).
+
+Reading (`moe.read_weights`, the inverse, used by `moe.export.deswarmify`) is answered to the peers allowed to
+train the experts (`peer join --trainers FILE`, anyone who completed the handshake without one) and to those
+allowed to write them: whoever may change the weights through backward passes learns them anyway, and nobody else
+gets a volunteer's trained weights. The copy is taken through the same `exclusive` slot, so it is one step's
+consistent state, never a half-applied optimizer step.
 """
 
 from __future__ import annotations
@@ -17,13 +24,14 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from moe.errors import BadExpertInput, ExpertNotFound
+from moe.errors import BadExpertInput, BadExpertOutput, ExpertNotFound, NotAllowed
 from moe.experts import Expert
 from moe.server import ExpertServer
 from peer.p2p.identity import PeerID
 from peer.p2p.rpc import CallContext, RemoteError, RPCNode, register_error_code
 
 WRITE_WEIGHTS = "moe.write_weights"
+READ_WEIGHTS = "moe.read_weights"
 
 
 class WeightsRefused(RemoteError):
@@ -64,6 +72,41 @@ class WeightWriter:
         return {"uid": expert.uid, "tensors": len(state)}
 
 
+class WeightReader:
+    """The server side of export: `moe.read_weights {uid}` -> `{uid, kind, hidden_dim, steps, state}` for a peer
+    that may train the experts (the server's `trainers` policy) or write them (`accept_from`); NotAllowed
+    otherwise. `register(rpc)` once the expert server runs (the daemon does it, beside the WeightWriter)."""
+
+    def __init__(self, server: ExpertServer, accept_from: Iterable[str] = ()):
+        self.server = server
+        self.accept_from = {PeerID.from_hex(p).hex() if not isinstance(p, PeerID) else p.hex() for p in accept_from}
+        self.read = 0
+        self.refused = 0
+
+    def register(self, rpc: RPCNode) -> None:
+        rpc.register(READ_WEIGHTS, self._handle)
+
+    async def _handle(self, context: CallContext, args: Any) -> dict[str, Any]:
+        if not (self.server.trainers.allows(context) or context.peer_id.hex() in self.accept_from):
+            self.refused += 1
+            raise NotAllowed(f"peer {context.peer_id.hex()} may not read expert weights here (not in "
+                             f"{self.server.trainers.source})")
+        if not (isinstance(args, dict) and isinstance(args.get("uid"), str)):
+            raise BadExpertInput("expected arguments {'uid': str}")
+        expert = self.server.experts.get(args["uid"])
+        if expert is None:
+            raise ExpertNotFound(f"no expert {args['uid'][:100]!r} on this server")
+        state, steps = await self.server.runtime.exclusive(expert.uid, _snapshot)
+        self.read += 1
+        return {"uid": expert.uid, "kind": expert.kind, "hidden_dim": expert.hidden_dim, "steps": steps,
+                "state": state}
+
+
+def _snapshot(expert: Expert) -> tuple[dict[str, torch.Tensor], int]:
+    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in expert.module.state_dict().items()}, \
+        expert.steps
+
+
 def _checked_state(expert: Expert, state: Mapping[Any, Any]) -> dict[str, torch.Tensor]:
     own = expert.module.state_dict()
     if set(state) != set(own):
@@ -90,3 +133,20 @@ async def write_weights(rpc: RPCNode, experts: Sequence[tuple[str, Any]], state:
         await rpc.call(location.address, WRITE_WEIGHTS, {"uid": uid, "state": dict(state)}, timeout=timeout,
                        peer_id=PeerID.from_hex(location.peer_id_hex))
     return len(experts)
+
+
+async def read_weights(rpc: RPCNode, uid: str, location: Any, *, timeout: float) -> dict[str, Any]:
+    """The current weights of expert `uid` served at `location` (an ExpertLocation): `{uid, kind, hidden_dim,
+    steps, state: {name: tensor}}`, checked (every tensor finite; the reply names the uid asked). Raises the RPC's
+    errors (NotAllowed when this peer may not train the expert) and BadExpertOutput for a malformed reply."""
+    reply = await rpc.call(location.address, READ_WEIGHTS, {"uid": uid}, timeout=timeout,
+                           peer_id=PeerID.from_hex(location.peer_id_hex))
+    state = reply.get("state") if isinstance(reply, dict) else None
+    if not isinstance(state, dict) or reply.get("uid") != uid or not state:
+        raise BadExpertOutput(uid, "expected {'uid': uid, 'state': {name: tensor}} from moe.read_weights")
+    for name, tensor in state.items():
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise BadExpertOutput(uid, "moe.read_weights: state must map names to tensors")
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise BadExpertOutput(uid, f"moe.read_weights: {name} holds NaN or infinite values")
+    return dict(reply)

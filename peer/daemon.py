@@ -39,7 +39,7 @@ from dht.routing import has_work, identity_with_work
 from moe.experts import OptimizerConfig, make_expert
 from moe.grid import GridPattern, InvalidUID, expand_pattern
 from moe.server import CallerPolicy, ExpertServer, choose_uids, read_peer_list
-from moe.upcycle import WeightWriter
+from moe.upcycle import WeightReader, WeightWriter
 from peer import __version__
 from peer.directory import PeerDirectory
 from peer.discover import SwarmMismatch, choose_family, discover_families, summary_fields
@@ -328,6 +328,7 @@ class Daemon:
                     await nursery.start(self.expert_server.run, rpc, dht)
                     # always registered: a peer outside the allow list gets a typed refusal, not "no such method"
                     WeightWriter(self.expert_server, config.accept_weights_from).register(rpc)
+                    WeightReader(self.expert_server, config.accept_weights_from).register(rpc)
                     if config.replicate:
                         self.replicas = ReplicaAverager(rpc, dht, self.expert_server.experts,
                                                         self.expert_server.runtime.exclusive,
