@@ -453,6 +453,7 @@ class RoundService:
         if coordinated is not None and coordinated.core.start is not None and self._holding().step <= step:
             del self.rounds[step]
             self._attempts[step] = self._attempts.get(step, 0) + 1
+            self.held_changed()  # members waiting for outer step `step + 1` from me learn it will not come
 
     def members_of_group(self, group_id: bytes) -> list[bytes] | None:
         """The members of a round this trainer started (for `averaging.gather`'s decision), by group id."""
@@ -598,6 +599,9 @@ class RoundService:
         if min_step is not None:
             limit = trio.current_time() + min(max(0.0, float(wait)), self.poll_limit)
             while self._holding().step < min_step and trio.current_time() < limit:
+                if self._attempts.get(min_step - 1) and min_step - 1 not in self.rounds:
+                    # the round that would produce it failed here and was not started again yet: say so now
+                    return {**self._holding().to_wire(), "void": True}
                 held = self._held
                 with trio.move_on_at(limit):
                     await held.wait()
@@ -699,6 +703,8 @@ class RoundService:
                             holding = Holding.from_wire(reply)
                         except (RPCError, ValueError):
                             return  # this holder is gone or lies; the others may answer
+                        if holding.step < step and isinstance(reply, dict) and reply.get("void"):
+                            return  # the round that would produce it failed at this holder: not coming from it
                         if holding.step >= step:
                             found.append(holding)
                             nursery.cancel_scope.cancel()
