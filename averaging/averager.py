@@ -210,7 +210,7 @@ class Averager:
             address = self.rpc.announced_address
             if address is not None:
                 await self.dht.store(self.state_key, [address[0], address[1], self.keys.round],
-                                     self.dht.now() + self.state_ttl, subkey=bytes(self.peer_id))
+                                     self.dht.now() + self.state_ttl, subkey=bytes(self.peer_id), signed=True)
 
         interval = self.state_ttl / 3
         await run_periodic(announce, interval, name=f"announcing state under {self.state_key}",

@@ -466,7 +466,7 @@ class Matchmaker:
     async def _declare(self, key: str, me: Declaration, expiration: float) -> None:
         t0 = trio.current_time()
         try:
-            if not await self.dht.store(key, me.to_wire(), expiration, subkey=bytes(self.peer_id)):
+            if not await self.dht.store(key, me.to_wire(), expiration, subkey=bytes(self.peer_id), signed=True):
                 logger.debug("matchmaking: no replica acknowledged my declaration under %s", key)
             self.store_latency.update(min(trio.current_time() - t0, 2 * self.store_latency.value + 0.01))
         except Exception as error:  # joins still work: peers that see me find me; others I join myself
@@ -479,7 +479,7 @@ class Matchmaker:
         async def withdraw() -> None:
             with trio.move_on_after(2.0):
                 try:
-                    await self.dht.store(key, WITHDRAWN, expiration + 1e-3, subkey=bytes(self.peer_id))
+                    await self.dht.store(key, WITHDRAWN, expiration + 1e-3, subkey=bytes(self.peer_id), signed=True)
                 except Exception as error:  # costs latecomers one rejected join at most
                     logger.debug("matchmaking: withdrawing from %s failed: %s", key, error)
 

@@ -17,6 +17,16 @@ Merge rule for one (key, subkey), existing entry E versus incoming entry I (`cho
 The signature covers (key id, subkey, value, expiration), so an entry cannot be replayed under another key or
 subkey, or kept alive longer than its owner asked.
 
+A subkey that names a PeerID (20 raw bytes, or their 40-character lowercase hex) belongs to that peer: its entry
+is valid only when signed by the key whose PeerID it is (`subkey_peer_id`, checked in `entry_authentic`). Without
+this rule "first come" let anyone sign an entry under someone else's PeerID (a forged directory entry, a forged
+ban record) before that peer did, or after its entry expired. Storing nodes refuse such entries on arrival
+(`decode`), and readers drop them from what replicas answer.
+
+One owner cannot crowd others out of a key: `fit` keeps at most MAX_SUBKEYS_PER_OWNER subkeys of each owner (all
+unsigned entries count as one owner), and when the record still exceeds a datagram it drops entries of whichever
+owner holds the most (max-min fairness), not the soonest-expiring ones (an attacker picks far expirations).
+
 Plain values written by stock nodes (int, float, bool, str, bytes) read as a `Record` whose key entry has that
 value and `expiration_time == math.inf` (stock values never expire on the wire; holders keep them for a local
 TTL after their last store, see dht/storage.py), with `record.stock == True`. Conversely a
@@ -28,6 +38,7 @@ records with expirations and owners. Between two plain values the incoming one w
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -42,6 +53,10 @@ MAGIC = b"\xc1swarmd\x01"  # 0xc1 is never a msgpack type byte: no msgpack-ish p
 MAX_RECORD_BYTES = 8192 - 55
 Subkey = Union[str, bytes, int]
 _SIGNATURE_DOMAIN = "swarmd-dht-record-v1"
+# The most subkeys of one record one owner keeps (see the module doc): far more than any honest writer needs (one
+# subkey per peer for directories, bans and progress; one per served coordinate in an expert grid prefix).
+MAX_SUBKEYS_PER_OWNER = 32
+_PEER_ID_BYTES = 20
 
 
 @dataclass(frozen=True)
@@ -138,7 +153,34 @@ def make_entry(
     return Entry(value, expiration_time, identity.public_key, signature)
 
 
+def subkey_peer_id(subkey: Subkey | None) -> bytes | None:
+    """The PeerID a subkey names (20 raw bytes, or their 40-character lowercase hex), else None."""
+    if isinstance(subkey, bytes) and len(subkey) == _PEER_ID_BYTES:
+        return subkey
+    if isinstance(subkey, str) and len(subkey) == 2 * _PEER_ID_BYTES and subkey == subkey.lower():
+        try:
+            return bytes.fromhex(subkey)
+        except ValueError:
+            return None
+    return None
+
+
+def owner_peer_id(owner: bytes) -> bytes:
+    """The PeerID of an entry's owner (its Ed25519 public key), as peer.p2p.identity.PeerID derives it."""
+    return hashlib.sha1(owner).digest()
+
+
+def signed_by_subkey(subkey: Subkey | None, entry: Entry) -> bool:
+    """Does the entry's signer own `subkey`? True for subkeys that name no PeerID."""
+    named = subkey_peer_id(subkey)
+    if named is None:
+        return True
+    return entry.owner is not None and owner_peer_id(entry.owner) == named
+
+
 def entry_authentic(key_id: bytes, subkey: Subkey | None, entry: Entry) -> bool:
+    if not signed_by_subkey(subkey, entry):
+        return False  # a PeerID's subkey signed by someone else, or not signed at all
     if entry.owner is None:
         return entry.signature is None
     if entry.signature is None:
@@ -212,18 +254,41 @@ def encoded_size(value: Any) -> int:
     return len(pack(value))
 
 
-def fit(record: Record, limit: int = MAX_RECORD_BYTES) -> Record:
-    """Drop the soonest-expiring subkeys until the record fits in one store request: a key that many peers
-    write keeps its freshest entries instead of growing past what the protocol can carry."""
-    if encoded_size(encode(record)) <= limit:
+def fit(record: Record, limit: int = MAX_RECORD_BYTES, per_owner: int = MAX_SUBKEYS_PER_OWNER) -> Record:
+    """The record a holder keeps: at most `per_owner` subkeys of each owner (its freshest), then, until it fits in
+    one store request, the soonest-expiring entry of the owner holding the most subkeys is dropped. Why not just
+    the soonest-expiring overall: a writer chooses its own expirations, so one identity writing many far-future
+    subkeys would push everyone else's entries out; this way it can only take an equal share of the room."""
+    by_owner: dict[bytes | None, list[tuple[Subkey, Entry]]] = {}
+    for subkey, entry in record.subkeys.items():
+        by_owner.setdefault(entry.owner, []).append((subkey, entry))
+    trimmed = False
+    for entries in by_owner.values():
+        entries.sort(key=lambda item: (item[1].expiration_time, _subkey_order(item[0])), reverse=True)
+        if len(entries) > per_owner:
+            del entries[per_owner:]
+            trimmed = True
+    if not trimmed and encoded_size(encode(record)) <= limit:
         return record
-    subkeys = sorted(record.subkeys.items(), key=lambda item: item[1].expiration_time, reverse=True)
-    while subkeys:
-        subkeys.pop()
-        candidate = Record(record.entry, dict(subkeys))
-        if encoded_size(encode(candidate)) <= limit:
-            return candidate
-    return Record(record.entry, {})
+
+    def build() -> Record:
+        return Record(record.entry, {subkey: entry for entries in by_owner.values() for subkey, entry in entries})
+
+    candidate = build()
+    while encoded_size(encode(candidate)) > limit and any(by_owner.values()):
+        # the owner with the most subkeys (ties: the one whose last entry expires soonest) gives one up
+        owner = max((o for o in by_owner if by_owner[o]),
+                    key=lambda o: (len(by_owner[o]), -by_owner[o][-1][1].expiration_time, o or b""))
+        by_owner[owner].pop()
+        candidate = build()
+    return candidate
+
+
+def _subkey_order(subkey: Subkey) -> tuple[int, Any]:
+    """A total order on subkeys of mixed types, so every holder drops the same entries on a tie."""
+    if isinstance(subkey, int):
+        return (0, subkey)
+    return (1, subkey.encode() if isinstance(subkey, str) else subkey)
 
 
 def _entry_from_wire(key_id: bytes, subkey: Subkey | None, raw: Any) -> Entry | None:
@@ -278,7 +343,12 @@ def record_for_store(
     subkey: Subkey | None = None,
     identity: Identity | None = None,
 ) -> Record:
-    """The one-entry record a `store` call sends; raises ValueTooLarge if it does not fit in a datagram."""
+    """The one-entry record a `store` call sends; raises ValueTooLarge if it does not fit in a datagram, and
+    InvalidValue for a subkey naming a PeerID other than the signer's (every replica would refuse it)."""
+    named = subkey_peer_id(subkey)
+    if named is not None and (identity is None or bytes(identity.peer_id) != named):
+        raise InvalidValue("a subkey naming a PeerID holds only entries signed by that peer (store it with "
+                           "signed=True, under this node's own PeerID)", operation="store")
     entry = make_entry(key_id, subkey, value, expiration_time, identity)
     record = Record(entry, {}) if subkey is None else Record(None, {subkey: entry})
     record.stock = record.is_plain()  # it travels as a bare value, so replicas see it as one

@@ -2,7 +2,8 @@
 
 A separate module without torch: `peer status` reads the bans and must start without loading torch. Each trainer's
 mixture client stores its bans under BANS_KEY with its own PeerID as a signed subkey (only it can write that
-entry; a ban is one trainer's local decision, shown with who made it, never merged into a verdict).
+entry; a ban is one trainer's local decision, shown with who made it, never merged into a verdict). The DHT
+enforces it: an entry under a PeerID subkey signed by any other key is refused by every storing node.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable
 import trio
 
 from dht.client import DHTClient
+from dht.records import signed_by_subkey
 from peer.p2p.identity import PeerID
 from peer.p2p.net import Address
 from peer.p2p.periodic import run_periodic
@@ -86,7 +87,8 @@ async def list_peers(dht: DHTClient) -> list[PeerEntry]:
 
 def entries_from_records(records: Iterable[Any], now: float) -> list[PeerEntry]:
     """The live, well-formed entries of the directory's shard records (from a DHT read, or replicas peers hold:
-    the dashboard gets them in `peer.status` replies), ordered by PeerID."""
+    the dashboard gets them in `peer.status` replies), ordered by PeerID. An entry not signed by the peer its
+    subkey names is skipped (storing nodes refuse those already; this holds for records from anywhere)."""
     peers: dict[str, PeerEntry] = {}
     for record in records:
         if record is None:
@@ -95,7 +97,8 @@ def entries_from_records(records: Iterable[Any], now: float) -> list[PeerEntry]:
             value = entry.value
             if (not isinstance(subkey, str) or len(subkey) != 40 or not isinstance(value, list) or len(value) != 3
                     or not isinstance(value[0], str) or not isinstance(value[1], int)
-                    or not isinstance(value[2], dict) or entry.expiration_time < now):
+                    or not isinstance(value[2], dict) or entry.expiration_time < now
+                    or not signed_by_subkey(subkey, entry)):
                 continue
             peers[subkey] = PeerEntry(subkey, (value[0], value[1]), value[2], entry.expiration_time)
     return [peers[key] for key in sorted(peers)]

@@ -13,6 +13,7 @@ from typing import Any, Awaitable, Callable
 import trio
 
 from dht.client import DHTClient
+from dht.records import signed_by_subkey
 from moe.bans import BANS_KEY, parse_bans
 from peer.directory import PeerEntry, list_peers
 from peer.p2p.identity import PeerID
@@ -95,6 +96,8 @@ async def gather_status(rpc: RPCNode, dht: DHTClient, *, timeout: float = 3.0,
             "dht_table_size": (reply.get("dht") or {}).get("routing_table_size"),
             "dht_rebootstraps": (reply.get("dht") or {}).get("rebootstraps"),
             "experts": experts,
+            "expert_kind": reply.get("expert_kind") if experts else None,  # relu_ffn@3072, gpt2_ffn@64...
+            "hidden_dim": reply.get("hidden_dim") if experts else None,
             "requests_served": served,
             "failures_seen": (failed_calls(reply.get("rpc")) or {}).get("total"),
             "failed_calls": failed_calls(reply.get("rpc")),
@@ -111,7 +114,8 @@ async def gather_status(rpc: RPCNode, dht: DHTClient, *, timeout: float = 3.0,
         for uid in experts:
             prefix = uid.split(".")[0]
             experts_by_prefix[prefix].append({"uid": uid, "peer_id": entry.peer_id,
-                                              "address": show_address(entry.address)})
+                                              "address": show_address(entry.address),
+                                              "kind": reply.get("expert_kind"), "hidden_dim": reply.get("hidden_dim")})
     runs = await runs_reader(dht) if runs_reader is not None else []
     extra: dict[str, Any] = {}
     if read_bans:
@@ -133,7 +137,7 @@ async def read_expert_bans(dht: DHTClient) -> dict[str, dict[str, str]]:
     """The bans every trainer published (moe.mixture publishes its client's under `moe.bans.BANS_KEY`)."""
     record = await dht.get(BANS_KEY, latest=True)
     subkeys = getattr(record, "subkeys", None) or {}
-    return parse_bans({subkey: entry.value for subkey, entry in subkeys.items()})
+    return parse_bans({subkey: entry.value for subkey, entry in subkeys.items() if signed_by_subkey(subkey, entry)})
 
 
 def format_status(status: dict[str, Any]) -> str:
@@ -160,8 +164,9 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append("experts by prefix:")
         for prefix, items in status["experts"].items():
             hosts = sorted({item["address"] for item in items})
+            kinds = sorted({f"{item.get('kind') or '?'}, hidden {item.get('hidden_dim') or '?'}" for item in items})
             lines.append(f"  {prefix}: {plural(len(items), 'expert')} on {plural(len(hosts), 'peer')} "
-                         f"({', '.join(hosts)})")
+                         f"({', '.join(hosts)}), {'; '.join(kinds)}")
     else:
         lines.append("experts: none declared")
     if status.get("bans"):

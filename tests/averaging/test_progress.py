@@ -18,8 +18,11 @@ from averaging.progress import (
     progress_key,
 )
 from dht import DHTNode
+from dht.node import key_id_of
+from dht.records import Record, make_entry
 from peer.p2p.identity import Identity, PeerID
 from peer.p2p.net import MemoryNetwork
+from tests.dht.dht_swarm import forge_store
 
 
 def _pid(n: int) -> PeerID:
@@ -204,15 +207,18 @@ async def test_records_not_signed_by_their_subkey_peer_are_ignored(autojump_cloc
         fake = PeerProgress(victim.peer_id, epoch=9, samples=10_000, samples_per_second=1e6, time=liar.now())
         key = progress_key("run")
         # signed by the liar but claiming the victim's subkey, and an unsigned claim: both must be ignored
-        await liar.store(key, fake.to_wire(), liar.now() + 30, subkey=bytes(victim.peer_id), signed=True)
-        await liar.store(key, fake.to_wire(), liar.now() + 30, subkey=bytes(_pid(3)))
+        await forge_store(liar, key, fake.to_wire(), liar.now() + 30, bytes(victim.peer_id), liar.identity)
+        await forge_store(liar, key, fake.to_wire(), liar.now() + 30, bytes(_pid(3)))
         seen = await honest.fetch()
         assert (seen.epoch, seen.num_peers) == (0, 1)
         assert not seen.target_reached
+        # storing nodes refused both (a subkey naming a PeerID holds only that peer's signed entry)
+        record = await honest.dht.get(key, latest=True)
+        assert set(record.subkeys) == {bytes(honest.peer_id)}
         # the parser itself: only entries whose owner hashes to the subkey survive
-        record = await liar.get(key, latest=True)
-        assert len(record.subkeys) == 3  # the DHT holds all three; only the honest one is believed
-        assert set(parse_records(record, liar.now())) == {honest.peer_id}
+        forged = Record(None, {**record.subkeys, bytes(victim.peer_id): make_entry(
+            key_id_of(key), bytes(victim.peer_id), fake.to_wire(), liar.now() + 30, liar.identity)})
+        assert set(parse_records(forged, liar.now())) == {honest.peer_id}
         nursery.cancel_scope.cancel()
 
 

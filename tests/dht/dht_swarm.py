@@ -41,3 +41,17 @@ async def start_swarm(nursery: trio.Nursery, hosts: list[str], network_for, rng,
         swarm.append(await start_node(nursery, host, initial, network=network_for(host), identity=identity,
                                       seed=rng.getrandbits(64), **kwargs))
     return swarm
+
+
+async def forge_store(node: DHTNode, key, value, expiration_time: float, subkey=None,
+                      signer: Identity | None = None) -> bool:
+    """What a hostile peer can send: an entry signed by `signer` (unsigned when None) under any subkey, stored
+    through the node's ordinary replica lookup but without the client-side checks of `DHTNode.store`."""
+    from dht import records
+    from dht.node import key_id_of
+
+    key_id = key_id_of(key)
+    entry = records.make_entry(key_id, subkey, value, expiration_time, signer)
+    record = records.Record(entry, {}) if subkey is None else records.Record(None, {subkey: entry})
+    acknowledged = await node._store_in_chunks({key_id: record})
+    return acknowledged.get(key_id, False)
