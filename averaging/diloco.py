@@ -381,6 +381,12 @@ class DiLoCoOptimizer:
             if self.tracker.last_fetch_age > self.tracker.max_refresh:
                 self.last_progress = await self.tracker.fetch()  # the roster is no older than the tracker keeps it
             self._note_roster()
+            progress = self.tracker.progress()
+            if self._canonical(list(progress.peers))[0] > step and await self._resync(progress):
+                # others hold a newer outer step than the round I was about to offer to (a joiner whose first
+                # download failed, a trainer back from a partition): hold theirs first, then offer (or drop)
+                step = self.outer_step
+                continue
             self._inflight_round = step
             verdict = await self.rounds.enter(step, offer, deadline=deadline)
             if verdict is None:
@@ -625,10 +631,20 @@ class DiLoCoOptimizer:
                 progress = await self.tracker.fetch()
         self.last_progress = progress
         self._note_roster()  # the trainers seen now are the first round's candidates (a later read may miss some)
-        if await self._resync(progress):
-            self.outer.reset_local()  # the first inner step starts from the swarm's outer parameters
-        else:
-            await self.tracker.publish()
+        for _ in range(3):  # a download can fail when the holders moved on meanwhile: read again, fetch again
+            if await self._resync(progress):
+                self.outer.reset_local()  # the first inner step starts from the swarm's outer parameters
+                return
+            if not self._ahead(progress):
+                break
+            await trio.sleep(self.tracker.min_refresh)
+            progress = self.last_progress = await self.tracker.fetch()
+        await self.tracker.publish()
+
+    def _ahead(self, progress: SwarmProgress) -> bool:
+        """Whether the progress records show trainers holding a newer outer step than mine."""
+        step, best, holders = self._canonical(list(progress.peers))
+        return best is not None and step > self.outer_step and bool(holders)
 
     def _canonical(self, peers: list[PeerProgress]) -> tuple[int, str | None, list[PeerProgress]]:
         """The newest outer step among `peers` (and me), the hash most trainers at it hold (ties: mine, then the

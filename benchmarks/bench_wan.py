@@ -14,7 +14,7 @@ line holding every key:
 - intercontinental, no churn: `goodput_intercontinental` (target >= 0.95); `round_rtts`: per round, (time from
   ready to applied - transfer time) / RTT, median over the rounds (target <= 8; `round_rtts_max` beside it).
   Ready to applied: the smallest `since_offer` of the round's members (the last one to offer; `since_offer` is
-  stamped at the offer by `peer.testing.trainer --stamp-offers`). Transfer: that member's bytes sent per
+  counted from the offer). Transfer: that member's bytes sent per
   averaged round (its `bytes_sent` / its averaged rounds) over its uplink (100 Mbit/s); RTT 150 ms
   (`ScenarioResult.round_rtts`);
 - home, one trainer 3x slower (`home-slow`): `goodput_fast_peers`, mean goodput of the others (target >= 0.92;
@@ -29,10 +29,7 @@ runs that failed (their keys are null). One scenario alone, its own figures on t
 
     .venv/bin/python benchmarks/bench_wan.py --profile home --churn kill-every-outer-step
         [--churn none|kill-every-outer-step|stop|slow] [--fragments N] [--outer-steps 12] [--inner-steps 20]
-        [--seed 1] [--workaround open-race]
-
-`--workaround open-race` runs the trainers with the harness fix of a fault of averaging/diloco.py
-(`peer.testing.trainer.patch`); without it the product runs as it is.
+        [--seed 1]
 """
 
 from __future__ import annotations
@@ -68,7 +65,7 @@ def log(line: str) -> None:
 def run(name: str, options: argparse.Namespace, **fields: Any) -> tuple[ScenarioResult | None, str | None]:
     """One scenario; (result, None) or (None, why it failed)."""
     scenario = Scenario(name, outer_steps=options.outer_steps, inner_steps=options.inner_steps, seed=options.seed,
-                        workarounds=tuple(options.workaround), **fields)
+                        **fields)
     log(f"== {name}: {fields or 'no churn'}")
     started = time.monotonic()
     try:
@@ -179,7 +176,6 @@ def main() -> int:
     parser.add_argument("--outer-steps", type=int, default=12)
     parser.add_argument("--inner-steps", type=int, default=20)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--workaround", action="append", choices=["open-race"], default=[])
     options = parser.parse_args()
     ok, why = available()
     if not ok:
@@ -196,7 +192,7 @@ def main() -> int:
         result, error = run(f"{profile}-{churn}", options, **fields)
         line = {**figures(result), "profile": profile, "churn": churn, "fragments": options.fragments,
                 "errors": [error] if error else []}
-    line.update({"workarounds": options.workaround, "total_seconds": round(time.monotonic() - started, 1),
+    line.update({"total_seconds": round(time.monotonic() - started, 1),
                  "machine": f"{platform.machine()}, {os.cpu_count()} cores, kernel {platform.release()}",
                  "date": datetime.date.today().isoformat()})
     print(json.dumps(line))

@@ -30,12 +30,11 @@ of wall time in a scenario. Inner Adam at lr 0.01 and an outer momentum of 0.6 (
 only in where phases were cut short, end 1-3% apart; with 0.6 the model settles by outer step 8 and such runs end
 within 0.6% (benchmarks/README.md, "WAN scenarios", has the figures).
 
-Trainers run `--overlap --compression int8` through `peer.testing.trainer --stamp-offers` (`since_offer` is
-wrong with --overlap otherwise). Every `outer_round` line carries the outer state's hash after the round, so
-`hash_conflicts()` checks that all trainers that completed an outer step hold the same state. The run ends when
-every trainer that was not killed has written its result line and exited. Goodput and accuracy of the run are
-means over the trainers that finished. Each trainer's stderr (product logs at info) and JSON lines stay in
-`workdir` for a person to read.
+Trainers run `--overlap --compression int8` through `peer.testing.trainer`. Every `outer_round` line carries the
+outer state's hash after the round, so `hash_conflicts()` checks that all trainers that completed an outer step hold
+the same state. The run ends when every trainer that was not killed has written its result line and exited. Goodput
+and accuracy of the run are means over the trainers that finished. Each trainer's stderr (product logs at info) and
+JSON lines stay in `workdir` for a person to read.
 """
 
 from __future__ import annotations
@@ -86,9 +85,7 @@ class Scenario:
     then count fragment rounds, N per `inner_steps`, and the churn schedule's steps are those).
     `stall_timeout`: give up when no live trainer reported a new outer step for that long (a swarm that stopped
     moving; averaging/diloco.py has rounds that never end, see `pick_victim`). `train_args`: more `peer train`
-    arguments for every trainer. `workarounds`: options of `peer.testing.trainer`
-    that work around faults of averaging/diloco.py (`peer.testing.trainer.patch` says which and why; () runs the
-    product as it is). `timeout`: the whole run, in seconds."""
+    arguments for every trainer. `timeout`: the whole run, in seconds."""
 
     name: str
     profile: str = "home"
@@ -106,7 +103,6 @@ class Scenario:
     fragments: int | None = None
     seed: int = 1
     train_args: tuple[str, ...] = ()
-    workarounds: tuple[str, ...] = ()
     timeout: float = 420.0
     stall_timeout: float = 90.0
 
@@ -257,7 +253,7 @@ class Runner:
 
     def trainer_argv(self, index: int, joiner: bool, slowdown: float) -> list[str]:
         scenario = self.scenario
-        hooks = ["--stamp-offers", "--log-level", self.log_level, *(f"--{w}" for w in scenario.workarounds)]
+        hooks = ["--log-level", self.log_level]
         if slowdown != 1.0:
             hooks += ["--slowdown", str(slowdown)]
         train = ["--initial-peers", self.bootstrap, "--run-id", self.run_id, "--algorithm", "diloco",
