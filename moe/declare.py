@@ -4,9 +4,18 @@ For an expert `ffn.3.17` served at host:port by peer P, a server stores
   - key `ffn.3.17`                -> `[host, port, P_hex]`             (find one expert by uid)
   - key `ffn.`,   subkey `3`      -> `["ffn.3.17", host, port, P_hex]`  (the grid has experts below `ffn.3.`)
   - key `ffn.3.`, subkey `17`     -> `["ffn.3.17", host, port, P_hex]`  (the expert itself, for the last level)
+  - key `ffn.3.17/replicas`, subkey P (20 bytes) -> `[host, port, P_hex]`    (every server of the uid)
 all with the same absolute expiration in the DHT's clock. Beam search walks the grid with one `get_many` per
 level over prefix keys; many servers write under one prefix without conflict because each coordinate is its
 own subkey. Everything read back is validated: DHT values come from arbitrary peers.
+
+Nobody can hijack a declaration (issue 36): every entry is signed by the declaring server, and an owned entry
+only yields to its own owner, so the first server of a uid keeps the uid key and its grid coordinates for as long
+as it refreshes them; a fresh identity re-declaring the grid is refused by every storing node. A replica
+(`peer join --replicate`) adds itself under its own PeerID in the replicas key, beside the owner, and takes the
+uid key over only once the owner's entry expired. Readers drop a signed entry whose PeerID is not its signer's,
+and a trainer calls a location only through a handshake that proves that PeerID (`RPCNode.call(peer_id=...)`).
+The DHT keeps at most `dht.records.MAX_SUBKEYS_PER_OWNER` coordinates of one prefix per owner.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from dht.client import DHTClient
+from dht.records import owner_peer_id
 from moe.grid import GridPattern, InvalidUID, choose_free_uids, is_valid_uid, prefix_entries
 from peer.p2p.identity import PeerID
 from peer.p2p.net import Address
@@ -66,8 +76,20 @@ def _location_value(address: Address, peer_id: PeerIDLike) -> list[Any]:
     return [str(address[0]), int(address[1]), peer_hex]
 
 
+def replicas_key(uid: str) -> str:
+    """The key where every server of `uid` declares itself under its own PeerID (never a valid uid itself)."""
+    return f"{uid}/replicas"
+
+
+def replica_items(uids: Iterable[str], address: Address, peer_id: PeerIDLike, expiration: float) -> list[StoreItem]:
+    """The store items adding this server beside the others under each uid's replicas key (store them signed)."""
+    location = _location_value(address, peer_id)
+    return [(replicas_key(uid), location, expiration, bytes.fromhex(location[2])) for uid in uids]
+
+
 def declaration_items(uids: Iterable[str], address: Address, peer_id: PeerIDLike, expiration: float) -> list[StoreItem]:
-    """The store items declaring `uids` at `address`: one per uid, plus one per distinct (prefix, coordinate)."""
+    """The store items declaring `uids` at `address`: one per uid, plus one per distinct (prefix, coordinate).
+    Stored signed (as `declare_experts` does) they belong to this server: nobody else can overwrite them."""
     location = _location_value(address, peer_id)
     items: list[StoreItem] = []
     seen_prefixes: set[tuple[str, int]] = set()
@@ -85,11 +107,21 @@ def declaration_items(uids: Iterable[str], address: Address, peer_id: PeerIDLike
 async def declare_experts(
     dht: DHTClient, uids: Sequence[str], address: Address, peer_id: PeerIDLike, expiration: float
 ) -> dict[str, bool]:
-    """Store the records of `uids` (expiring at `expiration`, absolute in `dht.now()` time) in one batch;
-    returns, per uid, whether its own record was acknowledged by at least one replica."""
-    items = declaration_items(uids, address, peer_id, expiration)
-    acknowledged = list(await dht.store_many(items))
-    return {item[0]: bool(ok) for item, ok in zip(items, acknowledged) if item[3] is None}
+    """Store the records of `uids` (expiring at `expiration`, absolute in `dht.now()` time), signed by the DHT
+    node's identity (which must be `peer_id`), in one batch; returns, per uid, whether a replica acknowledged this
+    server's own entry under the uid's replicas key. The uid key and the grid coordinates are refused while
+    another server owns them (this server is then a replica, see the module doc)."""
+    owned = declaration_items(uids, address, peer_id, expiration)
+    replicas = replica_items(uids, address, peer_id, expiration)
+    acknowledged = list(await dht.store_many([*owned, *replicas], signed=True))[len(owned):]
+    return {uid: bool(ok) for uid, ok in zip(uids, acknowledged)}
+
+
+def _signer_matches(entry: Any, location: ExpertLocation) -> bool:
+    """A signed entry names its signer's PeerID: anything else is a forged location (an unsigned entry, which
+    any signed declaration replaces, is read as it is)."""
+    owner = getattr(entry, "owner", None)
+    return owner is None or owner_peer_id(owner).hex() == location.peer_id_hex
 
 
 def _valid_location(value: Any, *, with_uid: bool) -> tuple[str | None, ExpertLocation] | None:
@@ -121,7 +153,27 @@ async def get_experts(dht: DHTClient, uids: Sequence[str]) -> dict[str, ExpertLo
         parsed = None
         if entry is not None and entry.expiration_time > now:
             parsed = _valid_location(entry.value, with_uid=False)
-        found[uid] = parsed[1] if parsed else None
+        found[uid] = parsed[1] if parsed and _signer_matches(entry, parsed[1]) else None
+    return found
+
+
+async def get_replicas(dht: DHTClient, uids: Sequence[str]) -> dict[str, list[ExpertLocation]]:
+    """Every server that declared each uid under its own PeerID (owner and replicas), ordered by PeerID."""
+    if not uids:
+        return {}
+    records = await dht.get_many([replicas_key(uid) for uid in uids])
+    now = dht.now()
+    found: dict[str, list[ExpertLocation]] = {}
+    for uid in uids:
+        record = records.get(replicas_key(uid))
+        servers: list[ExpertLocation] = []
+        for subkey, entry in sorted((getattr(record, "subkeys", None) or {}).items(), key=lambda item: repr(item[0])):
+            if not isinstance(subkey, bytes) or entry.expiration_time <= now:
+                continue
+            parsed = _valid_location(entry.value, with_uid=False)
+            if parsed is not None and parsed[1].peer_id_hex == subkey.hex() and _signer_matches(entry, parsed[1]):
+                servers.append(parsed[1])
+        found[uid] = servers
     return found
 
 
@@ -143,7 +195,7 @@ async def get_prefixes(
             if entry.expiration_time <= now:
                 continue
             parsed = _valid_location(entry.value, with_uid=True)
-            if parsed is None:
+            if parsed is None or not _signer_matches(entry, parsed[1]):
                 continue
             uid, location = parsed
             if uid is not None and uid.startswith(prefix):  # with_uid=True: the uid was checked, never None

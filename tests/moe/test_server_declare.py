@@ -48,7 +48,7 @@ async def test_declared_experts_are_found_by_uid_and_prefix_over_real_sockets():
 
         first = await nursery.start(dht_node, [])
         reader = await nursery.start(dht_node, [first.address])
-        async with RPCNode(Identity.generate(), network) as rpc:
+        async with RPCNode(first.identity, network) as rpc:  # one identity: it signs the declarations
             address = await rpc.listen("127.0.0.1", 0)
             await nursery.start(server.run, rpc, first)
             found = await get_experts(reader, ["ffn.0.1", "ffn.3.4", "ffn.9.9"])
