@@ -605,6 +605,8 @@ TRAIN = OptionSet("peer train", [
            "with --algorithm diloco: codec of the pseudo-gradients, all lossy ones with error feedback (int8, int4, "
            "int2: blockwise 8, 4 and 2 bits; topk2, topk8: the largest 2% of each chunk of 4096 with 2-bit or "
            "8-bit values)"),
+    Option("density", Number(maximum=1.0), 0.02, "with --compression topk2 or topk8: the fraction of each chunk "
+           "of 4096 a pseudo-gradient keeps (the receiver reads it from each tensor's header)"),
     Option("overlap", SWITCH, False, "with --algorithm diloco: average in the background and apply the outer update "
            "one outer step late, so compute never waits on the network"),
     Option("fragments", POSITIVE_INT, 1, "with --algorithm diloco: Streaming DiLoCo, the model split into this "

@@ -537,8 +537,9 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
         if swarm is not None and diloco:
             from averaging.diloco import DiLoCoHooks, DiLoCoOptimizer
             from averaging.quorum import QuorumPolicy
-            from peer.p2p.wire import Compression
+            from peer.p2p.wire import Compression, set_default_density
 
+            set_default_density(args.density)  # what the top-k codecs keep of what this trainer sends
             diloco_hooks = dataclasses.replace(hooks) if hooks is not None else DiLoCoHooks()
             if diloco_hooks.on_event is None:
                 diloco_hooks.on_event = out.emit  # outer rounds, as JSON lines beside the progress lines

@@ -286,6 +286,17 @@ def test_the_receiver_reads_the_density_from_the_header_not_its_own_default():
     assert wire.topk_params(100) == (100, 2) and wire.topk_params(0) == (1, 1)
 
 
+def test_peer_train_density_option_defaults_to_the_codec_default_and_stays_in_range(capsys):
+    from peer.train import build_parser
+
+    assert build_parser().parse_args([]).density == wire.TOPK_DENSITY  # one default, stated twice: kept equal
+    assert build_parser().parse_args(["--density", "0.05"]).density == 0.05
+    for bad in ("0", "1.5", "nan"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--density", bad])
+    assert "--density" in capsys.readouterr().err
+
+
 @given(st.integers(0, 20_000), st.sampled_from(NEW), st.sampled_from([None, 0.001, 0.02, 0.5, 1.0]),
        st.sampled_from([torch.float32, torch.float64, torch.bfloat16]))
 def test_data_nbytes_is_exactly_what_the_new_codecs_send(numel, codec, density, dtype):
