@@ -310,8 +310,9 @@ class PartReducer:
         elif not self.contributors:
             self.result = None
         elif self.aggregation.robust:
+            claimed = [self.weights[s] for s in self.contributors]
             self.result = self._split(robust.aggregate(self._matrix(self.contributors),
-                                                       [self.weights[s] for s in self.contributors],
+                                                       robust.bounded_weights(claimed, self.aggregation),
                                                        self.aggregation))
         else:
             if self._dirty:

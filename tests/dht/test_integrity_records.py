@@ -9,8 +9,7 @@ import random
 import pytest
 import trio
 
-from dht import DHTNode, InvalidValue
-from dht import records
+from dht import DHTNode, InvalidValue, records
 from dht.node import key_id_of
 from dht.records import MAX_RECORD_BYTES, MAX_SUBKEYS_PER_OWNER, Record, make_entry
 from moe.bans import BANS_KEY
@@ -19,7 +18,6 @@ from peer.p2p.identity import Identity
 from peer.p2p.net import MemoryNetwork
 from peer.status import read_expert_bans
 from tests.dht.dht_swarm import forge_store, start_swarm
-
 
 
 def _identity(name: str) -> Identity:
