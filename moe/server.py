@@ -119,8 +119,10 @@ async def choose_uids(
     checkpoint_dir: str | Path | None = None,
     rng: random.Random | None = None,
     peer_id: PeerIDLike | None = None,
+    fewer_ok: bool = False,
 ) -> list[str]:
-    """The uids a starting server should serve, in this order of preference:
+    """The uids a starting server should serve (with `fewer_ok`, fewer than `count` when the pattern has fewer
+    free ones, maybe none), in this order of preference:
     1. its checkpointed uids of this pattern (a restarted server keeps its experts' weights);
     2. uids of the pattern still declared in the DHT by `peer_id` itself (a server restarted with the same
        identity and no checkpoints takes back what it served: its previous declarations are not someone else's);
@@ -133,7 +135,7 @@ async def choose_uids(
     if need <= 0:
         return kept
     if dht is not None:
-        fresh = await find_free_uids(dht, grid, need, taken=kept, rng=rng, peer_id=peer_id)
+        fresh = await find_free_uids(dht, grid, need, taken=kept, rng=rng, peer_id=peer_id, fewer_ok=fewer_ok)
     else:
         fresh = choose_free_uids(grid, need, kept, rng)
     return kept + fresh

@@ -149,21 +149,57 @@ def test_hostile_streams_only_ever_raise_framing_error_and_most_reach_payload_pa
     assert 0.1 * cases < errors < cases  # corruptions are caught, and some leave a valid reading
 
 
-def test_receive_budget_bounds_memory_held_by_half_received_messages():
-    budget = framing.ReceiveBudget(3000)
-    parsers = [framing.FrameParser(max_message_bytes=2000, chunk_bytes=1000, budget=budget) for _ in range(2)]
-    announce = [framing.HEADER.pack(framing.HEADER.size - 4 + 8, framing.FIRST, sid) + framing.TOTAL.pack(1500)
-                for sid in (1, 3)]
-    # one connection may hold one maximal message's worth: the second announcement is refused
-    events = parsers[0].receive(b"".join(announce))
-    assert [type(e) for e in events] == [framing.MessageRejected] and "budget" in events[0].reason
-    # the node's budget is shared: the other connection gets what is left, then no more
-    assert parsers[1].receive(announce[0]) == [] and budget.available == 0
-    # small single-frame messages are never refused for budget
+def _chunk(stream_id: int, kind: int, payload: bytes, total: int | None = None) -> bytes:
+    prefix = framing.TOTAL.pack(total) if total is not None else b""
+    return framing.HEADER.pack(framing.HEADER.size - 4 + len(prefix) + len(payload), kind, stream_id) + prefix + payload
+
+
+def test_receive_budget_charges_bytes_as_they_arrive_per_peer_and_evicts_the_heaviest():
+    budget = framing.ReceiveBudget(3000, per_peer=2000)
+    a1, a2, b, c = (framing.FrameParser(max_message_bytes=4000, chunk_bytes=1000, budget=budget, owner=owner)
+                    for owner in ("a", "a", "b", "c"))
+    # announcing holds nothing: two 1,500-byte messages announced (with an empty first chunk) cost no budget
+    assert a1.receive(_chunk(1, framing.FIRST, b"", total=1500) + _chunk(3, framing.FIRST, b"", total=1500)) == []
+    assert budget.available == 3000
+    # bytes are charged as their chunks start: peer a reaches its share of 2000 over its two connections
+    assert a1.receive(_chunk(1, 0, b"x" * 1000) + _chunk(3, 0, b"y" * 900)) == []
+    assert a2.receive(_chunk(5, framing.FIRST, b"z" * 100, total=200)) == []
+    assert budget.held_by("a") == 2000 and budget.available == 1000
+    events = a1.receive(_chunk(3, 0, b"y" * 1))  # over a's share: that message is dropped, a's other one stays
+    assert [type(e) for e in events] == [framing.MessageRejected] and events[0].over_budget
+    assert "message_bytes_per_peer" in events[0].reason and budget.held_by("a") == 1100
+    # a message larger than any peer's share is refused at its announcement
+    events = b.receive(_chunk(7, framing.FIRST, b"", total=2500))
+    assert [type(e) for e in events] == [framing.MessageRejected] and "message_bytes_per_peer" in events[0].reason
+    # b and c fill the total; then c, holding less than a, gets in by evicting a's largest message
+    assert b.receive(_chunk(9, framing.FIRST, b"q" * 1000, total=1900)) == []
+    assert c.receive(_chunk(11, framing.FIRST, b"r" * 900, total=1900)) == []
+    assert budget.available == 0
+    assert c.receive(_chunk(11, 0, b"r" * 100)) == []
+    assert budget.held_by("c") == 1000 and budget.held_by("a") == 100 and budget.evicted == 1
+    events = a1.receive(_chunk(1, framing.LAST, b"x" * 500))  # its sender goes on: told, and discarded
+    assert [type(e) for e in events] == [framing.MessageRejected] and "evicted" in events[0].reason
+    # small single-frame messages get through for whoever has budget left
     outbox = framing.Outbox(chunk_bytes=1000)
-    outbox.add(7, [b"ping"])
-    events = parsers[1].receive(b"".join(bytes(f) for f in outbox.next_frames()))
+    outbox.add(13, [b"ping"])
+    events = a2.receive(b"".join(bytes(f) for f in outbox.next_frames()))
     assert [type(e) for e in events] == [framing.MessageReceived]
-    for parser in parsers:
+    for parser in (a1, a2, b, c):
         parser.close()  # connections end: the budget comes back whole
     assert budget.available == 3000
+
+
+def test_a_stalled_message_is_dropped_and_gives_its_budget_back():
+    budget = framing.ReceiveBudget(10_000, stall_timeout=30.0)
+    parser = framing.FrameParser(max_message_bytes=10_000, chunk_bytes=1000, budget=budget, owner="slow")
+    parser.now = 100.0
+    assert parser.receive(_chunk(1, framing.FIRST, b"x" * 1000, total=5000)) == []
+    parser.now = 120.0
+    assert parser.receive(_chunk(1, 0, b"x" * 1000)) == []
+    assert parser.next_stall_deadline() == 150.0 and parser.expire_stalled(149.0) == []
+    parser.now = 140.0
+    assert parser.receive(_chunk(1, 0, b"x" * 100)[:20]) == []  # a chunk begun, trickling: no progress
+    events = parser.expire_stalled(150.0)
+    assert [type(e) for e in events] == [framing.MessageRejected] and "stalled" in events[0].reason
+    assert budget.available == 10_000 and parser.next_stall_deadline() is None
+    parser.close()

@@ -16,7 +16,10 @@ from __future__ import annotations
 import collections
 import struct
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence, Union
+from typing import Callable, Hashable, Iterator, Sequence, Union
+
+from peer.p2p import budget as _budget
+from peer.p2p.budget import Accountant, LimitReached
 
 Buffer = Union[bytes, bytearray, memoryview]
 Allocator = Callable[[int], Union[bytearray, memoryview]]
@@ -25,6 +28,7 @@ HEADER = struct.Struct("<IBI")
 TOTAL = struct.Struct("<Q")
 CHUNK_BYTES = 1024 * 1024
 MAX_CONTROL_BYTES = 64 * 1024
+MAX_OPEN_STREAMS = 4096  # messages arriving at once on one connection (each costs a little bookkeeping)
 
 FIRST = 0x01  # the payload starts with the message's total size
 LAST = 0x02  # the message is complete after this chunk
@@ -52,6 +56,7 @@ class MessageRejected:
     stream_id: int
     size: int
     reason: str
+    over_budget: bool = False  # refused for the receive budget (the peer's share, a stall, an eviction)
 
 
 @dataclass
@@ -69,45 +74,112 @@ Event = Union[MessageReceived, MessageRejected, StreamCancelled, ControlFrame]
 
 
 class ReceiveBudget:
-    """Bytes that partly received messages may hold, shared by every connection of a node: a peer that announces
-    huge messages and then trickles (or sends nothing) gets rejections, not gigabytes of zeroed buffers."""
+    """Bytes that partly received messages hold, per remote peer and for the whole node (one `Accountant`,
+    resource `message_bytes`), shared by every connection of a node.
 
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.available = limit
+    Why charged as bytes arrive, not as announced: when the whole announced size was reserved up front, two
+    identities announcing 1 GiB each and trickling it held the node's whole budget, and every honest message
+    over a chunk was refused ("receiver busy"). Now an announcement holds nothing; each chunk is charged when
+    its frame starts, so a peer holds what it actually sent, up to its share (`per_peer`, always below the
+    total). When the total is full, the peer holding the most loses its largest partial message (`evict`), so a
+    newcomer who holds less still gets in; a message whose chunks stop coming is dropped after
+    `stall_timeout` (`FrameParser.expire_stalled`)."""
 
-    def take(self, size: int) -> bool:
-        if size > self.available:
-            return False
-        self.available -= size
-        return True
+    RESOURCE = "message_bytes"
 
-    def give_back(self, size: int) -> None:
-        self.available = min(self.limit, self.available + size)
+    def __init__(self, limit: int, per_peer: int | None = None, *, stall_timeout: float = 30.0,
+                 accountant: Accountant | None = None):
+        if accountant is None:
+            accountant = Accountant({("total", self.RESOURCE): limit, ("peer", self.RESOURCE): per_peer or limit})
+        self.accountant = accountant
+        self.limit = int(accountant.limit("total", self.RESOURCE) or limit)
+        self.per_peer = int(accountant.limit("peer", self.RESOURCE) or self.limit)
+        self.stall_timeout = stall_timeout
+        self._parsers: dict[Hashable, set[FrameParser]] = {}
+        self.evicted = 0
+
+    @property
+    def available(self) -> int:
+        return int(self.limit - self.accountant.amount(_budget.TOTAL, self.RESOURCE))
+
+    def held_by(self, owner: Hashable) -> int:
+        return int(self.accountant.amount(("peer", owner), self.RESOURCE))
+
+    def take(self, size: int, owner: Hashable = None) -> str | None:
+        """Charge `size` bytes to `owner`; None when granted, else the refusal (naming the limit and the peer).
+        A full total evicts from the peer holding the most, when that is someone holding more than `owner`."""
+        scopes = (("peer", owner),)
+        try:
+            self.accountant.take(scopes, self.RESOURCE, size, peer=owner)
+            return None
+        except LimitReached as refusal:
+            if refusal.scope != _budget.TOTAL:
+                return refusal.message
+            message = refusal.message
+        while self.accountant.over(scopes, self.RESOURCE, size) == (_budget.TOTAL, self.limit):
+            heaviest = self.accountant.heaviest("peer", self.RESOURCE)
+            if heaviest is None or heaviest[0][1] == owner or heaviest[1] <= self.held_by(owner) + size:
+                return message
+            if not self._evict(heaviest[0][1]):
+                return message
+        self.accountant.add(scopes, self.RESOURCE, size)
+        return None
+
+    def give_back(self, size: int, owner: Hashable = None) -> None:
+        self.accountant.give_back((("peer", owner),), self.RESOURCE, size)
+
+    def _evict(self, owner: Hashable) -> bool:
+        for parser in sorted(self._parsers.get(owner, ()), key=lambda p: -p.held):
+            if parser.evict_largest(f"evicted: the node's receive budget is full and peer "
+                                    f"{_short(owner)} holds the most of it"):
+                self.evicted += 1
+                return True
+        return False
+
+    def register(self, parser: "FrameParser") -> None:
+        self._parsers.setdefault(parser.owner, set()).add(parser)
+
+    def unregister(self, parser: "FrameParser") -> None:
+        parsers = self._parsers.get(parser.owner)
+        if parsers is not None:
+            parsers.discard(parser)
+            if not parsers:
+                del self._parsers[parser.owner]
+
+
+def _short(owner: Hashable) -> str:
+    short = getattr(owner, "short", None)
+    return str(short() if short is not None else owner)
 
 
 @dataclass
 class _Partial:
     data: bytearray | memoryview | None  # None while discarding a rejected message
-    budgeted: bool = False
+    charged: int = 0  # bytes of it charged to the receive budget (those of the chunks that started)
     filled: int = 0
+    progress_at: float = 0.0  # when its last chunk completed (or it started): `expire_stalled` reads it
 
 
 class FrameParser:
-    """Turns received bytes into events. `max_message_bytes` is checked before anything is allocated."""
+    """Turns received bytes into events. `max_message_bytes` is checked before anything is allocated; every
+    chunk's bytes are charged to `owner` (the remote peer) in `budget` as its frame starts."""
 
     def __init__(self, max_message_bytes: int, chunk_bytes: int = CHUNK_BYTES, budget: ReceiveBudget | None = None,
-                 allocate: Allocator = bytearray):
+                 allocate: Allocator = bytearray, owner: Hashable = None):
         """`allocate(n)` makes a message's writable n-byte buffer. `bytearray` zero-fills it, which for big
         tensors costs as much as receiving them; the RPC layer passes `wire.message_buffer` (uninitialised
-        memory: safe, because a message is delivered only once every byte of it has arrived)."""
+        memory: safe, because a message is delivered only once every byte of it has arrived, and untouched
+        pages of it take no memory, so an announced size that never arrives costs nothing)."""
         self.max_message_bytes = max_message_bytes
         self.allocate = allocate
         self.budget = budget or ReceiveBudget(2 * max_message_bytes)
-        self._pending = 0  # budgeted bytes held by this connection
+        self.owner = owner
+        self.now = 0.0  # the driver's clock at the current input (sans-I/O: set by whoever feeds the parser)
+        self.held = 0  # budgeted bytes held by this connection
         self.max_frame_bytes = max(chunk_bytes, MAX_CONTROL_BYTES) + TOTAL.size + HEADER.size
         self._header = bytearray()
         self._partials: dict[int, _Partial] = {}
+        self._dropped: list[Event] = []  # rejections decided outside `receive` (eviction), reported by it
         # state of the frame being read
         self._kind = 0
         self._stream_id = 0
@@ -115,13 +187,19 @@ class FrameParser:
         self._control: bytearray | None = None
         self._prefix = bytearray()  # the u64 total of a FIRST frame while it arrives
         self._in_frame = False
+        self.budget.register(self)
 
     @property
     def open_streams(self) -> int:
         return len(self._partials)
 
+    @property
+    def in_frame(self) -> bool:
+        """Part of a frame (or of its header) arrived and the rest has not."""
+        return self._in_frame or bool(self._header)
+
     def receive(self, data: Buffer) -> list[Event]:
-        events: list[Event] = []
+        events: list[Event] = self._take_dropped()
         view = memoryview(data)
         while view:
             if not self._in_frame:
@@ -136,23 +214,65 @@ class FrameParser:
             view = self._consume(view, events)
         return events
 
-    def _take_budget(self, size: int) -> bool:
-        """A connection holds at most one maximal message's worth; the node's shared budget bounds the rest."""
-        if self._pending + size > self.max_message_bytes or not self.budget.take(size):
-            return False
-        self._pending += size
-        return True
+    def _take_dropped(self) -> list[Event]:
+        events, self._dropped = self._dropped, []
+        return events
+
+    def _charge(self, partial: _Partial, size: int) -> str | None:
+        """Charge `size` more bytes of `partial` (a chunk starting); the refusal when its peer is at its share."""
+        if not size:
+            return None
+        refusal = self.budget.take(size, self.owner)
+        if refusal is None:
+            partial.charged += size
+            self.held += size
+        return refusal
 
     def _release(self, partial: _Partial | None) -> None:
-        if partial is not None and partial.data is not None and partial.budgeted:
-            self.budget.give_back(len(partial.data))
-            self._pending -= len(partial.data)
+        if partial is not None and partial.charged:
+            self.budget.give_back(partial.charged, self.owner)
+            self.held -= partial.charged
+            partial.charged = 0
+
+    def _drop(self, stream_id: int, partial: _Partial, reason: str, events: list[Event]) -> None:
+        """Stop receiving a message: its memory and budget go back now, its remaining bytes are discarded."""
+        size = len(partial.data) if partial.data is not None else 0
+        self._release(partial)
+        partial.data = None
+        events.append(MessageRejected(stream_id, size, reason, over_budget=True))
+
+    def evict_largest(self, reason: str) -> bool:
+        """Drop this connection's partly received message holding the most budget (the node's receive budget is
+        full and this peer holds the most); reported by the next `receive`, `advance` or `expire_stalled`."""
+        candidates = [(p.charged, sid) for sid, p in self._partials.items() if p.data is not None and p.charged]
+        if not candidates:
+            return False
+        _, stream_id = max(candidates)
+        self._drop(stream_id, self._partials[stream_id], reason, self._dropped)
+        return True
+
+    def next_stall_deadline(self) -> float | None:
+        """When the soonest partly received message is dropped unless a chunk of it completes first."""
+        times = [p.progress_at for p in self._partials.values() if p.data is not None]
+        return min(times) + self.budget.stall_timeout if times else None
+
+    def expire_stalled(self, now: float) -> list[Event]:
+        """Drop the messages whose last chunk completed `stall_timeout` or more ago (a sender that announced a
+        big message and then trickles, or stopped): `MessageRejected` for each, and the evictions pending."""
+        events = self._take_dropped()
+        limit = now - self.budget.stall_timeout
+        for stream_id, partial in list(self._partials.items()):
+            if partial.data is not None and partial.progress_at <= limit:
+                self._drop(stream_id, partial, f"message stalled: no chunk for {self.budget.stall_timeout:.3g} s "
+                                               f"after {partial.filled} of {len(partial.data)} bytes", events)
+        return events
 
     def close(self) -> None:
         """The connection ended: whatever was half received no longer counts against the budget."""
         for partial in self._partials.values():
             self._release(partial)
         self._partials.clear()
+        self.budget.unregister(self)
 
     def receive_target(self) -> memoryview | None:
         """Where the next payload bytes belong while a message chunk is arriving, so a driver can read from the
@@ -172,7 +292,7 @@ class FrameParser:
 
     def advance(self, n: int) -> list[Event]:
         """`n` bytes were written into the view `receive_target` returned."""
-        events: list[Event] = []
+        events: list[Event] = self._take_dropped()
         partial = self._partials[self._stream_id]
         partial.filled += n
         self._remaining -= n
@@ -196,6 +316,14 @@ class FrameParser:
                 raise FramingError(f"stream {stream_id} started twice")
             if kind & FIRST and body < TOTAL.size:
                 raise FramingError("first chunk without its size")
+            if kind & FIRST and len(self._partials) >= MAX_OPEN_STREAMS:
+                raise FramingError(f"more than {MAX_OPEN_STREAMS} messages arriving at once")
+            if not kind & FIRST:
+                partial = self._partials[stream_id]
+                if partial.data is not None:
+                    refusal = self._charge(partial, body)
+                    if refusal is not None:
+                        self._drop(stream_id, partial, refusal, events)
         elif kind in (CANCEL,):
             if body:
                 raise FramingError("cancel frame with a payload")
@@ -233,12 +361,20 @@ class FrameParser:
                     MessageRejected(self._stream_id, total, f"message of {total} bytes exceeds the limit of "
                                                             f"{self.max_message_bytes}")
                 )
-            elif not self._kind & LAST and not self._take_budget(total):
+            elif total > self.budget.per_peer:
                 self._partials[self._stream_id] = _Partial(None)
-                events.append(MessageRejected(self._stream_id, total, f"receiver busy: {total} more bytes in "
-                                                                      f"flight exceed its receive budget"))
-            else:  # single-frame messages skip the budget: one frame at a time per connection bounds them
-                self._partials[self._stream_id] = _Partial(self.allocate(total), budgeted=not self._kind & LAST)
+                events.append(MessageRejected(self._stream_id, total, (
+                    f"message of {total} bytes exceeds limit message_bytes_per_peer={self.budget.per_peer} for "
+                    f"peer {_short(self.owner)}"), over_budget=True))
+            else:  # nothing reserved for the announced size: the bytes are charged as their chunks start
+                partial = _Partial(None, progress_at=self.now)
+                refusal = self._charge(partial, self._remaining)
+                if refusal is not None:
+                    self._partials[self._stream_id] = partial
+                    events.append(MessageRejected(self._stream_id, total, refusal, over_budget=True))
+                else:
+                    partial.data = self.allocate(total)
+                    self._partials[self._stream_id] = partial
             if not self._remaining:
                 self._finish_frame(events)
                 return view
@@ -275,6 +411,10 @@ class FrameParser:
             if partial.filled != len(partial.data):
                 raise FramingError(f"stream {stream_id} ended after {partial.filled} of {len(partial.data)} bytes")
             events.append(MessageReceived(stream_id, partial.data))
+            return
+        going = self._partials.get(stream_id)
+        if going is not None:
+            going.progress_at = self.now  # a chunk completed: the stall clock starts again
 
 
 def control_frame(kind: int, payload: bytes) -> bytes:

@@ -371,6 +371,21 @@ async def receive_prefix(stream: trio.abc.ReceiveStream, count: int, timeout: fl
     return first
 
 
+def remote_address(stream: trio.abc.Stream) -> Address | None:
+    """The remote end's address as this side's socket sees it (an in-memory stream's `remote_address`): what a
+    relay reports as observed, and what limits before authentication are keyed on (`peer.p2p.budget.ip_group`)
+    -- never an address the remote wrote itself."""
+    sock = getattr(stream, "socket", None)
+    if sock is None:
+        remote = getattr(stream, "remote_address", None)
+        return (str(remote[0]), int(remote[1])) if remote is not None else None
+    try:
+        name = sock.getpeername()
+    except OSError:
+        return None
+    return (str(name[0]), int(name[1])) if name else None
+
+
 def receiver_into(stream: trio.abc.ReceiveStream) -> ReceiveInto:
     """The `recv_into`-style receive of a stream: the socket's own for trio socket streams, `receive_into` for
     in-memory ones, and for any other stream (a wrapper) a copy from `receive_some`. One receive path for the

@@ -24,7 +24,7 @@ from peer.p2p import punch, relay
 from peer.p2p.handshake import HandshakeComplete
 from peer.p2p.identity import PeerID
 from peer.p2p.lifetime import owned_nursery
-from peer.p2p.net import TRANSPORT_ERRORS, Address, receive_prefix, receiver_into
+from peer.p2p.net import TRANSPORT_ERRORS, Address, receive_prefix, receiver_into, remote_address
 from peer.p2p.rpc import CallContext, RPCError, RPCNode
 
 logger = logging.getLogger(__name__)
@@ -41,17 +41,7 @@ IDLE_TIMEOUT = 60.0
 SPLICE_CHUNK = 256 * 1024
 
 
-def _observed(stream: trio.abc.Stream) -> Address | None:
-    """The remote end's address as this side's socket sees it (an in-memory stream's `remote_address`)."""
-    sock = getattr(stream, "socket", None)
-    if sock is None:
-        remote = getattr(stream, "remote_address", None)
-        return (str(remote[0]), int(remote[1])) if remote is not None else None
-    try:
-        name = sock.getpeername()
-    except OSError:
-        return None
-    return (str(name[0]), int(name[1])) if name else None
+_observed = remote_address
 
 
 class RelayService:

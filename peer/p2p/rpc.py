@@ -32,7 +32,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import trio
 
-from peer.p2p import framing, relay, wire
+from peer.p2p import budget, framing, relay, wire
 from peer.p2p.handshake import (
     PROTOCOL_VERSION,
     Handshake,
@@ -44,9 +44,18 @@ from peer.p2p.handshake import (
 )
 from peer.p2p.identity import Identity, PeerID, SwarmKey
 from peer.p2p.lifetime import owned_nursery
-from peer.p2p.net import TRANSPORT_ERRORS, Address, Network, ReceiveInto, receive_prefix, receiver_into
+from peer.p2p.net import (
+    TRANSPORT_ERRORS,
+    Address,
+    Network,
+    ReceiveInto,
+    receive_prefix,
+    receiver_into,
+    remote_address,
+)
 from peer.p2p.rpc_protocol import (
     BadRequest,
+    BudgetExceeded,
     CallCompleted,
     CallFailed,
     CallTimeout,
@@ -70,7 +79,8 @@ from peer.p2p.rpc_protocol import (
 )
 
 __all__ = [
-    "PROTOCOL_VERSION", "RPCError", "CallTimeout", "ConnectionFailed", "HandshakeError", "NotInSwarm", "NotAllowed",
+    "PROTOCOL_VERSION", "RPCError", "BudgetExceeded", "CallTimeout", "ConnectionFailed",
+    "HandshakeError", "NotInSwarm", "NotAllowed",
     "ResponseRejected",
     "RemoteError", "UnknownMethod", "BadRequest", "HandlerFailed", "LocalProtocolError", "RemoteProtocolError",
     "register_error_code", "CallContext", "Handler", "Connection", "RPCNode",
@@ -140,7 +150,7 @@ class Connection:
             initiator=handshake.role is Role.INITIATOR, peer_id=handshake.peer_id, address=self.label,
             limits=node.limits, methods=node._handlers, budget=node.receive_budget,
             idle_timeout=node.circuit_idle_timeout if relayed else node.idle_timeout,
-            now=trio.current_time(), stats=node.stats, keys=handshake.keys,
+            now=trio.current_time(), stats=node.stats, keys=handshake.keys, accountant=node.accountant,
         )
         self._leftover = handshake.leftover
         self.waiters: dict[int, _PendingCall] = {}
@@ -246,6 +256,9 @@ class Connection:
                     return
                 events = protocol.receive_data(scratch_view[:received], current_time())
             self.node.stats["bytes_received"] += received
+            stalled = protocol.stall_deadline()
+            if stalled is not None:
+                self._schedule(stalled)
             if events:
                 self._deliver(events)
             elif protocol.outbox:  # error replies the core queued on its own
@@ -296,7 +309,7 @@ class Connection:
                 if scope is not None:
                     scope.cancel()
             elif type(event) is ConnectionIdle:
-                self._close("idle")
+                self._close(event.reason)
         if self.protocol.outbox:
             self._writer_wakeup.set()
 
@@ -369,6 +382,7 @@ class RPCNode:
         secure: bool = True,
         swarm_key: SwarmKey | None = None,
         allowed_peers: frozenset[PeerID] | None = None,
+        budget_limits: budget.BudgetLimits = budget.DEFAULT_BUDGET,
     ):
         self.identity = identity
         self.peer_id: PeerID = identity.peer_id
@@ -395,7 +409,7 @@ class RPCNode:
                 "handshakes_not_in_swarm",
                 "protocol_errors", "rejected_messages",
                 "connections_opened", "connections_accepted", "bytes_sent", "bytes_received",
-                "circuits_dialed", "circuits_accepted",
+                "circuits_dialed", "circuits_accepted", "handshakes_evicted", "connections_refused",
             )
         }
         self._handlers: dict[str, Handler] = {}
@@ -413,7 +427,14 @@ class RPCNode:
         self._all_connections: set[Connection] = set()
         self._nursery: trio.Nursery | None = None
         self._lifetime_cm: AbstractAsyncContextManager[RPCNode] | None = None
-        self.receive_budget = framing.ReceiveBudget(2 * limits.max_message_bytes)
+        # what remote peers may make this node hold, in one place (`peer.p2p.budget`): requests per peer and
+        # per method, bytes of partly received messages, inbound connections per peer, handshakes per IP group
+        self.budget_limits = budget_limits
+        self.accountant = budget.Accountant.from_limits(budget_limits)
+        self.receive_budget = framing.ReceiveBudget(budget_limits.message_bytes_total,
+                                                    stall_timeout=budget_limits.message_stall_timeout,
+                                                    accountant=self.accountant)
+        self._handshakes = budget.OldestFirst(self.accountant, "handshakes")
 
     # ----------------------------------------------------------------------------------- lifetime
 
@@ -480,36 +501,63 @@ class RPCNode:
     async def _accept(self, stream: trio.abc.Stream, dispatch: bool = True, initial: bytes = b"",
                       handshake: HandshakeComplete | None = None, relayed: bool = False) -> None:
         if handshake is not None:
-            connection = Connection(self, stream, handshake, dialed=None, relayed=relayed)
-            self._all_connections.add(connection)
-            await connection.run()
+            await self._serve_inbound(Connection(self, stream, handshake, dialed=None, relayed=relayed))
             return
+        # Before authentication a stranger is only its IP group: the prefix read and the handshake share one
+        # deadline, and when too many are pending the oldest is closed to let this one in (`OldestFirst`).
+        scope = trio.CancelScope(deadline=trio.current_time() + self.handshake_timeout)
+        observed = remote_address(stream)
+        group = budget.ip_group(observed[0]) if observed is not None else "?"
+        for victim in self._handshakes.admit(group, scope):
+            self.stats["handshakes_evicted"] += 1
+            victim.cancel()  # type: ignore[attr-defined]  # tokens are the pending handshakes' scopes
         first = initial
-        if dispatch and self._stream_handlers:  # read the prefix before our hello: it may be no RPC peer
-            prefix = await receive_prefix(stream, len(relay.MAGIC), self.handshake_timeout, have=initial)
-            if prefix is None:
-                return
-            first = prefix
-            handler = self._stream_handlers.get(first)
-            if handler is not None:
-                await handler(stream, first)
-                return
-            if len(first) < len(relay.MAGIC):
-                self.stats["handshake_failures"] += 1
-                return
+        handler: StreamHandler | None = None
         try:
-            handshake = await self._handshake(stream, Role.RESPONDER, initial=first)
+            with scope:
+                if dispatch and self._stream_handlers:  # read the prefix before our hello: it may be no RPC peer
+                    prefix = await receive_prefix(stream, len(relay.MAGIC), self.handshake_timeout, have=initial)
+                    if prefix is None:
+                        return
+                    first = prefix
+                    handler = self._stream_handlers.get(first)
+                    if handler is None and len(first) < len(relay.MAGIC):
+                        self.stats["handshake_failures"] += 1
+                        return
+                if handler is None:
+                    handshake = await self._handshake(stream, Role.RESPONDER, initial=first)
         except HandshakeError as error:
             self.stats["handshake_failures"] += 1
             if isinstance(error, NotInSwarm):  # someone outside a private swarm (or with the wrong key) knocked
                 self.stats["handshakes_not_in_swarm"] += 1
             logger.debug("rejected incoming connection: %s", error)
             return
+        finally:
+            self._handshakes.leave(group, scope)
+        if handler is not None:
+            await handler(stream, first)
+            return
+        if handshake is None:  # past the deadline, or evicted for a newer one
+            self.stats["handshake_failures"] += 1
+            return
         if dispatch:  # a circuit counts as circuits_accepted (`accept`)
             self.stats["connections_accepted"] += 1
-        connection = Connection(self, stream, handshake, dialed=None, relayed=relayed)
-        self._all_connections.add(connection)
-        await connection.run()
+        await self._serve_inbound(Connection(self, stream, handshake, dialed=None, relayed=relayed))
+
+    async def _serve_inbound(self, connection: Connection) -> None:
+        """Run an accepted connection, charged to its peer's `connections` budget (refused when over it)."""
+        scopes = (("peer", connection.peer_id),)
+        try:
+            self.accountant.take(scopes, "connections", peer=connection.peer_id)
+        except budget.LimitReached as refusal:
+            self.stats["connections_refused"] += 1
+            logger.debug("refused a connection: %s", refusal)
+            return
+        try:
+            self._all_connections.add(connection)
+            await connection.run()
+        finally:
+            self.accountant.give_back(scopes, "connections")
 
     # ----------------------------------------------------------------------------------- calling
 

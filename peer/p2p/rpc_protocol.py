@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Container, MutableMapping, Union
 
 from peer.p2p import framing, seal, wire
+from peer.p2p.budget import Accountant, LimitReached, Scope
 from peer.p2p.identity import PeerID
 
 Address = tuple[str, int]  # (host, port), as `peer.p2p.net.Address`; not imported, the core needs no trio
@@ -143,6 +144,13 @@ class HandlerFailed(RemoteError):
     code = "internal"
 
 
+class BudgetExceeded(RemoteError):
+    """The remote refused the call at once: it would have taken this peer (or the method, or the remote node)
+    past one of its resource limits (`peer.p2p.budget`); the message names the limit and the peer."""
+
+    code = "budget.exceeded"
+
+
 _ERROR_CLASSES: dict[str, type[RemoteError]] = {}
 
 
@@ -157,7 +165,7 @@ def register_error_code(code: str, cls: type[RemoteError]) -> type[RemoteError]:
     return cls
 
 
-for _cls in (RemoteError, UnknownMethod, BadRequest, HandlerFailed):
+for _cls in (RemoteError, UnknownMethod, BadRequest, HandlerFailed, BudgetExceeded):
     register_error_code(_cls.code, _cls)
 
 
@@ -209,7 +217,11 @@ class CallFailed:
 
 @dataclass(slots=True)
 class ConnectionIdle:
-    """Nothing moved for `idle_timeout` and nothing is in flight: the driver should close the connection."""
+    """Nothing moved for `idle_timeout` and nothing is in flight, or a frame started arriving and did not
+    finish within the stall timeout (`reason` "stalled": a sender trickling bytes to hold the connection):
+    the driver should close the connection."""
+
+    reason: str = "idle"
 
 
 Event = Union[RequestReceived, RequestCancelled, CallCompleted, CallFailed, ConnectionIdle]
@@ -226,6 +238,7 @@ class _Call:
 class _Request:
     deadline: float | None
     cancelled: bool = False
+    charged: tuple[Scope, ...] = ()  # where its `requests` budget is charged, given back when it ends
 
 
 # ------------------------------------------------------------------------------------------------------- core
@@ -253,6 +266,7 @@ class RPCConnection:
         stats: MutableMapping[str, int] | None = None,
         chunk_bytes: int = framing.CHUNK_BYTES,
         keys: seal.SessionKeys | None = None,
+        accountant: Accountant | None = None,
     ):
         self.initiator = initiator
         self.peer_id = peer_id
@@ -263,7 +277,11 @@ class RPCConnection:
         self.stats: MutableMapping[str, int] = stats if stats is not None else {
             "calls_received": 0, "error_replies": 0, "rejected_messages": 0}
         self.parser = framing.FrameParser(limits.max_message_bytes, chunk_bytes, budget=budget,
-                                          allocate=wire.message_buffer)
+                                          allocate=wire.message_buffer, owner=peer_id)
+        self.parser.now = now
+        # requests in flight per peer and per method (`peer.p2p.budget`); None: unbounded (tests of the core)
+        self.accountant = accountant
+        self.frame_at = now  # when the last whole frame arrived: a frame begun long after is a stalled one
         self.outbox = framing.Outbox(chunk_bytes=chunk_bytes)
         # None on an `--insecure-transport` connection: frames go as they are
         self.sealer = seal.Sealer(keys.send) if keys is not None else None
@@ -326,7 +344,13 @@ class RPCConnection:
         request = self.requests.pop(stream_id, None)
         if request is None and not self.closed:
             raise LocalProtocolError(f"{action} for stream {stream_id}, which has no request in flight")
+        self._give_back(request)
         return request
+
+    def _give_back(self, request: _Request | None) -> None:
+        if request is not None and request.charged and self.accountant is not None:
+            self.accountant.give_back(request.charged, "requests")
+            request.charged = ()
 
     def send_reply(self, stream_id: int, result: Any) -> None:
         """Answer a request. A cancelled or expired request's reply is dropped (the caller is gone); raises
@@ -336,7 +360,7 @@ class RPCConnection:
             self._take_request(stream_id, "reply")
             return
         parts = wire.encode([0, result])
-        del self.requests[stream_id]
+        self._give_back(self.requests.pop(stream_id))
         self.outbox.add(stream_id, parts)
 
     def send_error(self, stream_id: int, code: str, message: str) -> None:
@@ -367,7 +391,7 @@ class RPCConnection:
         """`n` bytes were written into the view `receive_target` returned."""
         events: list[Event] = []
         if self._accepts_input():
-            self.last_activity = now
+            self._note_input(now)
             try:
                 if self.opener is not None:
                     self.opener.advance(n)
@@ -386,7 +410,7 @@ class RPCConnection:
         race with the remote, not an error) are dropped."""
         events: list[Event] = []
         if self._accepts_input():
-            self.last_activity = now
+            self._note_input(now)
             try:
                 if self.opener is not None:
                     view = memoryview(data).cast("B")
@@ -442,6 +466,10 @@ class RPCConnection:
         return self.broken
 
     def _on_frames(self, frames: list[framing.Event], now: float, events: list[Event]) -> None:
+        if frames or not self.parser.in_frame:
+            # activity is whole frames (or a frame boundary reached), not bytes: a peer that trickles a byte now
+            # and then never completes a frame neither refreshes the idle timer nor escapes the stall check
+            self.last_activity = self.frame_at = now
         for frame in frames:
             if type(frame) is framing.MessageReceived:
                 if frame.stream_id % 2 == self._parity:
@@ -458,7 +486,8 @@ class RPCConnection:
                         events.append(CallFailed(frame.stream_id, ResponseRejected(
                             frame.reason, peer=self.peer_id, address=self.address, method=call.method)))
                 else:
-                    self._queue_error(frame.stream_id, BadRequest.code, frame.reason)
+                    code = BudgetExceeded.code if frame.over_budget else BadRequest.code
+                    self._queue_error(frame.stream_id, code, frame.reason)
             elif type(frame) is framing.StreamCancelled:
                 request = self.requests.get(frame.stream_id)
                 if request is not None and not request.cancelled and not self._is_my_stream(frame.stream_id):
@@ -505,8 +534,16 @@ class RPCConnection:
         if method not in self.methods:
             self._queue_error(stream_id, UnknownMethod.code, f"unknown method {method!r}")
             return None
+        charged: tuple[Scope, ...] = ()
+        if self.accountant is not None:  # refused at once when over its share: never queued without bound
+            charged = (("peer", self.peer_id), ("protocol", method))
+            try:
+                self.accountant.take(charged, "requests", peer=self.peer_id)
+            except LimitReached as refusal:
+                self._queue_error(stream_id, BudgetExceeded.code, refusal.message)
+                return None
         deadline = None if timeout is None else now + max(0.0, float(timeout))
-        self.requests[stream_id] = _Request(deadline)
+        self.requests[stream_id] = _Request(deadline, charged=charged)
         if deadline is not None:
             self._push_deadline(deadline, stream_id)
         return RequestReceived(stream_id, method, args, deadline)
@@ -567,7 +604,31 @@ class RPCConnection:
             candidates.append(heap[0][0])
         if self.idle_timeout is not None and not self.closed:
             candidates.append(self.last_activity + self.idle_timeout)
+        stalled = self.stall_deadline()
+        if stalled is not None:
+            candidates.append(stalled)
         return min(candidates) if candidates else None
+
+    def stall_deadline(self) -> float | None:
+        """When a message (or a frame) that started arriving is dropped (closed) unless it makes progress: a
+        driver that sleeps until `next_deadline` asks this after input, which may have started one."""
+        if self.closed or self.broken is not None:
+            return None
+        stalled = self.parser.next_stall_deadline() if self.parser.open_streams else None
+        if self._mid_frame():
+            frame = self.frame_at + self.parser.budget.stall_timeout
+            stalled = frame if stalled is None else min(stalled, frame)
+        return stalled
+
+    def _mid_frame(self) -> bool:
+        """Part of a frame (or of a sealed record) arrived and the rest has not."""
+        return self.parser.in_frame or (self.opener is not None and self.opener.mid_record)
+
+    def _note_input(self, now: float) -> None:
+        """Input arrives: a frame that starts with it starts its stall clock now."""
+        self.parser.now = now
+        if not self._mid_frame():
+            self.frame_at = now
 
     def _live(self, deadline: float, stream_id: int) -> bool:
         if stream_id % 2 == self._parity:
@@ -595,6 +656,15 @@ class RPCConnection:
             else:
                 self.requests[stream_id].cancelled = True
                 events.append(RequestCancelled(stream_id, expired=True))
+        if not self.closed and self.broken is None:
+            if self._mid_frame() and now >= self.frame_at + self.parser.budget.stall_timeout:
+                self.closed = True  # a frame begun and not finished: someone trickling bytes to hold us
+                events.append(ConnectionIdle("stalled"))
+                return events
+            self.parser.now = now
+            activity = self.last_activity, self.frame_at
+            self._on_frames(self.parser.expire_stalled(now), now, events)
+            self.last_activity, self.frame_at = activity  # dropping a message is no input from the peer
         # the same sum as `next_deadline`'s: `now - last_activity` at that deadline can round below the timeout,
         # and a driver woken at it would find nothing due and wait for the same deadline again (a livelock under
         # a mock clock, where time only moves when every task waits)
