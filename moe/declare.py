@@ -244,10 +244,12 @@ async def find_free_uids(
     rng: random.Random | None = None,
     rounds: int = 8,
     peer_id: PeerIDLike | None = None,
+    fewer_ok: bool = False,
 ) -> list[str]:
     """`count` uids of `pattern` that no live expert in the DHT uses (nor any in `taken`), in random order. A
     grid of up to `OWN_SCAN_LIMIT` uids is looked up whole (exact); a larger one is probed in random batches.
-    A uid declared by `peer_id` itself (this server's previous run) counts as free: it is ours.
+    A uid declared by `peer_id` itself (this server's previous run) counts as free: it is ours. With `fewer_ok`,
+    a grid with fewer free uids gives those (maybe none) instead of raising InvalidUID.
 
     Two servers starting at the same moment can still pick the same uid (the DHT is not a lock); the later
     declaration then simply wins the uid key, and both keep serving under their own address."""
@@ -259,10 +261,10 @@ async def find_free_uids(
         uids = [uid for uid in grid.uids() if uid not in known_taken]
         locations = await get_experts(dht, uids)
         free = [uid for uid in uids if (location := locations.get(uid)) is None or location.peer_id_hex == own]
-        if len(free) < count:
+        if len(free) < count and not fewer_ok:
             raise InvalidUID(f"grid {grid.name} has {len(free)} free uids, {count} requested "
                              f"({grid.size - len(free)} taken)")
-        return rng.sample(free, count)
+        return rng.sample(free, min(count, len(free)))
     chosen: list[str] = []
     for _ in range(rounds):
         need = count - len(chosen)
@@ -276,6 +278,6 @@ async def find_free_uids(
                 chosen.append(uid)
             else:
                 known_taken.add(uid)
-    if len(chosen) < count:
+    if len(chosen) < count and not fewer_ok:
         raise InvalidUID(f"found only {len(chosen)} of {count} free uids in {grid.name} after {rounds} rounds")
     return chosen

@@ -49,9 +49,21 @@ class ExpertSpec:
         first, last = min(self.layers), max(self.layers)
         return f"{self.prefix}.[{first}:{last + 1}].[0:{self.experts_per_layer}]"
 
+    @property
+    def inner_width(self) -> int | None:
+        """The experts' inner width (`KIND@N`), None for a kind without one."""
+        _, _, width = self.kind.partition("@")
+        return int(width) if width.isdigit() else None
+
     def join_command(self, initial_peers: str = "HOST:PORT") -> str:
+        """The `peer join` line that serves this spec; run on several machines, each takes `experts_per_layer`
+        free uids of it (one layer's worth), and one started once it is all served serves nothing of it."""
         return (f"peer join --initial-peers {initial_peers} --experts '{self.pattern}' --expert-kind {self.kind} "
-                f"--hidden-dim {self.hidden_dim}")
+                f"--hidden-dim {self.hidden_dim} --num-experts {self.experts_per_layer}")
+
+    def describe(self) -> str:
+        return (f"{self.pattern}: {len(self.layers)} layer{'s' * (len(self.layers) != 1)} of "
+                f"{self.experts_per_layer} {self.kind} experts, hidden {self.hidden_dim}")
 
 
 @dataclass
@@ -230,6 +242,16 @@ def expert_specs(sites: Sequence[_Site], prefix: str, experts_per_layer: int) ->
     return specs
 
 
+def _join_address(swarm: SwarmHandle) -> str:
+    """HOST:PORT for the `peer join` line: the swarm's first initial peer, else where this trainer listens (it is
+    its swarm's bootstrap), else a placeholder."""
+    peers = getattr(swarm, "initial_peers", None)
+    if peers:
+        return f"{peers[0][0]}:{peers[0][1]}"
+    address = swarm.rpc.announced_address
+    return f"{address[0]}:{address[1]}" if address is not None else "HOST:PORT"
+
+
 # what a daemon's failed `moe.info` answer raises (the call's own failures, or no answer in time)
 _INFO_FAILURES: tuple[type[Exception], ...] = (trio.TooSlowError, *calls.CALL_FAILURES)
 
@@ -268,8 +290,10 @@ async def _check_served(swarm: SwarmHandle, specs: Sequence[ExpertSpec], k_min: 
         if not problem:
             return served
         if trio.current_time() >= deadline:
-            commands = "; ".join(spec.join_command() for spec in specs)
-            raise SwarmNotServing(f"swarmify: {problem}: run {commands}")
+            machines = sum(len(spec.layers) for spec in specs)
+            commands = "; ".join(spec.join_command(_join_address(swarm)) for spec in specs)
+            raise SwarmNotServing(f"swarmify: {problem}: run on up to {machines} machine{'s' * (machines != 1)} "
+                                  f"{commands}")
         await trio.sleep(0.5)
 
 
@@ -287,18 +311,27 @@ def swarmify(
     backward_timeout: float = 10.0,
     timeout_after_k_min: float = 1.0,
     upcycle_timeout: float = 30.0,
+    advertise: bool = True,
 ) -> list[ExpertSpec]:
     """Replace every supported dense FFN block of `model` (in place) with a `RemoteMixtureOfExperts` over the
     grid `prefix.i` (layer i, `experts_per_layer` experts); returns the specs daemons serve (their
     `join_command()` is the `peer join` line). Raises SwarmNotServing (one line naming what to run) when daemons
     do not serve every layer within `wait` seconds, ValueError when the model has no supported block. With
     `upcycle`, every expert is first written with the dense block's weights (the daemons must accept this
-    swarm's peer: `peer join --accept-weights-from PEER_ID`), so the model computes what it did before."""
+    swarm's peer: `peer join --accept-weights-from PEER_ID`), so the model computes what it did before.
+
+    With `advertise` (the default) the specs are published in the DHT for as long as `swarm` runs
+    (`moe.specs`): a plain `peer join --initial-peers X` then serves free uids of them with the right kind and
+    sizes. `moe.export.deswarmify(model, swarm)` gives the weights back as a plain model."""
     sites = find_ffn_blocks(model)
     if not sites:
         raise ValueError("swarmify: no supported FFN block found (torch TransformerEncoderLayer/DecoderLayer, "
                          "Hugging Face GPT-2 or LLaMA blocks)")
     specs = expert_specs(sites, prefix, experts_per_layer)
+    if advertise:  # first, so that daemons started while this call waits already serve what the model needs
+        from moe.specs import advertise_specs
+
+        swarm.bridge.start_and_wait(functools.partial(advertise_specs, swarm.dht, specs))
     served = swarm.run(functools.partial(_check_served, swarm, specs, k_min, wait, forward_timeout))
     if upcycle:
         from moe.upcycle import write_weights

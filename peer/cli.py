@@ -52,9 +52,11 @@ def join_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def print_serving(info: DaemonInfo) -> None:
     """The join line naming the served experts (`peer swarm up`'s live view parses it: peer/swarm.py)."""
+    for note in info.notes:
+        print(note, flush=True)
     if info.experts:
         print(f"serving {len(info.experts)} experts: {', '.join(info.experts)} "
-              f"(of {info.pattern}, hidden {info.hidden_dim})", flush=True)
+              f"(of {info.pattern}, hidden {info.hidden_dim}, {info.expert_kind})", flush=True)
 
 
 def configure_logging(level: str) -> None:

@@ -36,9 +36,11 @@ import trio
 
 from dht.node import DHTConfig, DHTNode
 from dht.routing import has_work, identity_with_work
+from moe.declare import find_free_uids
 from moe.experts import OptimizerConfig, make_expert
 from moe.grid import GridPattern, InvalidUID, expand_pattern
 from moe.server import CallerPolicy, ExpertServer, choose_uids, read_peer_list
+from moe.specs import read_specs
 from moe.upcycle import WeightReader, WeightWriter
 from peer import __version__
 from peer.directory import PeerDirectory
@@ -53,6 +55,7 @@ from peer.replicas import ReplicaAverager
 from peer.status import MAX_REPLICA_KEYS, STATUS_METHOD
 
 if TYPE_CHECKING:
+    from moe.swarmify import ExpertSpec
     from peer.metrics import PeerMetrics
 
 logger = logging.getLogger(__name__)
@@ -116,6 +119,8 @@ class DaemonInfo:
     reachability: str | None = None  # `Reachability.describe()`
     metrics_address: Address | None = None  # where /metrics is served (--metrics-port)
     swarm_key: str | None = None  # the private swarm's key file (--swarm-key): others need a copy to join
+    expert_kind: str | None = None
+    notes: list[str] = field(default_factory=list)  # start-up remarks (fewer experts than asked, and why)
 
     @property
     def join_command(self) -> str:
@@ -260,6 +265,10 @@ class Daemon:
         self.pattern: str | None = None  # the grid pattern the served experts come from
         self.reachability: Reachability | None = None
         self.relaying: Relaying | None = None
+        # what the experts are: the flags', or an advertised model spec's (moe.specs) without --experts
+        self.expert_kind: str = config.expert_kind
+        self.hidden_dim: int = config.hidden_dim
+        self.notes: list[str] = []  # start-up lines for whoever started it (the CLI prints them)
 
     async def run(self, *, task_status: trio.TaskStatus[DaemonInfo] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled. Reports a DaemonInfo through `task_status` once the peer is reachable."""
@@ -341,9 +350,10 @@ class Daemon:
                     if metrics is not None and config.metrics_port is not None:
                         metrics_address = await nursery.start(metrics.serve, host, config.metrics_port)
                     task_status.started(DaemonInfo(str(self.identity.peer_id), announced, uids, self.pattern,
-                                                   config.hidden_dim, self.reachability.describe(),
+                                                   self.hidden_dim, self.reachability.describe(),
                                                    metrics_address,
-                                                   str(config.swarm_key) if config.swarm_key else None))
+                                                   str(config.swarm_key) if config.swarm_key else None,
+                                                   self.expert_kind, list(self.notes)))
                     await trio.sleep_forever()
 
     async def _swarm_pattern(self, dht: DHTNode, count: int) -> str:
@@ -365,6 +375,18 @@ class Daemon:
             family = dataclasses.replace(family, grid=(family.grid[0] + rows, *family.grid[1:]))
         return family.pattern
 
+    async def _advertised_spec(self, dht: DHTNode) -> tuple[ExpertSpec | None, list[ExpertSpec]]:
+        """The first model spec trainers advertise (`moe.specs`) that still has free uids, and every advertised
+        spec (empty in a swarm with no swarmified model)."""
+        specs: list[ExpertSpec] = []
+        with trio.move_on_after(DISCOVERY_TIMEOUT):
+            specs = await read_specs(dht)
+        for spec in specs:
+            with trio.move_on_after(DISCOVERY_TIMEOUT):
+                if await find_free_uids(dht, spec.pattern, 1, peer_id=self.identity.peer_id, fewer_ok=True):
+                    return spec, specs
+        return None, specs
+
     async def _make_expert_server(self, dht: DHTNode) -> ExpertServer:
         config = self.config
         if config.experts:
@@ -372,16 +394,31 @@ class Daemon:
             count = config.num_experts if config.num_experts is not None else GridPattern.parse(pattern).size
         else:
             count = config.num_experts if config.num_experts is not None else DEFAULT_COUNT
-            pattern = await self._swarm_pattern(dht, count)
+            spec, advertised = await self._advertised_spec(dht)
+            if spec is not None:  # a swarmified model needs these: its grid, kind and sizes, no layer beyond
+                pattern, self.expert_kind, self.hidden_dim = spec.pattern, spec.kind, spec.hidden_dim
+            elif advertised:  # every advertised model is fully served: growing a grid would add unused layers
+                pattern = advertised[0].pattern
+                self.notes.append(f"every expert the swarm's models need is served "
+                                  f"({'; '.join(s.describe() for s in advertised)}): serving none")
+                count = 0
+            else:
+                pattern = await self._swarm_pattern(dht, count)
         self.pattern = pattern
         if config.replicate:  # serve the pattern's first uids even where others already do: they are replicas
             uids = expand_pattern(pattern)[:count]
+        elif count == 0:
+            uids = []
         else:
+            # a pattern partly served already (the same `peer join` line run on several machines): the free part
             try:
                 uids = await choose_uids(pattern, count, dht=dht, checkpoint_dir=config.checkpoint_dir,
-                                         peer_id=self.identity.peer_id)
+                                         peer_id=self.identity.peer_id, fewer_ok=True)
             except InvalidUID as error:
                 raise StartupError(f"cannot choose {count} experts from {pattern}: {error}") from None
+            if len(uids) < count:
+                self.notes.append(f"{pattern} has {len(uids)} free uids of the {count} asked: serving "
+                                  f"{'those' if uids else 'none'}")
         optimizer = OptimizerConfig(name=config.optimizer, lr=config.lr,
                                     clip_grad_norm=config.clip_grad_norm or None)
 
@@ -393,7 +430,7 @@ class Daemon:
             return int.from_bytes(self.identity.peer_id[:4], "big") + index
 
         experts = [
-            make_expert(uid, config.expert_kind, config.hidden_dim, optimizer=optimizer, seed=seed_for(index, uid),
+            make_expert(uid, self.expert_kind, self.hidden_dim, optimizer=optimizer, seed=seed_for(index, uid),
                         device=config.device)
             for index, uid in enumerate(uids)
         ]
@@ -423,7 +460,7 @@ class Daemon:
         if self.relaying is not None and self.relaying.service is not None:
             summary["relay"] = True  # private peers pick their relays among these
         if served and self.pattern is not None:
-            summary.update(summary_fields(self.pattern, served, self.config.hidden_dim))
+            summary.update(summary_fields(self.pattern, served, self.hidden_dim, self.expert_kind))
         return summary
 
     def status(self) -> dict[str, Any]:
@@ -438,7 +475,8 @@ class Daemon:
             "experts": self.expert_server.stats() if self.expert_server else None,
             "expert_uids": sorted(self.expert_server.experts) if self.expert_server else [],
             "expert_pattern": self.pattern,
-            "hidden_dim": self.config.hidden_dim,
+            "hidden_dim": self.hidden_dim,
+            "expert_kind": self.expert_kind,
             "averaging": self.replicas.stats() if self.replicas else None,
             "reachability": self.reachability.stats() if self.reachability else None,
             "relay": self.relaying.stats() if self.relaying else None,

@@ -37,10 +37,14 @@ class NoExpertsDeclared(SwarmMismatch):
     """No daemon of the swarm declared any expert within the wait."""
 
 
-def summary_fields(pattern: str, experts: int, hidden_dim: int) -> dict[str, Any]:
-    """The directory-summary fields of a daemon serving `experts` experts from `pattern` (the keys
-    `families_from_entries` reads): kept here so that the writer and the reader cannot drift."""
-    return {"experts": experts, "grid": pattern, "hidden_dim": hidden_dim}
+def summary_fields(pattern: str, experts: int, hidden_dim: int, kind: str | None = None) -> dict[str, Any]:
+    """The directory-summary fields of a daemon serving `experts` experts of `kind` from `pattern` (the keys
+    `families_from_entries` reads; `kind` is shown by `peer status` and the dashboard): kept here so that the
+    writer and the reader cannot drift."""
+    fields: dict[str, Any] = {"experts": experts, "grid": pattern, "hidden_dim": hidden_dim}
+    if kind is not None:
+        fields["kind"] = kind
+    return fields
 
 
 @dataclass(frozen=True)

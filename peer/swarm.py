@@ -36,7 +36,7 @@ _LISTENING = re.compile(r"^peer ([0-9a-f]{40}) listening on (\S+)$")
 # `peer join`'s line: "serving 4 experts: ffn.0, ffn.1, ffn.2, ffn.3 (of ffn.[0:4], hidden 64)"
 # `peer join`'s line: "reachability: private, reached through relays, DHT client mode (set by --reachability)"
 _REACHABILITY = re.compile(r"^reachability: (\w+)")
-_SERVING = re.compile(r"^serving (\d+) experts: (.*?)(?: \(of (\S+), hidden (\d+)\))?$")
+_SERVING = re.compile(r"^serving (\d+) experts: (.*?)(?: \(of (\S+), hidden (\d+)(?:, (\S+))?\))?$")
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # A trainer stopping mid-step may be blocked in an averaging round (30 s timeout) or expert calls (5 s each).
 _TRAINER_GRACE_S = 40.0

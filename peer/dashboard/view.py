@@ -199,6 +199,8 @@ class SwarmView:
             for uid in row.get("experts") or ():
                 prefix = uid.split(".")[0]
                 cell = cells.setdefault(prefix, {}).setdefault(uid, {"uid": uid, "hosts": [], "requests": 0})
+                if row.get("expert_kind"):
+                    cell["kind"] = row["expert_kind"]
                 cell["hosts"].append({"peer_id": peer_id, "address": row["address"]})
                 cell["requests"] += int(load.get(uid) or 0)
         shapes = {family.prefix: list(family.grid) for family in families_from_entries(self.entries.values())}
@@ -216,7 +218,8 @@ class SwarmView:
             busiest = max((cell["requests"] for cell in items), default=0)
             for cell in items:
                 cell["load"] = round(cell["requests"] / busiest, 3) if busiest else 0.0
-            experts[prefix] = {"grid": grid, "cells": items}
+            kinds = sorted({cell["kind"] for cell in items if cell.get("kind")})
+            experts[prefix] = {"grid": grid, "cells": items, "kinds": kinds}
         return experts
 
     def snapshot(self, now: float) -> dict[str, Any]:

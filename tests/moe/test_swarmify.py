@@ -82,8 +82,8 @@ def test_swarmify_without_daemons_is_one_line_naming_what_to_run():
             swarmify(model, swarm, k_best=2, experts_per_layer=2, wait=1.0)
     message = str(caught.value)
     assert "\n" not in message
-    assert "peer join --initial-peers HOST:PORT --experts 'swarm.[0:2].[0:2]' --expert-kind relu_ffn@32 " \
-           "--hidden-dim 16" in message
+    assert f"peer join --initial-peers {bootstrap} --experts 'swarm.[0:2].[0:2]' --expert-kind relu_ffn@32 " \
+           "--hidden-dim 16 --num-experts 2" in message
     assert len(find_ffn_blocks(model)) == 2  # the model is left as it was
 
 

@@ -101,7 +101,7 @@ function drawExperts(state) {
     const gridBox = el("div", {class: "grid", "data-prefix": prefix}, ...cells);
     gridBox.style.gridTemplateColumns = `repeat(${Math.max(1, Math.min(columns, 24))}, 34px)`;
     return el("div", {style: "display:inline-block"},
-      el("div", {class: "grid-title"}, `${prefix} (${family.cells.length} served, grid ${grid.join("×")}, ` +
+      el("div", {class: "grid-title"}, `${prefix} (${family.cells.length} served, ${(family.kinds || []).join(", ") || "kind ?"}, grid ${grid.join("×")}, ` +
         `${rows > 1 ? rows + " rows" : "1 row"})`), gridBox);
   }));
 }
