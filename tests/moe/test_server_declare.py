@@ -12,7 +12,6 @@ from moe.declare import declaration_items, find_free_uids, find_own_uids, get_ex
 from moe.experts import make_expert
 from moe.grid import InvalidUID
 from moe.server import ExpertServer, choose_uids
-from peer.p2p.identity import Identity
 from peer.p2p.net import MemoryNetwork, RealNetwork
 from peer.p2p.rpc import RPCNode
 
@@ -71,7 +70,7 @@ async def test_redeclared_while_served_and_expire_after_shutdown(autojump_clock)
     network = MemoryNetwork(latency=0.005, seed=3)
     server = ExpertServer([make_expert("ffn.5", "ffn", 4, seed=0)], declare_ttl=10.0, declare_interval=3.0)
     async with memory_swarm(network, ["d0", "d1", "d2"]) as nodes:
-        async with RPCNode(Identity.generate(), network.host("s0")) as rpc:
+        async with RPCNode(nodes[0].identity, network.host("s0")) as rpc:
             await rpc.listen("s0", 5000)
             with trio.CancelScope() as serving:
                 async with trio.open_nursery() as nursery:
@@ -143,7 +142,7 @@ async def test_wildcard_listen_address_needs_an_announced_one(autojump_clock):
     network = MemoryNetwork(latency=0.005, seed=6)
     server = ExpertServer([make_expert("ffn.1", "ffn", 4, seed=0)])
     async with memory_swarm(network, ["d0"]) as nodes:
-        async with RPCNode(Identity.generate(), network.host("s0")) as rpc:
+        async with RPCNode(nodes[0].identity, network.host("s0")) as rpc:
             with pytest.raises(ValueError, match="wildcard"):
                 await server.run(rpc, nodes[0], announce=("0.0.0.0", 5000))
             await rpc.listen("s0", 5000)
