@@ -634,12 +634,21 @@ class DiLoCoOptimizer:
         for _ in range(3):  # a download can fail when the holders moved on meanwhile: read again, fetch again
             if await self._resync(progress):
                 self.outer.reset_local()  # the first inner step starts from the swarm's outer parameters
+                if self._address is not None and self._nursery is not None:
+                    self._nursery.start_soon(self._intend)
                 return
             if not self._ahead(progress):
                 break
             await trio.sleep(self.tracker.min_refresh)
             progress = self.last_progress = await self.tracker.fetch()
         await self.tracker.publish()
+
+    async def _intend(self) -> None:
+        """A joiner tells the coordinator of the round of the outer step it just downloaded to expect it: the
+        round's window then cuts its first phase short instead of starting without it."""
+        offer = Offer(bytes(self.tracker.peer_id), self.outer_step, 0, self.hash, self._address)
+        taken = await self.rounds.intend(self.outer_step, offer, timeout=self.averaging_timeout)
+        logger.debug("diloco: intent for round %d %s", offer.base, "taken" if taken else "not taken")
 
     def _ahead(self, progress: SwarmProgress) -> bool:
         """Whether the progress records show trainers holding a newer outer step than mine."""

@@ -650,6 +650,43 @@ class RoundService:
             return verdict
         return None
 
+    async def intend(self, step: int, offer: Offer, *, timeout: float) -> bool:
+        """Tell round `step`'s coordinator to expect me (an intent: no contribution yet), so that it tells me when
+        the window opens and my phase ends in time for it: what a trainer that just downloaded outer step `step`
+        does, or its first round would start without it and it would be late. Follows redirects; never waits for
+        the round. True when a coordinator took it (False: nobody could be reached, or the round already started).
+        """
+        deadline = trio.current_time() + timeout
+        listed = dict(self.roster())
+        queue = [p for p in coordinator_order(self.run_id, step, listed) if not self.suspected(p)]
+        skipped: list[bytes] = []
+        args = {"run": self.run_id, "step": step, "base": offer.base, "samples": offer.samples, "hash": offer.hash,
+                "address": list(offer.address) if offer.address is not None else None,
+                "bandwidth": offer.bandwidth, "intent": True, "skipped": skipped, "insist": False,
+                "roster": self._gossip()}
+        for _ in range(4):  # the best candidate, or up to 3 redirects from it
+            if not queue or trio.current_time() >= deadline:
+                return False
+            peer = queue.pop(0)
+            try:
+                reply = await self._call(peer, listed.get(peer), JOIN, args, self.ack_timeout, deadline)
+            except (RPCError, ValueError) as error:
+                logger.debug("round %d: intent to %s failed: %s", step, PeerID(peer).short(), error)
+                skipped.append(peer)
+                continue
+            if isinstance(reply, dict) and isinstance(reply.get("redirect"), list):
+                try:
+                    target, address = _peer(reply["redirect"][0]), _address(reply["redirect"][1])
+                except (ValueError, TypeError, IndexError):
+                    return False
+                if address is None:
+                    return False
+                listed[target] = address
+                queue.insert(0, target)
+                continue
+            return isinstance(reply, dict) and "queued" in reply
+        return False
+
     async def _ask(self, peer: bytes, address: Address | None, args: dict[str, Any], step: int,
                    deadline: float) -> Final | tuple[bytes, Address]:
         """Offer to one candidate and follow its answers until final (or a redirect)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from averaging.quorum import QuorumPolicy, Start
+from averaging.quorum import Offer, QuorumPolicy, Start, coordinator_order
 from averaging.rounds import Holding, RoundService
 from peer.p2p.identity import Identity
 from peer.p2p.net import MemoryNetwork
@@ -15,20 +15,28 @@ from tests.sim_peers import start_peers
 RUN = "rounds-test"
 
 
-async def _services(count: int, memory: MemoryNetwork, nursery: trio.Nursery) -> tuple[list, list[RoundService]]:
+async def _services(count: int, memory: MemoryNetwork, nursery: trio.Nursery,
+                    opened: list | None = None) -> tuple[list, list[RoundService]]:
+    """`count` trainers holding outer step 3, expecting nobody; they record the openings they are told of in
+    `opened` and answer that they come."""
     peers = await start_peers(nursery, count, memory=memory, prefix="r", with_dht=False,
                               identity_for=lambda name, seed: Identity.from_seed(name.encode() * 4))
     services = []
-    for peer in peers:
+    for index, peer in enumerate(peers):
+        def on_open(step: int, closes_in: float, index: int = index) -> bool:
+            if opened is not None:
+                opened.append((index, step))
+            return True
+
         service = RoundService(peer.rpc, RUN, QuorumPolicy(), holding=lambda: Holding(3, "h" * 8, ()),
-                               expected=lambda step: {}, on_open=lambda step, closes_in: False,
-                               address=lambda peer=peer: peer.address)
+                               expected=lambda step: {}, on_open=on_open, address=lambda peer=peer: peer.address)
         services.append(await nursery.start(service.serve))
     return peers, services
 
 
 async def _start_alone(service: RoundService, address) -> Start:
-    """`service` offers its own contribution to round 3, which it coordinates with nobody else expected."""
+    """`service` offers its own contribution to round 3, which it coordinates with nobody else expected (nor
+    told of)."""
     reply = await service.join(service.me, {"run": RUN, "step": 3, "base": 3, "samples": 10, "hash": "h" * 8,
                                             "address": list(address)})
     assert "start" in reply, reply
@@ -71,4 +79,46 @@ async def test_a_waiter_of_a_round_that_did_not_fail_waits_for_its_outer_step(au
         began = trio.current_time()
         assert await waiter.await_step(4, [(coordinator.me, peers[0].address)], deadline=began + 10) is None
         assert trio.current_time() - began >= 10  # nothing said it would not come: asked until the deadline
+        nursery.cancel_scope.cancel()
+
+
+def _roles(peers: list, services: list[RoundService]) -> tuple[int, int]:
+    """(index of round 3's coordinator by rank, index of the other)."""
+    first = coordinator_order(RUN, 3, [s.me for s in services])[0]
+    index = [s.me for s in services].index(first)
+    return index, 1 - index
+
+
+async def test_a_joiner_that_registered_its_intent_is_told_when_the_window_opens(autojump_clock):
+    memory = MemoryNetwork(latency=0.01, seed=1)
+    opened: list = []
+    async with trio.open_nursery() as nursery:
+        peers, services = await _services(2, memory, nursery, opened)
+        c, j = _roles(peers, services)
+        coordinator, joiner = services[c], services[j]
+        joiner.note(coordinator.me, peers[c].address)
+        offer = Offer(joiner.me, 3, 0, "h" * 8, peers[j].address)
+        assert await joiner.intend(3, offer, timeout=10)
+        round_ = coordinator.rounds[3]
+        assert joiner.me in round_.core.expected and joiner.me not in round_.core.offers  # expected, not ready
+        # the coordinator's own contribution opens the window: the joiner is told, and says it comes
+        reply = await coordinator.join(coordinator.me, {"run": RUN, "step": 3, "base": 3, "samples": 10,
+                                                        "hash": "h" * 8, "address": list(peers[c].address)})
+        assert "queued" in reply
+        await trio.sleep(0.5)
+        assert opened == [(j, 3)]
+        assert round_.core.start is None  # waiting for the joiner, who is coming
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_intent_for_a_round_that_started_is_not_taken(autojump_clock):
+    memory = MemoryNetwork(latency=0.01, seed=1)
+    async with trio.open_nursery() as nursery:
+        peers, services = await _services(2, memory, nursery)
+        c, j = _roles(peers, services)
+        coordinator, joiner = services[c], services[j]
+        await _start_alone(coordinator, peers[c].address)
+        joiner.note(coordinator.me, peers[c].address)
+        offer = Offer(joiner.me, 3, 0, "h" * 8, peers[j].address)
+        assert not await joiner.intend(3, offer, timeout=10)  # late: it offers its contribution later instead
         nursery.cancel_scope.cancel()
