@@ -3,6 +3,7 @@ network (mock clock) agreeing on one set when a member dies before sending."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import trio
 import trio.testing
@@ -92,4 +93,84 @@ async def test_members_agree_on_one_set_when_one_dies_before_sending(autojump_cl
         assert all(torch.equal(outs[0], o) for o in outs)  # bit-identical everywhere
         expected = sum(wire.roundtrip(values[m][0], wire.Compression.INT8) for m, _ in members[:3]) / 3
         assert torch.allclose(outs[0], expected, atol=1e-6)
+        nursery.cancel_scope.cancel()
+
+
+def test_combine_rejects_updates_far_from_the_robust_result_and_counts_refused_ones():
+    generator = torch.Generator().manual_seed(5)
+    direction = torch.randn(400, generator=generator)
+    honest = [direction + 0.6 * torch.randn(400, generator=generator) for _ in range(6)]
+    names = [bytes([i]) * 20 for i in range(8)]
+    weights = {n: 1.0 for n in names}
+    attacks = {
+        "sign flip x4": [-4 * honest[0], -4 * honest[1]],
+        "mass on 3 coordinates": [torch.zeros(400).index_fill_(0, torch.tensor([0, 1, 2]), 30.0)] * 2,
+        "consistent bias": [h + 3 * torch.randn(400, generator=torch.Generator().manual_seed(9)) for h in honest[:2]],
+    }
+    clean = [torch.zeros(400)]
+    assert combine([(n, [h]) for n, h in zip(names, honest)], weights, Aggregation("centered_clip"), clean) == []
+    for name, bad in attacks.items():
+        contributions = [(n, [x]) for n, x in zip(names, honest + bad)]
+        into = [torch.zeros(400)]
+        assert combine(contributions, weights, Aggregation("centered_clip"), into) == names[6:], name
+        assert torch.equal(into[0], clean[0]), name  # combined again without them: as if they had not sent
+        mean = [torch.zeros(400)]
+        assert combine(contributions, weights, Aggregation("mean"), mean) == [], name
+        assert float((mean[0] - clean[0]).norm()) > 0.3 * float(clean[0].norm()), name  # what the mean takes in
+    # a contribution refused on arrival (listed with no tensors) is rejected, and changes nothing
+    into = [torch.zeros(400)]
+    refused = [(n, [h]) for n, h in zip(names, honest)] + [(names[7], [])]
+    assert combine(refused, weights, Aggregation("mean"), into) == [names[7]]
+
+
+def _nan_scale(update: bytes) -> bytes:
+    """A top-k update whose first chunk's first level is NaN (the buffer is the message's last bytes)."""
+    blob = bytearray(update)
+    (tensor,) = wire.decode(bytearray(update))
+    offset = len(blob) - wire.data_nbytes(wire.compressed(tensor, wire.Compression.TOPK2))
+    blob[offset:offset + 4] = bytes.fromhex("0000c07f")  # float32 NaN, little-endian
+    return bytes(blob)
+
+
+async def test_a_malformed_push_is_refused_counted_against_its_sender_and_the_others_agree(autojump_clock):
+    memory = MemoryNetwork(latency=0.01, seed=4)
+    async with trio.open_nursery() as nursery:
+        peers, services, started = await _members(4, memory, nursery)
+        members = [(bytes(p.peer_id), p.address) for p in peers]
+        liar = members[3][0]
+        group = b"h" * 16
+        started[group] = [m for m, _ in members]
+        values = {m: [torch.randn(5000, generator=torch.Generator().manual_seed(i))]
+                  for i, (m, _) in enumerate(members)}
+        honest_push = services[liar]._push
+        sent_by_liar: list[bytes] = []
+
+        async def hostile_push(group, peer, address, update, *rest):  # the liar: NaN in a scale of each push
+            sent_by_liar.append(_nan_scale(update))
+            await honest_push(group, peer, address, sent_by_liar[-1], *rest)
+
+        services[liar]._push = hostile_push
+        results = {}
+
+        async def member(index: int) -> None:
+            peer = members[index][0]
+            results[peer] = await services[peer].run(group, members, values[peer], wire.Compression.TOPK2,
+                                                     members[0], deadline=trio.current_time() + 60)
+
+        async with trio.open_nursery() as rounds:
+            for index in range(4):
+                rounds.start_soon(member, index)
+        assert sent_by_liar
+        with pytest.raises(wire.MalformedTensor):
+            wire.decode(bytearray(sent_by_liar[0]))
+        honest = [m for m, _ in members[:3]]
+        outs = []
+        for peer in honest:
+            result = results[peer]
+            assert result.chosen == honest and result.refused == [liar]
+            into = [torch.zeros(5000)]
+            assert combine(result.contributions, {m: 1.0 for m, _ in members}, Aggregation("mean"), into) == [liar]
+            outs.append(into[0])
+        assert all(torch.equal(outs[0], o) for o in outs)  # nobody else's round failed: one result
+        assert all(services[p].stats["rejected"] == 1 for p in honest)
         nursery.cancel_scope.cancel()

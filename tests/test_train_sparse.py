@@ -1,0 +1,47 @@
+"""`peer train --algorithm diloco --compression topk2` as processes (tests/peer_processes.py, real sockets): four
+trainers of the digits classifier sending only the largest 2% of each chunk of their pseudo-gradients at 2 bits
+(with error feedback, combined by the all-gather that `--exchange auto` picks for a sparse codec) reach the held-out
+accuracy of the same four trainers sending dense int8 pseudo-gradients, within 1 point, and every trainer holds the
+same outer state (one hash). Both swarms run at once, each on its own daemon (they never meet)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.peer_processes import ProcessGroup
+from tests.test_train_diloco import _daemon, _result, _trainer
+
+TRAINERS = 4
+# 12 outer steps of 20 inner steps (the run of tests/test_train_byzantine.py): near the plateau, so the 1-point
+# comparison measures the codec rather than the noise of a short run
+COMMON = ["--inner-steps", "20", "--steps", "240", "--lr", "0.01", "--log-every", "40"]
+
+
+@pytest.fixture
+def processes():
+    group = ProcessGroup()
+    yield group
+    group.close()
+
+
+@pytest.mark.slow
+def test_four_trainers_with_topk2_reach_the_int8_accuracy_and_agree(processes):
+    swarms = {}
+    for codec in ("int8", "topk2"):
+        address = _daemon(processes)
+        swarms[codec] = [_trainer(processes, address, *COMMON, "--compression", codec, "--density", "0.02",
+                                  "--seed", str(i), start_with=TRAINERS) for i in range(TRAINERS)]
+    results = {codec: [_result(t, 600) for t in trainers] for codec, trainers in swarms.items()}
+    assert all(t.wait(60) == 0 for trainers in swarms.values() for t in trainers)
+    for codec, rs in results.items():
+        for r in rs:
+            print(codec, {k: r.get(k) for k in ("accuracy", "loss", "outer_step", "hash", "group_sizes",
+                                                "bytes_sent", "bytes_per_outer_step", "lost_rounds")})
+    dense, sparse = results["int8"], results["topk2"]
+    # 12 outer steps at least (a round of 2 or 3 members, then one of the rest, can add one under load)
+    assert all(r["outer_step"] >= 12 for r in dense + sparse)
+    assert len({r["hash"] for r in dense}) == 1 and len({r["hash"] for r in sparse}) == 1
+    dense_accuracy = min(r["accuracy"] for r in dense)
+    assert all(r["accuracy"] >= dense_accuracy - 0.01 for r in sparse), (sparse, dense_accuracy)
+    # what the codec saves: fewer bytes per trainer than int8 (all-gather to 3 others included)
+    assert max(r["bytes_sent"] for r in sparse) < min(r["bytes_sent"] for r in dense)
