@@ -3,9 +3,14 @@
 A server operator names a kind (`ffn`, `transformer`, or a custom one as an import path "package.module:factory")
 and a hidden size; `make_expert` builds the module, its schema, optimizer and schedule. `Expert.forward` and
 `Expert.backward` are the two synchronous operations the runtime runs on whole batches in worker threads:
-forward without autograd state (nothing is kept between calls, so a server holds no activations for callers
-that may never come back), and backward by recomputing the forward with autograd, then applying one optimizer
+forward without autograd state, and backward by recomputing the forward with autograd, then applying one optimizer
 step: the expert learns from every backward batch it serves.
+
+`Expert.forward_keeping` is the forward of a caller that will come back for the backward: it records the autograd
+graph and returns it as a `KeptForward`, which `backward(..., kept=)` uses instead of recomputing the forward (a
+third of a small expert's training compute). A kept graph is only valid while the weights it saw are unchanged:
+once the expert has taken an optimizer step since (another caller's backward), the backward recomputes, exactly
+as without it. Who holds kept graphs, and for how long, is `moe.kept`'s business.
 """
 
 from __future__ import annotations
@@ -303,9 +308,27 @@ class Expert:
             outputs = self.module(*(x.to(self.device, non_blocking=True) for x in inputs))
             return [y.to("cpu").contiguous() for y in _as_list(outputs)]
 
-    def backward(self, inputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Gradients w.r.t. the inputs of the forward recomputed here; then one optimizer step on the expert."""
-        leaves, outputs = self._recompute(inputs)
+    def forward_keeping(self, inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], "KeptForward"]:
+        """The forward with its autograd graph kept for the backward (see the module doc): the outputs, equal to
+        `forward`'s, and the graph, whose `nbytes` counts the activations it holds."""
+        saved = [0]
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            if not isinstance(tensor, nn.Parameter):  # the weights are held anyway
+                saved[0] += tensor.numel() * tensor.element_size()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+            leaves, outputs = self._recompute(inputs)
+        replies = [y.detach().to("cpu").contiguous() for y in outputs]
+        rows = int(inputs[0].shape[0]) if inputs and inputs[0].ndim else 0
+        return replies, KeptForward(leaves, outputs, self.steps, rows, saved[0])
+
+    def backward(self, inputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor],
+                 kept: "KeptForward | None" = None) -> list[torch.Tensor]:
+        """Gradients w.r.t. the inputs of the forward, the `kept` one when it is still valid (`KeptForward.take`),
+        else recomputed here; then one optimizer step on the expert."""
+        leaves, outputs = self._graph(inputs, kept)
         with torch.enable_grad():
             torch.autograd.backward(outputs, [g.to(self.device) for g in grad_outputs])
         grad_inputs = self._grad_inputs(leaves)
@@ -319,7 +342,8 @@ class Expert:
 
     @staticmethod
     def backward_many(
-        experts: Sequence["Expert"], requests: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]]
+        experts: Sequence["Expert"], requests: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]],
+        kept: Sequence["KeptForward | None"] | None = None,
     ) -> list[list[torch.Tensor] | Exception]:
         """`backward` of several distinct experts (one batch each, `(inputs, grad_outputs)`), with the same
         gradients, steps and skips as calling `backward` on each, but one autograd pass over all of them and one
@@ -336,7 +360,7 @@ class Expert:
         grads: list[torch.Tensor] = []
         for index, (expert, (inputs, grad_outputs)) in enumerate(zip(experts, requests)):
             try:
-                leaves, expert_outputs = expert._recompute(inputs)
+                leaves, expert_outputs = expert._graph(inputs, kept[index] if kept is not None else None)
                 expert_grads = [g.to(expert.device) for g in grad_outputs]
                 if len(expert_grads) != len(expert_outputs) or any(
                         g.shape != y.shape for g, y in zip(expert_grads, expert_outputs)):
@@ -401,6 +425,12 @@ class Expert:
                     outcomes[position] = error
         for expert in experts:
             expert.optimizer.zero_grad(set_to_none=True)
+
+    def _graph(self, inputs: Sequence[torch.Tensor], kept: "KeptForward | None"
+               ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The graph to backpropagate through: the kept forward's when it is still valid, else recomputed."""
+        graph = kept.take(self.steps, inputs) if kept is not None else None
+        return graph if graph is not None else self._recompute(inputs)
 
     def _recompute(self, inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The forward with autograd: the input leaves and the outputs to backpropagate from."""
@@ -526,6 +556,45 @@ class Expert:
         self.steps = int(state.get("steps", 0))
 
 
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+class KeptForward:
+    """A forward's autograd graph, kept for its backward (`Expert.forward_keeping`). Used at most once: `take`
+    hands the graph over and drops this object's references, so the activations are freed with the backward;
+    `release` drops them without a backward (the caller never came back). `nbytes` counts the activations
+    (tensors saved for the backward, the weights excluded) and the outputs."""
+
+    __slots__ = ("leaves", "outputs", "steps", "rows", "nbytes")
+
+    def __init__(self, leaves: list[torch.Tensor], outputs: list[torch.Tensor], steps: int, rows: int,
+                 saved_nbytes: int):
+        self.leaves: list[torch.Tensor] | None = leaves
+        self.outputs: list[torch.Tensor] | None = outputs
+        self.steps = steps
+        self.rows = rows
+        self.nbytes = saved_nbytes + sum(y.numel() * y.element_size() for y in outputs)
+
+    def take(self, steps: int, inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """The graph, if the expert has not stepped since (`steps` unchanged: the weights it saved are the ones the
+        backward would recompute with) and it covers as many rows as `inputs`; None otherwise. Released either way."""
+        leaves, outputs = self.leaves, self.outputs
+        self.release()
+        if leaves is None or outputs is None or steps != self.steps:
+            return None
+        if not inputs or inputs[0].ndim == 0 or int(inputs[0].shape[0]) != self.rows:
+            return None
+        return leaves, outputs
+
+    def release(self) -> None:
+        self.leaves = self.outputs = None
+
+    @property
+    def held(self) -> bool:
+        return self.outputs is not None
+
+
 def _as_list(outputs: Any) -> list[torch.Tensor]:
     if isinstance(outputs, torch.Tensor):
         return [outputs]
@@ -574,6 +643,7 @@ def make_expert(
 
 
 __all__ = [
-    "DeepFeedForward", "DenseFFN", "Expert", "ExpertKind", "FeedForward", "OptimizerConfig", "SchemaError", "SwiGLU",
-    "UnknownExpertKind", "get_expert_kind", "make_expert", "register_expert_kind", "registered_kinds",
+    "DeepFeedForward", "DenseFFN", "Expert", "ExpertKind", "FeedForward", "KeptForward", "OptimizerConfig",
+    "SchemaError", "SwiGLU", "UnknownExpertKind", "get_expert_kind", "make_expert", "register_expert_kind",
+    "registered_kinds",
 ]

@@ -2,9 +2,11 @@
 
 `RemoteMixtureOfExperts` scores every grid coordinate with a linear gate, finds each sample's k best alive experts
 (`moe.beam_search`), calls them in parallel and mixes their outputs with a softmax over the gate scores of the
-experts that answered. Calls are batched twice: all samples routed to one expert travel together (one tensor per
-expert), and all experts of one server travel in one RPC (`moe.calls.forward_batch` / `backward_batch`), so a
-layer's forward and backward cost one call per server, not one per expert.
+experts that answered. Calls are batched twice: all samples routed to one expert travel together, and all experts
+of one server travel in one RPC packed in one tensor (`moe.calls.forward_packed` / `backward_packed`: one gather
+of the inputs per server, one reply tensor checked as a whole), so a layer's forward and backward cost one call
+per server, not one per expert. A forward under autograd asks the servers to keep their graphs, and the backward
+sends the tokens back, so the experts do not recompute their forward (`moe.kept`).
 
 Fault tolerance is the point, and it lives in `MixtureClient`, the trio side of the layer:
 - the forward proceeds once every sample has `k_min` answers, then waits at most `timeout_after_k_min` for the
@@ -139,6 +141,7 @@ class ExpertCall:
     outputs: torch.Tensor | None = None
     error: BaseException | None = None
     cold: bool = False  # no connection to its server was open when the call went out (see `_cut_short`)
+    kept: int = 0  # the server's token for the graph of this forward (0: none kept)
 
     @property
     def uid(self) -> str:
@@ -287,8 +290,10 @@ class MixtureClient:
         k_min: int,
         forward_timeout: float,
         timeout_after_k_min: float,
+        keep: bool = False,
     ) -> ForwardResult:
-        """Route each sample to its k_best best alive experts and collect their outputs (see module doc)."""
+        """Route each sample to its k_best best alive experts and collect their outputs (see module doc). `keep`:
+        a backward will follow, so the servers keep their graphs for it."""
         if not 1 <= k_min <= k_best:
             raise ValueError(f"need 1 <= k_min <= k_best, got k_min={k_min}, k_best={k_best}")
         batch_size = inputs.shape[0]
@@ -299,7 +304,7 @@ class MixtureClient:
 
         async def run_group(group: list[ExpertCall]) -> None:
             try:
-                await self._forward_group(group, inputs, deadline, failures)
+                await self._forward_group(group, inputs, deadline, failures, keep)
             finally:  # also when cut by the grace period or the deadline: then neither outputs nor an error
                 for call in group:
                     progress.finish(call)
@@ -463,12 +468,13 @@ class MixtureClient:
         outputs = inputs.new_zeros((batch_size, width, *out_shape))
         mask = torch.zeros(batch_size, width, dtype=torch.bool)
         coords = torch.zeros(batch_size, width, len(self.grid_size), dtype=torch.long)
-        for call, answer in answers:
-            samples = torch.tensor(call.samples, dtype=torch.long)
-            slots = torch.tensor(call.slots, dtype=torch.long)
-            outputs[samples, slots] = answer.to(outputs.dtype)
+        if answers:  # one scatter for all the experts' answers
+            samples = torch.tensor([s for call in succeeded for s in call.samples], dtype=torch.long)
+            slots = torch.tensor([s for call in succeeded for s in call.slots], dtype=torch.long)
+            outputs[samples, slots] = torch.cat([answer for _, answer in answers]).to(outputs.dtype)
             mask[samples, slots] = True
-            coords[samples, slots] = torch.tensor(call.choice.coords, dtype=torch.long)
+            coords[samples, slots] = torch.tensor([call.choice.coords for call in succeeded for _ in call.samples],
+                                                  dtype=torch.long).view(-1, len(self.grid_size))
         return ForwardResult(inputs, outputs, mask, coords, succeeded, failures)
 
     # ------------------------------------------------------------------------------------------ backward
@@ -491,7 +497,11 @@ class MixtureClient:
         # one backward call (one optimizer step) per expert, even if a replacement round called it twice
         by_uid: dict[str, ExpertCall] = {}
         for call in result.calls:
-            entry = by_uid.setdefault(call.uid, ExpertCall(call.choice, [], []))
+            entry = by_uid.get(call.uid)
+            if entry is None:
+                entry = by_uid[call.uid] = ExpertCall(call.choice, [], [], kept=call.kept)
+            else:  # two forwards of one expert: one backward call for both, through a recomputed forward
+                entry.kept = 0
             entry.samples.extend(call.samples)
             entry.slots.extend(call.slots)
         merged = list(by_uid.values())
@@ -529,11 +539,13 @@ class MixtureClient:
         async def run_group(group: list[ExpertCall]) -> None:
             location = group[0].choice.location
             try:
-                batch = [(call.uid, [inputs.index_select(0, requests[id(call)][0])], [requests[id(call)][1]])
-                         for call in group]
-                answers = await calls.backward_batch(
-                    self.rpc, location.address, PeerID.from_hex(location.peer_id_hex), batch,
-                    timeout=self._timeout(deadline), compression=self.compression)
+                rows = [len(call.samples) for call in group]
+                reply = await calls.backward_packed(
+                    self.rpc, location.address, PeerID.from_hex(location.peer_id_hex), [call.uid for call in group],
+                    rows, [inputs.index_select(0, torch.cat([requests[id(call)][0] for call in group]))],
+                    [torch.cat([requests[id(call)][1] for call in group])], timeout=self._timeout(deadline),
+                    compression=self.compression, kept=[call.kept for call in group])
+                answers = calls.unpack(reply, rows)
                 self.stats["backward_rpcs"] += 1
                 for call, answer in zip(group, answers):
                     if isinstance(answer, Exception):
@@ -591,7 +603,7 @@ class MixtureClient:
         return max(deadline - trio.current_time(), 1e-3)
 
     async def _forward_group(self, group: list[ExpertCall], inputs: torch.Tensor, deadline: float,
-                             failures: dict[str, str]) -> None:
+                             failures: dict[str, str], keep: bool = False) -> None:
         """One server's experts in one call: each gets one finite floating tensor of the layer's output shape
         (the first valid answer fixes it when the layer was built without one) or fails alone; when the call
         itself fails, all of them fail with its error."""
@@ -600,17 +612,20 @@ class MixtureClient:
         for call in group:
             call.cold = cold
         try:
-            requests = [(call.uid, [inputs.index_select(0, torch.tensor(call.samples, dtype=torch.long))])
-                        for call in group]
-            answers = await calls.forward_batch(
-                self.rpc, location.address, PeerID.from_hex(location.peer_id_hex), requests,
-                timeout=self._timeout(deadline), compression=self.compression, out_shape=self.out_shape)
+            rows = [len(call.samples) for call in group]
+            index = torch.tensor([sample for call in group for sample in call.samples], dtype=torch.long)
+            reply = await calls.forward_packed(
+                self.rpc, location.address, PeerID.from_hex(location.peer_id_hex), [call.uid for call in group],
+                rows, [inputs.index_select(0, index)], timeout=self._timeout(deadline),
+                compression=self.compression, out_shape=self.out_shape, keep=keep)
         except calls.CALL_FAILURES as error:
             for call in group:
                 self._failed(call, error, failures, "forward")
             return
         self.stats["forward_rpcs"] += 1
-        for call, answer in zip(group, answers):
+        answers = calls.unpack(reply, rows)
+        for call, answer, token in zip(group, answers, reply.kept):
+            call.kept = token
             if not isinstance(answer, Exception) and self.out_shape is None:
                 self.out_shape = tuple(answer[0].shape[1:])
             elif not isinstance(answer, Exception) and tuple(answer[0].shape[1:]) != self.out_shape:
@@ -750,6 +765,7 @@ class _GridMixture(nn.Module):
         result = self.swarm.bridge.run(functools.partial(
             self.client.forward, sent, scores, k_best=k_best, k_min=k_min,
             forward_timeout=self.forward_timeout, timeout_after_k_min=self.timeout_after_k_min,
+            keep=torch.is_grad_enabled(),
         ))
         # torch declares autograd.Function.apply without annotations
         dispatched: torch.Tensor = _DispatchFunction.apply(self._dummy, x, self, result)  # type: ignore[no-untyped-call]

@@ -2,9 +2,9 @@
 
 Calls go through `moe.calls` (the one call path: method names, codec, reply checks). The forward sends the inputs
 to the server (`moe.forward`) and returns its outputs; the backward sends the inputs again with the output
-gradients (`moe.backward`): the server recomputes its forward, returns the input gradients and applies its
-optimizer step. Nothing is kept on the server between the two calls, so a client that never
-calls backward costs the server nothing.
+gradients (`moe.backward`): the server returns the input gradients and applies its optimizer step. A forward under
+autograd asks the server to keep its graph (`moe.kept`: bounded, and freed after a while when no backward comes),
+so the backward does not recompute the forward; one without autograd (`torch.no_grad()`) keeps nothing.
 
 Calls cross from the caller's thread (a training loop, or autograd's backward) into the trio thread that owns
 the RPC node through the bridge (`swarm.bridge.run`), one hop per call. There is no fault tolerance here: a
@@ -77,15 +77,17 @@ class RemoteExpert(nn.Module):
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         # torch declares autograd.Function.apply without annotations
         outputs: tuple[torch.Tensor, ...] = _RemoteExpertFunction.apply(  # type: ignore[no-untyped-call]
-            self._dummy, self, *inputs)
+            self._dummy, self, torch.is_grad_enabled(), *inputs)
         return outputs[0] if len(outputs) == 1 else outputs
 
 
 class _RemoteExpertFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, dummy: torch.Tensor, expert: RemoteExpert, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, dummy: torch.Tensor, expert: RemoteExpert, keep: bool,
+                *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         sent = [x.detach().contiguous() for x in inputs]
-        outputs = expert._run(functools.partial(calls.forward, compression=expert.compression), sent)
+        outputs, ctx.kept = expert._run(functools.partial(calls.forward_keeping, compression=expert.compression,
+                                                          keep=keep), sent)
         ctx.expert = expert
         ctx.save_for_backward(*sent)
         return tuple(outputs)
@@ -95,10 +97,10 @@ class _RemoteExpertFunction(torch.autograd.Function):
         expert: RemoteExpert = ctx.expert
         inputs = ctx.saved_tensors
         grads = [g.contiguous() for g in grad_outputs]
-        grad_inputs = expert._run(functools.partial(calls.backward, compression=expert.compression), list(inputs),
-                                  grads)
-        wanted = ctx.needs_input_grad[2:]
-        return (None, None, *(g if need else None for g, need in zip(grad_inputs, wanted)))
+        grad_inputs = expert._run(functools.partial(calls.backward, compression=expert.compression, kept=ctx.kept),
+                                  list(inputs), grads)
+        wanted = ctx.needs_input_grad[3:]
+        return (None, None, None, *(g if need else None for g, need in zip(grad_inputs, wanted)))
 
 
 __all__ = ["RemoteExpert"]

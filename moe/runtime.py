@@ -14,6 +14,10 @@ serving the network while torch computes. A thread hand-off costs ~100 us here, 
 predicted to take under `inline_threshold` seconds on the event loop; when the expert is idle such a request
 skips the queue too (computed by the caller's own task). `inline_threshold=math.inf` runs everything inline
 (simulated tests under MockClock); `0` always uses threads.
+
+Kept forwards: a forward asked to keep its graph (`forward_keeping`, `run_many(keep=True)`) returns it with the
+outputs when it was computed alone (a batch of one request; merged batches recompute in their backward, as
+before), and a backward given that graph (`kept=`) backpropagates through it instead of recomputing the forward.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 import torch
 import trio
 
-from moe.experts import Expert
+from moe.experts import Expert, KeptForward
 
 T = TypeVar("T")
 FORWARD = "forward"
@@ -55,6 +59,8 @@ class _Task:
     result: list[torch.Tensor] | None = None
     error: BaseException | None = None
     abandoned: bool = False  # the caller stopped waiting (cancelled) before the batch started
+    keep: bool = False  # forward: keep the graph for the backward (when computed alone)
+    kept: KeptForward | None = None  # forward: the graph kept; backward: the graph to use
 
 
 @dataclass(eq=False)
@@ -128,16 +134,26 @@ class ExpertRuntime:
 
     async def forward(self, uid: str, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Outputs of expert `uid` on `inputs` (already validated against its schema)."""
-        return await self._submit(uid, FORWARD, inputs)
+        return (await self._submit(uid, FORWARD, inputs))[0]
+
+    async def forward_keeping(
+        self, uid: str, inputs: Sequence[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], KeptForward | None]:
+        """`forward`, and its graph for the backward when it was computed alone (None when it was merged with
+        other callers' requests)."""
+        return await self._submit(uid, FORWARD, inputs, keep=True)
 
     async def backward(
-        self, uid: str, inputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor]
+        self, uid: str, inputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor],
+        kept: KeptForward | None = None,
     ) -> list[torch.Tensor]:
-        """Gradients w.r.t. `inputs`; the expert takes an optimizer step after the batch containing this request."""
-        return await self._submit(uid, BACKWARD, [*inputs, *grad_outputs])
+        """Gradients w.r.t. `inputs` (through `kept` when it is still valid); the expert takes an optimizer step
+        after the batch containing this request."""
+        return (await self._submit(uid, BACKWARD, [*inputs, *grad_outputs], kept=kept))[0]
 
     async def run_many(
-        self, mode: str, requests: Sequence[tuple[str, Sequence[torch.Tensor]]]
+        self, mode: str, requests: Sequence[tuple[str, Sequence[torch.Tensor]]], *, keep: bool = False,
+        kept: Sequence[KeptForward | None] | None = None, kept_out: list[KeptForward | None] | None = None,
     ) -> list[list[torch.Tensor] | ExpertComputeError | RuntimeNotRunning]:
         """Several experts' requests of one batched call (`moe.forward_batch`): `mode` is FORWARD or BACKWARD,
         each request `(uid, tensors)` with tensors as `forward` / `backward` take them (backward: inputs then
@@ -147,10 +163,15 @@ class ExpertRuntime:
         worker thread (or inline when all of them together are predicted to take under `inline_threshold`), so
         a call carrying 6 small experts costs one thread hand-off, not 6 (a hand-off costs ~100 us, and far
         more when the cores are shared). Requests for experts that are busy or must wait for `min_batch_size`
-        join their queues and are batched with other callers' as usual."""
+        join their queues and are batched with other callers' as usual.
+
+        `keep` (forward): each request's graph is written to `kept_out[i]` (None where it was not kept);
+        `kept` (backward): the graph of each request's forward, or None."""
         if not self._running:
             raise RuntimeNotRunning("the expert runtime is not running")
         results: list[Any] = [None] * len(requests)
+        graphs: list[KeptForward | None] = list(kept) if kept is not None else [None] * len(requests)
+        produced: list[KeptForward | None] = [None] * len(requests)
         direct: list[tuple[int, _Slot, Sequence[torch.Tensor], int]] = []
         queued: list[int] = []
         for index, (uid, tensors) in enumerate(requests):
@@ -169,7 +190,8 @@ class ExpertRuntime:
         async def through_queue(index: int) -> None:
             uid, tensors = requests[index]
             try:
-                results[index] = await self._submit(uid, mode, tensors)
+                results[index], produced[index] = await self._submit(uid, mode, tensors, keep=keep,
+                                                                     kept=graphs[index])
             except (ExpertComputeError, RuntimeNotRunning) as error:
                 results[index] = error
 
@@ -178,11 +200,18 @@ class ExpertRuntime:
                 for index in queued:
                     nursery.start_soon(through_queue, index)
                 if direct:
-                    for (index, _, _, _), outcome in zip(direct, await self._execute_many(mode, direct)):
+                    outcomes = await self._execute_many(mode, direct, keep, graphs, produced)
+                    for (index, _, _, _), outcome in zip(direct, outcomes):
                         results[index] = outcome
         finally:
             for _, slot, _, _ in direct:
                 slot.lock.release()
+        if kept_out is not None:
+            kept_out[:] = produced
+        else:
+            for graph in produced:
+                if graph is not None:
+                    graph.release()
         return results
 
     async def exclusive(self, uid: str, fn: Callable[[Expert], T]) -> T:
@@ -220,7 +249,8 @@ class ExpertRuntime:
 
     # ------------------------------------------------------------------------------------------------ internals
 
-    async def _submit(self, uid: str, mode: str, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    async def _submit(self, uid: str, mode: str, tensors: Sequence[torch.Tensor], *, keep: bool = False,
+                      kept: KeptForward | None = None) -> tuple[list[torch.Tensor], KeptForward | None]:
         if not self._running:
             raise RuntimeNotRunning("the expert runtime is not running")
         slot = self._slots[uid]
@@ -239,12 +269,12 @@ class ExpertRuntime:
             slot.requests[mode] += 1
             slot.lock.acquire_nowait()
             try:
-                outputs = await self._execute(slot, mode, tensors, rows)
+                outputs, graph = await self._execute(slot, mode, tensors, rows, keep, kept)
             finally:
                 slot.lock.release()
             await trio.lowlevel.checkpoint()
-            return outputs
-        task = _Task(tensors, rows, trio.current_time())
+            return outputs, graph
+        task = _Task(tensors, rows, trio.current_time(), keep=keep, kept=kept)
         slot.queues[mode].append(task)
         slot.queued_rows[mode] += rows
         slot.requests[mode] += 1
@@ -257,7 +287,7 @@ class ExpertRuntime:
         if task.error is not None:
             raise task.error
         assert task.result is not None
-        return task.result
+        return task.result, task.kept if mode == FORWARD else None
 
     def _limiter(self, device: torch.device) -> trio.CapacityLimiter:
         key = str(device)
@@ -325,15 +355,20 @@ class ExpertRuntime:
         return self.inline_threshold == math.inf or (estimate is not None and estimate * rows <= self.inline_threshold)
 
     @staticmethod
-    def _compute(expert: Expert, mode: str, tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
-        """One batch of one expert, timed (runs in a worker thread or inline)."""
+    def _compute(expert: Expert, mode: str, tensors: Sequence[torch.Tensor], keep: bool = False,
+                 kept: KeptForward | None = None) -> tuple[list[torch.Tensor], float, KeptForward | None]:
+        """One batch of one expert, timed (runs in a worker thread or inline): with `keep`, a forward that keeps
+        its graph; a backward through `kept` when given."""
         started = time.perf_counter()
-        if mode == FORWARD:
+        graph = None
+        if mode == FORWARD and keep:
+            outputs, graph = expert.forward_keeping(tensors)
+        elif mode == FORWARD:
             outputs = expert.forward(tensors)
         else:
             split = len(expert.inputs)
-            outputs = expert.backward(tensors[:split], tensors[split:])
-        return outputs, time.perf_counter() - started
+            outputs = expert.backward(tensors[:split], tensors[split:], kept)
+        return outputs, time.perf_counter() - started, graph
 
     def _record(self, slot: _Slot, mode: str, rows: int, elapsed: float) -> None:
         estimate = slot.seconds_per_row[mode]
@@ -342,24 +377,26 @@ class ExpertRuntime:
         slot.batches[mode] += 1
         slot.samples[mode] += rows
 
-    async def _execute(self, slot: _Slot, mode: str, tensors: Sequence[torch.Tensor], rows: int) -> list[torch.Tensor]:
+    async def _execute(self, slot: _Slot, mode: str, tensors: Sequence[torch.Tensor], rows: int, keep: bool = False,
+                       kept: KeptForward | None = None) -> tuple[list[torch.Tensor], KeptForward | None]:
         """Run one batch inline or in a worker thread; raises ExpertComputeError if the module fails."""
         expert = slot.expert
         try:
             if self._runs_inline(slot, mode, rows):
                 slot.inline_batches += 1
-                outputs, elapsed = self._compute(expert, mode, tensors)
+                outputs, elapsed, graph = self._compute(expert, mode, tensors, keep, kept)
             else:
-                outputs, elapsed = await trio.to_thread.run_sync(self._compute, expert, mode, tensors,
-                                                                 limiter=self._limiter(expert.device))
+                outputs, elapsed, graph = await trio.to_thread.run_sync(
+                    self._compute, expert, mode, tensors, keep, kept, limiter=self._limiter(expert.device))
         except Exception as error:  # the module itself failed
             slot.failures += 1
             raise ExpertComputeError(expert.uid, mode, error) from error
         self._record(slot, mode, rows, elapsed)
-        return outputs
+        return outputs, graph
 
     async def _execute_many(
-        self, mode: str, batches: list[tuple[int, _Slot, Sequence[torch.Tensor], int]]
+        self, mode: str, batches: list[tuple[int, _Slot, Sequence[torch.Tensor], int]], keep: bool,
+        graphs: list[KeptForward | None], produced: list[KeptForward | None],
     ) -> list[list[torch.Tensor] | ExpertComputeError]:
         """Batches of several experts (their locks held by the caller), one after the other: inline when all of
         them are predicted cheap, else in one worker thread per device. Each expert's failure is its own."""
@@ -377,7 +414,8 @@ class ExpertRuntime:
                 experts = [batches[p][1].expert for p in positions]
                 split = [len(e.inputs) for e in experts]
                 results = Expert.backward_many(experts, [
-                    (batches[p][2][:n], batches[p][2][n:]) for p, n in zip(positions, split)])
+                    (batches[p][2][:n], batches[p][2][n:]) for p, n in zip(positions, split)],
+                    [graphs[batches[p][0]] for p in positions])
                 elapsed = time.perf_counter() - started
                 total_rows = max(1, sum(batches[p][3] for p in positions))
                 for p, result in zip(positions, results):
@@ -387,9 +425,9 @@ class ExpertRuntime:
                         done.append((result, None, elapsed * batches[p][3] / total_rows))
                 return done
             for position in positions:
-                _, slot, tensors, _ = batches[position]
+                index, slot, tensors, _ = batches[position]
                 try:
-                    outputs, elapsed = self._compute(slot.expert, mode, tensors)
+                    outputs, elapsed, produced[index] = self._compute(slot.expert, mode, tensors, keep, graphs[index])
                     done.append((outputs, None, elapsed))
                 except Exception as error:  # the module itself failed: that expert's requests only
                     done.append((None, error, 0.0))
@@ -430,12 +468,18 @@ class ExpertRuntime:
 
     async def _run_batch(self, slot: _Slot, mode: str, batch: list[_Task]) -> None:
         rows = sum(task.rows for task in batch)
+        keep, kept = False, None
         if len(batch) == 1:
             tensors = list(batch[0].tensors)
-        else:
+            keep, kept = batch[0].keep, batch[0].kept
+        else:  # a merged batch: its forward keeps nothing, its backward recomputes
             tensors = [torch.cat([task.tensors[i] for task in batch]) for i in range(len(batch[0].tensors))]
+            for task in batch:
+                if task.kept is not None:
+                    task.kept.release()
+                    task.kept = None
         try:
-            outputs = await self._execute(slot, mode, tensors, rows)
+            outputs, graph = await self._execute(slot, mode, tensors, rows, keep, kept)
         except ExpertComputeError as failure:  # tell every caller of this batch
             for task in batch:
                 task.error = failure
@@ -444,6 +488,7 @@ class ExpertRuntime:
         await trio.lowlevel.checkpoint()
         if len(batch) == 1:
             batch[0].result = outputs
+            batch[0].kept = graph
             batch[0].done.set()
             return
         sizes = [task.rows for task in batch]

@@ -81,12 +81,14 @@ def validate_batch(
     max_batch_size: int,
     batch_size: int | None = None,
     what: str = "inputs",
+    finite: bool = True,
 ) -> int:
     """Check `tensors` against `specs` and return the batch size (the common leading dimension).
 
     Checks, in order of cost: it is a list of the right length; each item is a tensor of the declared dtype
     and of shape (batch, *spec.shape); all share one batch size in 1..max_batch_size (equal to `batch_size`
-    when given, e.g. grad_outputs must match their inputs); floating values are all finite.
+    when given, e.g. grad_outputs must match their inputs); floating values are all finite (unless `finite` is
+    False: a packed call checks finiteness itself, to fail only the experts whose rows hold such values).
     """
     if not isinstance(tensors, (list, tuple)):
         raise SchemaError(f"{what}: expected a list of tensors, got {type(tensors).__name__}")
@@ -112,6 +114,6 @@ def validate_batch(
     if found > max_batch_size:
         raise SchemaError(f"{what}: batch size {found} exceeds the expert's maximum {max_batch_size}")
     for index, tensor in enumerate(tensors):
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        if finite and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise SchemaError(f"{what}[{index}]: contains NaN or infinite values")
     return found

@@ -13,7 +13,9 @@ How a peer composes it (the daemon does this):
                 ...                                        # cancelling the nursery stops the server
 
 `run` loads checkpoints, starts the runtime, registers `moe.info` / `moe.forward` / `moe.backward` and their
-batched forms `moe.forward_batch` / `moe.backward_batch` (several experts per call, each failing alone), declares the
+batched forms `moe.forward_batch` / `moe.backward_batch` (several experts per call, packed in one tensor per input
+and one per output, each expert failing alone: see `moe.calls`), keeps the forward graphs callers ask it to keep
+for their backward (`moe.kept`, bounded by `kept_bytes` and `kept_ttl`), declares the
 experts every `declare_interval` seconds with expiration `dht.now() + declare_ttl`, saves checkpoints every
 `checkpoint_interval` seconds, and on cancellation unregisters the handlers, waits for running batches and saves
 a final checkpoint. Use `choose_uids` first to pick uids: checkpointed ones and those the same PeerID still declares
@@ -40,8 +42,9 @@ from dht.client import DHTClient
 from moe import calls
 from moe.declare import PeerIDLike, declare_experts, find_free_uids, find_own_uids
 from moe.errors import BadExpertInput, CheckpointError, ExpertFailed, ExpertNotFound, NotAllowed, ServerShuttingDown
-from moe.experts import Expert, OptimizerConfig, make_expert
+from moe.experts import Expert, KeptForward, OptimizerConfig, make_expert
 from moe.grid import GridPattern, InvalidUID, choose_free_uids, is_valid_uid
+from moe.kept import KeptStore
 from moe.runtime import ExpertComputeError, ExpertRuntime, RuntimeNotRunning
 from moe.schema import SchemaError, validate_batch
 from moe.trust import NormStats, typical_norm
@@ -221,6 +224,8 @@ class ExpertServer:
         trainers: CallerPolicy | None = None,
         forward_from: CallerPolicy | None = None,
         max_norm_ratio: float | None = 1e4,
+        kept_bytes: int = 256 << 20,
+        kept_ttl: float = 30.0,
     ):
         """`trainers`: who may call backward (and so step the experts' optimizers); `forward_from`: who may call
         forward. Both default to anyone who completed the RPC handshake (see `CallerPolicy`); `moe.info` is open.
@@ -228,7 +233,9 @@ class ExpertServer:
         ones (running statistics of the requests it accepted) is refused with BadExpertInput; None: no check.
         Generous by default: an honest trainer's gradients for an expert scale with its gate weight, which may be
         0.001 in one call and 0.5 in the next; the check is for the absurd (1e30 passes the finiteness check),
-        and `clip_grad_norm` bounds the step whatever gets through."""
+        and `clip_grad_norm` bounds the step whatever gets through.
+        `kept_bytes`, `kept_ttl`: the bounds of the forward graphs kept for callers' backwards (`moe.kept`): at
+        most that many bytes of activations, each freed that many seconds after its forward at the latest."""
         if isinstance(experts, Mapping):
             experts = list(experts.values())
         self.experts: dict[str, Expert] = {}
@@ -266,6 +273,7 @@ class ExpertServer:
         self.checkpoint_error: CheckpointError | None = None
         self._saved_steps: dict[str, int] = {}
         self._running = False
+        self.kept = KeptStore(max_bytes=kept_bytes, ttl=kept_ttl)
 
     @classmethod
     async def from_pattern(
@@ -348,6 +356,7 @@ class ExpertServer:
             for name in registered:
                 rpc.unregister(name)
             self._running = False
+            self.kept.clear()
             if self.checkpoint_dir is not None:
                 self.save_checkpoints(only_changed=True)  # the runtime has stopped: weights are final
                 if self._unsaved:  # the training since the last checkpoint is lost: whoever stops us must know
@@ -467,19 +476,21 @@ class ExpertServer:
         1e30 and wreck a step (gradient clipping bounds the step, but the request is garbage either way). Only
         accepted requests update the statistics, so a caller cannot ramp them up in one burst; smaller than
         usual is harmless and accepted."""
+        self._admit_norms(expert, [(what, index, typical_norm(tensor)) for what, values in tensors.items()
+                                   for index, tensor in enumerate(values) if tensor.is_floating_point()])
+
+    def _admit_norms(self, expert: Expert, norms: Sequence[tuple[str, int, float]]) -> None:
+        """`_check_norms` on norms already measured: (what, index, typical norm) of each floating tensor."""
         assert self.max_norm_ratio is not None
         measured: list[tuple[NormStats, float]] = []
-        for what, values in tensors.items():
-            for index, (stats, tensor) in enumerate(zip(self._norms[expert.uid][what], values)):
-                if not tensor.is_floating_point():
-                    continue
-                norm = typical_norm(tensor)
-                ratio = stats.ratio(norm)
-                if ratio > self.max_norm_ratio:
-                    self._errors["bad_input"] += 1
-                    raise BadExpertInput(f"{expert.uid}: {what}[{index}] norm {norm:.3g} is {ratio:.3g}x this "
-                                         f"expert's usual {stats.typical():.3g} (at most {self.max_norm_ratio:g}x)")
-                measured.append((stats, norm))
+        for what, index, norm in norms:
+            stats = self._norms[expert.uid][what][index]
+            ratio = stats.ratio(norm)
+            if ratio > self.max_norm_ratio:
+                self._errors["bad_input"] += 1
+                raise BadExpertInput(f"{expert.uid}: {what}[{index}] norm {norm:.3g} is {ratio:.3g}x this "
+                                     f"expert's usual {stats.typical():.3g} (at most {self.max_norm_ratio:g}x)")
+            measured.append((stats, norm))
         for stats, norm in measured:
             stats.observe(norm)
 
@@ -505,30 +516,172 @@ class ExpertServer:
         self._errors["shutting_down"] += 1
         return ServerShuttingDown(f"{expert.uid}: the server is shutting down")
 
-    async def _compute(self, expert: Expert, mode: str, *tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        try:
-            if mode == "forward":
-                return await self.runtime.forward(expert.uid, tensors[0])
-            return await self.runtime.backward(expert.uid, tensors[0], tensors[1])
-        except (ExpertComputeError, RuntimeNotRunning) as error:
-            raise self._compute_error(expert, error) from None
-
     @staticmethod
     def _reply_key(mode: str) -> str:
         return "outputs" if mode == "forward" else "grad_inputs"
 
-    async def _serve_one(self, mode: str, args: Any, codec: wire.Compression) -> dict[str, Any]:
-        """One expert's forward or backward: the whole of a single call."""
+    async def _serve_one(self, mode: str, args: Any, codec: wire.Compression, caller: str) -> dict[str, Any]:
+        """One expert's forward or backward: the whole of a single call. A forward asked to `keep` its graph
+        answers its token under "kept"; a backward given one uses that graph when it is still held."""
         expert = self._expert_for(args)
         inputs, grad_outputs = self._validate(expert, args, backward=mode == "backward")
-        results = await self._compute(expert, mode, inputs, grad_outputs)
+        token = 0
+        try:
+            if mode == "forward" and args.get("keep") is True:
+                results, graph = await self.runtime.forward_keeping(expert.uid, inputs)
+                if graph is not None:
+                    token = self.kept.put(caller, expert.uid, graph, trio.current_time())
+            elif mode == "forward":
+                results = await self.runtime.forward(expert.uid, inputs)
+            else:
+                kept = self._kept_graph(caller, expert.uid, args.get("kept"))
+                results = await self.runtime.backward(expert.uid, inputs, grad_outputs, kept)
+        except (ExpertComputeError, RuntimeNotRunning) as error:
+            raise self._compute_error(expert, error) from None
         self._served[mode] += 1
-        return {self._reply_key(mode): self._reply_tensors(results, codec)}
+        reply: dict[str, Any] = {self._reply_key(mode): self._reply_tensors(results, codec)}
+        if token:
+            reply["kept"] = token
+        return reply
 
-    async def _serve_batch(self, mode: str, method: str, args: Any) -> dict[str, Any]:
-        """Several experts in one call (`moe.calls.forward_batch`): each entry is validated and fails alone
+    def _kept_graph(self, caller: str, uid: str, token: Any) -> KeptForward | None:
+        if not isinstance(token, int) or isinstance(token, bool) or token <= 0:
+            return None
+        return self.kept.take(caller, uid, token, trio.current_time())
+
+    async def _serve_packed(self, mode: str, method: str, args: dict[str, Any], caller: str) -> dict[str, Any]:
+        """Several experts in one call, packed (see `moe.calls`): one tensor per input and gradient holds every
+        expert's rows. The request is checked as a whole: its shape once against the first expert's schema (the
+        others must share it), finiteness in one pass, the norm checks from one row-norm pass; only what fails
+        a check is looked at expert by expert, and that expert alone fails. The experts' rows reach the runtime
+        as views of the received tensors (no copy), and their results are written into one reply tensor."""
+        uids, rows = args.get("uids"), args.get("rows")
+        if (not isinstance(uids, list) or not isinstance(rows, list) or not uids or len(uids) != len(rows)
+                or not all(isinstance(uid, str) for uid in uids)
+                or not all(isinstance(r, int) and not isinstance(r, bool) and 1 <= r <= self.max_batch_size
+                           for r in rows)):
+            self._errors["bad_input"] += 1
+            raise BadExpertInput(f"expected arguments {{'uids': [str], 'rows': [1..{self.max_batch_size}], "
+                                 f"'inputs': [tensor], ...}} with one row count per uid")
+        if len(uids) > len(self.experts) or len(set(uids)) != len(uids):
+            self._errors["bad_input"] += 1
+            raise BadExpertInput(f"{len(uids)} entries: each of this server's {len(self.experts)} experts at "
+                                 f"most once per call")
+        codec = self._codec(args)
+        backward = mode == "backward"
+        errors: dict[int, RemoteError] = {}
+        experts: list[Expert | None] = []
+        for position, uid in enumerate(uids):
+            expert = self.experts.get(uid)
+            if expert is None:
+                self._errors["not_found"] += 1
+                errors[position] = ExpertNotFound(f"no expert {uid[:100]!r} on this server")
+            experts.append(expert)
+        reference = next((e for e in experts if e is not None), None)
+        total = sum(rows)
+        groups = ("inputs", "grad_outputs") if backward else ("inputs",)
+        packed: dict[str, list[torch.Tensor]] = {}
+        if reference is not None:
+            try:
+                for what, specs in zip(groups, (reference.inputs, reference.outputs)):
+                    validate_batch(specs, args.get(what), max_batch_size=total, batch_size=total, what=what,
+                                   finite=False)
+                    packed[what] = list(args[what])
+            except SchemaError as error:
+                self._errors["bad_input"] += 1
+                raise BadExpertInput(f"{reference.uid} and {len(uids) - 1} more: {error}") from None
+            for position, expert in enumerate(experts):
+                if expert is not None and position not in errors and (
+                        expert.inputs != reference.inputs or expert.outputs != reference.outputs):
+                    self._errors["bad_input"] += 1
+                    errors[position] = BadExpertInput(f"{expert.uid}: its schema differs from {reference.uid}'s: "
+                                                      f"call it alone")
+        self._rpc_calls[method] += 1
+        owner = torch.repeat_interleave(torch.arange(len(uids)), torch.tensor(rows))
+        for what, tensors in packed.items():
+            for index, tensor in enumerate(tensors):
+                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    flat = torch.isfinite(tensor.reshape(total, -1)).all(dim=1)
+                    for position in torch.unique(owner[~flat]).tolist():
+                        if position not in errors:
+                            self._errors["bad_input"] += 1
+                            errors[position] = BadExpertInput(f"{uids[position]}: {what}[{index}]: contains NaN "
+                                                              f"or infinite values")
+        if self.max_norm_ratio is not None and packed:
+            # one row-norm pass per tensor, summed per expert: each expert's typical norm (RMS of its row norms)
+            norms: list[list[tuple[str, int, float]]] = [[] for _ in uids]
+            for what, tensors in packed.items():
+                for index, tensor in enumerate(tensors):
+                    if not tensor.is_floating_point():
+                        continue
+                    squares = tensor.detach().reshape(total, -1).double().square().sum(dim=1)
+                    per_expert = torch.zeros(len(uids), dtype=torch.float64).index_add_(0, owner, squares)
+                    rms = (per_expert / torch.tensor(rows, dtype=torch.float64)).sqrt().tolist()
+                    for position, norm in enumerate(rms):
+                        norms[position].append((what, index, norm))
+            for position, expert in enumerate(experts):
+                if expert is not None and position not in errors:
+                    try:
+                        self._admit_norms(expert, norms[position])
+                    except BadExpertInput as refused:
+                        errors[position] = refused
+        valid = [p for p in range(len(uids)) if p not in errors]
+        pieces = {what: [torch.split(tensor, rows) for tensor in tensors] for what, tensors in packed.items()}
+        requests = [(uids[p], [piece[p] for what in groups for piece in pieces[what]]) for p in valid]
+        keep = mode == "forward" and args.get("keep") is True
+        tokens = args.get("kept") if backward else None
+        kept = ([self._kept_graph(caller, uids[p], tokens[p]) for p in valid]
+                if isinstance(tokens, list) and len(tokens) == len(uids) else None)
+        produced: list[KeptForward | None] = []
+        outcomes: list[Any] = []
+        if requests:
+            try:
+                outcomes = await self.runtime.run_many(mode, requests, keep=keep, kept=kept, kept_out=produced)
+            except RuntimeNotRunning as stopped:
+                outcomes = [stopped] * len(requests)
+        specs = reference.outputs if reference is not None and not backward else (
+            reference.inputs if reference is not None else [])
+        replies = [torch.zeros((total, *spec.shape), dtype=spec.dtype) for spec in specs]
+        starts = [0]
+        for r in rows:
+            starts.append(starts[-1] + r)
+        reply_tokens = [0] * len(uids)
+        for position, outcome in zip(valid, outcomes):
+            expert = experts[position]
+            assert expert is not None
+            if isinstance(outcome, (ExpertComputeError, RuntimeNotRunning)):
+                errors[position] = self._compute_error(expert, outcome)
+                continue
+            start, end = starts[position], starts[position + 1]
+            if len(outcome) != len(replies) or any(o.shape != r[start:end].shape for o, r in zip(outcome, replies)):
+                self._errors["expert_failed"] += 1
+                errors[position] = ExpertFailed(f"{expert.uid}: outputs do not match its declared schema")
+                continue
+            for output, reply in zip(outcome, replies):
+                reply[start:end].copy_(output)
+            self._served[mode] += 1
+        for offset, graph in enumerate(produced):
+            if graph is not None:
+                position = valid[offset]
+                if position in errors:
+                    graph.release()
+                else:
+                    reply_tokens[position] = self.kept.put(caller, uids[position], graph, trio.current_time())
+        answer: dict[str, Any] = {
+            self._reply_key(mode): self._reply_tensors(replies, codec),
+            "errors": [[position, error.code, error.message] for position, error in sorted(errors.items())]}
+        if keep:
+            answer["kept"] = reply_tokens
+        return answer
+
+    async def _serve_batch(self, mode: str, method: str, args: Any, caller: str) -> dict[str, Any]:
+        """Several experts in one call: the packed form (`_serve_packed`), or the per-expert form of earlier
+        versions (`{"experts": [{"uid", "inputs", ...}]}`, answered `{"results": [...]}`), where each entry is
+        validated and fails alone
         (`{"error": [code, text]}` in its place); the valid ones go through their experts' batching runtime
         together (`ExpertRuntime.run_many`: one thread hand-off for the call, not one per expert)."""
+        if isinstance(args, dict) and "uids" in args:
+            return await self._serve_packed(mode, method, args, caller)
         entries = args.get("experts") if isinstance(args, dict) else None
         if not isinstance(entries, list) or not entries:
             self._errors["bad_input"] += 1
@@ -585,20 +738,20 @@ class ExpertServer:
     async def _handle_forward(self, context: CallContext, args: Any) -> dict[str, Any]:
         self._rpc_calls[calls.FORWARD] += 1
         self._admit(context, "forward")
-        return await self._serve_one("forward", args, self._codec(args))
+        return await self._serve_one("forward", args, self._codec(args), context.peer_id.hex())
 
     async def _handle_backward(self, context: CallContext, args: Any) -> dict[str, Any]:
         self._rpc_calls[calls.BACKWARD] += 1
         self._admit(context, "backward")
-        return await self._serve_one("backward", args, self._codec(args))
+        return await self._serve_one("backward", args, self._codec(args), context.peer_id.hex())
 
     async def _handle_forward_batch(self, context: CallContext, args: Any) -> dict[str, Any]:
         self._admit(context, "forward")
-        return await self._serve_batch("forward", calls.FORWARD_BATCH, args)
+        return await self._serve_batch("forward", calls.FORWARD_BATCH, args, context.peer_id.hex())
 
     async def _handle_backward_batch(self, context: CallContext, args: Any) -> dict[str, Any]:
         self._admit(context, "backward")
-        return await self._serve_batch("backward", calls.BACKWARD_BATCH, args)
+        return await self._serve_batch("backward", calls.BACKWARD_BATCH, args, context.peer_id.hex())
 
     # ---------------------------------------------------------------------------------------- stats
 
@@ -617,4 +770,5 @@ class ExpertServer:
             "declarations": dict(self._declarations),
             "checkpoints": dict(self._checkpoints),
             "per_expert": runtime["per_expert"],
+            "kept": vars(self.kept.stats()),
         }

@@ -88,7 +88,7 @@ async def _client_node(network: Network, dht_peers: list | None, box: list, *, t
         if dht_peers is not None:
             box.append(await stack.enter_async_context(DHTNode.open(
                 "127.0.0.1" if isinstance(network, RealNetwork) else "client", 0, list(dht_peers),
-                network=network, client_mode=True,
+                identity=node.identity, network=network, client_mode=True,  # one PeerID, as in peer.client.Swarm
             )))
         task_status.started()
         await trio.sleep_forever()

@@ -78,19 +78,24 @@ class PhaseHooks:
                 print(json.dumps({"armed": words[1]}), flush=True)
 
     def wrap(self, expert) -> None:
-        # backward: the forward's recomputation, which both the single-expert backward and a batched call's
+        # forward: with or without a graph kept for the backward; backward: getting the graph to backpropagate
+        # through (the kept one or a recomputed one), which both the single-expert backward and a batched call's
         # `Expert.backward_many` go through for each expert
-        forward, recompute = expert.forward, expert._recompute
+        forward, keeping, graph = expert.forward, expert.forward_keeping, expert._graph
 
         def held_forward(inputs):
             self._maybe_hold("forward", expert.uid)
             return forward(inputs)
 
-        def held_recompute(inputs):
-            self._maybe_hold("backward", expert.uid)
-            return recompute(inputs)
+        def held_keeping(inputs):
+            self._maybe_hold("forward", expert.uid)
+            return keeping(inputs)
 
-        expert.forward, expert._recompute = held_forward, held_recompute
+        def held_graph(inputs, kept):
+            self._maybe_hold("backward", expert.uid)
+            return graph(inputs, kept)
+
+        expert.forward, expert.forward_keeping, expert._graph = held_forward, held_keeping, held_graph
 
     def _maybe_hold(self, phase: str, uid: str) -> None:
         with self._lock:

@@ -35,11 +35,10 @@ class Lying(nn.Module):
         if self.how == "gradients":  # honest outputs; the input gradients it returns are x100
             return self.inner(x * 100 - x.detach() * 99)
         out = self.inner(x)
-        if torch.is_grad_enabled():  # the backward's recomputation: gradients flow as for an honest expert
-            return out
+        # the server keeps the forward's graph for the backward (moe.kept), so the lie is in that graph too
         if self.how == "scaled":
             return out * 100
-        return torch.rand_like(out) * 100 - 50  # finite garbage: passes every NaN and shape check
+        return out * 0 + torch.rand_like(out) * 100 - 50  # finite garbage: passes every NaN and shape check
 
 
 def servers(harness, liar: str | None):
