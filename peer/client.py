@@ -13,6 +13,7 @@ trainers behind NATs average with each other.
 from __future__ import annotations
 
 import os
+import re
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
@@ -28,8 +29,19 @@ from peer.relays import Reached, serve_reachable
 T = TypeVar("T")
 
 
-def normalize_peers(initial_peers: Sequence[str | Address]) -> list[Address]:
-    return [parse_address(p) if isinstance(p, str) else (str(p[0]), int(p[1])) for p in initial_peers]
+def normalize_peers(initial_peers: str | Sequence[str | Address]) -> list[Address]:
+    """Addresses from a list of `HOST:PORT` strings or (host, port) pairs, or from one string of them separated by
+    commas or spaces (`"h:p"` is one peer, not four characters). A bad entry is a one-line ValueError naming it."""
+    if isinstance(initial_peers, str):
+        initial_peers = [part for part in re.split(r"[,\s]+", initial_peers) if part]
+    peers: list[Address] = []
+    for peer in initial_peers:
+        try:
+            peers.append(parse_address(peer) if isinstance(peer, str) else (str(peer[0]), int(peer[1])))
+        except (ValueError, TypeError, IndexError) as error:
+            raise ValueError(f"initial peer {peer!r}: {error} (give HOST:PORT strings, e.g. "
+                             f"['203.0.113.5:31337'])") from None
+    return peers
 
 
 def client_host(initial_peers: Sequence[Address]) -> str:
@@ -63,8 +75,39 @@ async def open_client_peer(
             yield rpc, dht
 
 
+@asynccontextmanager
+async def open_bootstrap_peer(
+    host: str,
+    *,
+    port: int = 0,
+    identity: Identity,
+    network: Network,
+    secure: bool = True,
+    swarm_key: SwarmKey | None = None,
+    allowed_peers: frozenset[PeerID] | None = None,
+) -> AsyncIterator[tuple[RPCNode, DHTNode]]:
+    """The first peer of a new swarm: an RPC node listening on `host` and a DHT node in server mode on the same
+    port, so that others join through it (`Swarm(initial_peers=[])`: the first trainer is its own bootstrap, as
+    `peer join` without --initial-peers is). A wildcard host announces the interface toward the internet."""
+    from peer.daemon import announced_address, pick_free_port
+
+    async with RPCNode(identity, network, secure=secure, swarm_key=swarm_key, allowed_peers=allowed_peers) as rpc:
+        if port == 0 and isinstance(network, RealNetwork):
+            port = pick_free_port(host)
+        address = await rpc.listen(host, port)
+        async with DHTNode.open(host, address[1], [], identity=identity, network=network,
+                                swarm_key=swarm_key) as dht:
+            if rpc.announce is None:
+                rpc.announce = await announced_address(dht, host, address[1], [])
+            yield rpc, dht
+
+
 class Swarm:
     """`with Swarm(initial_peers=["127.0.0.1:31337"]) as swarm:` — then hand `swarm` to MoE layers and optimizers.
+
+    `Swarm(initial_peers=[])` starts a new swarm: this trainer is its own bootstrap (its DHT node serves, its RPC
+    node listens on `host`, default all interfaces; `swarm.address` is what the others pass as their initial
+    peer). No `peer join` daemon is needed for data-parallel training (DiLoCo, collaborative averaging).
 
     Attributes used by the feature modules (`dht.client.SwarmHandle`): `bridge` (run coroutines from synchronous
     code), `rpc` (an RPCNode in client mode) and `dht` (a client-mode DHTNode), all living in the bridge's trio
@@ -73,10 +116,11 @@ class Swarm:
 
     def __init__(
         self,
-        initial_peers: Sequence[str | Address],
+        initial_peers: str | Sequence[str | Address],
         *,
         identity: Identity | None = None,
         host: str | None = None,
+        port: int = 0,
         network: Network | None = None,
         start: bool = True,
         secure: bool = True,
@@ -84,14 +128,17 @@ class Swarm:
         allowed_peers: frozenset[PeerID] | None = None,
         reachability: str | None = None,
     ):
-        """`swarm_key`: a private swarm's key, or the path of its key file (`--swarm-key`). `reachability`:
-        None keeps the peer client-only (an optimizer may still open a listener); `auto`, `public` or `private`
-        makes it listen and be reached, through relays when private (`peer train --reachability`)."""
+        """`initial_peers`: HOST:PORT strings (or one string of them) of any running peer, trainer or daemon; empty
+        starts a new swarm (`host`, `port`: where this first peer listens). `swarm_key`: a private swarm's key, or
+        the path of its key file (`--swarm-key`). `reachability`: None keeps the peer client-only (an optimizer
+        may still open a listener); `auto`, `public` or `private` makes it listen and be reached, through relays
+        when private (`peer train --reachability`)."""
         if reachability is not None and reachability not in ("auto", "public", "private"):
             raise ValueError(f"reachability is auto, public, private or None, not {reachability!r}")
         self.initial_peers = normalize_peers(initial_peers)
-        if not self.initial_peers:
-            raise ValueError("a Swarm needs at least one initial peer (HOST:PORT of any running `peer join`)")
+        if not self.initial_peers and reachability not in (None, "public"):
+            raise ValueError(f"a new swarm's first peer is its bootstrap: it must be reachable, not {reachability}")
+        self.port = port
         self.identity = identity or Identity.generate()
         self.peer_id: PeerID = self.identity.peer_id
         self.host = host
@@ -137,8 +184,21 @@ class Swarm:
     def dht(self) -> DHTNode:
         return self._running()[2]
 
+    @property
+    def address(self) -> str | None:
+        """`HOST:PORT` where others reach this peer (the initial peer to give them when it started the swarm);
+        None for a client-only peer."""
+        announced = self.rpc.announced_address
+        return f"{announced[0]}:{announced[1]}" if announced is not None else None
+
     async def _serve(self, task_status: trio.TaskStatus[tuple[RPCNode, DHTNode]] = trio.TASK_STATUS_IGNORED
                      ) -> None:
+        if not self.initial_peers:
+            async with open_bootstrap_peer(self.host or "0.0.0.0", port=self.port, identity=self.identity,
+                                           network=self.network, secure=self.secure, swarm_key=self.swarm_key,
+                                           allowed_peers=self.allowed_peers) as nodes:
+                task_status.started(nodes)
+                await trio.sleep_forever()
         async with open_client_peer(self.initial_peers, identity=self.identity, network=self.network,
                                     host=self.host, secure=self.secure, swarm_key=self.swarm_key,
                                     allowed_peers=self.allowed_peers) as nodes:
