@@ -319,7 +319,7 @@ class Expert:
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
-            leaves, outputs = self._recompute(inputs)
+            leaves, outputs = self._forward_graph(inputs)
         replies = [y.detach().to("cpu").contiguous() for y in outputs]
         rows = int(inputs[0].shape[0]) if inputs and inputs[0].ndim else 0
         return replies, KeptForward(leaves, outputs, self.steps, rows, saved[0])
@@ -433,6 +433,10 @@ class Expert:
         return graph if graph is not None else self._recompute(inputs)
 
     def _recompute(self, inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The backward's recomputation of the forward (no graph kept, or a stale one)."""
+        return self._forward_graph(inputs)
+
+    def _forward_graph(self, inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The forward with autograd: the input leaves and the outputs to backpropagate from."""
         with torch.enable_grad():
             leaves = [x.to(self.device).detach().requires_grad_(x.is_floating_point()) for x in inputs]
