@@ -66,7 +66,7 @@ from dht.policy import (
 from dht.records import Record, Subkey
 from dht.routing import RoutingTable, TableLimits, has_work
 from dht.server import MAX_REPLY_BYTES, NO_REPLY, Server
-from dht.storage import DEFAULT_MAX_BYTES, DEFAULT_SHARE, DEFAULT_STOCK_TTL, LOCAL, Storage
+from dht.storage import DEFAULT_MAX_BYTES, DEFAULT_MAX_TTL, DEFAULT_SHARE, DEFAULT_STOCK_TTL, LOCAL, Storage
 from peer.p2p.identity import Identity, SwarmKey
 from peer.p2p.lifetime import owned_nursery
 from peer.p2p.net import Address, Network, RealNetwork, UDPEndpoint
@@ -135,6 +135,7 @@ class DHTConfig:
     max_records: int = 100_000
     max_bytes: int = DEFAULT_MAX_BYTES
     stock_ttl: float = DEFAULT_STOCK_TTL
+    max_ttl: float = DEFAULT_MAX_TTL  # a stored record outlives its last store by at most this (issue 40)
     storage_share_per_ip: float = DEFAULT_SHARE
     storage_share_per_prefix: float = DEFAULT_SHARE
     requests_per_second: float = 500.0  # per source address (IP and port), after decoding
@@ -203,7 +204,8 @@ class DHTNode:
                                burst=config.request_burst, failures_to_evict=config.failures_to_evict,
                                retry_backoff=config.retry_backoff, retry_backoff_max=config.retry_backoff_max)
         self._storage = Storage(config.max_records, config.max_bytes, stock_ttl=config.stock_ttl,
-                                ip_share=config.storage_share_per_ip, prefix_share=config.storage_share_per_prefix)
+                                ip_share=config.storage_share_per_ip, prefix_share=config.storage_share_per_prefix,
+                                max_ttl=config.max_ttl)
         self._served: Counter[str] = Counter()
         self._contacts = Contacts(self.peer_id, self._table, self._peers, client_mode=client_mode,
                                   head_check_after=config.head_check_after,

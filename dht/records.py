@@ -256,7 +256,7 @@ def encoded_size(value: Any) -> int:
 
 def fit(record: Record, limit: int = MAX_RECORD_BYTES, per_owner: int = MAX_SUBKEYS_PER_OWNER) -> Record:
     """The record a holder keeps: at most `per_owner` subkeys of each owner (its freshest), then, until it fits in
-    one store request, the soonest-expiring entry of the owner holding the most subkeys is dropped. Why not just
+    one store request, the largest entry of the owner holding the most bytes is dropped. Why not just
     the soonest-expiring overall: a writer chooses its own expirations, so one identity writing many far-future
     subkeys would push everyone else's entries out; this way it can only take an equal share of the room."""
     by_owner: dict[bytes | None, list[tuple[Subkey, Entry]]] = {}
@@ -275,11 +275,17 @@ def fit(record: Record, limit: int = MAX_RECORD_BYTES, per_owner: int = MAX_SUBK
         return Record(record.entry, {subkey: entry for entries in by_owner.values() for subkey, entry in entries})
 
     candidate = build()
+    sizes = {subkey: encoded_size([subkey, _entry_to_wire(entry)]) for subkey, entry in record.subkeys.items()}
     while encoded_size(encode(candidate)) > limit and any(by_owner.values()):
-        # the owner with the most subkeys (ties: the one whose last entry expires soonest) gives one up
+        # the owner holding the most bytes (then the most subkeys; then the one whose last entry expires soonest)
+        # gives up its largest entry: 8 KiB junk values from a few identities go before the small entries that
+        # honest peers refresh, whatever expiration the junk claims (issue 40)
         owner = max((o for o in by_owner if by_owner[o]),
-                    key=lambda o: (len(by_owner[o]), -by_owner[o][-1][1].expiration_time, o or b""))
-        by_owner[owner].pop()
+                    key=lambda o: (sum(sizes[s] for s, _ in by_owner[o]), len(by_owner[o]),
+                                   -by_owner[o][-1][1].expiration_time, o or b""))
+        entries = by_owner[owner]
+        largest = max(range(len(entries)), key=lambda i: (sizes[entries[i][0]], -i))
+        del entries[largest]
         candidate = build()
     return candidate
 

@@ -56,6 +56,7 @@ from dht.records import Record
 RECORD_OVERHEAD = 1024  # bytes of Python objects per stored record besides key and value (see module doc)
 DEFAULT_MAX_BYTES = 128 * 1024 * 1024
 DEFAULT_STOCK_TTL = 24 * 3600.0
+DEFAULT_MAX_TTL = 24 * 3600.0
 DEFAULT_SHARE = 0.10
 _COMPACT_SLACK = 64  # stale heap entries tolerated beyond the live ones before a rebuild
 
@@ -128,15 +129,16 @@ class StoredItem:
 class Storage:
     def __init__(self, max_records: int, max_bytes: int = DEFAULT_MAX_BYTES, *,
                  stock_ttl: float = DEFAULT_STOCK_TTL, ip_share: float = DEFAULT_SHARE,
-                 prefix_share: float = DEFAULT_SHARE):
+                 prefix_share: float = DEFAULT_SHARE, max_ttl: float = DEFAULT_MAX_TTL):
         for name, share in (("ip_share", ip_share), ("prefix_share", prefix_share)):
             if not 0 < share <= 1:
                 raise ValueError(f"{name} must be in (0, 1], not {share}")
-        if max_records < 1 or max_bytes < 1 or not stock_ttl > 0:
-            raise ValueError("max_records, max_bytes and stock_ttl must be positive")
+        if max_records < 1 or max_bytes < 1 or not stock_ttl > 0 or not max_ttl > 0:
+            raise ValueError("max_records, max_bytes, stock_ttl and max_ttl must be positive")
         self.max_records = max_records
         self.max_bytes = max_bytes
         self.stock_ttl = stock_ttl
+        self.max_ttl = max_ttl
         self._shares = {"ip": ip_share, "local": ip_share, "prefix": prefix_share}
         self._items: dict[bytes, StoredItem] = {}
         self._heap: list[HeapEntry] = []  # every item, soonest deadline first
@@ -255,7 +257,10 @@ class Storage:
                 latest = max(latest, entry.expiration_time)
         if infinite:
             latest = max(latest, base + self.stock_ttl)
-        return latest
+        # clamped on this node's clock: a writer picks its entries' expirations, so junk claiming to live for
+        # years would outlast every honest record when the store makes room by evicting the soonest-expiring;
+        # a record nobody stores again within `max_ttl` is dropped here (issue 40)
+        return min(latest, now + self.max_ttl) if not infinite else latest
 
     def _needs_room(self, new_records: int, new_bytes: int) -> bool:
         return len(self._items) + new_records > self.max_records or self.bytes + new_bytes > self.max_bytes
