@@ -6,6 +6,13 @@ sends views of the tensors themselves and writing the averaged values back is on
 
 Each REDUCING member gets one contiguous part, its length proportional to its bandwidth (largest-remainder
 rounding, so the sizes add up exactly and every member computes the same split from the same inputs).
+
+A bandwidth is the member's own claim, so the split never takes it at face value (`share_weights`): a claim
+counts at most `MAX_SHARE_RATIO` times the low median of the group's positive claims. Why: a lying reducer that
+declared 1e9 was handed the whole vector (issue 36: all 61 of its lies accepted). Capped, one member reduces at
+most twice a typical member's part, whatever it declares; every member applies the same cap to the same claims,
+so the split stays identical everywhere. The cost: a genuinely faster member is used at most at twice the
+median rate.
 Client-mode members and members with zero bandwidth get no part: they only send their data and receive results.
 
 A part travels in chunks of at most `chunk_bytes`: each chunk is one message holding one or more segments (many
@@ -23,6 +30,7 @@ from typing import Sequence
 import torch
 
 DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024
+MAX_SHARE_RATIO = 2.0  # a member's bandwidth counts at most this times the group's low median claim
 
 
 @dataclass(frozen=True)
@@ -80,11 +88,24 @@ def split_sizes(total: int, weights: Sequence[float]) -> list[int]:
     return sizes
 
 
+def share_weights(bandwidths: Sequence[float], max_ratio: float = MAX_SHARE_RATIO) -> list[float]:
+    """The weights the split actually uses: each claimed bandwidth capped at `max_ratio` times the low median of
+    the positive claims (with two reducers, the smaller claim sets the cap). Zero stays zero (no part)."""
+    if max_ratio < 1:
+        raise ValueError("max_ratio must be >= 1")
+    positive = sorted(float(b) for b in bandwidths if b > 0)
+    if len(positive) < 2:
+        return [float(b) for b in bandwidths]
+    cap = max_ratio * positive[(len(positive) - 1) // 2]
+    return [min(float(b), cap) for b in bandwidths]
+
+
 class Partition:
     """The split of a list of tensors among the members of a group, computed identically by every member.
 
     `numels` and `element_sizes` describe the tensors (one entry per tensor); `bandwidths` has one entry per
-    group member, 0 for members that reduce nothing. `fingerprint` digests everything that shapes the split, so
+    group member, 0 for members that reduce nothing; they are claims, capped by `share_weights` before the split
+    (`max_share_ratio`). `fingerprint` digests everything that shapes the split, so
     a message built from a different split (another model, another group view) is recognised and refused.
     """
 
@@ -95,6 +116,7 @@ class Partition:
         bandwidths: Sequence[float],
         *,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        max_share_ratio: float = MAX_SHARE_RATIO,
     ):
         if len(numels) != len(element_sizes):
             raise ValueError("numels and element_sizes must have one entry per tensor")
@@ -109,7 +131,7 @@ class Partition:
         for n in self.numels:
             self._tensor_starts.append(self._tensor_starts[-1] + n)
 
-        sizes = split_sizes(self.total, self.bandwidths)
+        sizes = split_sizes(self.total, share_weights(self.bandwidths, max_share_ratio))
         self.parts: list[Part] = []
         self._part_of_member: dict[int, Part] = {}
         offset = 0
