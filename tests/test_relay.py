@@ -196,8 +196,8 @@ class Net:
         return name if self.memory else "127.0.0.1"
 
     @asynccontextmanager
-    async def relay(self, name: str, service_class=RelayService, **options):
-        async with RPCNode(Identity.generate(), self.network(name)) as node:
+    async def relay(self, name: str, service_class=RelayService, node_options: dict | None = None, **options):
+        async with RPCNode(Identity.generate(), self.network(name), **(node_options or {})) as node:
             await node.listen(self.host(name), 0)
             service = service_class(node, **{"limit": 8, **options})
             async with trio.open_nursery() as nursery:
@@ -361,31 +361,33 @@ async def test_a_circuit_request_flood_beyond_the_limit_is_refused_and_bounded(n
         assert service.core.circuits == 0 and service.core.stats["circuits_refused"] == 9
 
 
-async def test_idle_circuit_streams_are_capped_and_timed_out(net, clock):
-    """A flood of streams that send the magic and nothing more: beyond 4 x limit they are refused at once, the
-    others end at the request timeout, and the relay serves a reservation afterwards."""
+async def test_idle_circuit_streams_cannot_lock_out_an_honest_dial(net, clock):
+    """Issue 40: 300 bare streams that open the relay protocol and wait made every honest dial through the relay
+    fail with `RelayLimitReached`. Now the oldest waiting stream is closed for each newcomer past the per-IP
+    (and total) cap, the rest end at the request timeout, and an honest dial through the relay succeeds during
+    the flood."""
     async with AsyncExitStack() as stack:
         relay_node, service = await stack.enter_async_context(net.relay("r", limit=2))
-        refused = 0
-        streams = []
+        private, reservations = await stack.enter_async_context(net.private("p", [relay_node], want=1))
         with trio.fail_after(30):
-            for _ in range(12):
+            while not reservations.relays:
+                await trio.sleep(0.05)
+        dialer = await stack.enter_async_context(net.dialer("d"))
+        streams = []
+        with trio.fail_after(60):
+            for _ in range(300):
                 stream = await net.network("f").connect_tcp(relay_node.address)
                 await stream.send_all(relay.MAGIC)
                 streams.append(stream)
-            unanswered = 0
-            for stream in streams:  # the streams' handlers may run in any order: count the outcomes
-                try:
+            assert await dialer.call(private.announce, "echo", 7, timeout=20, peer_id=private.peer_id) is not None
+            for stream in streams:  # none answered: each closed when evicted or at the request timeout
+                with pytest.raises(trio.BrokenResourceError):
                     await relay.read_message(stream, ResponseReader())
-                except RelayLimitReached:
-                    refused += 1
-                except trio.BrokenResourceError:  # closed by the relay at its request timeout, unanswered
-                    unanswered += 1
                 await stream.aclose()
-        assert (refused, unanswered) == (4, 8) and service._requests == 0
+        cap = relay_node.budget_limits.relay_requests_per_ip
+        assert service.core.stats["requests_evicted"] >= 300 - cap and service._requests == 0
         from peer.p2p.relay_service import RESERVE_METHOD
 
-        dialer = await stack.enter_async_context(net.dialer("d"))
         await dialer.call(relay_node.address, RESERVE_METHOD, None, timeout=5)
 
 

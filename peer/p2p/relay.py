@@ -11,7 +11,9 @@ The wire: a circuit stream opens on the relay's ordinary RPC port with `MAGIC` (
 with: read as a frame length it is over a gigabyte), then one length-prefixed msgpack request, answered by one
 length-prefixed msgpack response; after an `ok` response the stream is a raw splice. Requests:
 - `{"op": "connect", "target": PeerID, "source": PeerID}` -- a dialer asks for a circuit to a reserved peer
-  (`source` is only a claim, used to refuse a circuit to oneself; the end-to-end handshake authenticates);
+  (`source` is only a claim, written by the requester before any authentication: it is used to refuse a
+  circuit to oneself and as a hint to the target, never as the key of a limit -- those are keyed on the IP
+  group the relay observes (`peer.p2p.budget`); the end-to-end handshake authenticates the dialer);
 - `{"op": "accept", "token": bytes}` -- the reserved peer takes the circuit the relay offered it over its
   reservation (the token is a capability only that peer was told).
 The `ok` response carries the other end's address as the relay observes it (`observed`), which is what a
@@ -363,7 +365,8 @@ class RelayCore:
         self.reservations: dict[PeerID, _Reservation] = {}
         self.offers: dict[bytes, Offer] = {}
         self.circuits = 0  # spliced circuits running, plus offers waiting for their accept
-        self.stats = {"circuits_opened": 0, "circuits_refused": 0, "bytes_relayed": 0, "reservations": 0}
+        self.stats = {"circuits_opened": 0, "circuits_refused": 0, "bytes_relayed": 0, "reservations": 0,
+                      "requests_evicted": 0}
 
     # reservations
     def reserve(self, peer: PeerID, now: float) -> None:

@@ -20,7 +20,7 @@ from typing import Any, Awaitable, Callable
 
 import trio
 
-from peer.p2p import punch, relay
+from peer.p2p import budget, punch, relay
 from peer.p2p.handshake import HandshakeComplete
 from peer.p2p.identity import PeerID
 from peer.p2p.lifetime import owned_nursery
@@ -58,8 +58,8 @@ class RelayService:
         # token -> where the accept handler hands its stream (and the event it waits on until the splice ends)
         self._accepted: dict[bytes, trio.MemorySendChannel[tuple[trio.abc.Stream, trio.Event]]] = {}
         self._circuits: set[trio.CancelScope] = set()
-        self._requests = 0  # circuit streams whose request is being read (a flood of idle ones is cut at a cap)
-        self.max_requests = 4 * limit
+        self._requests = 0  # circuit streams whose request is being read
+        self._pending = budget.OldestFirst(rpc.accountant, "relay_requests")
         self._running = False
 
     def stats(self) -> dict[str, Any]:
@@ -124,14 +124,21 @@ class RelayService:
 
     async def _handle_stream(self, stream: trio.abc.Stream, first: bytes) -> None:
         """A circuit stream (runs in the RPC listener's task for it; the stream closes when this returns)."""
-        if self._requests >= self.max_requests:
-            await self._refuse(stream, relay.RelayLimitReached(f"{self._requests} circuit requests are being read"))
-            return
+        # Before its request is read a stream is only its IP group: when too many are being read (from that
+        # group, or in all), the oldest is closed to let this one in, rather than refusing every newcomer while
+        # idle streams hold the slots (300 of them made every honest dial fail, issue 40). Honest requests
+        # arrive in one round trip, so the oldest is almost always one that only waits.
+        scope = trio.CancelScope(deadline=trio.current_time() + REQUEST_TIMEOUT)
+        observed = _observed(stream)
+        group = budget.ip_group(observed[0]) if observed is not None else "?"
+        for victim in self._pending.admit(group, scope):
+            self.core.stats["requests_evicted"] += 1
+            victim.cancel()  # type: ignore[attr-defined]  # tokens are the pending reads' scopes
         reader = relay.RequestReader()
         request = None
         self._requests += 1
         try:
-            with trio.move_on_after(REQUEST_TIMEOUT):
+            with scope:
                 try:
                     request = reader.receive_data(first) or await relay.read_message(stream, reader)
                 except relay.MalformedRequest as error:
@@ -141,6 +148,7 @@ class RelayService:
                     return
         finally:
             self._requests -= 1
+            self._pending.leave(group, scope)
         if request is None:
             return
         if isinstance(request, relay.ConnectRequest):
