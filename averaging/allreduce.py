@@ -61,6 +61,7 @@ from averaging.allreduce_core import (
     NOTHING,
     AllReduceConfig,
     AllReduceResult,
+    ChunkRejected,
     Excluded,
     RoundCore,
     ThroughputEstimator,
@@ -80,6 +81,7 @@ from averaging.group import GroupInfo
 from averaging.locking import TensorLock, check_lock, hold
 from averaging.partition import Part, Partition, chunk_views
 from peer.p2p import wire
+from peer.p2p.identity import PeerID
 from peer.p2p.rpc import CallContext, ConnectionFailed, RPCError, RPCNode
 
 __all__ = ["AllReduceServer", "install_allreduce", "run_allreduce", "run_workers"]
@@ -90,6 +92,8 @@ PUSH = "averaging.allreduce.push"
 FINISH = "averaging.allreduce.finish"
 PULL = "averaging.allreduce.pull"
 WATCH = "averaging.allreduce.watch"
+CHECK_PUSH = "averaging.allreduce.check_push"  # a slice of a part, to the member that cross-reduces it
+VERDICT = "averaging.allreduce.verdict"  # a member asks a part's checker whether the reducer's part matched
 
 Hook = Callable[[str, dict[str, Any]], None]
 
@@ -171,6 +175,9 @@ class AllReduceServer:
         self._rounds: dict[bytes, _Round] = {}
         self._waiting: dict[bytes, list[Any]] = {}  # group id -> [Event, number of waiters]
         self._finished: OrderedDict[bytes, None] = OrderedDict()
+        # (group id, part) -> the verdict of our cross-reduction, kept a while after our round ended: members
+        # ask for it after pulling the part, possibly after we left
+        self._verdicts: OrderedDict[tuple[bytes, int], _Verdict] = OrderedDict()
         self._installed = False
 
     # ------------------------------------------------------------------------------------------ install
@@ -182,13 +189,15 @@ class AllReduceServer:
         self.rpc.register(FINISH, self._on_finish)
         self.rpc.register(PULL, self._on_pull)
         self.rpc.register(WATCH, self._on_watch)
+        self.rpc.register(CHECK_PUSH, self._on_check_push)
+        self.rpc.register(VERDICT, self._on_verdict)
         _SERVERS[self.rpc] = self
         self._installed = True
         return self
 
     def uninstall(self) -> None:
         if self._installed:
-            for name in (PUSH, FINISH, PULL, WATCH):
+            for name in (PUSH, FINISH, PULL, WATCH, CHECK_PUSH, VERDICT):
                 self.rpc.unregister(name)
             _SERVERS.pop(self.rpc, None)
             self._installed = False
@@ -243,6 +252,28 @@ class AllReduceServer:
             raise BadChunk(str(error)) from None
         finally:
             round_.update()
+
+    async def _on_check_push(self, context: CallContext, args: Any) -> None:
+        round_, sender = await self._lookup(context, args)
+        try:
+            data = args.get("data") or []
+            round_.core.receive_check_push(sender, args.get("part"), args.get("chunk"), args.get("weight"), data,
+                                           trio.current_time())
+        except ChunkRejected as error:
+            raise BadChunk(str(error)) from None
+        finally:
+            round_.update()
+
+    async def _on_verdict(self, context: CallContext, args: Any) -> dict[str, Any]:
+        if not isinstance(args, dict) or not isinstance(args.get("group"), bytes):
+            raise BadChunk("malformed verdict request")
+        entry = self._verdicts.get((args["group"], args.get("part")))  # type: ignore[arg-type]
+        if entry is None:
+            raise RoundNotFound("not cross-reducing that part")
+        if context.peer_id not in entry.members:
+            raise BadChunk("the caller is not a member of this group")
+        await entry.event.wait()  # set when the check is decided, at the latest when our round ends
+        return {"verdict": entry.verdict, "norm": entry.norm}
 
     async def _on_finish(self, context: CallContext, args: Any) -> dict[str, Any]:
         round_, sender = await self._lookup(context, args)
@@ -346,6 +377,15 @@ class AllReduceServer:
         bandwidths = [m.bandwidth if m.reduces else 0.0 for m in group.members]
         partition = Partition.for_tensors(tensors, bandwidths, chunk_bytes=self.config.chunk_bytes)
         round_ = _Round(self, group, partition, me, tensors, weight, compression, lock, deadline)
+        if compression != wire.Compression.NONE:
+            # a lossy codec: the reducer's own slice is exact and everyone else's decoded, so a checker cannot
+            # reproduce the part bit for bit within CHECK_RTOL; only the plausibility check runs (docs/integrity.md)
+            round_.core.checkers.clear()
+            round_.core.checks.clear()
+        for index in round_.core.checks:
+            self._verdicts[(group.group_id, index)] = _Verdict(set(group.peer_ids))
+        while len(self._verdicts) > self.config.remembered_rounds:
+            self._verdicts.popitem(last=False)[1].event.set()
 
         self._rounds[group.group_id] = round_
         waiting = self._waiting.get(group.group_id)
@@ -357,6 +397,10 @@ class AllReduceServer:
             finished = not scope.cancelled_caught
         finally:
             round_.close()
+            for index in round_.core.checks:
+                entry = self._verdicts.get((group.group_id, index))
+                if entry is not None:
+                    entry.event.set()  # undecided: inconclusive
             del self._rounds[group.group_id]
             self._finished[group.group_id] = None
             while len(self._finished) > self.config.remembered_rounds:
@@ -375,6 +419,10 @@ class AllReduceServer:
                 if core.reducer is not None:
                     core.feed_own_part(trio.current_time())
                     nursery.start_soon(self._reduce_own_part, round_)
+                core.feed_checks(trio.current_time())
+                for index, checker in core.checkers.items():
+                    if checker != core.me:
+                        nursery.start_soon(self._push_check, round_, round_.partition.parts[index], checker)
                 core.advance()
                 round_.update()
             watches.cancel_scope.cancel()
@@ -455,6 +503,8 @@ class AllReduceServer:
             values = await self._pull_part(round_, part)
             if not core.check_reduced(part.index, values):
                 return
+            if not await self._cross_checked(round_, part, values):
+                return
             async with hold(round_.lock):
                 for chunk, chunk_values in zip(part.chunks, values):
                     for view, value in zip(chunk_views(round_.tensors, chunk), chunk_values):
@@ -468,6 +518,68 @@ class AllReduceServer:
             core.exchange_over(part.index)
             round_.update()
             round_.watch_scopes.setdefault(part.owner, trio.CancelScope()).cancel()
+
+    async def _cross_checked(self, round_: _Round, part: Part, values: list[list[torch.Tensor]]) -> bool:
+        """Whether the part pulled from its reducer may be written: not checked this round, or the checker (we,
+        or the member `checker_of` drew) found it matches, or could not tell. False: the reducer lied."""
+        core = round_.core
+        checker = core.checkers.get(part.index)
+        if checker is None:
+            return True
+        if checker == core.me:
+            give_up = min(core.deadline, trio.current_time() + self.config.join_wait + self.budget.chunk_timeout(
+                round_.partition.part_bytes(part) * round_.group.size))
+            while not core.check_ready(part.index) and trio.current_time() < give_up:
+                await round_.wait_changed(give_up)
+            verdict = core.cross_check(part.index, values)
+            round_.update()
+            entry = self._verdicts.get((round_.group.group_id, part.index))
+            if entry is not None:
+                entry.verdict = verdict
+                entry.norm = float(sum(float(v.double().pow(2).sum()) for c in values for v in c) ** 0.5)
+                entry.event.set()
+            return verdict is not False
+        member = round_.group.members[checker]
+        assert member.address is not None
+        message = {"group": round_.group.group_id, "part": part.index}
+        try:
+            answer = await self.rpc.call(member.address, VERDICT, message, peer_id=member.peer_id,
+                                         timeout=max(0.0, core.time_left(trio.current_time())))
+        except RPCError as error:
+            logger.info("all-reduce %s: no verdict from checker %s on part %d: %s",
+                        round_.group.group_id.hex()[:12], member.peer_id.short(), part.index, error)
+            return True  # the checker is gone or slow: as if the part were not checked this round
+        ok = core.peer_verdict(part.index, answer, values)
+        round_.update()
+        return ok
+
+    async def _push_check(self, round_: _Round, part: Part, checker: int) -> None:
+        """Our slice of `part` to the member that cross-reduces it. Best effort: a failure only leaves that check
+        inconclusive, it fails nothing in the round."""
+        core = round_.core
+        member = round_.group.members[checker]
+        assert member.address is not None
+        base = {"group": round_.group.group_id, "fp": round_.partition.fingerprint, "part": part.index}
+        try:
+            if core.weight == 0:
+                await self.rpc.call(member.address, CHECK_PUSH, {**base, "chunk": NOTHING, "weight": 0.0,
+                                                                 "data": []},
+                                    timeout=self.budget.chunk_timeout(0) + self.config.join_wait,
+                                    peer_id=member.peer_id)
+                return
+            for index, chunk in enumerate(part.chunks):
+                views = chunk_views(round_.tensors, chunk)
+                data = views if round_.compression == wire.Compression.NONE else [
+                    wire.compressed(v, round_.compression) for v in views]
+                timeout = self.budget.chunk_timeout(round_.partition.chunk_bytes_of(chunk)) \
+                    + (self.config.join_wait if index == 0 else 0.0)
+                await self.rpc.call(member.address, CHECK_PUSH, {**base, "chunk": index, "weight": core.weight,
+                                                                 "data": data},
+                                    timeout=min(timeout, core.time_left(trio.current_time())),
+                                    peer_id=member.peer_id)
+        except _PEER_ERRORS as error:
+            logger.info("all-reduce %s: cross-check push to %s failed: %s", round_.group.group_id.hex()[:12],
+                        member.peer_id.short(), error)
 
     async def _push_part(self, round_: _Round, part: Part) -> None:
         if not part.chunks:
@@ -532,6 +644,16 @@ class AllReduceServer:
         finally:
             self.budget.end(direction, nbytes, backlog, seconds, first_contact=first_contact)
         return result
+
+
+class _Verdict:
+    """The outcome of a cross-reduction we run, for the members that ask (`VERDICT`)."""
+
+    def __init__(self, members: set[PeerID]):
+        self.members = members
+        self.event = trio.Event()
+        self.verdict: bool | None = None
+        self.norm: float | None = None
 
 
 def _is_hard(error: Exception) -> bool:

@@ -87,7 +87,8 @@ class AllReduceConfig:
     yet waits for it (members start a round at slightly different times); initial_rate: bytes/s assumed before
     anything was measured; retry_lost_parts: re-average the parts of lost reducers among the survivors;
     aggregation: how a reducer combines the parts it receives and what a member believes of the reduced parts it
-    pulls back (`averaging.robust`)."""
+    pulls back (`averaging.robust`); cross_check_rate: the share of parts a second member reduces as well, to
+    catch a lying reducer (`checker_of`; None: `check_rate`'s default)."""
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     timeout_floor: float = 2.0
@@ -101,6 +102,16 @@ class AllReduceConfig:
     remembered_rounds: int = 256
     retry_lost_parts: bool = True
     aggregation: robust.Aggregation = field(default_factory=robust.Aggregation)
+    cross_check_rate: float | None = None
+
+    @property
+    def check_rate(self) -> float:
+        """The share of parts cross-reduced by a second member (`checker_of`): `cross_check_rate` if set, else
+        0.25 with a robust aggregation (where a lying reducer is the threat it guards against) and 0 with the
+        mean."""
+        if self.cross_check_rate is not None:
+            return min(1.0, max(0.0, float(self.cross_check_rate)))
+        return 0.25 if self.aggregation.robust else 0.0
 
 
 # ------------------------------------------------------------------------------------------------ sans-I/O core
@@ -329,6 +340,20 @@ class PartReducer:
         self._data.clear()
         return self.result
 
+    def recompute(self, contributors: Sequence[int]) -> torch.Tensor | None:
+        """What an honest reducer returns for exactly these contributors (as reported by the part's reducer), as
+        one flat vector: the checker's side of a cross-reduction. None when this copy lacks the data of one of
+        them (it failed to reach us, or sent nothing): the check is then inconclusive, nobody is blamed."""
+        senders = sorted(set(contributors))
+        if not senders or any(s not in self.complete or self.weights.get(s, 0.0) <= 0 for s in senders):
+            return None
+        matrix = self._matrix(senders)
+        claimed = [self.weights[s] for s in senders]
+        if self.aggregation.robust:
+            return robust.aggregate(matrix, robust.bounded_weights(claimed, self.aggregation), self.aggregation)
+        weights = torch.tensor(claimed, dtype=torch.float64)
+        return (weights / weights.sum()) @ matrix.to(torch.float64)
+
     def _matrix(self, senders: Sequence[int]) -> torch.Tensor:
         """The senders' whole parts as the rows of one matrix (float64 if any segment is, else float32): one
         copy of the received data, which the robust aggregations need side by side."""
@@ -503,6 +528,14 @@ class RoundCore:
         self.rejected: set[int] = set()  # members whose part our reducer rejected
         self.liars: set[int] = set()  # reducers whose returned part we did not believe
         self._reply_norms: dict[int, float] = {}  # part -> the median norm its reducer reported
+        # cross-reduction (`checker_of`): part -> its checker; the parts we check, as a second PartReducer each
+        rate = self.config.check_rate
+        self.checkers: dict[int, int] = {
+            p.index: c for p in partition.parts if (c := checker_of(group, partition, p.index, rate)) is not None}
+        self.checks: dict[int, PartReducer] = {
+            index: PartReducer(partition.parts[index], group.size, dtypes, now=now,
+                               aggregation=self.config.aggregation)
+            for index, checker in self.checkers.items() if checker == me}
         self.averaged = [False] * len(partition.parts)
         self.contributors: list[list[int]] = [[] for _ in partition.parts]
         self._reply_contributors: dict[int, list[int]] = {}
@@ -655,12 +688,89 @@ class RoundCore:
         own = None if self.weight == 0 else [t for chunk in part.chunks for t in chunk_views(self.tensors, chunk)]
         if robust.plausible(reduced, own, self._reply_norms.get(part_index, 0.0), self.config.aggregation):
             return True
+        self._caught(part_index, "returned an implausible reduced part")
+        return False
+
+    def _caught(self, part_index: int, reason: str) -> None:
         owner = self.owner_of(part_index)
         self.liars.add(owner)
         self.parts[part_index] = PartState.FAILED
-        self.events.append(("reducer_lied", {"part": part_index, "reducer": self.peer(owner)}))
-        self.note_failed(owner, reason="returned an implausible reduced part")
+        self.events.append(("reducer_lied", {"part": part_index, "reducer": self.peer(owner), "reason": reason}))
+        self.note_failed(owner, reason=reason)
+
+    # ------------------------------------------------------------------------------------------ cross-reduction
+
+    def feed_checks(self, now: float) -> None:
+        """Our own slice of every part we cross-reduce goes to its copy without the network."""
+        for index, check in self.checks.items():
+            part = self.partition.parts[index]
+            if self.weight == 0:
+                check.receive(self.me, NOTHING, 0.0, [], now=now)
+                continue
+            for chunk_index, chunk in enumerate(part.chunks):
+                check.receive(self.me, chunk_index, self.weight, chunk_views(self.tensors, chunk), now=now)
+
+    def receive_check_push(self, sender: int, part_index: Any, chunk: Any, weight: Any, data: Any,
+                           now: float) -> None:
+        """A sender's slice of a part we cross-reduce. Raises ChunkRejected; a bad one only makes the check
+        inconclusive for that sender (the reducer holds it to the protocol, not us)."""
+        check = self.checks.get(part_index) if isinstance(part_index, int) and not isinstance(part_index, bool) \
+            else None
+        if check is None or not 0 <= sender < self.group.size:
+            raise ChunkRejected("this member does not cross-reduce that part")
+        try:
+            check.receive(sender, chunk, weight, data, now=now)
+        except Excluded as error:
+            raise ChunkRejected(str(error)) from None
+
+    def check_ready(self, part_index: int) -> bool:
+        """We hold the data of every contributor the part's reducer reported (or it reported none)."""
+        check = self.checks[part_index]
+        return all(c in check.complete for c in self._reply_contributors.get(part_index, []))
+
+    def cross_check(self, part_index: int, values: Sequence[Sequence[torch.Tensor]]) -> bool | None:
+        """As the part's checker, with the reducer's part pulled: recompute it from our copy of the contributions
+        over the contributors the reducer reported, and compare. True: it matches; False: the reducer lied (the
+        part keeps our local values, a strike against it); None: inconclusive (we lack a contributor's data).
+        A reducer must also count at least half of the senders we hold data of: it cannot pick a minority (say,
+        its Sybils) and call the rest rejected."""
+        check = self.checks[part_index]
+        contributors = self._reply_contributors.get(part_index, [])
+        expected = check.recompute(contributors)
+        holding = [s for s in check.complete if check.weights.get(s, 0.0) > 0]
+        if expected is None:
+            if contributors or not holding:
+                return None
+            self._caught(part_index, "reported no contributor for a part others sent")
+            return False
+        if 2 * len(set(contributors)) < len(holding):
+            self._caught(part_index, f"counted {len(set(contributors))} of {len(holding)} senders")
+            return False
+        reduced = torch.cat([v.reshape(-1).to(expected.dtype) for chunk in values for v in chunk])
+        if reduced.numel() != expected.numel():
+            return None
+        if robust.norm(reduced - expected) <= CHECK_RTOL * max(robust.norm(expected), 1e-30):
+            return True
+        self._caught(part_index, "its part differs from the cross-reduction")
         return False
+
+    def peer_verdict(self, part_index: int, answer: Any, values: Sequence[Sequence[torch.Tensor]]) -> bool:
+        """The checker's verdict on a part we pulled ({"verdict": True/False/None, "norm": the norm of the part
+        as the checker pulled it}). False: the reducer lied (to the checker, or to us: a part whose norm differs
+        from what the checker got), so the part keeps our local values and the reducer gets a strike; a
+        malformed or inconclusive answer believes the part (a lying checker can only withhold its check)."""
+        if not isinstance(answer, dict):
+            return True
+        verdict, reported = answer.get("verdict"), answer.get("norm")
+        if verdict is False:
+            self._caught(part_index, "its checker's cross-reduction differs")
+            return False
+        if verdict is True and isinstance(reported, float) and math.isfinite(reported):
+            mine = robust.part_norm(v for chunk in values for v in chunk)
+            if abs(mine - reported) > CHECK_RTOL * max(reported, 1e-30):
+                self._caught(part_index, "returned another part to its checker")
+                return False
+        return True
 
     def part_averaged(self, part_index: int) -> None:
         """The pulled mean is written into our tensors."""
@@ -894,6 +1004,28 @@ class RoundCore:
     def _blame(self, error: AveragingError, sender: int, operation: str) -> None:
         error.peer = self.peer(sender)
         error.operation = operation
+
+
+CHECK_RTOL = 1e-3  # a cross-reduced part matches when |reducer's - checker's| <= this * |checker's| (float sums)
+
+
+def checker_of(group: GroupInfo, partition: Partition, part_index: int, rate: float) -> int | None:
+    """The member that cross-reduces part `part_index` this round, or None (not checked this time).
+
+    Drawn from the group id, so every member knows the schedule without a message and the reducer cannot choose
+    it; the group id is fixed before anyone knows which part it will reduce. Candidates are the members that
+    accept calls (the checker receives pushes), other than the part's reducer."""
+    if rate <= 0:
+        return None
+    part = partition.parts[part_index]
+    candidates = [i for i, m in enumerate(group.members) if not m.client_mode and i != part.owner]
+    if not candidates or not part.chunks:
+        return None
+    seed = hashlib.blake2b(group.group_id + b"|cross-check|" + part_index.to_bytes(4, "little"), digest_size=16)
+    draw = int.from_bytes(seed.digest()[:8], "little")
+    if (draw >> 11) / float(1 << 53) >= rate:
+        return None
+    return candidates[int.from_bytes(seed.digest()[8:], "little") % len(candidates)]
 
 
 def plan_retry(result: AllReduceResult, partition: Partition, group: GroupInfo, *, now: float,
