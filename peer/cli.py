@@ -170,8 +170,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from peer.train import run_command
 
     configure_logging("warning")
-    if not args.local_experts and not args.initial_peers:
-        raise UsageError("peer train: --initial-peers HOST:PORT is required (or --local-experts for a baseline)")
+    if not args.local_experts and not args.initial_peers and args.model is None:
+        raise UsageError("peer train: --initial-peers HOST:PORT is required (or --local-experts for a baseline, "
+                         "or --model to train your model alone)")
     return run_command(args)  # 0, or 130 / 143 after SIGINT / SIGTERM (the result line is written first)
 
 

@@ -174,6 +174,36 @@ class Switch(Kind):
         return value
 
 
+class ModelSpecKind(Kind):
+    """`PACKAGE.MODULE:FACTORY` on the command line; in a config file the same string, or a `[model]` table with
+    `factory` and the keyword arguments the factory is called with."""
+
+    what = "PACKAGE.MODULE:FACTORY"
+
+    def from_config(self, value: Any) -> Any:
+        if isinstance(value, dict):
+            kwargs = dict(value)
+            factory = kwargs.pop("factory", None)
+            if not isinstance(factory, str):
+                raise OptionError("a [model] table needs factory = \"PACKAGE.MODULE:FACTORY\"")
+            return self._parse(factory, kwargs)
+        if not isinstance(value, str):
+            raise OptionError(f"{value!r} is not {self.what} or a table with `factory`")
+        return self._parse(value, {})
+
+    def check(self, value: str) -> Any:
+        return self._parse(value, {})
+
+    @staticmethod
+    def _parse(text: str, kwargs: dict[str, Any]) -> Any:
+        from peer.user_model import ModelSpec  # only when a model is given: it brings torch
+
+        try:
+            return ModelSpec.parse(text, kwargs)
+        except ValueError as error:
+            raise OptionError(str(error)) from None
+
+
 def parse_grid_size(text: str | int) -> tuple[int, ...]:
     """'12' -> (12,), '4x4' -> (4, 4): the shape of a trainer's expert grid."""
     try:
@@ -575,7 +605,16 @@ def resolve_local_defaults(args: argparse.Namespace) -> argparse.Namespace:
 TRAIN = OptionSet("peer train", [
     Option("task", Text(["digits", "lm"]), "digits", "digits: a classifier on scikit-learn's digits; lm: a byte-level "
            "transformer language model on the Python standard library's source, one expert grid per layer"),
-    Option("seq-len", POSITIVE_INT, 64, "with --task lm: bytes of context per training window"),
+    Option("model", ModelSpecKind(), None, "your model instead of --task's: a function returning a torch Module, "
+           "or (module, loss_fn); imported from the current directory or PYTHONPATH, called with the keyword "
+           "arguments of a [model] table in --config (factory = \"PACKAGE.MODULE:FACTORY\", then the arguments); "
+           "every parameter is trained here, the swarm only averages", shown_default="none: the --task model",
+           metavar="PACKAGE.MODULE:FACTORY"),
+    Option("data", PATH, None, "with --model: a .pt or .safetensors file of tensors x and y (integer y: "
+           "cross-entropy, float y: mean squared error, unless the factory gives a loss), or a text file or folder "
+           "of .txt files (byte windows of --seq-len: the model maps bytes [B, T] to logits [B, T, V]); 10% held "
+           "out", shown_default="none", metavar="PATH"),
+    Option("seq-len", POSITIVE_INT, 64, "with --task lm or text --data: bytes of context per training window"),
     Option("initial-peers", ADDRESS, [], "any running peers of the swarm", many=True,
            shown_default="none: required unless --local-experts"),
     Option("run-id", TEXT, "digits", "trainers with the same run id train one model together"),

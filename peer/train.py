@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from averaging.diloco import DiLoCoHooks
     from moe.mixture import RemoteMixtureOfExperts
     from peer.lm import LMTask
+    from peer.user_model import UserTask
 
 parse_grid = parse_grid_size  # '12' -> (12,), '4x4' -> (4, 4)
 
@@ -278,8 +279,15 @@ class DigitsTask:
         return {}
 
 
-def make_task(args: argparse.Namespace) -> DigitsTask | LMTask:
-    """The task object of `--task` (DigitsTask or peer.lm.LMTask)."""
+def make_task(args: argparse.Namespace) -> DigitsTask | LMTask | UserTask:
+    """The task object: peer.user_model.UserTask with --model, else that of `--task` (DigitsTask or
+    peer.lm.LMTask)."""
+    if getattr(args, "model", None) is not None:
+        from peer.user_model import UserTask
+
+        return UserTask(args)
+    if getattr(args, "data", None) is not None:
+        raise ValueError("--data needs --model (the digits and lm tasks bring their own data)")
     if getattr(args, "task", "digits") == "lm":
         from peer.lm import LMTask
 
@@ -464,7 +472,7 @@ def _bar_text(line: dict[str, Any]) -> str:
     step, steps = line["step"], line["steps"]
     filled = int(width * step / steps)
     text = (f"[{'#' * filled}{'.' * (width - filled)}] {step}/{steps} {line['elapsed_s']:.0f}s "
-            f"{line['step_s']:.2f} s/step loss {line['loss']:.3f} acc {line['accuracy']:.3f} "
+            f"{line['step_s']:.2f} s/step loss {line['loss']:.3f} acc {line['accuracy'] or math.nan:.3f} "
             f"{line['samples_per_s']:.0f} samples/s experts {line['experts_alive']} failed {line['failed_calls']}")
     if "epoch" in line:
         text += f" epoch {line['epoch']}"
@@ -492,11 +500,12 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
     the DiLoCo optimizer (`averaging.diloco.DiLoCoHooks`; tests pass them, the command line cannot)."""
     from moe.errors import NotEnoughExperts
 
-    if not args.local_experts and not args.initial_peers:
-        raise ValueError("--initial-peers is required (HOST:PORT of any `peer join`), or use --local-experts")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     task = make_task(args)
+    remote_experts = getattr(task, "remote_experts", True) and not args.local_experts
+    if remote_experts and not args.initial_peers:
+        raise ValueError("--initial-peers is required (HOST:PORT of any `peer join`), or use --local-experts")
     batches = task.batches(args)
 
     stop = stop or StopSignal()
@@ -507,7 +516,7 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
     started = time.monotonic()
     try:
         diloco = getattr(args, "algorithm", "collaborative") == "diloco"
-        if args.initial_peers and (diloco or not args.local_experts):
+        if args.initial_peers and (diloco or remote_experts or not getattr(task, "remote_experts", True)):
             # with --algorithm diloco and --local-experts, the swarm only carries the averaging: every
             # parameter lives in this trainer (the setting DiLoCo is made for)
             from averaging.collaborative import local_host_towards
@@ -520,12 +529,15 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
             swarm = Swarm(initial_peers=peers, host=local_host_towards(peers[0]),
                           secure=not args.insecure_transport, swarm_key=swarm_key, allowed_peers=allowed_peers,
                           reachability=None if args.client_mode else getattr(args, "reachability", "auto"))
-            if not args.local_experts:
+            if remote_experts:
                 args = task.discover(args, swarm)
-        experts_swarm = None if args.local_experts else swarm  # where the experts live (None: in this process)
+        experts_swarm = swarm if remote_experts else None  # where the experts live (None: in this process)
         uids = task.expert_uids(args)
         model = task.build_model(args, experts_swarm)
-        if experts_swarm is None:  # the experts learn at the daemons' rate, as they would on the swarm
+        if args.local_experts and getattr(task, "remote_experts", True):  # experts learn at the daemons' rate
+            from peer.lm import ByteLM
+
+            assert isinstance(model, (DigitsModel, ByteLM))
             local_experts = model.local_expert_modules()
             expert_params = {id(p) for p in local_experts.parameters()}
             base = torch.optim.Adam([
@@ -626,7 +638,8 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
                     "elapsed_s": round(now - started, 3),
                     "step_s": round((now - last_line_at) / (step - last_line_step), 4),  # mean since last line
                     "loss": round(meter.loss, 4),
-                    "accuracy": round(meter.accuracy, 4), "samples_per_s": round(samples / max(elapsed, 1e-9), 1),
+                    "accuracy": None if math.isnan(meter.accuracy) else round(meter.accuracy, 4),
+                    "samples_per_s": round(samples / max(elapsed, 1e-9), 1),
                     "experts_alive": len(uids) if experts_swarm is None else _experts_alive(experts_swarm, model, uids),
                     "failed_calls": _failed_expert_calls(model, experts_swarm),
                 }
@@ -746,9 +759,9 @@ def _start_metrics(args: argparse.Namespace, swarm: Any, model: Any, optimizer: 
         metrics = PeerMetrics(SwarmCollector(**sources))
     else:
         bridge, own, host = swarm.bridge, False, swarm.dht.address[0]
-        client = model.remote_mixture().client
+        mixtures = model.remote_mixtures() if hasattr(model, "remote_mixtures") else []
         metrics = swarm.run(_make_swarm_metrics, peer_metrics, swarm, {
-            **sources, "expert_client": lambda: dict(client.stats),
+            **sources, "expert_client": (lambda: dict(mixtures[0].client.stats)) if mixtures else None,
             "averaging": optimizer.stats if optimizer is not None else None})
     address = bridge.start_and_wait(metrics.serve, host, args.metrics_port)
     print(f"peer train: metrics at http://{address[0]}:{address[1]}/metrics", file=sys.stderr, flush=True)

@@ -14,6 +14,7 @@ import pytest
 
 from peer.cli import build_parser, main
 from peer.options import COMMANDS, EXPERT_KINDS, JOIN, TRAIN
+from peer.user_model import ModelSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,6 +81,10 @@ TABLE: dict[str, dict[str, tuple]] = {
         "swarm-key": PATH, "allow-peers": PATH, "start-with": POSITIVE_INT, "fragments": POSITIVE_INT,
         "exchange": choice("auto", "butterfly", "gather"),
         "quorum-min": POSITIVE_INT, "quorum-fraction": FRACTION, "max-staleness": NOT_NEGATIVE_INT,
+        "density": (["abc", "0", "1.5"], ['"abc"', "0", "1.5", "true"], ("0.5", "0.5", 0.5)),
+        "model": (["nocolon", "a:b-c"], ['"nocolon"', "5", "{hidden = 3}"],
+                  ("mod:build", '"mod:build"', ModelSpec("mod:build"))),
+        "data": PATH,
     },
     "swarm up": {**TOPOLOGY, "kill-one-at": POSITIVE, "log-dir": PATH},
     "swarm compose": TOPOLOGY,
