@@ -46,7 +46,7 @@ from averaging.group_keys import GroupKeyManager
 from averaging.locking import TensorLock, check_lock
 from averaging.matchmaking import Matchmaker
 from averaging.robust import Aggregation, Strikes, aggregation_of
-from averaging.schema import schema_hash
+from averaging.schema import describe, schema_hash
 from dht.client import DHTClient
 from peer.p2p import wire
 from peer.p2p.identity import PeerID
@@ -118,6 +118,7 @@ class Averager:
             raise ValueError("register at least one tensor")
         self.prefix = prefix
         self.schema = schema_hash(self.tensors, names)
+        self.description = describe(self.tensors, names)  # told to peers of another model, so they can say why
         self.lock: TensorLock = threading.Lock() if lock is None else lock
         check_lock(self.lock)
         self.allreduce_timeout = allreduce_timeout
@@ -183,7 +184,7 @@ class Averager:
         self.matchmaker = Matchmaker(
             self.rpc, self.dht, schema=self.schema, target_group_size=self.target_group_size,
             min_group_size=self.min_group_size, matchmaking_time=self.matchmaking_time,
-            bandwidth=self.bandwidth, client_mode=client_mode, nursery=nursery,
+            bandwidth=self.bandwidth, client_mode=client_mode, nursery=nursery, description=self.description,
         )
         self.matchmaker.register()
         if self.serve_state is not False and not client_mode:

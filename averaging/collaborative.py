@@ -54,6 +54,7 @@ import trio
 
 from averaging.averager import Averager
 from averaging.progress import PeerProgress, ProgressTracker, SwarmProgress, _Rate, estimate
+from averaging.schema import MISMATCHES
 from averaging.state import install_state_server, load_state
 from dht.client import SwarmHandle
 from peer.p2p import wire
@@ -138,6 +139,9 @@ class _SharedProgressTracker(ProgressTracker):
         self.absorb()
         return super().local()
 
+    def _rate_now(self) -> float:
+        return self._rate.value  # fed by `absorb` from the training thread's total, on the monotonic clock
+
     async def fetch(self) -> SwarmProgress:
         progress = await super().fetch()
         self.fetched_monotonic = time.monotonic()
@@ -193,6 +197,7 @@ class CollaborativeOptimizer:
         max_refresh: float = 2.0,
         load_state_on_join: bool = True,
         aggregation: str = "mean",
+        warn_after_epochs: int = 5,
     ):
         if average not in MODES:
             raise ValueError(f"average must be one of {MODES}, not {average!r}")
@@ -207,6 +212,9 @@ class CollaborativeOptimizer:
         self.averaging_timeout = averaging_timeout
         self.load_state_timeout = load_state_timeout
         self.epoch = 0
+        self.warn_after_epochs = int(warn_after_epochs)
+        self._unaveraged = 0  # epochs ended in a row without averaging while other trainers were live
+        self._last_reason: str | None = None  # why the last averaging attempt found no group
         self.local_samples = 0
         self.local_steps = 0
         self._total_samples = 0
@@ -228,7 +236,7 @@ class CollaborativeOptimizer:
         self._stats: dict[str, Any] = {
             "epochs": 0, "averaging_rounds": 0, "averaging_attempts": 0, "averaging_failures": 0,
             "group_sizes": {}, "peers_averaged_with": set(), "state_loads": 0, "state_load_failures": 0,
-            "local_transitions": 0, "averaging_seconds": 0.0,
+            "local_transitions": 0, "averaging_seconds": 0.0, "not_averaging": None,
             "state_load_sources": 0,  # holders of the state the last download fetched from
         }
         self.last_progress: SwarmProgress | None = None
@@ -442,10 +450,36 @@ class CollaborativeOptimizer:
                 self.optimizer.zero_grad(set_to_none=True)
                 for acc in self._grads:
                     acc.zero_()
+        self._watch_alone(progress, averaged, others_in_epoch)
         new_epoch = max(self.epoch + 1, progress.epoch)
         logger.info("epoch %d -> %d (averaged: %s, local samples %d)", self.epoch, new_epoch, averaged,
                     self.local_samples)
         self._move_to(new_epoch)
+
+    def _watch_alone(self, progress: SwarmProgress, averaged: bool, others_in_epoch: bool) -> None:
+        """Nothing silent: after `warn_after_epochs` epochs in a row without averaging while other trainers of
+        the run are live, log ONE warning with the reason this trainer knows (another model, epochs that never
+        overlap, or what matchmaking answered); averaging again re-arms it."""
+        me = self.averager.peer_id
+        others = [p.peer_id for p in progress.peers if p.peer_id != me]
+        if averaged or not others:
+            self._unaveraged = 0
+            return
+        self._unaveraged += 1
+        if self._unaveraged != self.warn_after_epochs:
+            return
+        mismatched = [MISMATCHES.seen[bytes(p)] for p in others if bytes(p) in MISMATCHES.seen]
+        if mismatched:
+            reason = f"they train a different model ({mismatched[0]})"
+        elif not others_in_epoch:
+            reason = (f"their epochs never overlap with mine (swarm at epoch {progress.epoch}, me at {self.epoch}): "
+                      f"each epoch ends before the others are seen (a fast model: raise target_batch_size)")
+        else:
+            reason = f"no group formed ({self._last_reason or 'no peer in view'})"
+        message = (f"run {self.run_id!r}: not averaged for {self._unaveraged} epochs while {len(others)} other "
+                   f"trainer(s) are live: {reason}")
+        self._stats["not_averaging"] = message
+        logger.warning("collaborative optimizer: %s", message)
 
     def _average_once(self, weight: float) -> bool:
         self._stats["averaging_attempts"] += 1
@@ -460,6 +494,7 @@ class CollaborativeOptimizer:
             self._stats["averaging_seconds"] += time.monotonic() - started
         if result.group is None or result.group_size < 2:
             self._stats["averaging_failures"] += 1
+            self._last_reason = result.reason
             logger.info("no averaging group this epoch: %s", result.reason)
             return False
         self._stats["averaging_rounds"] += 1

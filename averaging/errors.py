@@ -69,6 +69,11 @@ class StateHashMismatch(StateSourceError):
     holders'): not a lie, it may be at another step; the download does not use it."""
 
 
+class StateModelMismatch(StateHashMismatch):
+    """The source holds another model (other tensor count, shapes or dtypes): no step of it will ever fit ours.
+    Logged once per peer (averaging.schema.MISMATCHES), not at every download that meets it."""
+
+
 class StateSourceCorrupt(StateSourceError):
     """The source sent bytes that do not match their digest, or a manifest whose root is not the hash of its own
     blocks: it is dropped for the rest of the download."""

@@ -85,6 +85,7 @@ from averaging.assembly import (
 )
 from averaging.errors import LocalProtocolError
 from averaging.group import GroupInfo
+from averaging.schema import MISMATCHES, difference
 from dht.client import DHTClient
 from peer.p2p.identity import PeerID
 from peer.p2p.net import Address
@@ -96,6 +97,8 @@ logger = logging.getLogger(__name__)
 
 JOIN_METHOD = "avg.mm.join"
 PING_METHOD = "avg.mm.ping"
+SCHEMA_METHOD = "avg.mm.schema"  # -> {"schema": [[name, shape, dtype], ...]}: what a peer of another model asks
+SCHEMA_TIMEOUT = 3.0
 
 
 
@@ -214,6 +217,7 @@ class Matchmaker:
         client_mode: bool = False,
         min_quiet: float = 0.01,
         nursery: trio.Nursery | None = None,
+        description: list[list[Any]] | None = None,
     ):
         if not 1 <= min_group_size <= target_group_size:
             raise ValueError("need 1 <= min_group_size <= target_group_size")
@@ -221,6 +225,8 @@ class Matchmaker:
         self.dht = dht
         self.peer_id: PeerID = rpc.peer_id
         self.schema = bytes(schema)
+        self.description = description  # averaging.schema.describe of my tensors, served to peers of other models
+        self._foreign: set[PeerID] = set()  # peers declaring another schema, already looked into
         self.target = target_group_size
         self.min_size = min_group_size
         self.matchmaking_time = matchmaking_time
@@ -244,10 +250,42 @@ class Matchmaker:
     def register(self) -> None:
         self.rpc.register(JOIN_METHOD, self._handle_join)
         self.rpc.register(PING_METHOD, self._handle_ping)
+        self.rpc.register(SCHEMA_METHOD, self._handle_schema)
 
     def unregister(self) -> None:
         self.rpc.unregister(JOIN_METHOD)
         self.rpc.unregister(PING_METHOD)
+        self.rpc.unregister(SCHEMA_METHOD)
+
+    async def _handle_schema(self, ctx: CallContext, args: Any) -> dict[str, Any]:
+        return {"schema": self.description}
+
+    def _foreign_schema(self, declaration: Declaration) -> None:
+        """A peer under my key declares another model: say so once, naming what differs. Both sides do this
+        (each sees the other's declaration), so both print one line; they never group (the schema check)."""
+        peer = declaration.peer_id
+        if peer in self._foreign:
+            return
+        self._foreign.add(peer)
+        if self.nursery is not None and declaration.address is not None and self.description is not None:
+            self.nursery.start_soon(self._explain_schema, declaration)
+        else:
+            MISMATCHES.report(bytes(peer), f"model schema {declaration.schema.hex()} there, {self.schema.hex()} here",
+                              logger, f"matchmaking: peer {peer.short()}")
+
+    async def _explain_schema(self, declaration: Declaration) -> None:
+        differs = f"model schema {declaration.schema.hex()} there, {self.schema.hex()} here"
+        assert declaration.address is not None  # see _foreign_schema
+        try:
+            answer = await self.rpc.call(declaration.address, SCHEMA_METHOD, {}, timeout=SCHEMA_TIMEOUT,
+                                         peer_id=declaration.peer_id)
+            theirs = answer.get("schema") if isinstance(answer, dict) else None
+            if isinstance(theirs, list) and all(isinstance(t, list) and len(t) == 3 for t in theirs):
+                differs = difference(self.description or [], theirs) or differs
+        except RPCError as error:  # an older peer, or gone: the hashes are all there is to say
+            logger.debug("matchmaking: asking %s for its schema failed: %s", declaration.peer_id.short(), error)
+        MISMATCHES.report(bytes(declaration.peer_id), differs, logger,
+                          f"matchmaking: peer {declaration.peer_id.short()}")
 
     @property
     def address(self) -> Address | None:
@@ -375,7 +413,9 @@ class Matchmaker:
                 view.pop(PeerID(bytes(subkey)), None)  # withdrawn, or only an old round's entry is left
             elif declaration.declared_at <= state.stale.get(declaration.peer_id, -math.inf):
                 view.pop(declaration.peer_id, None)  # its owner said it is not matching: see _probe
-            elif declaration.schema == self.schema:
+            elif declaration.schema != self.schema:
+                self._foreign_schema(declaration)
+            else:
                 view[declaration.peer_id] = declaration
                 if declaration.declared_at > state.busy_as_of.get(declaration.peer_id, math.inf):
                     del state.busy_as_of[declaration.peer_id]  # back from its group's averaging: matching again

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
@@ -250,7 +251,9 @@ class ProgressTracker:
         self.min_refresh = min_refresh
         self.max_refresh = max_refresh
         self.epoch = epoch
-        self.samples = 0
+        self._samples = 0
+        self._unrated = 0  # samples counted since the rate last saw them (see `samples`)
+        self._unrated_lock = threading.Lock()
         self.last_group: tuple[str, ...] = ()
         self.info: dict[str, Any] = {}  # published with every record (PeerProgress.info)
         self._rate = _Rate(rate_horizon)
@@ -264,8 +267,31 @@ class ProgressTracker:
 
     # -------------------------------------------------------------------------------------- local state
 
+    @property
+    def samples(self) -> int:
+        """Samples accumulated in the current epoch. Why a property: a driver may add to it directly from its
+        training thread (DiLoCo does, to keep its steps off the bridge) instead of calling `report`; every
+        increase is counted toward the published throughput either way, so `peer status` shows the samples/s
+        of whatever loop drives the optimizer."""
+        return self._samples
+
+    @samples.setter
+    def samples(self, value: int) -> None:
+        with self._unrated_lock:
+            if value > self._samples:
+                self._unrated += value - self._samples
+            self._samples = int(value)
+
+    def _rate_now(self) -> float:
+        """The throughput with the samples counted since the last look (trio thread)."""
+        with self._unrated_lock:
+            fresh, self._unrated = self._unrated, 0
+        if fresh:
+            self._rate.update(fresh, trio.current_time())
+        return self._rate.value
+
     def local(self) -> PeerProgress:
-        return PeerProgress(self.peer_id, self.epoch, self.samples, self._rate.value, self.dht.now(),
+        return PeerProgress(self.peer_id, self.epoch, self.samples, self._rate_now(), self.dht.now(),
                             self.client_mode, address=self.address, last_group=self.last_group,
                             info=dict(self.info))
 
@@ -276,7 +302,7 @@ class ProgressTracker:
     def report(self, samples: int) -> None:
         """Count `samples` more samples accumulated in the current epoch."""
         self.samples += int(samples)
-        self._rate.update(int(samples), trio.current_time())
+        self._rate_now()
         self._wake.set()  # the background loop re-plans its next publish and fetch
 
     def new_epoch(self, epoch: int) -> None:

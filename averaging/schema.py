@@ -9,6 +9,7 @@ are simply not grouped together (a swarm can run several models under one prefix
 from __future__ import annotations
 
 import hashlib
+import logging
 from typing import Any, Sequence
 
 import msgpack
@@ -35,3 +36,53 @@ def schema_hash(tensors: Sequence[torch.Tensor], names: Sequence[str] | None = N
     """
     packed = msgpack.packb(describe(tensors, names), use_bin_type=True)
     return hashlib.sha256(b"swarmd-averaging-schema-v1|" + packed).digest()[:SCHEMA_HASH_BYTES]
+
+
+def difference(ours: Sequence[Sequence[Any]], theirs: Sequence[Sequence[Any]]) -> str | None:
+    """The first difference between two schemas (`describe` lists: [name, shape, dtype]) as words, e.g.
+    "0.weight: shape [48, 8] there, [32, 8] here"; None when they are the same. Why the first only: the
+    user fixes one model definition, and one line is what a log can say once without drowning the rest."""
+    for index, (mine, other) in enumerate(zip(ours, theirs)):
+        (name, shape, dtype), (other_name, other_shape, other_dtype) = mine, other
+        if name != other_name:
+            return f"tensor {index} is {other_name!r} there, {name!r} here"
+        if list(shape) != list(other_shape):
+            return f"{name}: shape {list(other_shape)} there, {list(shape)} here"
+        if dtype != other_dtype:
+            return f"{name}: dtype {other_dtype} there, {dtype} here"
+    if len(ours) != len(theirs):
+        extra = theirs[len(ours)] if len(theirs) > len(ours) else ours[len(theirs)]
+        side = "there only" if len(theirs) > len(ours) else "here only"
+        return f"{len(theirs)} tensors there, {len(ours)} here (first unmatched: {extra[0]!r}, {side})"
+    return None
+
+
+class MismatchLog:
+    """Peers found holding another model than ours, each logged ONCE per difference.
+
+    Why process-wide (`MISMATCHES`): a mismatched peer is met again in every round and every state download,
+    by objects that live one round; the user needs one line naming the peer and the difference, and
+    `peer train` needs to know at the end that it never averaged because of it."""
+
+    def __init__(self) -> None:
+        self.seen: dict[bytes, str] = {}  # peer -> the difference last reported
+
+    def report(self, peer: bytes, difference: str, log: logging.Logger, what: str) -> bool:
+        """Log `what` (a sentence naming the operation) once per peer and difference; True when logged now."""
+        if self.seen.get(bytes(peer)) == difference:
+            log.debug("%s: %s", what, difference)
+            return False
+        self.seen[bytes(peer)] = difference
+        log.warning("%s: a different model (%s); not averaging with it", what, difference)
+        return True
+
+    def summary(self) -> str | None:
+        """One line for an exit message, or None when no mismatch was seen."""
+        if not self.seen:
+            return None
+        peer, difference = next(iter(self.seen.items()))
+        more = f" (and {len(self.seen) - 1} more peers)" if len(self.seen) > 1 else ""
+        return f"peer {peer.hex()[:12]} trains a different model: {difference}{more}"
+
+
+MISMATCHES = MismatchLog()

@@ -51,16 +51,19 @@ from averaging.errors import (
     BadChunk,
     StateDownloadFailed,
     StateHashMismatch,
+    StateModelMismatch,
     StateSourceCorrupt,
     StateSourceError,
 )
 from averaging.locking import TensorLock, check_lock, hold
+from averaging.schema import MISMATCHES, difference
 from averaging.state_hash import (
     BLOCK_BYTES,
     MAX_BLOCK_BYTES,
     Manifest,
     ManifestError,
     byte_view,
+    dtype_label,
     state_manifest,
 )
 from peer.p2p import wire
@@ -347,6 +350,8 @@ class _Download:
 
     def _report(self, error: StateSourceError) -> None:
         self.failures.append(error)
+        if isinstance(error, StateModelMismatch):
+            return  # logged once per peer by MISMATCHES, where it was found
         if isinstance(error, StateSourceCorrupt):
             logger.warning("state download: dropped a source: %s", error)
         else:
@@ -397,7 +402,11 @@ class _Download:
         elif manifest.total_bytes > self.config.max_state_bytes:
             problem = f"a state of {manifest.total_bytes} bytes, beyond max_state_bytes"
         elif self.into is not None and not manifest.same_layout(self.into):
-            problem = "other shapes or dtypes than ours"
+            differs = _layout_difference(manifest, self.into)
+            MISMATCHES.report(bytes(peer), differs, logger, f"state download from {peer.short()}")
+            self._close_soon(source)
+            raise StateModelMismatch(f"the source holds another model ({differs})", peer=peer,
+                                     operation="state.open")
         elif self.expected is not None and manifest.root != self.expected:
             problem = f"state {manifest.root[:12]}, not the expected {self.expected[:12]}"
         if problem is not None:
@@ -660,3 +669,12 @@ async def _close_quietly(rpc: RPCNode, address: Address, peer_id: PeerID, snapsh
             await rpc.call(address, CLOSE, {"id": snapshot_id}, timeout=1.0, peer_id=peer_id)
         except RPCError:
             pass  # it expires on its own
+
+
+def _layout_difference(manifest: Manifest, tensors: Sequence[torch.Tensor]) -> str:
+    """How a source's state layout differs from ours, in words (tensors named by position: a manifest carries
+    no names)."""
+    theirs = [[f"tensor {i}", list(shape), dtype] for i, (dtype, shape) in enumerate(zip(manifest.dtypes,
+                                                                                          manifest.shapes))]
+    ours = [[f"tensor {i}", list(t.shape), dtype_label(t.dtype)] for i, t in enumerate(tensors)]
+    return difference(ours, theirs) or "another layout"

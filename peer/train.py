@@ -710,7 +710,12 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
             result["checkpoint"] = str(args.checkpoint)
         if evaluation_error is not None:
             result["evaluation_error"] = str(evaluation_error)
+        mismatch = _never_averaged_for_mismatch(result) if optimizer is not None else None
+        if mismatch is not None:
+            result["model_mismatch"] = mismatch
         out.emit(result)
+        if mismatch is not None and not stop.requested:
+            raise RuntimeError(f"never averaged: {mismatch} (every trainer of --run-id needs the same model)")
         if evaluation_error is not None and not stop.requested:
             raise RuntimeError(f"held-out evaluation failed: {evaluation_error}")
         if outer_target and optimizer.outer_step < outer_target and not stop.requested:
@@ -725,6 +730,17 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
             optimizer.close()
         if swarm is not None:
             swarm.close()
+
+
+def _never_averaged_for_mismatch(result: dict[str, Any]) -> str | None:
+    """One line when this trainer averaged with nobody and met peers of another model (averaging.schema keeps
+    them), else None: a run that trained alone because its friends have another model must not exit 0."""
+    from averaging.schema import MISMATCHES
+
+    groups = result.get("group_sizes") or {}
+    if any(int(size) > 1 and count for size, count in groups.items()):
+        return None
+    return MISMATCHES.summary()
 
 
 def _publish_point(swarm: Any, run_id: str, line: dict[str, Any], averaging: dict[str, Any] | None) -> None:

@@ -166,3 +166,18 @@ def test_two_trainer_processes_train_a_user_model_on_user_data(user_module, proc
     for lines, result in zip(outputs, results):
         first = next(line for line in lines if line.get("event") == "progress")
         assert result["loss"] < 0.6 * first["loss"] and result["accuracy"] > 0.8
+
+
+def test_a_run_that_never_averaged_because_of_another_model_fails():
+    from averaging.schema import MISMATCHES
+    from peer.train import _never_averaged_for_mismatch
+
+    MISMATCHES.seen.clear()
+    assert _never_averaged_for_mismatch({"group_sizes": {}}) is None  # alone, nobody else: fine
+    MISMATCHES.seen[b"\x01" * 20] = "0.weight: shape [48, 8] there, [32, 8] here"
+    try:
+        line = _never_averaged_for_mismatch({"group_sizes": {}})
+        assert line is not None and "[48, 8] there" in line and "010101" in line
+        assert _never_averaged_for_mismatch({"group_sizes": {2: 3}}) is None  # it did average with someone
+    finally:
+        MISMATCHES.seen.clear()

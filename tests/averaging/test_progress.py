@@ -286,3 +286,22 @@ def test_algorithm_summary_shows_dilocos_rounds_under_churn():
     assert summary["grace_window"] == 0.25 and summary["late_contributions"] == 3
     assert summary["joiner_first_contribution"] == 2 and summary["hashes_agree"] is True
     assert algorithm_summary([report(1, 0)])["round_members"] is None  # before any round
+
+
+async def test_samples_added_directly_are_published_as_throughput(autojump_clock):
+    """A driver that adds to `tracker.samples` from its training thread instead of calling `report` (DiLoCo
+    does) still publishes its samples/s, and `peer status`'s listing shows it (it showed 0.0)."""
+    network = MemoryNetwork(latency=0.003, seed=11)
+    async with trio.open_nursery() as nursery:
+        servers = await _servers(nursery, network)
+        worker, _ = await _tracker(nursery, network, servers, "worker", run_id="plain-loop")
+        for _ in range(20):
+            await trio.sleep(0.1)
+            worker.samples += 5  # 50 samples/s
+        await worker.publish()
+        worker.new_epoch(1)
+        assert worker.local().samples_per_second == pytest.approx(50.0, rel=0.2)  # a reset is no negative rate
+        observer, _ = await nursery.start(_dht_node, "observer", network, servers, True)
+        (run,) = await list_runs(observer)
+        assert run["samples_per_s"] == pytest.approx(50.0, rel=0.2)
+        nursery.cancel_scope.cancel()
