@@ -281,6 +281,10 @@ def main() -> None:
               f"RemoteExpert forward from a torch thread {lat['remote_forward_us']:.0f} us")
         print(f"    the same expert computed in this process: {lat['local_calls_per_s']:.0f} calls/s "
               f"(remote/local {lat['calls_per_s'] / lat['local_calls_per_s']:.3f})")
+        ratio_to_echo = lat["remote_forward_us"] / lat["rpc_info_us"]
+        print(f"    batch-1 remote forward / RPC echo (moe.info, same connection): {ratio_to_echo:.2f} "
+              f"(target <= 1.5)")
+        result.update(batch1_call_ratio_to_echo=round(ratio_to_echo, 3))
         result.update(calls_per_s_batch1=round(lat["calls_per_s"], 1),
                       local_calls_per_s_batch1=round(lat["local_calls_per_s"], 1),
                       remote_local_ratio_batch1=round(lat["calls_per_s"] / lat["local_calls_per_s"], 4),
