@@ -8,7 +8,7 @@ import torch
 import trio
 import trio.testing
 
-from averaging.gather import GatherService, combine, decide, prefer_gather
+from averaging.gather import GatherService, combine, decide, far_from, prefer_gather
 from averaging.robust import Aggregation
 from peer.p2p import wire
 from peer.p2p.identity import Identity
@@ -174,3 +174,14 @@ async def test_a_malformed_push_is_refused_counted_against_its_sender_and_the_ot
         assert all(torch.equal(outs[0], o) for o in outs)  # nobody else's round failed: one result
         assert all(services[p].stats["rejected"] == 1 for p in honest)
         nursery.cancel_scope.cancel()
+
+
+def test_far_from_flags_distances_that_stand_out_of_a_tight_group_and_spares_honest_spread():
+    tight = [0.93, 1.0, 1.01, 0.97, 1.03, 0.99]  # honest top-k updates of one round (measured spread)
+    assert far_from(tight) == []
+    assert far_from(tight + [1.3, 1.25]) == [6, 7]  # a consistent bias the norm check lets through
+    assert far_from(tight + [1.1]) == []  # within the floor: honest noise
+    wide = [0.6, 0.8, 1.0, 1.3, 1.6, 0.9]  # dense updates scatter more: the limit widens with them
+    assert far_from(wide) == [] and far_from(wide + [4.0]) == [6]
+    assert far_from([1.0, 1.2, 2.9]) == [] and far_from([1.0, 1.2, 3.7]) == [2]  # 3 or 4: 3x the median
+    assert far_from([1.0, 9.0]) == []  # no majority
