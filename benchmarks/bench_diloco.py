@@ -15,10 +15,21 @@ all-reduce's encoded payloads: `bytes_ratio` = sync / diloco). Part 2, only wher
 made (root + iproute2; `tests/netns.py`): each process on its own host with a 20 Mbit/s `tc tbf` uplink;
 `wan_speedup` = sync seconds per step / diloco seconds per step (each over whole rounds: the baseline's per-step
 time is constant, so it runs fewer steps than DiLoCo), `utilization` = compute time / wall time of DiLoCo with
-`--overlap` (the optimizer's own clocks, mean over trainers). Ends with one JSON line.
+`--overlap` (the optimizer's own clocks, mean over trainers).
+
+Sparse (issue 35), beside the dense int8 run in the default run: the same four trainers with `--sparse` (topk2:
+the largest `--density` of each chunk of 4096, 2-bit values, error feedback; `--exchange auto` picks the all-gather)
+at `--sparse-inner-steps`. `bytes_ratio_sparse` = sync bytes / sparse bytes per trainer, `metric_gap_relative_sparse`
+= |sparse - sync| / sync accuracy, `round_compression_sparse` = a float32 pseudo-gradient's bytes / its encoded
+bytes (what one member's update costs per receiver). `robust_overhead_compressed`: the time of combining 8 members'
+compressed updates of the model's size (`averaging.gather.combine`, after decoding them) with centered_clip / with
+the mean (best of 3, in this process). `codec_s_per_100m`: topk2 encode + decode of a synthetic pseudo-gradient of
+`--codec-elements` (bench_codecs.py's), per 100M elements. `--lm`: the same sync / sparse pair on the byte-level LM
+(`--task lm`, `--lm-steps`): `bytes_ratio_sparse_lm`, `bpb_gap_relative_sparse_lm`. Ends with one JSON line.
 
     .venv/bin/python benchmarks/bench_diloco.py [--steps 100] [--hidden-dim 256] [--grid-size 4]
-        [--wan-sync-steps 4] [--wan-steps 100] [--no-wan]
+        [--wan-sync-steps 4] [--wan-steps 100] [--no-wan] [--sparse topk2] [--density 0.02]
+        [--sparse-inner-steps 50] [--no-sparse] [--lm] [--lm-steps 200] [--codec-elements 20000000]
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 from tests.peer_processes import ChildProcess, PeerProcess, start_daemon  # noqa: E402
 
 TRAINERS = 4
+CODECS = ["none", "float16", "int8", "int4", "int2", "topk2", "topk8"]
 PORT = 31337
 RUN_ID = "bench-diloco"
 
@@ -54,12 +66,15 @@ def worker(options: argparse.Namespace) -> None:
     from averaging.diloco import DiLoCoOptimizer
     from peer import train
     from peer.client import Swarm, normalize_peers
-    from peer.p2p.wire import Compression
+    from peer.p2p.wire import Compression, set_default_density
 
     logging.basicConfig(level=logging.ERROR)
+    set_default_density(options.density)
+    task_args = ["--task", "lm"] if options.task == "lm" else [
+        "--hidden-dim", str(options.hidden_dim), "--grid-size", str(options.grid_size)]
     args = train.build_parser().parse_args([
-        "--local-experts", "--hidden-dim", str(options.hidden_dim), "--grid-size", str(options.grid_size),
-        "--batch-size", str(options.batch_size), "--seed", str(options.index), "--threads", "1"])
+        "--local-experts", *task_args, "--batch-size", str(options.batch_size), "--seed", str(options.index),
+        "--threads", "1"])
     torch.set_num_threads(1)
     task = train.make_task(args)
     batches = task.batches(args)  # data order: seed = trainer index
@@ -92,12 +107,23 @@ def worker(options: argparse.Namespace) -> None:
     if options.mode == "diloco":
         stats = optimizer.stats()
         result.update({k: stats[k] for k in ("outer_step", "hash", "utilization", "outer_waits", "group_sizes")})
+        # the optimizer's counters: the butterfly's (the averager's) and the all-gather's pushes together
+        result.update({k: stats[k] for k in ("bytes_sent", "bytes_received")})
     else:
         result.update(optimizer.stats())
     result["parameters"] = sum(p.numel() for p in model.parameters())
+    result["fp32_bytes"] = sum(4 * p.numel() for p in model.parameters())
+    result["encoded_bytes"] = sum(wire_nbytes(p.detach(), Compression[options.compression.upper()])
+                                  for p in model.parameters())
     print(json.dumps(result), flush=True)
     optimizer.close()
     swarm.close()
+
+
+def wire_nbytes(tensor: Any, compression: Any) -> int:
+    from peer.p2p import wire
+
+    return wire.data_nbytes(tensor, compression)
 
 
 class SyncGradients:
@@ -167,7 +193,8 @@ class SyncGradients:
 
 
 def run_mode(options: argparse.Namespace, mode: str, steps: int, bootstrap: str, *, overlap: bool = False,
-             prefixes: list[list[str]] | None = None) -> list[dict[str, Any]]:
+             prefixes: list[list[str]] | None = None, compression: str | None = None, inner_steps: int | None = None,
+             task: str = "digits") -> list[dict[str, Any]]:
     """Four workers of `mode`, started together; their result lines."""
     workers = []
     try:
@@ -175,8 +202,10 @@ def run_mode(options: argparse.Namespace, mode: str, steps: int, bootstrap: str,
             command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--mode", mode,
                        "--index", str(index), "--bootstrap", bootstrap, "--steps", str(steps),
                        "--hidden-dim", str(options.hidden_dim), "--grid-size", str(options.grid_size),
-                       "--batch-size", str(options.batch_size), "--inner-steps", str(options.inner_steps),
-                       "--compression", options.compression, "--matchmaking-time", str(options.matchmaking_time)]
+                       "--batch-size", str(options.batch_size),
+                       "--inner-steps", str(inner_steps or options.inner_steps),
+                       "--compression", compression or options.compression, "--density", str(options.density),
+                       "--task", task, "--matchmaking-time", str(options.matchmaking_time)]
             if overlap:
                 command.append("--overlap")
             workers.append(ChildProcess(command, prefix=prefixes[index] if prefixes else None, stdin=True,
@@ -200,6 +229,8 @@ def run_mode(options: argparse.Namespace, mode: str, steps: int, bootstrap: str,
 def summary(results: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     return {
         "accuracy": round(statistics.mean(r["accuracy"] for r in results), 4),
+        "bpb": (round(statistics.mean(r["bpb"] for r in results), 4) if all("bpb" in r for r in results) else None),
+        "fp32_bytes": results[0]["fp32_bytes"], "encoded_bytes": results[0]["encoded_bytes"],
         "loss": round(statistics.mean(r["loss"] for r in results), 4),
         "bytes_sent": round(statistics.mean(r["bytes_sent"] for r in results)),
         "seconds": round(max(r["train_seconds"] for r in results), 2),
@@ -250,6 +281,77 @@ def wan_part(options: argparse.Namespace) -> dict[str, Any]:
             "uplink_mbit": options.uplink_mbit}
 
 
+def robust_overhead(parameters: int, members: int = 8, repeats: int = 3) -> dict[str, float]:
+    """Seconds to decode and combine `members` topk2 updates of `parameters` elements with the mean and with
+    centered_clip (best of `repeats`), as every member of an all-gather round does."""
+    import torch
+
+    from averaging.gather import combine
+    from averaging.robust import Aggregation
+    from benchmarks.bench_codecs import pseudo_gradient
+    from peer.p2p import wire
+
+    encoded = [wire.encode_bytes([wire.compressed(pseudo_gradient(parameters, seed=i), wire.Compression.TOPK2)])
+               for i in range(members)]
+    names = [bytes([i]) * 20 for i in range(members)]
+    figures = {}
+    for kind in ("mean", "centered_clip"):
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            contributions = [(n, wire.decode(bytearray(e))) for n, e in zip(names, encoded)]
+            combine(contributions, {n: 1.0 for n in names}, Aggregation(kind), [torch.zeros(parameters)])
+            best = min(best, time.perf_counter() - started)
+        figures[kind] = best
+    return figures
+
+
+def sparse_figures(options: argparse.Namespace, sync: dict[str, Any], sparse: dict[str, Any], suffix: str,
+                   metric: str) -> dict[str, Any]:
+    gap_key = "metric_gap_relative" if metric == "accuracy" else "bpb_gap_relative"
+    return {
+        f"bytes_ratio_{suffix}": round(sync["bytes_sent"] / max(1, sparse["bytes_sent"]), 1),
+        f"{gap_key}_{suffix}": round(abs(sparse[metric] - sync[metric]) / sync[metric], 4),
+        f"{suffix}_{metric}": sparse[metric], f"{suffix}_bytes_sent": sparse["bytes_sent"],
+        f"{suffix}_hashes_agree": sparse["hashes"] == 1, f"{suffix}_group_sizes": sparse["group_sizes"],
+        f"round_compression_{suffix}": round(sparse["fp32_bytes"] / max(1, sparse["encoded_bytes"]), 1),
+    }
+
+
+def table(options: argparse.Namespace) -> None:
+    """benchmarks/README.md's codec table: per codec, bytes per outer step and per trainer, the ratio to the sync
+    run's bytes, held-out accuracy (or bpb with --task lm), and encode + decode seconds per MB of float32."""
+    from benchmarks.bench_codecs import measure, pseudo_gradient
+
+    sample = pseudo_gradient(options.codec_elements)
+    daemon, _, bootstrap = start_daemon("--hidden-dim", "16", "--experts", "ffn.[0:1]", "--threads", "1",
+                                        capture_stderr=False)
+    rows = []
+    try:
+        sync = summary(run_mode(options, "sync", options.steps, bootstrap, task=options.task), options.steps)
+        print("sync", json.dumps(sync), flush=True)
+        for item in options.table.split(","):
+            codec, _, inner = item.partition("@")
+            inner_steps = int(inner) if inner else options.inner_steps
+            run = summary(run_mode(options, "diloco", options.steps, bootstrap, compression=codec,
+                                   inner_steps=inner_steps, task=options.task), options.steps)
+            speed = measure(sample, codec, 2, options.density)
+            row = {"codec": codec, "inner_steps": inner_steps, "accuracy": run["accuracy"], "bpb": run["bpb"],
+                   "bytes_sent": run["bytes_sent"], "outer_steps": options.steps // inner_steps,
+                   "bytes_per_outer_step": round(run["bytes_sent"] / max(1, options.steps // inner_steps)),
+                   "bytes_ratio": round(sync["bytes_sent"] / max(1, run["bytes_sent"]), 1),
+                   "codec_ratio": round(run["fp32_bytes"] / max(1, run["encoded_bytes"]), 1),
+                   "codec_s_per_mb": round(speed["s_per_100m"] / 400, 5), "hashes_agree": run["hashes"] == 1,
+                   "group_sizes": run["group_sizes"]}
+            rows.append(row)
+            print("row", json.dumps(row), flush=True)
+    finally:
+        daemon.kill()
+    print(json.dumps({"task": options.task, "steps": options.steps, "sync_accuracy": sync["accuracy"],
+                      "sync_bpb": sync["bpb"], "sync_bytes_sent": sync["bytes_sent"], "rows": rows,
+                      "parameters": sync["parameters"], "load_1min": round(os.getloadavg()[0], 2)}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=100, help="steps of each trainer (part 1)")
@@ -257,7 +359,16 @@ def main() -> None:
     parser.add_argument("--grid-size", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--inner-steps", type=int, default=50)
-    parser.add_argument("--compression", default="int8", choices=["none", "float16", "int8"])
+    parser.add_argument("--compression", default="int8", choices=CODECS)
+    parser.add_argument("--sparse", default="topk2", choices=CODECS, help="the sparse codec run beside --compression")
+    parser.add_argument("--density", type=float, default=0.02, help="top-k density (peer train --density)")
+    parser.add_argument("--sparse-inner-steps", type=int, default=50)
+    parser.add_argument("--no-sparse", action="store_true")
+    parser.add_argument("--lm", action="store_true", help="also sync and sparse on --task lm (heavy)")
+    parser.add_argument("--lm-steps", type=int, default=200)
+    parser.add_argument("--codec-elements", type=int, default=20_000_000)
+    parser.add_argument("--table", default=None, help="only the per-codec table: sync once, then DiLoCo with each "
+                        "codec listed (CODEC or CODEC@INNER_STEPS, comma-separated), one JSON row each")
     parser.add_argument("--matchmaking-time", type=float, default=1.0)
     parser.add_argument("--wan-sync-steps", type=int, default=4, help="steps of the baseline over the WAN")
     parser.add_argument("--wan-steps", type=int, default=100, help="steps of DiLoCo over the WAN")
@@ -269,12 +380,16 @@ def main() -> None:
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--bootstrap", help=argparse.SUPPRESS)
     parser.add_argument("--overlap", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--task", default="digits", choices=["digits", "lm"], help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.worker:
         worker(options)
         return
 
     load = os.getloadavg()[0]
+    if options.table:
+        table(options)
+        return
     daemon, _, bootstrap = start_daemon("--hidden-dim", "16", "--experts", "ffn.[0:1]", "--threads", "1",
                                         capture_stderr=False)
     try:
@@ -282,6 +397,20 @@ def main() -> None:
         print("sync", json.dumps(sync), flush=True)
         diloco = summary(run_mode(options, "diloco", options.steps, bootstrap), options.steps)
         print("diloco", json.dumps(diloco), flush=True)
+        sparse = None
+        if not options.no_sparse:
+            sparse = summary(run_mode(options, "diloco", options.steps, bootstrap, compression=options.sparse,
+                                      inner_steps=options.sparse_inner_steps), options.steps)
+            print("diloco", options.sparse, json.dumps(sparse), flush=True)
+        lm: dict[str, Any] = {}
+        if options.lm:
+            lm_sync = summary(run_mode(options, "sync", options.lm_steps, bootstrap, task="lm"), options.lm_steps)
+            print("lm sync", json.dumps(lm_sync), flush=True)
+            lm_sparse = summary(run_mode(options, "diloco", options.lm_steps, bootstrap, compression=options.sparse,
+                                         inner_steps=options.sparse_inner_steps, task="lm"), options.lm_steps)
+            print("lm diloco", options.sparse, json.dumps(lm_sparse), flush=True)
+            lm = sparse_figures(options, lm_sync, lm_sparse, "sparse_lm", "bpb")
+            lm.update({"lm_sync_bpb": lm_sync["bpb"], "lm_steps": options.lm_steps})
     finally:
         daemon.kill()
     figures: dict[str, Any] = {
@@ -295,6 +424,19 @@ def main() -> None:
         "steps": options.steps, "batch_size": options.batch_size, "trainers": TRAINERS,
         "inner_steps": options.inner_steps, "compression": options.compression,
     }
+    if sparse is not None:
+        figures.update(sparse_figures(options, sync, sparse, "sparse", "accuracy"))
+        figures.update({"sparse_codec": options.sparse, "density": options.density,
+                        "sparse_inner_steps": options.sparse_inner_steps})
+    figures.update(lm)
+    overhead = robust_overhead(diloco["parameters"])
+    figures["robust_overhead_compressed"] = round(overhead["centered_clip"] / overhead["mean"], 3)
+    figures["combine_seconds"] = {k: round(v, 4) for k, v in overhead.items()}
+    from benchmarks.bench_codecs import measure, pseudo_gradient
+
+    codec = measure(pseudo_gradient(options.codec_elements), options.sparse, 2, options.density)
+    figures["codec_s_per_100m"] = round(codec["s_per_100m"], 3)
+    figures["codec_elements"] = options.codec_elements
     if not options.no_wan:
         figures.update(wan_part(options))
     else:
