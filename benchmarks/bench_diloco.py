@@ -62,10 +62,10 @@ def worker(options: argparse.Namespace) -> None:
     """One trainer: build, print `ready`, wait for `go` on stdin, train, print the result line."""
     import torch
 
-    from averaging.collaborative import local_host_towards
     from averaging.diloco import DiLoCoOptimizer
     from peer import train
     from peer.client import Swarm, normalize_peers
+    from peer.p2p.addresses import local_host_towards
     from peer.p2p.wire import Compression, set_default_density
 
     logging.basicConfig(level=logging.ERROR)
@@ -138,7 +138,7 @@ class SyncGradients:
         import trio
 
         from averaging.averager import Averager
-        from averaging.collaborative import local_host_towards
+        from peer.p2p.addresses import local_host_towards
 
         self.optimizer, self.swarm, self.attempts = optimizer, swarm, attempts
         self.params = [p for group in optimizer.param_groups for p in group["params"]]

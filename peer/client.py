@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 import trio
 
 from dht.node import DHTNode
+from peer.p2p.addresses import announced_address, client_host, pick_free_port
 from peer.p2p.bridge import Bridge
 from peer.p2p.identity import Identity, PeerID, SwarmKey
 from peer.p2p.net import Address, Network, RealNetwork, parse_address
@@ -44,12 +45,6 @@ def normalize_peers(initial_peers: str | Sequence[str | Address]) -> list[Addres
     return peers
 
 
-def client_host(initial_peers: Sequence[Address]) -> str:
-    """The local host a client peer binds: a loopback swarm is reached from loopback, anything else from all
-    interfaces (a client serves nothing, so binding them all exposes nothing)."""
-    return "127.0.0.1" if all(host.startswith("127.") for host, _ in initial_peers) else "0.0.0.0"
-
-
 @asynccontextmanager
 async def open_client_peer(
     initial_peers: Sequence[str | Address],
@@ -62,8 +57,8 @@ async def open_client_peer(
     allowed_peers: frozenset[PeerID] | None = None,
 ) -> AsyncIterator[tuple[RPCNode, DHTNode]]:
     """A client-mode peer for the duration of the block: an RPC node that calls others and a client-mode DHT node
-    joined through `initial_peers` (`host`: see `client_host`). The one composition `Swarm` and `peer status`
-    share. `secure` False is `--insecure-transport`; `swarm_key` makes it a private swarm's member,
+    joined through `initial_peers` (`host`: see `peer.p2p.addresses.client_host`). The one composition `Swarm`
+    and `peer status` share. `secure` False is `--insecure-transport`; `swarm_key` makes it a private swarm's member,
     `allowed_peers` refuses handshakes with others. Raises dht.BootstrapFailed when no initial peer answers."""
     peers = normalize_peers(initial_peers)
     identity = identity or Identity.generate()
@@ -89,8 +84,6 @@ async def open_bootstrap_peer(
     """The first peer of a new swarm: an RPC node listening on `host` and a DHT node in server mode on the same
     port, so that others join through it (`Swarm(initial_peers=[])`: the first trainer is its own bootstrap, as
     `peer join` without --initial-peers is). A wildcard host announces the interface toward the internet."""
-    from peer.daemon import announced_address, pick_free_port
-
     async with RPCNode(identity, network, secure=secure, swarm_key=swarm_key, allowed_peers=allowed_peers) as rpc:
         if port == 0 and isinstance(network, RealNetwork):
             port = pick_free_port(host)
@@ -98,7 +91,7 @@ async def open_bootstrap_peer(
         async with DHTNode.open(host, address[1], [], identity=identity, network=network,
                                 swarm_key=swarm_key) as dht:
             if rpc.announce is None:
-                rpc.announce = await announced_address(dht, host, address[1], [])
+                rpc.announce = await announced_address(host, address[1], [], dht.observed_address)
             yield rpc, dht
 
 

@@ -46,6 +46,7 @@ from peer import __version__
 from peer.directory import PeerDirectory
 from peer.discover import SwarmMismatch, choose_family, discover_families, summary_fields
 from peer.options import JOIN
+from peer.p2p.addresses import WILDCARDS, announced_address, default_listen_host, pick_free_port
 from peer.p2p.identity import Identity, load_membership
 from peer.p2p.net import Address, Network, RealNetwork
 from peer.p2p.rpc import CallContext, RPCNode
@@ -70,7 +71,7 @@ class DaemonConfig:
     daemon started from Python and one started from the command line agree; `declare_ttl` and `seed` have no
     flag (tests and simulations set them)."""
 
-    host: str | None = _JOIN["host"]  # None: `default_listen_host`
+    host: str | None = _JOIN["host"]  # None: `peer.p2p.addresses.default_listen_host`
     port: int = _JOIN["port"]
     announce: Address | None = _JOIN["announce"]
     initial_peers: list[Address] = field(default_factory=lambda: list(_JOIN["initial_peers"]))
@@ -161,75 +162,6 @@ def check_checkpoint_dir(directory: Path) -> None:
         raise StartupError(f"checkpoint directory {directory} is not writable: {error.strerror or error}") from None
 
 
-def pick_free_port(host: str) -> int:
-    """A port free for both TCP and UDP on `host`: the DHT and the RPC share the number."""
-    import socket
-
-    for _ in range(20):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp:
-            tcp.bind((host, 0))
-            port: int = tcp.getsockname()[1]
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
-                try:
-                    udp.bind((host, port))
-                except OSError:
-                    continue
-                return port
-    raise StartupError(f"no port free for both TCP and UDP on {host}")
-
-
-WILDCARDS = ("0.0.0.0", "", "::")
-_ROUTE_PROBE = ("192.0.2.1", 9)  # TEST-NET-1: only asks the routing table which interface leads out; nothing is sent
-
-
-def default_listen_host(initial_peers: list[Address]) -> str:
-    """Where `peer join` listens without --host: the interface toward its initial peers (so a swarm on loopback
-    stays on loopback and a LAN peer on its LAN address), or all interfaces when it starts a new swarm (others
-    will come from anywhere)."""
-    if not initial_peers:
-        return "0.0.0.0"
-    from averaging.collaborative import local_host_towards
-
-    return local_host_towards(initial_peers[0])
-
-
-async def announced_address(dht: DHTNode, host: str, port: int, initial_peers: list[Address]) -> Address:
-    """The address to announce when none was given: what the initial peers observe (the DHT's `stun`, the
-    majority of up to 3), else the interface toward them or toward the internet; a specific listen host is
-    announced as it is. The port is the listening one (TCP and UDP share it)."""
-    if host not in WILDCARDS:
-        return (host, port)
-    observed = await dht.observed_address(initial_peers) if initial_peers else None
-    if observed is not None:
-        return (observed[0], port)
-    from averaging.collaborative import local_host_towards
-
-    towards = local_host_towards(initial_peers[0] if initial_peers else _ROUTE_PROBE)
-    if towards.startswith("127."):  # no route out (a closed network): the first address of an interface
-        towards = next(iter(interface_addresses()), towards)
-    return (towards, port)
-
-
-def interface_addresses() -> list[str]:
-    """This machine's non-loopback IPv4 interface addresses (Linux: SIOCGIFADDR per interface; elsewhere none).
-    A bootstrap peer on a network without a default route has no other way to learn the address others use."""
-    import fcntl
-    import socket
-    import struct
-
-    addresses = []
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        for _index, name in socket.if_nameindex():
-            try:
-                request = struct.pack("256s", name.encode()[:15])
-                address = socket.inet_ntoa(fcntl.ioctl(probe.fileno(), 0x8915, request)[20:24])  # SIOCGIFADDR
-            except OSError:
-                continue  # an interface without an IPv4 address
-            if not address.startswith("127."):
-                addresses.append(address)
-    return addresses
-
-
 def _identity_for(config: DaemonConfig) -> Identity:
     """The daemon's identity: its --identity file (made on first run) or a fresh one, carrying the swarm's
     proof-of-work bits when --dht-id-difficulty asks for them (made once, then kept in the file)."""
@@ -293,9 +225,9 @@ class Daemon:
                            allowed_peers=self.allowed_peers) as rpc:
             self.rpc = rpc
             port = config.port
-            if port == 0 and isinstance(self.network, RealNetwork):
-                port = pick_free_port(host)
             try:
+                if port == 0 and isinstance(self.network, RealNetwork):
+                    port = pick_free_port(host)
                 address = await rpc.listen(host, port)
             except OSError as error:
                 raise StartupError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
@@ -312,7 +244,7 @@ class Daemon:
                     raise StartupError(f"cannot open UDP {host}:{address[1]} for the DHT: "
                                        f"{error.strerror or error}") from None
                 if rpc.announce is None:
-                    rpc.announce = await announced_address(dht, host, address[1], peers)
+                    rpc.announce = await announced_address(host, address[1], peers, dht.observed_address)
                 announced = rpc.announce
                 DialBackService(rpc, dht).register()
                 if config.reachability != "auto":

@@ -28,6 +28,7 @@ import trio
 from dht.client import DHTClient
 from dht.node import DHTNode
 from peer.directory import list_peers
+from peer.p2p.addresses import announced_address
 from peer.p2p.identity import PeerID
 from peer.p2p.net import Address
 from peer.p2p.punch import UPGRADE_TIMEOUT, UPGRADE_WINDOW, HolePuncher
@@ -141,9 +142,7 @@ async def serve_reachable(rpc: RPCNode, dht: DHTNode, host: str, initial_peers: 
     except OSError:  # the TCP port of that number is taken: any port (a UDP dial-back then fails: private)
         await rpc.listen(host, 0)
     if rpc.announce is None and rpc.address is not None:
-        from peer.daemon import announced_address  # the daemon's rule (a wildcard host: what the peers observe)
-
-        rpc.announce = await announced_address(dht, host, rpc.address[1], initial_peers)
+        rpc.announce = await announced_address(host, rpc.address[1], initial_peers, dht.observed_address)
     if mode == "auto":
         reachability = await check_reachability(rpc, initial_peers)
     else:

@@ -40,7 +40,7 @@ def test_swarm_with_unreachable_peer_raises_bootstrap_failed_naming_it():
 
 
 def test_client_host_is_loopback_only_for_a_loopback_swarm():
-    from peer.client import client_host
+    from peer.p2p.addresses import client_host
 
     assert client_host([("127.0.0.1", 1), ("127.0.0.2", 2)]) == "127.0.0.1"
     assert client_host([("127.0.0.1", 1), ("10.0.0.5", 2)]) == "0.0.0.0"

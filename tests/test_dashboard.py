@@ -110,7 +110,7 @@ async def test_state_api_follows_the_swarm_and_matches_its_schema():
 
 
 async def test_dashboard_says_the_swarm_is_unreachable_and_recovers_when_it_comes():
-    from peer.daemon import pick_free_port
+    from peer.p2p.addresses import pick_free_port
 
     port = pick_free_port("127.0.0.1")
     async with trio.open_nursery() as nursery:
@@ -235,7 +235,7 @@ async def test_a_busy_port_is_one_clear_error():
 
 
 async def test_a_swarm_that_goes_away_and_comes_back_is_followed():
-    from peer.daemon import pick_free_port
+    from peer.p2p.addresses import pick_free_port
 
     port = pick_free_port("127.0.0.1")
     async with trio.open_nursery() as nursery:

@@ -250,7 +250,7 @@ def test_join_and_two_trainers_with_nothing_but_initial_peers_train_together():
 # ------------------------------------------------------------------------------ listening and announcing
 
 def test_without_host_a_daemon_listens_toward_its_initial_peers_or_everywhere_in_a_new_swarm():
-    from peer.daemon import default_listen_host
+    from peer.p2p.addresses import default_listen_host
 
     assert default_listen_host([("127.0.0.1", 4000)]) == "127.0.0.1"  # a swarm on this machine stays on loopback
     assert default_listen_host([]) == "0.0.0.0"

@@ -10,7 +10,8 @@ import urllib.request
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from peer.daemon import Daemon, DaemonConfig, pick_free_port
+from peer.daemon import Daemon, DaemonConfig
+from peer.p2p.addresses import pick_free_port
 from peer.train import build_parser, run_training
 
 

@@ -8,6 +8,7 @@
 - `rpc`: authenticated RPC, the trio driver of those two cores (`RPCNode`: call, register, listen; typed errors).
 - `relay`: the sans-I/O circuit relay protocol, relayed addresses, `dial_through_relays` (the dial path's relay branch).
 - `relay_service`: its trio drivers: the relay service of public peers, the reservations of private ones.
+- `addresses`: where a peer listens and which address it announces (listen host, route probe, free ports).
 - `net`: transports — real trio sockets, or the in-memory network for deterministic simulation.
 - `bridge`: a background trio thread that synchronous (PyTorch) code calls into.
 - `lifetime`: the nursery an object owns its background tasks in.
