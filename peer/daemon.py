@@ -122,6 +122,8 @@ class DaemonInfo:
     swarm_key: str | None = None  # the private swarm's key file (--swarm-key): others need a copy to join
     expert_kind: str | None = None
     notes: list[str] = field(default_factory=list)  # start-up remarks (fewer experts than asked, and why)
+    status: str | None = None  # public / private (`Reachability.status`)
+    reached: str | None = None  # direct / relay / none (`Reachability.how`)
 
     @property
     def join_command(self) -> str:
@@ -285,7 +287,8 @@ class Daemon:
                                                    self.hidden_dim, self.reachability.describe(),
                                                    metrics_address,
                                                    str(config.swarm_key) if config.swarm_key else None,
-                                                   self.expert_kind, list(self.notes)))
+                                                   self.expert_kind, list(self.notes),
+                                                   self.reachability.status, self.reachability.how))
                     await trio.sleep_forever()
 
     async def _swarm_pattern(self, dht: DHTNode, count: int) -> str:

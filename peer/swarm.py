@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -29,14 +28,10 @@ from typing import Any, TextIO
 
 import trio
 
+from peer.events import JoinWatcher
 from peer.status import plural
 from peer.topology import Topology
 
-_LISTENING = re.compile(r"^peer ([0-9a-f]{40}) listening on (\S+)$")
-# `peer join`'s line: "serving 4 experts: ffn.0, ffn.1, ffn.2, ffn.3 (of ffn.[0:4], hidden 64)"
-# `peer join`'s line: "reachability: private, reached through relays, DHT client mode (set by --reachability)"
-_REACHABILITY = re.compile(r"^reachability: (\w+)")
-_SERVING = re.compile(r"^serving (\d+) experts: (.*?)(?: \(of (\S+), hidden (\d+)(?:, (\S+))?\))?$")
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # A trainer stopping mid-step may be blocked in an averaging round (30 s timeout) or expert calls (5 s each).
 _TRAINER_GRACE_S = 40.0
@@ -62,6 +57,7 @@ class Managed:
     reachability: str | None = None  # public / private, from the join line
     status: dict[str, Any] | None = None  # its row of the closing `peer status` (volunteers)
     experts: str = ""
+    joining: JoinWatcher = field(default_factory=JoinWatcher)  # reads a volunteer's `peer join` output
     ready: trio.Event = field(default_factory=trio.Event)
     spawned: trio.Event = field(default_factory=trio.Event)  # also set when the process could not be started
     done: trio.Event = field(default_factory=trio.Event)  # exited and its output read to the end
@@ -205,19 +201,17 @@ class SwarmLauncher:
             self._check_training()
 
     def _on_line(self, member: Managed, line: str) -> None:
-        match = _LISTENING.match(line)
-        if match and member.role == "volunteer":
-            member.peer_id, member.address = match.group(1), match.group(2)
-        reachability = _REACHABILITY.match(line)
-        if reachability and member.role == "volunteer":
-            member.reachability = reachability.group(1)
-        serving = _SERVING.match(line)
-        if serving and member.role == "volunteer":
-            uids = sorted(serving.group(2).split(", "), key=_grid_order)
-            hidden = f", hidden {serving.group(4)}" if serving.group(4) else ""
-            member.experts = f"{len(uids)} experts ({uids[0]}..{uids[-1]}{hidden})"
-        if line.startswith("others join with") and member.role == "volunteer":
-            member.ready.set()
+        if member.role == "volunteer" and not member.ready.is_set():
+            joined = member.joining.feed(line)
+            known = member.joining.partial
+            if known is not None:
+                member.peer_id, member.address, member.reachability = known.peer_id, known.address, known.reachability
+                if known.experts:
+                    uids = sorted(known.experts, key=_grid_order)
+                    hidden = f", hidden {known.hidden_dim}" if known.hidden_dim else ""
+                    member.experts = f"{len(uids)} experts ({uids[0]}..{uids[-1]}{hidden})"
+            if joined is not None:
+                member.ready.set()
         if line.startswith("{"):
             try:
                 data = json.loads(line)

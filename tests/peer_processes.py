@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from peer.events import Joined, JoinWatcher
+
 PEER = [sys.executable, "-m", "peer.cli"]
 ROOT = Path(__file__).resolve().parent.parent
 EXPERT_SERVER = ROOT / "tests" / "moe" / "expert_server_process.py"
@@ -143,12 +145,23 @@ def start_daemon(*args: str, timeout: float = 60.0, capture_stderr: bool = True)
     HOST:PORT once it is reachable."""
     process = PeerProcess(["join", *loopback_join(args)], capture_stderr=capture_stderr)
     try:
-        match = process.read_until(r"^peer ([0-9a-f]{40}) listening on (\S+)$", timeout)
-        process.read_until(r"^others join with", timeout)
+        joined = read_joined(process, timeout)
     except BaseException:
         process.kill()  # never leave a half-started daemon behind
         raise
-    return process, match.group(1), match.group(2)
+    return process, joined.peer_id, joined.address
+
+
+def read_joined(process: ChildProcess, timeout: float = 60.0) -> Joined:
+    """Read a `peer join`'s stdout until its `joined` event (peer/events.py): the daemon is up and reachable."""
+    deadline = time.monotonic() + timeout
+    watcher = JoinWatcher()
+    while (line := process.read_line(deadline - time.monotonic())) is not None:
+        joined = watcher.feed(line)
+        if joined is not None:
+            return joined
+    raise AssertionError(f"{' '.join(process.command)} did not join within {timeout} s; got {process.lines}; "
+                         f"stderr: {process.stderr_tail()}")
 
 
 def start_daemon_chain(slices: Sequence[Sequence[str]], *, timeout: float = 60.0

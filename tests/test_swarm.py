@@ -181,26 +181,29 @@ def test_peer_status_does_not_import_torch_and_tensors_still_decode_in_a_fresh_p
     assert result.stdout.strip() == "[0, 1, 2, 3] torch.float32"
 
 
-async def test_the_live_view_reads_the_join_line_peer_join_prints(capsys, tmp_path):
-    """The launcher parses `peer join`'s own output: run the real printing code path and feed its line back."""
+def test_the_live_view_reads_the_joined_event_of_peer_join(tmp_path):
+    """The launcher reads `peer join`'s `joined` event (peer/events.py), not its human lines."""
     from peer.daemon import DaemonInfo
+    from peer.events import event_line, joined_event
     from peer.swarm import Managed, SwarmLauncher
     from peer.topology import Topology
 
     info = DaemonInfo("ab" * 20, ("127.0.0.1", 1), ["ffn.0", "ffn.1", "ffn.2", "ffn.3"], "ffn.[0:4]", 64)
-    from peer.cli import print_serving
-
-    print_serving(info)
-    line = capsys.readouterr().out.strip()
     launcher = SwarmLauncher(Topology(), kill_one_at=None, log_dir=tmp_path)
     member = Managed("bootstrap", "volunteer", [])
-    launcher._on_line(member, line)
+    launcher._on_line(member, "serving 4 experts: a line for people")
+    assert not member.ready.is_set()
+    launcher._on_line(member, event_line(joined_event(info)))
+    assert member.ready.is_set() and (member.peer_id, member.address) == ("ab" * 20, "127.0.0.1:1")
     assert member.experts == "4 experts (ffn.0..ffn.3, hidden 64)"
+    assert member.last_line == "serving 4 experts: a line for people"  # the event is no "last line" to show
 
 
 def test_the_live_view_and_summary_show_which_volunteers_are_private_and_how_they_were_reached(tmp_path):
-    """The reachability line as `peer join` prints it (`Reachability.describe`), and a `peer status` row of the
-    closing status read: the live view marks the private volunteer, the summary says what it served."""
+    """The reachability of `peer join`'s `joined` event, and a `peer status` row of the closing status read: the
+    live view marks the private volunteer, the summary says what it served."""
+    from peer.daemon import DaemonInfo
+    from peer.events import event_line, joined_event
     from peer.reachability import fixed
     from peer.swarm import Managed, SwarmLauncher
 
@@ -209,9 +212,11 @@ def test_the_live_view_and_summary_show_which_volunteers_are_private_and_how_the
     launcher = SwarmLauncher(Topology(), kill_one_at=None, log_dir=tmp_path)
     members = [Managed(Topology().volunteer_name(i), "volunteer", []) for i in range(3)]
     launcher.members = members
-    launcher._on_line(members[2], f"peer {'ab' * 20} listening on 127.0.0.1:5")
-    launcher._on_line(members[2], f"reachability: {reachability.describe()}")
-    launcher._on_line(members[0], f"reachability: {fixed('public').describe()}")
+    private = DaemonInfo("ab" * 20, ("127.0.0.1", 5), ["ffn.8"], reachability=reachability.describe(),
+                         status=reachability.status, reached=reachability.how)
+    public = DaemonInfo("cd" * 20, ("127.0.0.1", 4), ["ffn.0"], status="public", reached="direct")
+    launcher._on_line(members[2], event_line(joined_event(private)))
+    launcher._on_line(members[0], event_line(joined_event(public)))
     assert (members[2].peer_id, members[2].reachability, members[0].reachability) == ("ab" * 20, "private", "public")
     members[2].status = {"reached": "relay", "requests_served": 7,
                          "connections": {"direct": 0, "upgraded": 1, "relayed": 2}}
