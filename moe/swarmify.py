@@ -27,43 +27,13 @@ from dht.client import SwarmHandle
 from moe import calls
 from moe.declare import get_prefix_entries
 from moe.mixture import ExpertBlacklist, RemoteMixtureOfExperts
+from moe.specs import ExpertSpec, advertise_specs
+from moe.upcycle import write_weights
 from peer.p2p.identity import PeerID
 
 
 class SwarmNotServing(RuntimeError):
     """Daemons do not serve what a swarmified model needs; the message is one line naming what to run."""
-
-
-@dataclass(frozen=True)
-class ExpertSpec:
-    """What daemons must serve for the swarmified layers `layers` (one grid prefix `prefix.i` per layer)."""
-
-    prefix: str
-    layers: tuple[int, ...]
-    experts_per_layer: int
-    kind: str
-    hidden_dim: int
-
-    @property
-    def pattern(self) -> str:
-        first, last = min(self.layers), max(self.layers)
-        return f"{self.prefix}.[{first}:{last + 1}].[0:{self.experts_per_layer}]"
-
-    @property
-    def inner_width(self) -> int | None:
-        """The experts' inner width (`KIND@N`), None for a kind without one."""
-        _, _, width = self.kind.partition("@")
-        return int(width) if width.isdigit() else None
-
-    def join_command(self, initial_peers: str = "HOST:PORT") -> str:
-        """The `peer join` line that serves this spec; run on several machines, each takes `experts_per_layer`
-        free uids of it (one layer's worth), and one started once it is all served serves nothing of it."""
-        return (f"peer join --initial-peers {initial_peers} --experts '{self.pattern}' --expert-kind {self.kind} "
-                f"--hidden-dim {self.hidden_dim} --num-experts {self.experts_per_layer}")
-
-    def describe(self) -> str:
-        return (f"{self.pattern}: {len(self.layers)} layer{'s' * (len(self.layers) != 1)} of "
-                f"{self.experts_per_layer} {self.kind} experts, hidden {self.hidden_dim}")
 
 
 @dataclass
@@ -329,13 +299,9 @@ def swarmify(
                          "Hugging Face GPT-2 or LLaMA blocks)")
     specs = expert_specs(sites, prefix, experts_per_layer)
     if advertise:  # first, so that daemons started while this call waits already serve what the model needs
-        from moe.specs import advertise_specs
-
         swarm.bridge.start_and_wait(functools.partial(advertise_specs, swarm.dht, specs))
     served = swarm.run(functools.partial(_check_served, swarm, specs, k_min, wait, forward_timeout))
     if upcycle:
-        from moe.upcycle import write_weights
-
         for index, site in enumerate(sites):
             state = {name: tensor.detach().to(torch.float32).contiguous().clone() for name, tensor in
                      site.weights().items()}

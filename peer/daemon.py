@@ -34,13 +34,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import trio
 
+from dht import records
 from dht.node import DHTConfig, DHTNode
 from dht.routing import has_work, identity_with_work
 from moe.declare import find_free_uids
 from moe.experts import OptimizerConfig, make_expert
 from moe.grid import GridPattern, InvalidUID, expand_pattern
 from moe.server import CallerPolicy, ExpertServer, choose_uids, read_peer_list
-from moe.specs import read_specs
+from moe.specs import ExpertSpec, read_specs
 from moe.upcycle import WeightReader, WeightWriter
 from peer import __version__
 from peer.directory import PeerDirectory
@@ -56,7 +57,6 @@ from peer.replicas import ReplicaAverager
 from peer.status import MAX_REPLICA_KEYS, STATUS_METHOD
 
 if TYPE_CHECKING:
-    from moe.swarmify import ExpertSpec
     from peer.metrics import PeerMetrics
 
 logger = logging.getLogger(__name__)
@@ -428,8 +428,6 @@ class Daemon:
         """The records this node holds as a DHT replica for `keys` (at most MAX_REPLICA_KEYS, in the DHT's
         signed encoding), without asking anyone: `peer dashboard` reads the directory and the runs this way, in
         the status call it makes anyway, instead of DHT lookups."""
-        from dht import records
-
         assert self.dht is not None
         held: dict[str, Any] = {}
         for key in keys[:MAX_REPLICA_KEYS]:

@@ -27,6 +27,9 @@ import torch
 from torch import nn
 
 from dht.client import SwarmHandle
+from moe.errors import NotEnoughExperts
+from moe.experts import make_expert
+from moe.mixture import RemoteMixtureOfExperts
 from peer.corpus import Corpus, WindowStream, evaluation_windows, load_corpus
 
 LOCAL_DEFAULTS = {"hidden_dim": 64, "expert_prefix": "lm", "grid_size": "2x12"}
@@ -89,8 +92,6 @@ class ByteLM(nn.Module):
         return logits
 
     def remote_mixtures(self) -> list[Any]:
-        from moe.mixture import RemoteMixtureOfExperts
-
         return [b.ffn for b in self.blocks if isinstance(b.ffn, RemoteMixtureOfExperts)]
 
     def local_expert_modules(self) -> nn.ModuleList:
@@ -121,8 +122,6 @@ def build_lm(args: argparse.Namespace, swarm: SwarmHandle | None) -> ByteLM:
         torch.manual_seed(run_seed(args.run_id))
         ffns: list[nn.Module] = []
         if swarm is None:
-            from moe.experts import make_expert
-
             uids = grid_uids(prefix, (layers, *per_layer))  # layer-major: layer i's grid is one contiguous run
             per = len(uids) // layers
             for layer in range(layers):
@@ -216,8 +215,6 @@ class LMTask:
     def before_training(self, model: nn.Module) -> None:
         """The starting held-out figure. On a swarm whose experts are still being declared (daemons starting up)
         it is tried again for a bounded time, then left out rather than holding the run back."""
-        from moe.errors import NotEnoughExperts
-
         for attempt in range(START_ATTEMPTS):
             try:
                 self.bpb_start, _ = bits_per_byte(model, self.eval_x, self.eval_y)

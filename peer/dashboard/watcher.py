@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 import trio
 
-from averaging.progress import RUNS_KEY, progress_key, run_targets, runs_from_records
+from averaging.progress import RUNS_KEY, list_runs, progress_key, run_targets, runs_from_records
 from dht import records
 from dht.errors import DHTError
 from dht.node import key_id_of
@@ -190,8 +190,6 @@ def from_replicas(held: dict[str, Record], now: float, run_ids: Sequence[str]) -
 
 
 def _default_runs_reader() -> Any:
-    from averaging.progress import list_runs
-
     return list_runs
 
 
