@@ -73,7 +73,7 @@ from averaging.allreduce_core import (
 from averaging.errors import (
     BadChunk,
     GroupMismatch,
-    RemoteProtocolError,
+    RemoteViolation,
     RoundNotFound,
     SenderExcluded,
 )
@@ -98,7 +98,7 @@ VERDICT = "averaging.allreduce.verdict"  # a member asks a part's checker whethe
 Hook = Callable[[str, dict[str, Any]], None]
 
 # a failed call to a reducer: the RPC layer's errors, or an answer that breaks the protocol
-_PEER_ERRORS = (RPCError, RemoteProtocolError)
+_PEER_ERRORS = (RPCError, RemoteViolation)
 
 
 # ------------------------------------------------------------------------------------------------ trio driver
@@ -248,7 +248,7 @@ class AllReduceServer:
                                      trio.current_time(), wire_nbytes=_wire_nbytes(data, round_.compression))
         except Excluded:
             raise SenderExcluded("you are counted as failed in this round") from None
-        except RemoteProtocolError as error:
+        except RemoteViolation as error:
             raise BadChunk(str(error)) from None
         finally:
             round_.update()
@@ -281,7 +281,7 @@ class AllReduceServer:
             round_.core.receive_commit(sender, args.get("part"), args.get("weight", 0.0), args.get("suspects"))
         except Excluded:
             raise SenderExcluded("you are counted as failed in this round") from None
-        except RemoteProtocolError as error:
+        except RemoteViolation as error:
             raise BadChunk(str(error)) from None
         finally:
             round_.update()
@@ -301,7 +301,7 @@ class AllReduceServer:
         compression = _compression_arg(args.get("compression"))
         try:
             tensors = round_.core.serve_pull(member, args.get("part"), args.get("chunk"), trio.current_time())
-        except RemoteProtocolError as error:
+        except RemoteViolation as error:
             raise BadChunk(str(error)) from None
         finally:
             round_.update()
@@ -316,7 +316,7 @@ class AllReduceServer:
         round_, member = await self._lookup(context, args)
         try:
             round_.core.watch_started(member, args.get("part"), trio.current_time())
-        except RemoteProtocolError as error:
+        except RemoteViolation as error:
             raise BadChunk(str(error)) from None
         finally:
             round_.update()

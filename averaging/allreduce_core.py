@@ -17,9 +17,9 @@ core changed.
 - `TransferBudget`: the deadline of one transfer from the measured throughput and the bytes queued on the link.
 - `plan_retry` / `merge_retry`: the follow-up round on the parts whose reducer was lost.
 
-Errors: a message from a peer that breaks the protocol raises `ChunkRejected` (a `RemoteProtocolError`): the
+Errors: a message from a peer that breaks the protocol raises `ChunkRejected` (a `RemoteViolation`): the
 driver counts that peer as failed; a driver that asks the core for something out of turn gets a
-`LocalProtocolError` (a bug here, nobody is blamed).
+`LocalViolation` (a bug here, nobody is blamed).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from averaging import robust
-from averaging.errors import AveragingError, LocalProtocolError, RemoteProtocolError
+from averaging.errors import AveragingError, LocalViolation, RemoteViolation
 from averaging.group import GroupInfo
 from averaging.partition import (
     DEFAULT_CHUNK_BYTES,
@@ -117,7 +117,7 @@ class AllReduceConfig:
 # ------------------------------------------------------------------------------------------------ sans-I/O core
 
 
-class ChunkRejected(RemoteProtocolError):
+class ChunkRejected(RemoteViolation):
     """A chunk or commit that breaks the protocol (wrong index, size, dtype, weight, duplicate, out of order)."""
 
 
@@ -297,7 +297,7 @@ class PartReducer:
         tensor per segment; None when no sender with a positive weight and a valid part committed (the part
         keeps the local values)."""
         if not self.ready:
-            raise LocalProtocolError("finalize() before every member committed or failed", operation="allreduce")
+            raise LocalViolation("finalize() before every member committed or failed", operation="allreduce")
         if self.released:
             return self.result
         self.released = True
@@ -508,7 +508,7 @@ class RoundCore:
     def __init__(self, group: GroupInfo, partition: Partition, me: int, tensors: Sequence[torch.Tensor],
                  weight: float, *, budget: TransferBudget, now: float, deadline: float = math.inf):
         if not 0 <= me < group.size:
-            raise LocalProtocolError(f"no member {me} in a group of {group.size}", operation="allreduce")
+            raise LocalViolation(f"no member {me} in a group of {group.size}", operation="allreduce")
         self.group = group
         self.partition = partition
         self.me = me
@@ -630,7 +630,7 @@ class RoundCore:
         """Once committed: the commit for this part's reducer, or None when there is nothing to ask it (it failed,
         or dropped us). Sending it moves the part to COMMITTED: the reducer now owes us its mean."""
         if not self.committed:
-            raise LocalProtocolError("commit before every push and the own part are done", operation="allreduce")
+            raise LocalViolation("commit before every push and the own part are done", operation="allreduce")
         state = self.parts[part_index]
         if state in SETTLED:
             return None
@@ -638,18 +638,18 @@ class RoundCore:
             self.parts[part_index] = PartState.FAILED
             return None
         if state is not PartState.PUSHED:
-            raise LocalProtocolError(f"part {part_index} is {state.value}, not pushed", operation="allreduce")
+            raise LocalViolation(f"part {part_index} is {state.value}, not pushed", operation="allreduce")
         self.parts[part_index] = PartState.COMMITTED
         return {"weight": self.weight, "suspects": sorted(self.crashed)}
 
     def finish_reply(self, part_index: int, reply: Any) -> bool:
         """The reducer's answer to our commit; True when there is a mean to pull. Members it saw crash are
-        hard evidence for us too. Raises RemoteProtocolError for a malformed answer."""
+        hard evidence for us too. Raises RemoteViolation for a malformed answer."""
         if self.parts[part_index] is not PartState.COMMITTED:
-            raise LocalProtocolError(f"part {part_index} has no commit pending", operation="allreduce.finish")
+            raise LocalViolation(f"part {part_index} has no commit pending", operation="allreduce.finish")
         owner = self.owner_of(part_index)
         if not isinstance(reply, dict):
-            raise RemoteProtocolError("malformed finish reply", peer=self.peer(owner), operation="allreduce.finish")
+            raise RemoteViolation("malformed finish reply", peer=self.peer(owner), operation="allreduce.finish")
         for member in reply.get("failed") or []:
             if isinstance(member, int) and not isinstance(member, bool) and 0 <= member < self.group.size \
                     and member != owner:
@@ -666,12 +666,12 @@ class RoundCore:
         return True
 
     def check_pulled_chunk(self, part_index: int, chunk: int, reply: Any) -> list[torch.Tensor]:
-        """An averaged chunk as pulled: the right number of tensors of the right sizes, or RemoteProtocolError."""
+        """An averaged chunk as pulled: the right number of tensors of the right sizes, or RemoteViolation."""
         spec = self.partition.parts[part_index].chunks[chunk]
         if not isinstance(reply, list) or len(reply) != len(spec) or not all(
                 isinstance(t, torch.Tensor) and t.numel() == s.numel for t, s in zip(reply, spec)):
-            raise RemoteProtocolError(f"malformed averaged chunk {chunk}", peer=self.peer(self.owner_of(part_index)),
-                                      operation="allreduce.pull")
+            raise RemoteViolation(f"malformed averaged chunk {chunk}", peer=self.peer(self.owner_of(part_index)),
+                                  operation="allreduce.pull")
         return reply
 
     def chunk_pulled(self, nbytes: int) -> None:
@@ -775,7 +775,7 @@ class RoundCore:
     def part_averaged(self, part_index: int) -> None:
         """The pulled mean is written into our tensors."""
         if self.parts[part_index] is not PartState.PULLING:
-            raise LocalProtocolError(f"part {part_index} was not being pulled", operation="allreduce.pull")
+            raise LocalViolation(f"part {part_index} was not being pulled", operation="allreduce.pull")
         self.parts[part_index] = PartState.AVERAGED
         self.averaged[part_index] = True
         self.contributors[part_index] = self._reply_contributors.pop(part_index, [])
@@ -832,7 +832,7 @@ class RoundCore:
     def start_reducing(self) -> None:
         """All data of our part is in (or its senders failed): our own commit no longer waits for it."""
         if not self._need_reducer().data_complete:
-            raise LocalProtocolError("reducing before the part's data is complete", operation="allreduce")
+            raise LocalViolation("reducing before the part's data is complete", operation="allreduce")
         self.reducing_started = True
         self.advance()
 
@@ -933,7 +933,7 @@ class RoundCore:
     def finish_answer(self) -> dict[str, Any] | None:
         """The answer to a pending commit once `released`; None when we left the round before reducing."""
         if not self.released:
-            raise LocalProtocolError("the part is not reduced yet", operation="allreduce.finish")
+            raise LocalViolation("the part is not reduced yet", operation="allreduce.finish")
         if self.aborted:
             return None
         reducer = self._need_reducer()
@@ -941,15 +941,15 @@ class RoundCore:
                 "failed": sorted(self.crashed), "norm": reducer.median_norm}
 
     def serve_pull(self, member: int, part_index: Any, chunk: Any, now: float) -> list[torch.Tensor]:
-        """One chunk of our mean for a committed member. Raises RemoteProtocolError when it may not have it."""
+        """One chunk of our mean for a committed member. Raises RemoteViolation when it may not have it."""
         reducer = self._reducer_for(member, part_index, "allreduce.pull")
         if not reducer.released or self.aborted or member not in reducer.committed:
-            raise RemoteProtocolError("nothing to pull: commit first and wait for the mean",
-                                      peer=self.peer(member), operation="allreduce.pull")
+            raise RemoteViolation("nothing to pull: commit first and wait for the mean",
+                                  peer=self.peer(member), operation="allreduce.pull")
         if reducer.result is None:
-            raise RemoteProtocolError("this part has no mean", peer=self.peer(member), operation="allreduce.pull")
+            raise RemoteViolation("this part has no mean", peer=self.peer(member), operation="allreduce.pull")
         if not isinstance(chunk, int) or isinstance(chunk, bool) or not 0 <= chunk < reducer.n_chunks:
-            raise RemoteProtocolError(f"no chunk {chunk!r}", peer=self.peer(member), operation="allreduce.pull")
+            raise RemoteViolation(f"no chunk {chunk!r}", peer=self.peer(member), operation="allreduce.pull")
         self.pulled.setdefault(member, set()).add(chunk)
         self.last_pull[member] = now
         return list(reducer.result[chunk])
@@ -989,16 +989,16 @@ class RoundCore:
 
     def _need_reducer(self) -> PartReducer:
         if self.reducer is None:
-            raise LocalProtocolError("this member reduces no part", operation="allreduce")
+            raise LocalViolation("this member reduces no part", operation="allreduce")
         return self.reducer
 
     def _reducer_for(self, sender: int, part_index: Any, operation: str) -> PartReducer:
         if not 0 <= sender < self.group.size:
-            raise RemoteProtocolError(f"no member {sender} in this group", operation=operation)
+            raise RemoteViolation(f"no member {sender} in this group", operation=operation)
         if self.reducer is None or self.own_part is None or part_index != self.own_part.index \
                 or isinstance(part_index, bool):
-            raise RemoteProtocolError("this member does not reduce that part", peer=self.peer(sender),
-                                      operation=operation)
+            raise RemoteViolation("this member does not reduce that part", peer=self.peer(sender),
+                                  operation=operation)
         return self.reducer
 
     def _blame(self, error: AveragingError, sender: int, operation: str) -> None:

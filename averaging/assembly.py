@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from averaging.errors import LocalProtocolError
+from averaging.errors import LocalViolation
 from averaging.group import GroupInfo, Member
 from peer.p2p.identity import PeerID
 from peer.p2p.net import Address
@@ -325,7 +325,7 @@ class Assembly:
     def seal(self, group_id: bytes) -> GroupInfo | None:
         """Fix the member list (None when too few joined: no group this round)."""
         if self.closed:
-            raise LocalProtocolError("the assembly is already closed", operation="matchmaking.seal")
+            raise LocalViolation("the assembly is already closed", operation="matchmaking.seal")
         self.closed = True
         if len(self.joined) >= self.min_size:
             self.group = GroupInfo.create(group_id, [d.member() for d in self.joined.values()])
@@ -334,7 +334,7 @@ class Assembly:
     def answer(self, joiner: PeerID) -> Decision:
         """The final answer to a joiner whose join was accepted, once `answer_ready`."""
         if not self.answer_ready(joiner):
-            raise LocalProtocolError("the joiner's answer is not final yet", operation="matchmaking.join")
+            raise LocalViolation("the joiner's answer is not final yet", operation="matchmaking.join")
         if self.merged_into is not None:
             return Decision("redirect", redirect=self.merged_into)
         if joiner in self.handed_over:

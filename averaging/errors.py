@@ -1,8 +1,10 @@
 """Typed errors of the averaging package: each one says which peer and which operation it is about.
 
 Shared by the all-reduce, state download and matchmaking modules (matchmaking appends its own classes here).
-`LocalProtocolError` / `RemoteProtocolError` are raised by the sans-I/O cores (`allreduce_core`, `assembly`):
-they tell a driver bug from a misbehaving peer. The wire classes at the end are what a handler answers.
+`LocalViolation` / `RemoteViolation` are raised by the sans-I/O cores (`allreduce_core`, `assembly`):
+they tell a driver bug from a misbehaving peer. (Not named `*ProtocolError`: those are the connection
+protocol's, `peer.p2p.rpc_protocol`, which has nothing to do with these.) The wire classes at the end are what a
+handler answers.
 """
 
 from __future__ import annotations
@@ -32,14 +34,14 @@ class AveragingError(Exception):
         return f"{text} ({', '.join(where)})" if where else text
 
 
-class LocalProtocolError(AveragingError):
+class LocalViolation(AveragingError):
     """OUR side asked a protocol core for something the protocol forbids in its current state (commit before the
     data is in, finalize before everyone committed, answer a join that is still pending): a bug in the driver,
     never the remote's fault, so nobody is excluded for it. (The split follows h11: which side broke the
     protocol decides who is blamed.)"""
 
 
-class RemoteProtocolError(AveragingError):
+class RemoteViolation(AveragingError):
     """The OTHER side sent something the protocol forbids (wrong chunk, size, dtype, weight, duplicate, out of
     order, malformed reply). The core rejects the message; the driver counts that peer as failed for the round
     and, on the reducer side, answers it with `BadChunk`."""

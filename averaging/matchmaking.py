@@ -83,7 +83,7 @@ from averaging.assembly import (
     read_probe_answer,
     round_salt,
 )
-from averaging.errors import LocalProtocolError
+from averaging.errors import LocalViolation
 from averaging.group import GroupInfo
 from averaging.schema import MISMATCHES, difference
 from dht.client import DHTClient
@@ -540,7 +540,7 @@ class Matchmaker:
         else:
             group, group_round = decision_or_assembly.group, decision_or_assembly.round
             if group is None:
-                raise LocalProtocolError("a matchmaking result needs a decision that carries a group")
+                raise LocalViolation("a matchmaking result needs a decision that carries a group")
             times = [state.view[p].declared_at for p in group.peer_ids if p in state.view] + [state.me.declared_at]
             self.spread = max(times) - min(times)
         self.stats["groups"] += 1

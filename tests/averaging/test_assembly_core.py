@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from averaging.assembly import Assembly, Declaration, read_probe_answer
-from averaging.errors import LocalProtocolError
+from averaging.errors import LocalViolation
 from peer.p2p.identity import PeerID
 
 SCHEMA = b"s" * 8
@@ -113,7 +113,7 @@ def test_hand_over_when_too_many_to_merge():
     assert a.answer_ready(decl(7).peer_id) and not a.answer_ready(decl(6).peer_id)
     assert a.answer(decl(7).peer_id).redirect == decl(3)
     assert a.offer(decl(7), "k").redirect == decl(3)  # a duplicate join of a moved joiner: sent on again
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalViolation):
         a.answer(decl(6).peer_id)  # still pending: asking for its answer is a driver bug
 
 
@@ -156,7 +156,7 @@ def test_duplicates_and_out_of_order_messages():
     assert a.offer(decl(6), "k") is None  # a joined member may repeat even when full
     assert a.offer(decl(8), "k").reason == "full"
     group = a.seal(b"g" * 16)
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalViolation):
         a.seal(b"h" * 16)  # sealing twice
     again = a.offer(decl(6), "k")  # a member asking again after the seal: the same group
     assert again.kind == "group" and again.group == group

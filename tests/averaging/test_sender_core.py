@@ -24,7 +24,7 @@ from averaging.allreduce_core import (
     plan_retry,
     retry_views,
 )
-from averaging.errors import LocalProtocolError, RemoteProtocolError
+from averaging.errors import LocalViolation, RemoteViolation
 from averaging.group import GroupInfo, Member
 from averaging.partition import Partition, chunk_views
 from peer.p2p.identity import PeerID
@@ -192,9 +192,9 @@ def test_commit_waits_for_every_push_and_the_own_part():
     h.push(0, parts[1])
     me.push_done(parts[1].index)
     assert not me.committed  # its own part has no data from members 1 and 2 yet
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalViolation):
         me.finish_request(parts[0].index)
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalViolation):
         me.start_reducing()  # the part's data is not complete
     h.push_all(1)
     h.push_all(2)
@@ -395,12 +395,12 @@ def test_close_answers_pending_commits_with_left_the_round():
     h.start_reducing(1)
     h.commit(1)
     core = h.cores[0]
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalViolation):
         core.finish_answer()  # not reduced yet: the commit still waits
     core.close()
     assert core.released and core.closed and core.aborted
     assert core.finish_answer() is None  # the driver answers "left the round"
-    with pytest.raises(RemoteProtocolError):
+    with pytest.raises(RemoteViolation):
         core.serve_pull(1, 0, 0, 0.0)
 
 
@@ -417,18 +417,18 @@ def test_messages_out_of_order_are_refused_and_the_sender_is_blamed():
     assert 1 in reducer.failed and 1 not in reducer.crashed  # a bad message is our view only
     with pytest.raises(Excluded):
         h.push(1, part)  # from now on it is excluded
-    with pytest.raises(RemoteProtocolError):
+    with pytest.raises(RemoteViolation):
         reducer.serve_pull(2, part.index, 0, 0.0)  # a pull before the commit and the mean
-    with pytest.raises(RemoteProtocolError):
+    with pytest.raises(RemoteViolation):
         reducer.receive_push(2, h.partition.part_of(1).index, 0, 1.0, [], 0.0)  # not our part
-    with pytest.raises(RemoteProtocolError):
+    with pytest.raises(RemoteViolation):
         reducer.watch_started(2, True, 0.0)  # a bool is not a part index
     sender = h.cores[2]
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalViolation):
         sender.finish_reply(part.index, {"averaged": True})  # no commit pending
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalViolation):
         sender.part_averaged(part.index)  # nothing pulled
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalViolation):
         h.cores[1].feed_own_part(0.0) if h.cores[1].reducer is None else h.cores[2].start_reducing()
 
 
@@ -441,7 +441,7 @@ def test_malformed_answers_are_the_reducers_fault():
     core = h.cores[0]
     part = h.partition.part_of(1)
     core.finish_request(part.index)
-    with pytest.raises(RemoteProtocolError) as caught:
+    with pytest.raises(RemoteViolation) as caught:
         core.finish_reply(part.index, ["not", "a", "dict"])
     assert caught.value.peer == h.group.members[1].peer_id
     other = h.partition.part_of(2)
@@ -450,7 +450,7 @@ def test_malformed_answers_are_the_reducers_fault():
                                            "failed": [7, -1, "x", True, 2]})
     assert core._reply_contributors[other.index] == [0, 1]  # junk and bools dropped
     assert not core.failed  # out-of-range, junk and the reducer itself are ignored in "failed"
-    with pytest.raises(RemoteProtocolError):
+    with pytest.raises(RemoteViolation):
         core.check_pulled_chunk(other.index, 0, [torch.zeros(1)] * 99)
     core.reducer_failed(part.index, crashed=False, reason="malformed finish reply")
     assert core.parts[part.index] is PartState.FAILED and 1 in core.failed and 1 not in core.crashed
@@ -475,7 +475,7 @@ def test_duplicates_are_refused_or_harmless():
     core = h2.cores[0]
     part = h2.partition.part_of(1)
     h2.cores[1].receive_commit(0, part.index, 1.0, [])  # the same commit again: idempotent
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalViolation):
         core.finish_request(part.index)  # a driver that commits twice to one reducer is a local bug
     assert h2.cores[0].note_failed(2, reason="x") and not h2.cores[0].note_failed(2, reason="x")
     assert [n for n, _ in h2.cores[0].take_events()].count("member_failed") == 1
@@ -485,7 +485,7 @@ def test_duplicates_are_refused_or_harmless():
     first = h2.cores[1].serve_pull(0, part.index, 0, 0.0)
     again = h2.cores[1].serve_pull(0, part.index, 0, 0.0)  # pulling a chunk twice returns the same mean
     assert all(torch.equal(a, b) for a, b in zip(first, again))
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalViolation):
         core.finish_reply(part.index, h2.cores[1].finish_answer())  # a second answer to one commit
 
 
