@@ -294,13 +294,15 @@ def welcome_gifts(batch: list[tuple[Node, float]], storage: Storage, table: Rout
 def repair_gifts(targets: dict[bytes, Target], found: Iterable[tuple[bytes, Record | None]], k: int,
                  per_key: int = READ_REPAIRS) -> Gifts:
     """Read repair: of a key's k closest peers that answered, up to `per_key` that answered without the value
-    get the merged record, so a replica set thinned by churn fills up again as the key is read."""
+    get the merged record, so a replica set thinned by churn fills up again as the key is read. The merge of
+    many replicas' dictionaries can outgrow one datagram: it is trimmed the way a holder trims it (records.fit)."""
     gifts = Gifts()
     for key_id, record in found:
         target = targets.get(key_id)
         if record is None or target is None or not target.without_value:
             continue
         closest = {c.node_id for c in target.answered(k)}
+        record = records.fit(record)
         wire = records.encode(record)
         if record.stock:
             gifts.offers.add(key_id)

@@ -220,6 +220,21 @@ def test_read_repair_sends_the_merged_record_to_close_replicas_that_lacked_it():
     assert not repair_gifts({key: target}, [(key, None)], k=3)
 
 
+def test_read_repair_trims_a_merged_dictionary_that_outgrew_one_datagram():
+    """64 peers' subkeys, merged from many replicas, exceed one store request: the gift is the trimmed record,
+    so the background sender never meets a request it cannot encode (a CI failure with 64 averagers)."""
+    key = node_id(42)
+    target = Target(key, k=3, alpha=3, want_value=True)
+    target.add(node_id(40), ("10.0.0.1", 40))
+    target.on_answer(node_id(40), [], None, False, SELF_ID)
+    big = records.Record(None, {f"peer{i}": records.Entry(b"x" * 200, 100.0) for i in range(64)})
+    assert records.encoded_size(records.encode(big)) > records.MAX_RECORD_BYTES
+    gifts = repair_gifts({key: target}, [(key, big)], k=3)
+    [(_, wire)] = gifts.items[(node_id(40), ("10.0.0.1", 40))]
+    assert records.encoded_size(wire) <= records.MAX_RECORD_BYTES
+    proto.encode_request(b"\x00" * 20, "store", [SELF_ID, key, wire])  # fits: no RequestTooLarge
+
+
 def test_ip_limit_refuses_one_ips_excess_and_refills_with_time():
     limit = IPRequestLimit(rate=100.0, burst=10.0, max_ips=2)
     assert all(limit.allow("10.0.0.1", 0.0) for _ in range(10))
