@@ -66,9 +66,13 @@ class MismatchLog:
 
     def __init__(self) -> None:
         self.seen: dict[bytes, str] = {}  # peer -> the difference last reported
+        self._met: dict[bytes, int] = {}  # peer -> the sequence number of its last meeting
+        self._meetings = 0
 
     def report(self, peer: bytes, difference: str, log: logging.Logger, what: str) -> bool:
         """Log `what` (a sentence naming the operation) once per peer and difference; True when logged now."""
+        self._meetings += 1
+        self._met[bytes(peer)] = self._meetings
         if self.seen.get(bytes(peer)) == difference:
             log.debug("%s: %s", what, difference)
             return False
@@ -76,12 +80,18 @@ class MismatchLog:
         log.warning("%s: a different model (%s); not averaging with it", what, difference)
         return True
 
-    def summary(self) -> str | None:
-        """One line for an exit message, or None when no mismatch was seen."""
-        if not self.seen:
+    def mark(self) -> int:
+        """A point in time for `summary(since=...)`: a run asks only about the peers it met itself, not those
+        an earlier run in the same process met (two runs of `run_training` in one test process, say)."""
+        return self._meetings
+
+    def summary(self, since: int = 0) -> str | None:
+        """One line for an exit message, or None when no mismatch was seen (after the `since` mark)."""
+        seen = {peer: difference for peer, difference in self.seen.items() if self._met.get(peer, 0) > since}
+        if not seen:
             return None
-        peer, difference = next(iter(self.seen.items()))
-        more = f" (and {len(self.seen) - 1} more peers)" if len(self.seen) > 1 else ""
+        peer, difference = next(iter(seen.items()))
+        more = f" (and {len(seen) - 1} more peers)" if len(seen) > 1 else ""
         return f"peer {peer.hex()[:12]} trains a different model: {difference}{more}"
 
 

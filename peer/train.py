@@ -498,8 +498,10 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
     requested (`peer train` installs it for SIGINT/SIGTERM) the run ends after the current step: it is
     evaluated and its result (`"interrupted": true`, `"steps"` done) written as usual. `hooks`: test hooks of
     the DiLoCo optimizer (`averaging.diloco.DiLoCoHooks`; tests pass them, the command line cannot)."""
+    from averaging.schema import MISMATCHES
     from moe.errors import NotEnoughExperts
 
+    mismatch_mark = MISMATCHES.mark()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     task = make_task(args)
@@ -710,7 +712,7 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
             result["checkpoint"] = str(args.checkpoint)
         if evaluation_error is not None:
             result["evaluation_error"] = str(evaluation_error)
-        mismatch = _never_averaged_for_mismatch(result) if optimizer is not None else None
+        mismatch = _never_averaged_for_mismatch(result, mismatch_mark) if optimizer is not None else None
         if mismatch is not None:
             result["model_mismatch"] = mismatch
         out.emit(result)
@@ -732,15 +734,16 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
             swarm.close()
 
 
-def _never_averaged_for_mismatch(result: dict[str, Any]) -> str | None:
+def _never_averaged_for_mismatch(result: dict[str, Any], since: int) -> str | None:
     """One line when this trainer averaged with nobody and met peers of another model (averaging.schema keeps
-    them), else None: a run that trained alone because its friends have another model must not exit 0."""
+    them; `since` is its mark at the start of this run), else None: a run that trained alone because its
+    friends have another model must not exit 0."""
     from averaging.schema import MISMATCHES
 
     groups = result.get("group_sizes") or {}
     if any(int(size) > 1 and count for size, count in groups.items()):
         return None
-    return MISMATCHES.summary()
+    return MISMATCHES.summary(since=since)
 
 
 def _publish_point(swarm: Any, run_id: str, line: dict[str, Any], averaging: dict[str, Any] | None) -> None:

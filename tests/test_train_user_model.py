@@ -169,15 +169,16 @@ def test_two_trainer_processes_train_a_user_model_on_user_data(user_module, proc
 
 
 def test_a_run_that_never_averaged_because_of_another_model_fails():
+    import logging
+
     from averaging.schema import MISMATCHES
     from peer.train import _never_averaged_for_mismatch
 
-    MISMATCHES.seen.clear()
-    assert _never_averaged_for_mismatch({"group_sizes": {}}) is None  # alone, nobody else: fine
-    MISMATCHES.seen[b"\x01" * 20] = "0.weight: shape [48, 8] there, [32, 8] here"
-    try:
-        line = _never_averaged_for_mismatch({"group_sizes": {}})
-        assert line is not None and "[48, 8] there" in line and "010101" in line
-        assert _never_averaged_for_mismatch({"group_sizes": {2: 3}}) is None  # it did average with someone
-    finally:
-        MISMATCHES.seen.clear()
+    log = logging.getLogger("test")
+    MISMATCHES.report(b"\x02" * 20, "met by an earlier run in this process", log, "earlier")
+    mark = MISMATCHES.mark()
+    assert _never_averaged_for_mismatch({"group_sizes": {}}, mark) is None  # alone, nobody else: fine
+    MISMATCHES.report(b"\x01" * 20, "0.weight: shape [48, 8] there, [32, 8] here", log, "matchmaking")
+    line = _never_averaged_for_mismatch({"group_sizes": {}}, mark)
+    assert line is not None and "[48, 8] there" in line and "010101" in line and "more peers" not in line
+    assert _never_averaged_for_mismatch({"group_sizes": {2: 3}}, mark) is None  # it did average with someone
