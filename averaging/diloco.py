@@ -51,7 +51,7 @@ import torch
 import trio
 
 from averaging.averager import Averager, StepResult
-from averaging.collaborative import local_host_towards
+from averaging.errors import AveragingError
 from averaging.gather import GatherService, combine, prefer_gather
 from averaging.group import GroupInfo, Member
 from averaging.outer_state import ErrorFeedback, OuterState, nesterov_sgd
@@ -62,6 +62,7 @@ from averaging.state import install_state_server, load_state
 from averaging.state_hash import state_digest
 from dht.client import SwarmHandle
 from peer.p2p import wire
+from peer.p2p.addresses import local_host_towards
 from peer.p2p.identity import PeerID
 from peer.p2p.net import Address
 
@@ -92,6 +93,11 @@ class DiLoCoHooks:
     trace_dir: str | None = None
     scale_pseudo_gradient: float = 1.0
     slowdown: float = 1.0
+
+
+class NotAgreed(AveragingError):
+    """`DiLoCoOptimizer.finish()` ran out of time before every live trainer of the run held one outer state
+    (the message names the trainers still training, or holding another state): the models differ."""
 
 
 @dataclasses.dataclass
@@ -149,7 +155,7 @@ class DiLoCoOptimizer:
         should_stop: Callable[[], bool] | None = None,
         start_with: int = 1,
         start_timeout: float = 300.0,
-        finish_timeout: float = 10.0,
+        finish_timeout: float | None = None,
         aggregation: str = "mean",
         fragments: int = 1,
         exchange: str = "auto",
@@ -682,10 +688,12 @@ class DiLoCoOptimizer:
         sources = sorted(holding.members, key=lambda m: 0 if m[1] is not None else 1)
         return await self._download(holding, list(sources), deadline)
 
-    async def _finish(self, timeout: float) -> bool:
-        """Step 5 of the module doc; True when every live trainer of the run finished with my outer step and
-        hash. Polls the run's progress records (the others publish `fin` when they get here)."""
+    async def _finish(self, timeout: float) -> str | None:
+        """Step 5 of the module doc; None when every live trainer of the run finished with my outer step and
+        hash, else why not (by `timeout`). Polls the run's progress records (the others publish `fin` when they
+        get here)."""
         me = self.tracker.peer_id
+        why = "the run's progress records could not be read"
         with trio.move_on_after(timeout) as scope:
             await self._wait_background()  # overlap: nothing else may write the outer state meanwhile
             self.tracker.info["fin"] = True
@@ -702,11 +710,16 @@ class DiLoCoOptimizer:
                     self.outer.reset_local()
                     await self.tracker.publish()
                     continue
-                if len(finished) == len(others) and all(
-                        p.epoch == self.outer_step and p.info.get("hash") == self.hash for p in finished):
-                    return True  # everyone agrees: nobody needs my state any more
+                training = [p for p in others if not p.info.get("fin")]
+                apart = [p for p in finished if p.epoch != self.outer_step or p.info.get("hash") != self.hash]
+                if not training and not apart:
+                    return None  # everyone agrees: nobody needs my state any more
+                why = "; ".join(filter(None, [
+                    ", ".join(f"{p.peer_id.short()} still training at outer step {p.epoch}" for p in training[:4]),
+                    ", ".join(f"{p.peer_id.short()} finished at outer step {p.epoch} with another state"
+                              for p in apart[:4])]))
                 await trio.sleep(self.tracker.min_refresh)
-        return False
+        return why
 
     async def _until_stop(self, default: T, work: Callable[..., Awaitable[T]], *args: Any) -> T:
         """`await work(*args)`, cancelled within 0.1 s of `should_stop()` (then `default` is returned)."""
@@ -938,19 +951,30 @@ class DiLoCoOptimizer:
 
     def finish(self, timeout: float | None = None) -> bool:
         """Call once when training ends, before `close()`: a final agreement on the outer state, at most
-        `timeout` seconds (default `finish_timeout`): wait for a contribution still in flight, publish that this
+        `timeout` seconds (default `finish_timeout`, or when None the time of two outer steps' inner steps plus a
+        download, at least 30 s): wait for a contribution still in flight, publish that this
         trainer is done, download the state the finished trainers hold if it is not mine, and keep serving mine
-        until every finished trainer holds the same outer step and hash. Skipped, or cut short, once
-        `should_stop()` is true. Returns True when all live trainers of the run finished with my outer step and
-        hash."""
+        until every live trainer of the run finished with the same outer step and hash. So trainers that
+        started apart (a loop of N local steps each, one of them started later) end with one state: the first
+        to finish waits for the others, which take its state when they finish.
+
+        Returns True when they all agree; False when `should_stop()` skipped or cut it short; raises `NotAgreed`
+        (saying which trainers and why) when the time ran out first."""
         if self._scope is None or (self.should_stop is not None and self.should_stop()):
             return False
-        limit = self.finish_timeout if timeout is None else timeout
+        limit = timeout if timeout is not None else self.finish_timeout
+        if limit is None:  # long enough for a trainer that started up to an outer step later to finish too
+            limit = max(30.0, 2.0 * self.inner_steps * self._step_seconds + self.load_state_timeout)
         self._finishing = True
-        agreed = bool(self.swarm.run(self._until_stop, False, self._finish, limit))
+        why = self.swarm.run(self._until_stop, "stopped", self._finish, limit)
         if self.overlap:
             self.outer.reset_local()  # the last contribution's update is applied: end on the outer parameters
-        return agreed
+        if why is None:
+            return True
+        if why == "stopped":
+            return False
+        raise NotAgreed(f"no final agreement on the outer state within {limit:.0f} s: {why}",
+                        operation="diloco.finish")
 
     def stats(self) -> dict[str, Any]:
         """What this trainer did: outer steps, rounds (late, stale, dropped, lost), state loads, bytes, goodput."""

@@ -16,7 +16,7 @@ import torch
 import trio
 from torch import nn
 
-from averaging.diloco import DiLoCoHooks, DiLoCoOptimizer, ErrorFeedback, state_hash
+from averaging.diloco import DiLoCoHooks, DiLoCoOptimizer, ErrorFeedback, NotAgreed, state_hash
 from averaging.quorum import QuorumPolicy
 from peer.p2p import wire
 from peer.p2p.bridge import Bridge
@@ -345,7 +345,45 @@ def test_finish_resyncs_a_trainer_partitioned_during_the_last_outer_round(bridge
             opt.close()
 
 
-def test_finish_returns_within_its_timeout_when_nobody_is_left_to_agree_with(bridge):
+def test_trainers_started_apart_with_the_same_loop_end_with_one_state(bridge):
+    """The natural loop, `for step in range(N)`, with the second trainer started most of an outer step later:
+    the first waits in finish() and the second takes its state when it finishes (no `start_with`)."""
+    memory = MemoryNetwork(latency=0.002)
+    peers = _start_swarm(bridge, memory, 2)
+    first = _make(SimSwarm(bridge, peers[0]))
+    second: list = []
+    agreed: dict[int, bool] = {}
+
+    def run_first() -> None:
+        def start_second(step: int) -> None:
+            if step == 9:  # most of the second outer step done: the other one starts now
+                second.append(_make(SimSwarm(bridge, peers[1])))
+                threading.Thread(target=run_second, daemon=True).start()
+
+        _train(*first, 15, seed=0, before_step=start_second)
+        agreed[0] = first[1].finish(timeout=60.0)
+
+    def run_second() -> None:
+        model, opt = second[0]
+        _train(model, opt, 15, seed=1)
+        agreed[1] = opt.finish(timeout=60.0)
+
+    try:
+        _threads([run_first])
+        for _ in range(6000):  # the second trainer's thread ends on its own (polled: no timed sync)
+            if 1 in agreed:
+                break
+            threading.Event().wait(0.01)
+        assert agreed == {0: True, 1: True}
+        assert first[1].hash == second[0][1].hash and first[1].outer_step == second[0][1].outer_step
+        assert all(torch.equal(p, q) for p, q in zip(second[0][0].parameters(), first[1].outer_params))
+    finally:
+        first[1].close()
+        for _, opt in second:
+            opt.close()
+
+
+def test_finish_says_why_within_its_timeout_when_nobody_is_left_to_agree_with(bridge):
     memory = MemoryNetwork(latency=0.002)
     peers = _start_swarm(bridge, memory, 3)
     made = _make_together([SimSwarm(bridge, peer) for peer in peers], start_with=3)
@@ -355,7 +393,8 @@ def test_finish_returns_within_its_timeout_when_nobody_is_left_to_agree_with(bri
         made[2][1].close()  # left with a goodbye: not waited for
         _in_bridge(bridge, memory.isolate, peers[1].name)  # gone without one: its record lives on, never "fin"
         started = time.monotonic()
-        assert made[0][1].finish(timeout=1.0) is False
+        with pytest.raises(NotAgreed, match="still training at outer step 1"):  # names the silent one
+            made[0][1].finish(timeout=1.0)
         elapsed = time.monotonic() - started
         assert 1.0 <= elapsed < 10.0, elapsed  # waited for the silent one until the timeout, then gave up
         assert made[0][1].stats()["final_resyncs"] == 0
