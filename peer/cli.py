@@ -95,6 +95,9 @@ async def _run_join(options: dict[str, Any]) -> int:
             if info.metrics_address is not None:
                 print(f"metrics at http://{info.metrics_address[0]}:{info.metrics_address[1]}/metrics", flush=True)
             print(f"others join with: {info.join_command}", flush=True)
+            from peer.events import event_line, joined_event
+
+            print(event_line(joined_event(info)), flush=True)  # the same, for programs (docs/reference/events.md)
             await stop.wait()
         nursery.cancel_scope.cancel()
     server = daemon.expert_server
@@ -322,12 +325,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except (Exception, BaseExceptionGroup) as error:  # the CLI's last line of defence: one line, no traceback
+        from averaging.diloco import NotAgreed
         from dht.errors import BootstrapFailed
         from moe.errors import CheckpointError
         from peer.daemon import StartupError
         from peer.p2p.identity import IdentityError
+        from peer.train import TrainingFailed
 
-        expected = (OSError, BootstrapFailed, IdentityError, ValueError, StartupError, CheckpointError)
+        expected = (OSError, BootstrapFailed, IdentityError, ValueError, StartupError, CheckpointError,
+                    TrainingFailed, NotAgreed)
         if not all(isinstance(leaf, expected) for leaf in _leaves(error)):
             logging.getLogger("peer").exception("unexpected error")
         print(f"peer: error: {_describe(error)}", file=sys.stderr)

@@ -57,6 +57,11 @@ if TYPE_CHECKING:
 
 parse_grid = parse_grid_size  # '12' -> (12,), '4x4' -> (4, 4)
 
+
+class TrainingFailed(RuntimeError):
+    """A run that ended without doing its job (never averaged, held-out evaluation failed, too few outer steps,
+    no experts): the message says why in one line, so the command line prints it without a traceback."""
+
 DIGITS_SPLIT_SEED = 20240607  # the held-out set is the same for every trainer of every run
 HELD_OUT_FRACTION = 0.2
 
@@ -521,8 +526,8 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
         if args.initial_peers and (diloco or remote_experts or not getattr(task, "remote_experts", True)):
             # with --algorithm diloco and --local-experts, the swarm only carries the averaging: every
             # parameter lives in this trainer (the setting DiLoCo is made for)
-            from averaging.collaborative import local_host_towards
             from peer.client import Swarm, normalize_peers
+            from peer.p2p.addresses import local_host_towards
             from peer.p2p.identity import load_membership
 
             peers = normalize_peers(args.initial_peers)
@@ -617,7 +622,7 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
                 out.emit(failure)
                 model.zero_grad(set_to_none=True)
                 if consecutive_failures >= args.max_failed_steps:
-                    raise RuntimeError(
+                    raise TrainingFailed(
                         f"{consecutive_failures} steps in a row without enough experts: {error}") from None
                 time.sleep(min(1.0, 0.02 * 2 ** consecutive_failures))
                 continue
@@ -717,11 +722,11 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
             result["model_mismatch"] = mismatch
         out.emit(result)
         if mismatch is not None and not stop.requested:
-            raise RuntimeError(f"never averaged: {mismatch} (every trainer of --run-id needs the same model)")
+            raise TrainingFailed(f"never averaged: {mismatch} (every trainer of --run-id needs the same model)")
         if evaluation_error is not None and not stop.requested:
-            raise RuntimeError(f"held-out evaluation failed: {evaluation_error}")
+            raise TrainingFailed(f"held-out evaluation failed: {evaluation_error}")
         if outer_target and optimizer.outer_step < outer_target and not stop.requested:
-            raise RuntimeError(f"reached outer step {optimizer.outer_step} of {outer_target} in {step} local steps "
+            raise TrainingFailed(f"reached outer step {optimizer.outer_step} of {outer_target} in {step} local steps "
                                f"(the bound is twice --steps): the swarm's rounds did not take this trainer's "
                                f"contributions (the progress lines' 'why' says what they answered)")
         return result
