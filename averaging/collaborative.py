@@ -44,7 +44,6 @@ case it averages only in groups that contain some reachable trainer.
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from typing import Any, Callable
@@ -58,22 +57,11 @@ from averaging.schema import MISMATCHES
 from averaging.state import install_state_server, load_state
 from dht.client import SwarmHandle
 from peer.p2p import wire
+from peer.p2p.addresses import local_host_towards
 
 logger = logging.getLogger(__name__)
 
 MODES = ("gradients", "parameters")
-
-
-def local_host_towards(address: tuple[str, int]) -> str:
-    """The local IP address this machine uses to reach `address` (no packet is sent): the address to listen on
-    and announce so peers on the same path can connect back."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect((address[0], int(address[1])))
-            host: str = probe.getsockname()[0]
-            return host
-        except OSError:
-            return "127.0.0.1"
 
 
 def initialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -543,4 +531,4 @@ class CollaborativeOptimizer:
         self._hint_tracker(now=progress is not None and progress.num_peers > 1)
 
 
-__all__ = ["CollaborativeOptimizer", "MODES", "initialize_optimizer_state", "local_host_towards", "state_tensors"]
+__all__ = ["CollaborativeOptimizer", "MODES", "initialize_optimizer_state", "state_tensors"]

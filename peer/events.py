@@ -15,7 +15,6 @@ A field is only ever added within a version; renaming or removing one makes the 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -87,38 +86,17 @@ class Joined:
             raise EventError(f"a joined event without {error}") from None
 
 
-# `peer join`'s human lines, read only until it prints the `joined` event (the one peer/cli.py line that prints
-# `event_line(joined_event(...))` after "others join with"): then this block goes, and `JoinWatcher` reads events.
-_LISTENING = re.compile(r"^peer ([0-9a-f]{40}) listening on (\S+)$")
-_REACHABILITY = re.compile(r"^reachability: (\w+)")
-_SERVING = re.compile(r"^serving (\d+) experts: (.*?)(?: \(of (\S+), hidden (\d+)(?:, (\S+))?\))?$")
-
-
 class JoinWatcher:
-    """Reads a `peer join`'s stdout, line by line, until the daemon is up: `feed` returns the `Joined` then (and
-    None before). `partial` holds what is known so far (a launcher shows a daemon's reachability early)."""
+    """Reads a `peer join`'s stdout, line by line, until its `joined` event: `feed` returns the `Joined` then (and
+    None before); every other line (the human ones included) is ignored."""
 
     def __init__(self) -> None:
-        self.partial: Joined | None = None
         self.joined: Joined | None = None
 
     def feed(self, line: str) -> Joined | None:
         event = read_event(line)
-        if event is not None:
-            if event["event"] == JOINED:
-                self.partial = self.joined = Joined.from_event(event)
-            return self.joined
-        if (listening := _LISTENING.match(line)) is not None:
-            self.partial = Joined(listening.group(1), listening.group(2))
-        elif self.partial is not None and (reachability := _REACHABILITY.match(line)) is not None:
-            self.partial.reachability = reachability.group(1)
-        elif self.partial is not None and (serving := _SERVING.match(line)) is not None:
-            self.partial.experts = serving.group(2).split(", ")
-            self.partial.pattern = serving.group(3)
-            self.partial.hidden_dim = int(serving.group(4)) if serving.group(4) else None
-            self.partial.expert_kind = serving.group(5)
-        elif self.partial is not None and line.startswith("others join with"):
-            self.joined = self.partial
+        if event is not None and event["event"] == JOINED:
+            self.joined = Joined.from_event(event)
         return self.joined
 
 

@@ -203,7 +203,7 @@ class SwarmLauncher:
     def _on_line(self, member: Managed, line: str) -> None:
         if member.role == "volunteer" and not member.ready.is_set():
             joined = member.joining.feed(line)
-            known = member.joining.partial
+            known = joined
             if known is not None:
                 member.peer_id, member.address, member.reachability = known.peer_id, known.address, known.reachability
                 if known.experts:

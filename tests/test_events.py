@@ -38,18 +38,3 @@ def test_an_event_of_a_newer_schema_is_refused_rather_than_misread():
     assert read_event('{"event": "progress", "step": 1}') is None  # the trainer's lines carry no version yet
     with pytest.raises(EventError, match="peer_id"):
         JoinWatcher().feed(event_line({"event": "joined", "v": SCHEMA_VERSION, "address": "h:1"}))
-
-
-def test_until_peer_join_prints_the_event_the_watcher_reads_its_human_lines(capsys):
-    """Transitional (see peer/events.py): the lines peer/cli.py prints today, its `print_serving` included."""
-    from peer.cli import print_serving
-
-    print_serving(INFO)
-    serving = capsys.readouterr().out.strip()
-    watcher = JoinWatcher()
-    lines = [f"peer {'ab' * 20} listening on 10.0.0.7:31337", "reachability: private, reached through relays",
-             serving, "others join with: peer join --initial-peers 10.0.0.7:31337"]
-    assert [watcher.feed(line) for line in lines[:3]] == [None, None, None]
-    assert watcher.partial == Joined("ab" * 20, "10.0.0.7:31337", "private", ["ffn.4", "ffn.5"], "ffn.[0:8]", 64,
-                                     "ffn")
-    assert watcher.feed(lines[3]) == watcher.partial
