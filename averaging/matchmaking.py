@@ -99,6 +99,17 @@ JOIN_METHOD = "avg.mm.join"
 PING_METHOD = "avg.mm.ping"
 SCHEMA_METHOD = "avg.mm.schema"  # -> {"schema": [[name, shape, dtype], ...]}: what a peer of another model asks
 SCHEMA_TIMEOUT = 3.0
+# One DHT record holds about 42 signed declarations (one datagram, about 190 bytes each): a key's declarations
+# overflow into shards `key#1`, `key#2`... A declarer that finds a crowded shard without its own declaration (the
+# holders trimmed it, dht.records.fit) moves to the next shard; a reader reads the next shard whenever the one it
+# just read is crowded. Small swarms never read more than the one key.
+SHARD_CROWDED = 32
+MAX_SHARDS = 16
+
+
+def shard_key(key: str, shard: int) -> str:
+    """The DHT key of a matchmaking key's `shard` (0 is the key itself)."""
+    return key if shard == 0 else f"{key}#{shard}"
 
 
 
@@ -160,6 +171,11 @@ class _Round:
         self.patient = False  # the collector loop's last verdict of Matchmaker._patient (sent with my probes)
         self.stale: dict[PeerID, float] = {}  # peer -> declared_at of a declaration its owner no longer runs
         self.returning: set[PeerID] = set()  # stale peers between two rounds (not matching elsewhere): coming back
+        self.shard = 0  # where my declaration lives (see SHARD_CROWDED)
+        self.declared_in: set[int] = set()  # shards holding a declaration of mine (all withdrawn at the end)
+        self.declaring: int | None = None  # the shard my declaration is on its way to
+        self.expiration = 0.0  # of my declaration
+        self.crowded = False  # a read met a crowded shard: declarations may still be moving to the next ones
 
     def exclude_busy(self, peer_ids: Iterable[PeerID], me: PeerID) -> None:
         """Plan without peers a collector reported taken, until they declare again. Excluding them for the rest
@@ -386,23 +402,34 @@ class Matchmaker:
         Merge, not replace: one read may reach only some replicas and miss a declaration another read saw, and a
         view that flickers never becomes quiet. A peer leaves the view only when its withdrawal (or a newer
         entry) is read, or when its declaration expires."""
-        t0 = trio.current_time()
-        try:
-            # A frugal read of the DHT's usual three replicas (my own copy counts as one, dht/node.py `get`): no
-            # query beyond those it still lacks, where a default get keeps alpha in flight and a fourth started
-            # before the third answered. These reads are most of a round's DHT traffic. Two replicas (quorum=2)
-            # were cheaper still, but with views built from them 7 of 12 runs (trio scheduler seeded) of
-            # test_back_to_back_rounds_with_jitter_form_full_groups had a round with a group short.
-            record = await self.dht.get(state.key, latest=False, frugal=True)
-        except Exception as error:  # a DHT hiccup is one stale view, not a failed round
-            logger.debug("matchmaking: reading %s failed: %s", state.key, error)
-            return False
-        # one read stalled by a dead replica must not inflate every later quiet period
-        self.dht_latency.update(min(trio.current_time() - t0, 2 * self.dht_latency.value + 0.01))
+        entries: list[tuple[Any, Any]] = []
+        for shard in range(MAX_SHARDS):
+            t0 = trio.current_time()
+            try:
+                # A frugal read of the DHT's usual three replicas (my own copy counts as one, dht/node.py `get`):
+                # no query beyond those it still lacks, where a default get keeps alpha in flight and a fourth
+                # started before the third answered. These reads are most of a round's DHT traffic. Two replicas
+                # (quorum=2) were cheaper still, but with views built from them 7 of 12 runs (trio scheduler
+                # seeded) of test_back_to_back_rounds_with_jitter_form_full_groups had a round with a group short.
+                record = await self.dht.get(shard_key(state.key, shard), latest=False, frugal=True)
+            except Exception as error:  # a DHT hiccup is one stale view, not a failed round
+                logger.debug("matchmaking: reading %s failed: %s", shard_key(state.key, shard), error)
+                return False
+            # one read stalled by a dead replica must not inflate every later quiet period
+            self.dht_latency.update(min(trio.current_time() - t0, 2 * self.dht_latency.value + 0.01))
+            subkeys = getattr(record, "subkeys", None) or {}
+            entries.extend(subkeys.items())
+            crowded = len(subkeys) >= SHARD_CROWDED
+            state.crowded = state.crowded or crowded
+            if crowded and shard == state.shard and shard + 1 < MAX_SHARDS and state.declaring is None \
+                    and shard in state.declared_in and bytes(self.peer_id) not in subkeys:
+                self._overflow(state, shard + 1)  # the holders dropped my declaration from this full shard
+            if not crowded and shard >= state.shard:
+                break
         now = self.dht.now()
         view = {p: d for p, d in state.view.items() if d.deadline + 1.0 >= now}
         readmitted = False
-        for subkey, entry in (getattr(record, "subkeys", None) or {}).items():
+        for subkey, entry in entries:
             if not isinstance(subkey, (bytes, bytearray)) or len(subkey) != 20:
                 continue
             declaration = Declaration.from_wire(bytes(subkey), entry.value)
@@ -455,14 +482,15 @@ class Matchmaker:
         state = self._round = _Round(key, me, now - started, max(self._expected_population(key), expected))
         state.promised = expected
         self.stats["attempts"] += 1
-        expiration = now + window + 1.0
+        expiration = state.expiration = now + window + 1.0
         try:
             with trio.move_on_at(started + window + self._grace()):
                 result: MatchResult | None = None
                 async with trio.open_nursery() as nursery:
                     # Declaring runs beside gathering: live replicas have the declaration after one round trip,
                     # while the store call itself may wait out a dead replica's timeout.
-                    nursery.start_soon(self._declare, key, me, expiration)
+                    state.declaring = 0
+                    nursery.start_soon(self._declare, state, 0)
                     await self._refresh_view(state)
                     if left_behind is not None:  # judged on a view read at least once
                         nursery.start_soon(self._abandon_if_alone, left_behind, state, nursery.cancel_scope)
@@ -484,7 +512,9 @@ class Matchmaker:
             if state.assembly is not None and not state.assembly.closed:
                 state.assembly.abandon()
             state.poke()  # every held join gets its final answer
-            await self._withdraw(key, expiration)
+            shards = state.declared_in | ({state.declaring} if state.declaring is not None else set())
+            for shard in sorted(shards):
+                await self._withdraw(shard_key(key, shard), expiration)
 
     async def _abandon_if_alone(self, left_behind: Callable[[], Awaitable[bool]], state: _Round,
                                 scope: trio.CancelScope) -> None:
@@ -503,14 +533,44 @@ class Matchmaker:
                 scope.cancel()
                 return
 
-    async def _declare(self, key: str, me: Declaration, expiration: float) -> None:
+    async def _declare(self, state: _Round, shard: int) -> None:
+        key = shard_key(state.key, shard)
         t0 = trio.current_time()
         try:
-            if not await self.dht.store(key, me.to_wire(), expiration, subkey=bytes(self.peer_id), signed=True):
+            if not await self.dht.store(key, state.me.to_wire(), state.expiration, subkey=bytes(self.peer_id),
+                                        signed=True):
                 logger.debug("matchmaking: no replica acknowledged my declaration under %s", key)
             self.store_latency.update(min(trio.current_time() - t0, 2 * self.store_latency.value + 0.01))
         except Exception as error:  # joins still work: peers that see me find me; others I join myself
             logger.debug("matchmaking: declaring under %s failed: %s", key, error)
+        finally:
+            state.declared_in.add(shard)
+            if state.declaring == shard:
+                state.declaring = None
+        if shard + 1 < MAX_SHARDS and state.declaring is None and shard == state.shard:
+            # a full shard's holders may have dropped it: check now, not at the next poll, so that the peers
+            # planning with the others see me the sooner
+            try:
+                record = await self.dht.get(key, latest=False, frugal=True)
+            except Exception as error:
+                logger.debug("matchmaking: reading %s failed: %s", key, error)
+                return
+            subkeys = getattr(record, "subkeys", None) or {}
+            if len(subkeys) >= SHARD_CROWDED and bytes(self.peer_id) not in subkeys and shard == state.shard:
+                state.crowded = True
+                self._overflow(state, shard + 1)
+
+    def _overflow(self, state: _Round, shard: int) -> None:
+        """Declare again in `shard`: the previous one is full and its holders kept others' declarations."""
+        logger.debug("matchmaking %s: %s is crowded, declaring in shard %d", self.peer_id.short(), state.key, shard)
+        state.shard = state.declaring = shard
+        if self.nursery is not None:
+            try:
+                self.nursery.start_soon(self._declare, state, shard)
+                return
+            except RuntimeError:  # the owner is shutting down
+                pass
+        state.declaring = None
 
     async def _withdraw(self, key: str, expiration: float) -> None:
         """Overwrite my declaration so latecomers don't plan with me. 1 ms later expiration wins the merge
@@ -590,7 +650,10 @@ class Matchmaker:
             quiet_for = now - state.last_change
             full = len(chunk_of(self._plan(state), self.peer_id)) >= self.target
             patient = self._patient(state)
-            settled = (full and not patient and quiet_for >= self.quiet_period) or state.join_arrived \
+            # under a crowded key, declarations trimmed from a full shard reappear in the next one a few quiet
+            # periods late: a full chunk waits as long as a partial one, or the latecomers end in partial groups
+            quiet_enough = (3 if state.crowded else 1) * self.quiet_period
+            settled = (full and not patient and quiet_for >= quiet_enough) or state.join_arrived \
                 or (not patient and quiet_for >= 3 * self.quiet_period)
             if not settled:
                 await state.wait_changed(min(deadline, now + self.quiet_period / 2))
