@@ -149,8 +149,8 @@ async def _scenario(seed, rounds, failures):
             _check_failures_seen(results, averagers, landed)
             phases.update(landed.values())
             if round_index == 0:  # no failures yet: everyone averages, nearly always in full groups
-                assert all(r.finished for r in results.values()), {averagers[i].peer_id.short(): r.reason for i, r in results.items()
-                                                                  if not r.finished}
+                unfinished = {averagers[i].peer_id.short(): r.reason for i, r in results.items() if not r.finished}
+                assert not unfinished, unfinished
                 assert sum(r.group_size == 4 for r in results.values()) >= 0.9 * len(results)
             finished += sum(r.finished for r in results.values())
             total += len(results)
