@@ -208,6 +208,7 @@ class DiLoCoOptimizer:
         self._last_step_end: float | None = None
         self._background: trio.Event | None = None  # overlap: set when the background contribution ended
         self._background_outcome = ""
+        self._background_scope = trio.CancelScope()  # finish() gives up a background round that does not start
         self._held = False
         self._members_of: dict[int, Members] = {}  # outer step -> members of the round that produced it
         self._inflight_round: int | None = None  # the round a background contribution is offered to now
@@ -462,8 +463,7 @@ class DiLoCoOptimizer:
                         start.step, len(others))
             self._record({"outcome": "skipped", "round": start.step, "members": 1, "reason": start.reason,
                           "base": contribution.base})
-            if start.coordinator == bytes(self.tracker.peer_id):
-                self.rounds.round_failed(start.step)
+            self.rounds.alone_in(start.step)
             return "skipped"
         if len(start.members) > 1 and self._gathers(start, contribution.indices):
             outcome, reason = await self._gather(start, contribution)
@@ -695,7 +695,16 @@ class DiLoCoOptimizer:
         me = self.tracker.peer_id
         why = "the run's progress records could not be read"
         with trio.move_on_after(timeout) as scope:
-            await self._wait_background()  # overlap: nothing else may write the outer state meanwhile
+            # overlap: nothing else may write the outer state meanwhile. Bounded: at the end of a run the others
+            # are finishing too and come to no more rounds, so a last contribution whose round has not started
+            # (its coordinator killed, say) would keep this trainer from ever saying it finished
+            with trio.move_on_after(timeout / 3):
+                await self._wait_background()
+            if self._background is not None and not self._background.is_set():
+                logger.info("diloco: finish: the last contribution (round %s) found no round within %.0f s; "
+                            "given up (the final agreement settles the state)", self._inflight_round, timeout / 3)
+                self._background_scope.cancel()
+                await self._wait_background()
             self.tracker.info["fin"] = True
             await self.tracker.publish()
             while True:
@@ -742,9 +751,12 @@ class DiLoCoOptimizer:
             nursery.start_soon(run_work)
         return outcome
 
-    async def _background_contribution(self, contribution: _Contribution, done: trio.Event) -> None:
+    async def _background_contribution(self, contribution: _Contribution, done: trio.Event,
+                                       scope: trio.CancelScope) -> None:
+        self._background_outcome = "lost"
         try:
-            self._background_outcome = await self._contribute(contribution)
+            with scope:
+                self._background_outcome = await self._contribute(contribution)
         except Exception as error:  # the round is best effort; the next contribution catches up if we drifted
             logger.warning("diloco: background outer round failed: %s", error)
             self._background_outcome = "lost"
@@ -754,7 +766,8 @@ class DiLoCoOptimizer:
     async def _start_background(self, contribution: _Contribution) -> None:
         done = trio.Event()
         self._background = done
-        self._nursery.start_soon(self._background_contribution, contribution, done)
+        self._background_scope = trio.CancelScope()
+        self._nursery.start_soon(self._background_contribution, contribution, done, self._background_scope)
 
     async def _wait_background(self) -> None:
         if self._background is not None:

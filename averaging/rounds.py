@@ -455,6 +455,18 @@ class RoundService:
             self._attempts[step] = self._attempts.get(step, 0) + 1
             self.held_changed()  # members waiting for outer step `step + 1` from me learn it will not come
 
+    def alone_in(self, step: int) -> None:
+        """A round in which I was the only member applied nothing (`DiLoCoOptimizer._average`): nobody holds the
+        outer step it would have produced. Whoever started it, trainers told to catch up to that step from me (its
+        only member) must hear so at once (a "void" status), not wait for it until their deadline; at the end of
+        a run, when the others are finishing and come to no round, they waited past everyone's final agreement."""
+        coordinated = self.rounds.get(step)
+        if coordinated is not None and coordinated.core.start is not None:
+            self.round_failed(step)
+        elif self._holding().step <= step:
+            self._attempts[step] = self._attempts.get(step, 0) + 1
+            self.held_changed()
+
     def members_of_group(self, group_id: bytes) -> list[bytes] | None:
         """The members of a round this trainer started (for `averaging.gather`'s decision), by group id."""
         for coordinated in self.rounds.values():

@@ -71,6 +71,28 @@ async def test_a_waiter_hears_at_once_that_the_round_it_waits_on_produced_nothin
         nursery.cancel_scope.cancel()
 
 
+async def test_a_waiter_hears_at_once_from_the_lone_member_of_a_round_another_coordinated(autojump_clock):
+    """The end of a run: a coordinator that is finishing starts round 3 with one member (itself not in it); that
+    member applies nothing, and a trainer told to catch up to outer step 4 from it must hear so at once."""
+    memory = MemoryNetwork(latency=0.01, seed=1)
+    async with trio.open_nursery() as nursery:
+        peers, (member, waiter) = await _services(2, memory, nursery)
+        began = trio.current_time()
+        answered: list[float] = []
+
+        async def wait() -> None:
+            assert await waiter.await_step(4, [(member.me, peers[0].address)], deadline=began + 60) is None
+            answered.append(trio.current_time() - began)
+
+        nursery.start_soon(wait)
+        await trio.sleep(0.5)
+        assert not answered and 3 not in member.rounds  # it did not coordinate round 3
+        member.alone_in(3)
+        await trio.sleep(0.5)
+        assert answered and answered[0] < 1.0  # not the deadline, 60 s away
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_waiter_of_a_round_that_did_not_fail_waits_for_its_outer_step(autojump_clock):
     memory = MemoryNetwork(latency=0.01, seed=1)
     async with trio.open_nursery() as nursery:
