@@ -436,6 +436,10 @@ class RoundService:
                     self.stats["redirects"] += 1
                     return {"redirect": [redirect[0], list(redirect[1])]}
             coordinated = self._coordinate(step)
+        elif await self._lone_round_void(step, coordinated, peer):
+            self.round_failed(step)
+            coordinated = self._coordinate(step)
+        coordinated = self.rounds.get(step, coordinated)  # another offer may have started it again meanwhile
         now = trio.current_time()
         verdict = coordinated.core.offer(offer, now)
         if offer.address is not None:
@@ -444,6 +448,27 @@ class RoundService:
             verdict = coordinated.core.verdict(peer)  # this offer completed the round: no long poll needed
         coordinated.wake()
         return {**_verdict_to_wire(verdict, now), "roster": self._gossip()}
+
+    async def _lone_round_void(self, step: int, coordinated: _Coordinated, offerer: bytes) -> bool:
+        """True when round `step`, which I started, had one member, another than `offerer`, and that member
+        (asked once, briefly) holds nothing newer: the member applied nothing, as a lone member with others live
+        does (`DiLoCoOptimizer._average`), or died. Told "late" for that round, every later offerer would look
+        for an outer step nobody will ever hold (a whole churn run stalled at one step that way); the round is
+        started again instead. A member that applied it alone holds the next step: then "late" is right."""
+        start = coordinated.core.start
+        if start is None or len(start.members) != 1 or start.members[0].peer == offerer \
+                or self._holding().step > step:
+            return False
+        member = start.members[0]
+        if member.peer == self.me or member.address is None:
+            return False  # my own round: `alone_in`/`round_failed` already said what it produced
+        held = await self.await_step(step + 1, [(member.peer, member.address)],
+                                     deadline=trio.current_time() + min(2.0, self.poll_limit))
+        if held is not None or self.rounds.get(step) is not coordinated:
+            return False
+        logger.info("round %d: its one member %s holds no outer step %d; starting it again for %s", step,
+                    PeerID(member.peer).short(), step + 1, PeerID(offerer).short())
+        return True
 
     def round_failed(self, step: int) -> None:
         """A round this trainer started produced nothing here (lost, or skipped alone): forget it, so the next

@@ -93,6 +93,46 @@ async def test_a_waiter_hears_at_once_from_the_lone_member_of_a_round_another_co
         nursery.cancel_scope.cancel()
 
 
+async def test_a_round_whose_lone_member_applied_nothing_is_started_again_for_the_next_offer(autojump_clock):
+    """A coordinator that was catching up started round 3 with one member, not itself; the member, with others
+    live, applied nothing. The next offerer must get a round, not "late" for a step nobody will hold (a whole
+    churn run stalled at one outer step that way)."""
+    memory = MemoryNetwork(latency=0.01, seed=1)
+    async with trio.open_nursery() as nursery:
+        peers, (coordinator, member, offerer) = await _services(3, memory, nursery)
+
+        def offer(service: RoundService, peer) -> dict:
+            return {"run": RUN, "step": 3, "base": 3, "samples": 10, "hash": "h" * 8, "address": list(peer.address),
+                    "insist": True}
+
+        first = await coordinator.join(member.me, offer(member, peers[1]))
+        assert "start" in first and coordinator.rounds[3].core.start.peers == [member.me]
+        member.alone_in(3)  # `DiLoCoOptimizer._average`: alone while others are live, nothing applied
+        again = await coordinator.join(offerer.me, offer(offerer, peers[2]))
+        assert "late" not in again, again
+        assert coordinator.rounds[3].core.start is None or offerer.me in coordinator.rounds[3].core.start.peers
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_round_whose_lone_member_holds_the_next_step_is_late_for_the_next_offer(autojump_clock):
+    memory = MemoryNetwork(latency=0.01, seed=1)
+    async with trio.open_nursery() as nursery:
+        peers = await start_peers(nursery, 3, memory=memory, prefix="r", with_dht=False,
+                                  identity_for=lambda name, seed: Identity.from_seed(name.encode() * 4))
+        services = []
+        for index, peer in enumerate(peers):
+            step = 4 if index == 1 else 3  # the member applied the round alone (nobody else was live for it)
+            service = RoundService(peer.rpc, RUN, QuorumPolicy(), holding=lambda step=step: Holding(step, "h" * 8, ()),
+                                   expected=lambda step: {}, on_open=lambda step, closes_in: True,
+                                   address=lambda peer=peer: peer.address)
+            services.append(await nursery.start(service.serve))
+        coordinator, member, offerer = services
+        args = {"run": RUN, "step": 3, "base": 3, "samples": 10, "hash": "h" * 8, "insist": True}
+        assert "start" in await coordinator.join(member.me, {**args, "address": list(peers[1].address)})
+        assert "late" in await coordinator.join(offerer.me, {**args, "address": list(peers[2].address)})
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_waiter_of_a_round_that_did_not_fail_waits_for_its_outer_step(autojump_clock):
     memory = MemoryNetwork(latency=0.01, seed=1)
     async with trio.open_nursery() as nursery:
