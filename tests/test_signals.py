@@ -49,6 +49,12 @@ FAKE_PEER = textwrap.dedent('''
         first = int(args[args.index("--experts") + 1].split("[")[1].split(":")[0])
         print("serving 4 experts: " + ", ".join(f"ffn.{first + i}" for i in range(4)), flush=True)
         print(f"others join with: peer join --initial-peers 127.0.0.1:{port}", flush=True)
+        experts = [f"ffn.{first + i}" for i in range(4)]
+        print(json.dumps({"event": "joined", "v": 1, "peer_id": f"{os.getpid():040x}",
+                          "address": f"127.0.0.1:{port}", "reachability": "public", "reached": "direct",
+                          "experts": experts, "pattern": None, "hidden_dim": None, "expert_kind": None,
+                          "metrics": None, "join_command": f"peer join --initial-peers 127.0.0.1:{port}"}),
+              flush=True)
         while not stop:
             time.sleep(0.01)
         sys.exit(0)
