@@ -419,11 +419,7 @@ class Matchmaker:
             self.dht_latency.update(min(trio.current_time() - t0, 2 * self.dht_latency.value + 0.01))
             subkeys = getattr(record, "subkeys", None) or {}
             entries.extend(subkeys.items())
-            crowded = len(subkeys) >= SHARD_CROWDED
-            state.crowded = state.crowded or crowded
-            if crowded and shard == state.shard and shard + 1 < MAX_SHARDS and state.declaring is None \
-                    and shard in state.declared_in and bytes(self.peer_id) not in subkeys:
-                self._overflow(state, shard + 1)  # the holders dropped my declaration from this full shard
+            crowded = self._note_shard(state, shard, subkeys)
             if not crowded and shard >= state.shard:
                 break
         now = self.dht.now()
@@ -547,18 +543,25 @@ class Matchmaker:
             state.declared_in.add(shard)
             if state.declaring == shard:
                 state.declaring = None
-        if shard + 1 < MAX_SHARDS and state.declaring is None and shard == state.shard:
-            # a full shard's holders may have dropped it: check now, not at the next poll, so that the peers
-            # planning with the others see me the sooner
+        if state.crowded and state.declaring is None and shard == state.shard:
+            # under a crowded key the holders may have dropped it: check now, not at the next poll, so that the
+            # peers planning with the others see me the sooner (uncrowded keys skip this read)
             try:
                 record = await self.dht.get(key, latest=False, frugal=True)
             except Exception as error:
                 logger.debug("matchmaking: reading %s failed: %s", key, error)
                 return
-            subkeys = getattr(record, "subkeys", None) or {}
-            if len(subkeys) >= SHARD_CROWDED and bytes(self.peer_id) not in subkeys and shard == state.shard:
-                state.crowded = True
-                self._overflow(state, shard + 1)
+            self._note_shard(state, shard, getattr(record, "subkeys", None) or {})
+
+    def _note_shard(self, state: _Round, shard: int, subkeys: dict[Any, Any]) -> bool:
+        """What a read of `shard` says: whether it is crowded; and when it is my shard, my declaration has landed
+        and the holders kept others' instead, declare in the next shard. The one place that decides to move."""
+        crowded = len(subkeys) >= SHARD_CROWDED
+        state.crowded = state.crowded or crowded
+        if crowded and shard == state.shard and shard + 1 < MAX_SHARDS and state.declaring is None \
+                and shard in state.declared_in and bytes(self.peer_id) not in subkeys:
+            self._overflow(state, shard + 1)
+        return crowded
 
     def _overflow(self, state: _Round, shard: int) -> None:
         """Declare again in `shard`: the previous one is full and its holders kept others' declarations."""

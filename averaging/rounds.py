@@ -477,8 +477,13 @@ class RoundService:
         coordinated = self.rounds.get(step)
         if coordinated is not None and coordinated.core.start is not None and self._holding().step <= step:
             del self.rounds[step]
-            self._attempts[step] = self._attempts.get(step, 0) + 1
-            self.held_changed()  # members waiting for outer step `step + 1` from me learn it will not come
+            self._void(step)
+
+    def _void(self, step: int) -> None:
+        """Round `step` produced nothing here: status polls for outer step `step + 1` answer "void" (`_on_status`)
+        until the round is started again."""
+        self._attempts[step] = self._attempts.get(step, 0) + 1
+        self.held_changed()  # members waiting for outer step `step + 1` from me learn it will not come
 
     def alone_in(self, step: int) -> None:
         """A round in which I was the only member applied nothing (`DiLoCoOptimizer._average`): nobody holds the
@@ -489,8 +494,7 @@ class RoundService:
         if coordinated is not None and coordinated.core.start is not None:
             self.round_failed(step)
         elif self._holding().step <= step:
-            self._attempts[step] = self._attempts.get(step, 0) + 1
-            self.held_changed()
+            self._void(step)
 
     def members_of_group(self, group_id: bytes) -> list[bytes] | None:
         """The members of a round this trainer started (for `averaging.gather`'s decision), by group id."""

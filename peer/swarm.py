@@ -203,14 +203,13 @@ class SwarmLauncher:
     def _on_line(self, member: Managed, line: str) -> None:
         if member.role == "volunteer" and not member.ready.is_set():
             joined = member.joining.feed(line)
-            known = joined
-            if known is not None:
-                member.peer_id, member.address, member.reachability = known.peer_id, known.address, known.reachability
-                if known.experts:
-                    uids = sorted(known.experts, key=_grid_order)
-                    hidden = f", hidden {known.hidden_dim}" if known.hidden_dim else ""
-                    member.experts = f"{len(uids)} experts ({uids[0]}..{uids[-1]}{hidden})"
             if joined is not None:
+                member.peer_id, member.address, member.reachability = (joined.peer_id, joined.address,
+                                                                        joined.reachability)
+                if joined.experts:
+                    uids = sorted(joined.experts, key=_grid_order)
+                    hidden = f", hidden {joined.hidden_dim}" if joined.hidden_dim else ""
+                    member.experts = f"{len(uids)} experts ({uids[0]}..{uids[-1]}{hidden})"
                 member.ready.set()
         if line.startswith("{"):
             try:

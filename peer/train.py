@@ -62,6 +62,7 @@ class TrainingFailed(RuntimeError):
     """A run that ended without doing its job (never averaged, held-out evaluation failed, too few outer steps,
     no experts): the message says why in one line, so the command line prints it without a traceback."""
 
+
 DIGITS_SPLIT_SEED = 20240607  # the held-out set is the same for every trainer of every run
 HELD_OUT_FRACTION = 0.2
 
