@@ -462,6 +462,7 @@ class DiLoCoOptimizer:
             logger.info("diloco: round %d had no other member while %d trainers are live; nothing applied",
                         start.step, len(others))
             self._record({"outcome": "skipped", "round": start.step, "members": 1, "reason": start.reason,
+                          "waited": round(start.waited, 4), "window": round(start.window, 4),
                           "base": contribution.base})
             self.rounds.alone_in(start.step)
             return "skipped"
@@ -706,8 +707,10 @@ class DiLoCoOptimizer:
                 self._background_scope.cancel()
                 await self._wait_background()
             self.tracker.info["fin"] = True
-            await self.tracker.publish()
+            published = await self.tracker.publish()
             while True:
+                if not published:  # the others wait for this record: retried at once, not at the next refresh
+                    published = await self.tracker.publish()
                 progress = await self.tracker.fetch()
                 self.last_progress = progress
                 others = [p for p in progress.peers if p.peer_id != me and p.info.get("alg") and not p.left]
@@ -717,7 +720,7 @@ class DiLoCoOptimizer:
                                                    timeout=max(0.0, scope.deadline - trio.current_time())):
                     self._stats["final_resyncs"] += 1
                     self.outer.reset_local()
-                    await self.tracker.publish()
+                    published = await self.tracker.publish()
                     continue
                 training = [p for p in others if not p.info.get("fin")]
                 apart = [p for p in finished if p.epoch != self.outer_step or p.info.get("hash") != self.hash]

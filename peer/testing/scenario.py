@@ -403,8 +403,12 @@ class Runner:
                           if t.killed_at is None and t.done and (t.result is None or t.process.returncode != 0)]
                 if failed:
                     t = failed[0]
+                    # the others still running are often the cause (a final agreement that one of them never
+                    # joined): their last lines too, since the workdir is gone once the process pool is
+                    others = "".join(f"\n--- {o.name} (still running) ---\n{o.stderr_tail(1500)}"
+                                     for o in self.trainers.values() if o.killed_at is None and not o.done)
                     raise ScenarioError(f"{t.name} exited with {t.process.returncode} without a result: "
-                                        f"{t.reader.text[-5:]}\n{t.stderr_tail()}")
+                                        f"{t.reader.text[-5:]}\n{t.stderr_tail()}{others}")
                 if churn.done and all(t.done for t in self.trainers.values() if t.killed_at is None):
                     return
                 stalled = time.monotonic() - moved_at > self.scenario.stall_timeout and step > 0

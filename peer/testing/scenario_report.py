@@ -156,10 +156,11 @@ class ScenarioResult:
 
     def waits(self, names: list[str]) -> list[dict[str, Any]]:
         """The rounds `names` took part in, with how long each waited after its window opened and why it
-        started (to judge what a frozen or slow trainer cost the others)."""
+        started (to judge what a frozen or slow trainer cost the others). A start refused as breaking the rules
+        carries no window (its figures were not trusted) and is left out."""
         return [{"round": e["round"], "reason": e["reason"], "waited": e["waited"], "window": e["window"],
                  "members": e["members"]}
-                for e in self.rounds() if any(n in e["by"] for n in names)]
+                for e in self.rounds() if any(n in e["by"] for n in names) and e["window"] is not None]
 
     def contributions(self, name: str) -> list[dict[str, Any]]:
         """`name`'s outer_round events (also dropped ones: those say why)."""

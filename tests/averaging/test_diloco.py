@@ -290,6 +290,9 @@ def test_partitioned_trainer_resyncs_after_the_partition_heals(bridge):
         last = made[3][1]
         # cut off, it found no group (applied nothing)
         assert last.stats()["skipped_rounds"] >= 1, last.stats()
+        # a skipped round says how long it waited and its window, as any started round does (the WAN reports)
+        skipped = [r for r in last.round_records if r.get("outcome") == "skipped"]
+        assert skipped and all(r["window"] is not None and r["waited"] is not None for r in skipped), skipped
         # healed: all four go on, one round at a time, until they hold one outer state (a condition, at most
         # 8 more rounds: the straggler re-syncs by download in its first round that sees the others ahead)
         for extra in range(8):
