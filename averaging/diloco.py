@@ -54,7 +54,7 @@ from averaging.averager import Averager, StepResult
 from averaging.errors import AveragingError
 from averaging.gather import GatherService, combine, prefer_gather
 from averaging.group import GroupInfo, Member
-from averaging.outer_state import ErrorFeedback, OuterState, nesterov_sgd
+from averaging.outer_state import ErrorFeedback, OuterState, default_outer, nesterov_sgd
 from averaging.progress import PeerProgress, ProgressTracker, SwarmProgress
 from averaging.quorum import Dropped, Late, Offer, QuorumPolicy, Resync, Start, check_start
 from averaging.rounds import Behind, Holding, RoundService
@@ -114,8 +114,9 @@ class _Contribution:
 class DiLoCoOptimizer:
     """Wraps any torch optimizer (the inner one) for DiLoCo training over a `peer.client.Swarm` (see module doc).
 
-    `outer_optimizer`: a callable building the outer optimizer over the outer parameters (default: Nesterov SGD
-    with `outer_lr`, `outer_momentum`). `compression`: the codec of the pseudo-gradients (`peer.p2p.wire`);
+    `outer_optimizer`: a callable building the outer optimizer over the outer parameters (default: SGD with
+    `outer_lr`, `outer_momentum`, Nesterov when the momentum is not 0; left None, the codec's
+    `averaging.outer_state.default_outer`). `compression`: the codec of the pseudo-gradients (`peer.p2p.wire`);
     `error_feedback`: carry the codec's loss to the next round. `overlap`: delayed outer update (see module doc).
     `aggregation`: how the pseudo-gradients are reduced (mean, or Byzantine-robust: `averaging.robust`).
     `quorum`: when rounds start and how stale a contribution may be (`averaging.quorum.QuorumPolicy`).
@@ -138,8 +139,8 @@ class DiLoCoOptimizer:
         inner_steps: int = 500,
         batch_size_per_step: int = 1,
         outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
+        outer_lr: float | None = None,
+        outer_momentum: float | None = None,
         compression: wire.Compression = wire.Compression.NONE,
         error_feedback: bool = True,
         overlap: bool = False,
@@ -185,7 +186,10 @@ class DiLoCoOptimizer:
         self.local_steps = 0
 
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
-        make_outer = outer_optimizer or (lambda ps: nesterov_sgd(ps, outer_lr, outer_momentum))
+        lr, momentum = default_outer(self.compression)
+        lr = lr if outer_lr is None else outer_lr
+        momentum = momentum if outer_momentum is None else outer_momentum
+        make_outer = outer_optimizer or (lambda ps: nesterov_sgd(ps, lr, momentum))
         self._lock = threading.Lock()
         self.outer = OuterState(self.params, make_outer, compression=self.compression, error_feedback=error_feedback,
                                 fragments=fragments, scale=self.hooks.scale_pseudo_gradient, lock=self._lock)

@@ -33,8 +33,20 @@ __all__ = ["ErrorFeedback", "OuterState", "nesterov_sgd", "split_fragments"]
 
 
 def nesterov_sgd(params: list[torch.Tensor], lr: float = 0.7, momentum: float = 0.9) -> torch.optim.Optimizer:
-    """The default outer optimizer of DiLoCo."""
-    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=True)
+    """The default outer optimizer of DiLoCo; with `momentum` 0, plain SGD (SparseLoCo's outer step, where the
+    error feedback accumulates what momentum would)."""
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
+
+
+def default_outer(compression: wire.Compression) -> tuple[float, float]:
+    """(learning rate, momentum) of the default outer SGD for `compression`. Dense codecs: DiLoCo's Nesterov (0.7,
+    0.9). Top-k codecs: SparseLoCo's plain step (1.0, 0.0), since the error feedback already carries 98% of each
+    round forward as a momentum would, and Nesterov on top of it overshoots: on the digits task with 4 trainers
+    and 12 outer steps, top-k + 2 bits reached 0.68-0.78 held-out accuracy with Nesterov against 0.91 this way
+    (dense int8: 0.81-0.91)."""
+    if wire.Compression(compression) in (wire.Compression.TOPK2, wire.Compression.TOPK8):
+        return 1.0, 0.0
+    return 0.7, 0.9
 
 
 class ErrorFeedback:

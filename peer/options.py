@@ -638,8 +638,10 @@ TRAIN = OptionSet("peer train", [
            "epoch; diloco: --inner-steps local steps, then an outer step on the averaged pseudo-gradients (for slow "
            "links)"),
     Option("inner-steps", POSITIVE_INT, 50, "with --algorithm diloco: local steps between outer steps"),
-    Option("outer-lr", POSITIVE, 0.7, "with --algorithm diloco: learning rate of the outer Nesterov SGD"),
-    Option("outer-momentum", NOT_NEGATIVE, 0.9, "with --algorithm diloco: momentum of the outer Nesterov SGD"),
+    Option("outer-lr", POSITIVE, None, "with --algorithm diloco: learning rate of the outer SGD (default 0.7; 1.0 "
+           "with topk2, topk8)"),
+    Option("outer-momentum", NOT_NEGATIVE, None, "with --algorithm diloco: momentum of the outer SGD, Nesterov "
+           "when not 0 (default 0.9; 0 with topk2, topk8, whose error feedback carries each round forward)"),
     Option("compression", Text(["none", "float16", "int8", "int4", "int2", "topk2", "topk8"]), "none",
            "with --algorithm diloco: codec of the pseudo-gradients, all lossy ones with error feedback (int8, int4, "
            "int2: blockwise 8, 4 and 2 bits; topk2, topk8: the largest 2% of each chunk of 4096 with 2-bit or "

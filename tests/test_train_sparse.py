@@ -12,9 +12,11 @@ from tests.peer_processes import ProcessGroup
 from tests.test_train_diloco import _daemon, _result, _trainer
 
 TRAINERS = 4
-# 12 outer steps of 20 inner steps (the run of tests/test_train_byzantine.py): near the plateau, so the 1-point
-# comparison measures the codec rather than the noise of a short run
-COMMON = ["--inner-steps", "20", "--steps", "240", "--lr", "0.01", "--log-every", "40"]
+# 30 outer steps of 20 inner steps: near the plateau, so the 1-point comparison measures the codec rather than
+# the noise of a short run. At 12 outer steps, 2% of this small model's 1,482 parameters per round has not
+# delivered what error feedback holds back (top-k 0.88-0.89 against int8 0.91, both varying by 0.05 run to run)
+OUTER_STEPS = 30
+COMMON = ["--inner-steps", "20", "--steps", str(20 * OUTER_STEPS), "--lr", "0.01", "--log-every", "100"]
 
 
 @pytest.fixture
@@ -38,8 +40,8 @@ def test_four_trainers_with_topk2_reach_the_int8_accuracy_and_agree(processes):
             print(codec, {k: r.get(k) for k in ("accuracy", "loss", "outer_step", "hash", "group_sizes",
                                                 "bytes_sent", "bytes_per_outer_step", "lost_rounds")})
     dense, sparse = results["int8"], results["topk2"]
-    # 12 outer steps at least (a round of 2 or 3 members, then one of the rest, can add one under load)
-    assert all(r["outer_step"] >= 12 for r in dense + sparse)
+    # every outer step at least (a round of 2 or 3 members, then one of the rest, can add one under load)
+    assert all(r["outer_step"] >= OUTER_STEPS for r in dense + sparse)
     assert len({r["hash"] for r in dense}) == 1 and len({r["hash"] for r in sparse}) == 1
     dense_accuracy = min(r["accuracy"] for r in dense)
     assert all(r["accuracy"] >= dense_accuracy - 0.01 for r in sparse), (sparse, dense_accuracy)

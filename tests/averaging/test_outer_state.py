@@ -6,7 +6,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from averaging.outer_state import OuterState, split_fragments
+from averaging.outer_state import OuterState, default_outer, nesterov_sgd, split_fragments
+from peer.p2p import wire
 
 
 @given(st.lists(st.integers(1, 1000), min_size=1, max_size=30), st.integers(1, 8))
@@ -92,3 +93,17 @@ def test_overlap_a_lost_round_gives_its_progress_back_to_the_next_contribution()
     outer.from_progress([0, 1])
     assert all(torch.allclose(q, torch.full_like(q, 1.5)) for q in outer.pseudo)  # both phases' progress
     assert outer.step == 0
+
+
+def test_top_k_codecs_default_to_a_plain_outer_step_and_dense_ones_to_nesterov():
+    """SparseLoCo's outer step for sparse updates (their error feedback carries each round forward), DiLoCo's
+    Nesterov for the others; momentum 0 builds plain SGD, which torch refuses to make Nesterov."""
+    assert default_outer(wire.Compression.TOPK2) == default_outer(wire.Compression.TOPK8) == (1.0, 0.0)
+    assert default_outer(wire.Compression.INT8) == default_outer(wire.Compression.NONE) == (0.7, 0.9)
+    param = torch.zeros(3, requires_grad=True)
+    plain = nesterov_sgd([param], *default_outer(wire.Compression.TOPK2))
+    assert plain.param_groups[0]["nesterov"] is False and plain.param_groups[0]["lr"] == 1.0
+    param.grad = torch.ones(3)
+    plain.step()
+    assert torch.equal(param.detach(), -torch.ones(3))  # exactly the averaged update, applied once
+    assert nesterov_sgd([param], 0.7, 0.9).param_groups[0]["nesterov"] is True
