@@ -57,7 +57,7 @@ from averaging.group import GroupInfo, Member
 from averaging.outer_state import ErrorFeedback, OuterState, default_outer, nesterov_sgd
 from averaging.progress import PeerProgress, ProgressTracker, SwarmProgress
 from averaging.quorum import Dropped, Late, Offer, QuorumPolicy, Resync, Start, check_start
-from averaging.rounds import Behind, Holding, RoundService
+from averaging.rounds import Behind, Final, Holding, RoundService
 from averaging.state import install_state_server, load_state
 from averaging.state_hash import state_digest
 from dht.client import SwarmHandle
@@ -215,6 +215,7 @@ class DiLoCoOptimizer:
         self._background_scope = trio.CancelScope()  # finish() gives up a background round that does not start
         self._held = False
         self._members_of: dict[int, Members] = {}  # outer step -> members of the round that produced it
+        self._chain: dict[int, str] = {}  # outer step -> hash, of the recent outer states I held (RoundService)
         self._inflight_round: int | None = None  # the round a background contribution is offered to now
         self._finishing = False  # finish() was called: no more contributions
         self._cut_at: float | None = None  # monotonic time by which this phase must end (a round opened)
@@ -234,6 +235,7 @@ class DiLoCoOptimizer:
         self.rounds = RoundService(
             swarm.rpc, run_id, self.policy, holding=self._holding, expected=self._expected, on_open=self._on_open,
             address=lambda: self._address, banned=lambda: self.averager.strikes.banned, roster_ttl=progress_ttl,
+            chain=lambda: self._chain,
         )
         self.exchange = exchange
         self.gather = GatherService(swarm.rpc, members_of=self.rounds.members_of_group)
@@ -333,12 +335,16 @@ class DiLoCoOptimizer:
     def _on_open(self, step: int, closes_in: float) -> bool:
         """A coordinator opened round `step`, whose window closes in `closes_in` seconds. When this phase's
         contribution goes there, the phase ends early enough to make the window (`step()` checks). Returns whether
-        I will offer to (or am offering to) that round; not when I am behind and will be late anyway."""
+        I will offer to (or am offering to) that round; not when my loop stopped, or when my contribution cannot go
+        there (another fragment's round, or further ahead than the staleness bound)."""
         last = self._last_step_end  # None: the loop has not started yet (it will come)
         idle = self._finishing or (last is not None and time.monotonic() - last > max(2.0, 20 * self._step_seconds))
         if step == self._inflight_round:
             return True  # my offer to that round is on its way (it may have met a redirect, or the network)
-        coming = step == self._next_round() and not idle  # a trainer whose loop stopped calling step() is not
+        # a trainer whose loop stopped calling step() is not coming; one behind the round comes from its state
+        coming = not idle and (step == self._next_round() or (
+            self._inflight_round is None and self.fragments == 1
+            and self.outer_step < step <= self.outer_step + self.policy.max_staleness))
         if coming:
             self._cut_at = time.monotonic() + closes_in
         else:
@@ -383,23 +389,37 @@ class DiLoCoOptimizer:
             staleness = (step - contribution.base) // self.fragments  # in rounds of its own fragment
             if staleness > self.policy.max_staleness:
                 return self._drop(contribution, f"stale by {staleness} rounds (at most {self.policy.max_staleness})")
-            if self.outer_step < step:  # a fragment's contribution waits for the next round of that fragment
+            behind = self._may_offer_behind(contribution, step)
+            if self.outer_step < step and not behind:  # a fragment's contribution waits for its next round
                 if not await self._catch_up(step, self._candidates(step - 1), deadline):
                     return "lost"
                 continue
             offer = Offer(bytes(self.tracker.peer_id), step - staleness, contribution.samples, self.hash,
-                          self._address)
+                          self._address, chain=tuple(sorted(self._chain.items())))
             if self.tracker.last_fetch_age > self.tracker.max_refresh:
                 self.last_progress = await self.tracker.fetch()  # the roster is no older than the tracker keeps it
             self._note_roster()
             progress = self.tracker.progress()
-            if self._canonical(list(progress.peers))[0] > step and await self._resync(progress):
-                # others hold a newer outer step than the round I was about to offer to (a joiner whose first
-                # download failed, a trainer back from a partition): hold theirs first, then offer (or drop)
+            newest, _, holders = self._canonical(list(progress.peers))
+            training = any(not p.info.get("fin") for p in holders)  # finished trainers come to no more rounds
+            if newest > step and training and self._may_offer_behind(contribution, newest):
+                # others hold a newer outer step (a joiner the swarm outran while it downloaded, a trainer that
+                # fell behind): offer to their round from the state I hold, and download its result after it
+                # (`quorum.OuterRound`: a member behind on the coordinator's chain), not before it
+                step = newest
+                continue
+            if newest > step and await self._resync(progress):
+                # others hold a newer outer step on another chain (a trainer back from a partition): hold
+                # theirs first, then offer (or drop)
                 step = self.outer_step
                 continue
             self._inflight_round = step
-            verdict = await self.rounds.enter(step, offer, deadline=deadline)
+            verdict = await self._enter(step, offer, deadline)
+            if isinstance(verdict, str):  # "finished"
+                logger.info("diloco: every other trainer finished while my contribution waited for round %d; "
+                            "taking the final state instead", step)
+                await self._resync(self.tracker.progress())
+                return "skipped"
             if verdict is None:
                 logger.warning("diloco: no coordinator of round %d answered; the contribution waits", step)
                 return "skipped"
@@ -417,6 +437,13 @@ class DiLoCoOptimizer:
                 continue
             start = verdict.start
             self._members_of[start.step + 1] = tuple((m.peer, m.address) for m in start.members)
+            if isinstance(verdict, Late) and self._may_offer_behind(contribution, start.step + 1) \
+                    and not self._others_finished():
+                self._stats["late_contributions"] += 1
+                logger.info("diloco: late for round %d (%s); offering to the next from outer step %d", start.step,
+                            start.reason, self.outer_step)
+                step = start.step + 1
+                continue
             if isinstance(verdict, Late):
                 self._stats["late_contributions"] += 1
                 logger.info("diloco: late for round %d (%s); catching up", start.step, start.reason)
@@ -430,6 +457,40 @@ class DiLoCoOptimizer:
                 continue  # that round produced nothing: offered again, its coordinator starts it anew
             step = self.outer_step
         return "lost"
+
+    async def _enter(self, step: int, offer: Offer, deadline: float) -> Final | None | str:
+        """`rounds.enter`, or "finished" as soon as every other live trainer of the run has finished: they come to
+        no more rounds (a trainer behind at the end of a run would wait for a round nobody starts)."""
+        verdict: Final | None | str = None
+        async with trio.open_nursery() as nursery:
+            async def enter() -> None:
+                nonlocal verdict
+                verdict = await self.rounds.enter(step, offer, deadline=deadline)
+                nursery.cancel_scope.cancel()
+
+            async def watch() -> None:
+                nonlocal verdict
+                # polled: the tracker refreshes the progress records in the background, with no event to wait on
+                while not self._others_finished():  # noqa: ASYNC110
+                    await trio.sleep(self.tracker.max_refresh)
+                verdict = "finished"
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(enter)
+            nursery.start_soon(watch)
+        return verdict
+
+    def _others_finished(self) -> bool:
+        """Whether the progress records show other live trainers of the run, all of them finished."""
+        me = self.tracker.peer_id
+        others = [p for p in self.tracker.progress().peers if p.peer_id != me and p.info.get("alg") and not p.left]
+        return bool(others) and all(p.info.get("fin") for p in others)
+
+    def _may_offer_behind(self, contribution: _Contribution, step: int) -> bool:
+        """Whether this contribution may go to round `step` from the older outer state I hold: the state it was
+        computed on, within the staleness bound (whole-model rounds only: a fragment's round must match it)."""
+        return (self.fragments == 1 and self.outer_step == contribution.base < step
+                and step - contribution.base <= self.policy.max_staleness)
 
     def _aligned(self, step: int, base: int) -> int:
         """The first round at or after `step` that synchronises the fragment of round `base`."""
@@ -480,11 +541,18 @@ class DiLoCoOptimizer:
             self._count_traffic(result)
             outcome = "averaged" if result.finished else "lost"
             reason = result.reason
+        behind = False
         if outcome == "lost":
             self._stats["lost_rounds"] += 1
             logger.info("diloco: round %d did not finish (%s); nothing applied", start.step, reason)
         else:
-            if self.outer_step != start.step or self.hash != start.hash:
+            behind = (outcome == "averaged" and self.outer_step == contribution.base < start.step
+                      and self._chain.get(contribution.base) == self.hash)
+            if behind:
+                # a member from an older state of the round's chain: my pseudo-gradient is in the others' outer
+                # step; I download it after this round (below) instead of applying it
+                self.outer.counted()
+            elif self.outer_step != start.step or self.hash != start.hash:
                 # moved meanwhile (a download by another path): this round's update does not fit my state
                 outcome = "lost"
                 self._stats["lost_rounds"] += 1
@@ -492,6 +560,7 @@ class DiLoCoOptimizer:
                 self._apply_outer(start, contribution, me.weight)
                 self._members_of[self.outer_step] = tuple((m.peer, m.address) for m in start.members)
                 self._forget_old_members()
+            if outcome != "lost":
                 if me.staleness:
                     self._stats["stale_contributions"] += 1
                 if outcome == "solo":
@@ -504,8 +573,9 @@ class DiLoCoOptimizer:
                     self.first_contribution = {
                         "seconds": round(time.monotonic() - self._created, 3),
                         "outer_steps": start.step - self._joined_at_step + 1, "round": start.step}
-                self.rounds.held_changed()
-                self._publish_state()
+                if not behind:
+                    self.rounds.held_changed()
+                    self._publish_state()
         if outcome == "lost" and start.coordinator == bytes(self.tracker.peer_id):
             self.rounds.round_failed(start.step)
         self._stats["rounds"] += 1
@@ -517,7 +587,14 @@ class DiLoCoOptimizer:
             "since_offer": round(trio.current_time() - contribution.started, 4),
             "contributors": [{"peer": PeerID(m.peer).short(), "samples": m.samples, "staleness": m.staleness,
                               "weight": round(m.weight, 4)} for m in start.members],
+            **({"behind": self.outer_step} if behind else {}),
         })
+        if behind:
+            members = tuple((m.peer, m.address) for m in start.members)
+            self._members_of[start.step + 1] = members
+            if not await self._catch_up(start.step + 1, members, trio.current_time() + self.load_state_timeout):
+                logger.info("diloco: could not download outer step %d after contributing to it from outer step %d; "
+                            "the next contribution goes from here", start.step + 1, self.outer_step)
         return outcome
 
     def _gathers(self, start: Start, indices: list[int]) -> bool:
@@ -628,6 +705,9 @@ class DiLoCoOptimizer:
     def _publish_state(self) -> None:
         self.tracker.new_epoch(self.outer_step)
         self.tracker.info.update({"hash": self.hash})
+        self._chain[self.outer_step] = self.hash
+        for step in [s for s in self._chain if s < self.outer_step - self.policy.max_staleness]:
+            del self._chain[step]
 
     async def _join(self) -> None:
         """Before the first inner step: wait for `start_with` trainers, then hold the swarm's newest outer state
@@ -655,10 +735,15 @@ class DiLoCoOptimizer:
         await self.tracker.publish()
 
     async def _intend(self) -> None:
-        """A joiner tells the coordinator of the round of the outer step it just downloaded to expect it: the
-        round's window then cuts its first phase short instead of starting without it."""
-        offer = Offer(bytes(self.tracker.peer_id), self.outer_step, 0, self.hash, self._address)
-        taken = await self.rounds.intend(self.outer_step, offer, timeout=self.averaging_timeout)
+        """A joiner tells the coordinator of its first round to expect it: that round's window then cuts its first
+        phase short instead of starting without it. Its first round is the one after the outer step it just
+        downloaded: the others finished that step's phase already (that round may be under way), while the
+        joiner's phase has only begun; asked to come to it, the joiner would make the others wait out a window
+        it cannot make. It goes to the next one from the state it holds, stale by one (`_may_offer_behind`)."""
+        step = self.outer_step + (1 if self.fragments == 1 else 0)
+        offer = Offer(bytes(self.tracker.peer_id), self.outer_step, 0, self.hash, self._address,
+                      chain=tuple(sorted(self._chain.items())))
+        taken = await self.rounds.intend(step, offer, timeout=self.averaging_timeout)
         logger.debug("diloco: intent for round %d %s", offer.base, "taken" if taken else "not taken")
 
     def _ahead(self, progress: SwarmProgress) -> bool:
@@ -942,6 +1027,8 @@ class DiLoCoOptimizer:
             self.outer.reset_local(indices)  # this fragment's local parameters <- its new outer parameters
         elif self.outer_step != step_before:
             self.outer.reset_local()  # the outer state moved by a download: start again from it
+        elif outcome == "averaged":
+            self.outer.reset_local(indices)  # counted from behind, its result not downloaded yet: progress spent
         # else: nothing applied and the outer state did not move: keep the local parameters, the next
         # pseudo-gradient of this fragment covers this phase too
         self.round_steps = self.round_samples = 0

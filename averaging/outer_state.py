@@ -201,6 +201,13 @@ class OuterState:
         self._stale.update(chosen)
         self._pending = {}
 
+    def counted(self) -> None:
+        """The last contribution was averaged into a round whose result I download rather than apply (I took part
+        from an older outer state): what the codec dropped is carried forward and its progress is spent, as after
+        `apply`, but no outer parameter moves here."""
+        self.feedback.commit()
+        self._pending = {}
+
     def replace(self, tensors: Sequence[torch.Tensor], step: int, hash_: str) -> None:
         """A downloaded outer state (already verified against `hash_`); every fragment must be rebased."""
         with self.lock:

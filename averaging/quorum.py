@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 Address = tuple[str, int]
@@ -161,7 +161,8 @@ def coordinator_order(run: str, step: int, candidates: Iterable[bytes]) -> list[
 @dataclass(frozen=True)
 class Offer:
     """A trainer's ready message for a round. `intent`: no contribution yet, only "expect me" (a trainer that
-    just caught up registers so that it is told when the window opens)."""
+    just caught up registers so that it is told when the window opens). `chain`: (outer step, hash) of the recent
+    outer states it held, which vouch for trainers behind on them (see `OuterRound`)."""
 
     peer: bytes
     base: int
@@ -170,6 +171,7 @@ class Offer:
     address: Address | None = None
     bandwidth: float = 1.0
     intent: bool = False
+    chain: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -261,17 +263,27 @@ class OuterRound:
 
     `expected`: trainers the coordinator counts on (members of the previous round not seen failing); offers
     with `intent` add to them. `own_hash`: the coordinator's outer state hash at this step, the tie-breaker of
-    the agreement (None when it does not hold this step). `window`: the grace window, from the estimator."""
+    the agreement (None when it does not hold this step). `chain`: the hashes of the outer steps before this one
+    that the coordinator held (step -> hash). `window`: the grace window, from the estimator.
+
+    A trainer that holds an older outer state of the same chain (a joiner whose download the swarm outran, a
+    trainer that fell behind) is a member, stale by the steps it is behind: its pseudo-gradient was computed on
+    that state, which is all a stale contribution ever is, and it downloads the round's result afterwards. So
+    it contributes now instead of after a download that the swarm outruns again. Its offer's (base, hash) must
+    be vouched for by the chain of a trainer holding the round's state: an offer's `chain`, or mine when the
+    round's state is my own. Offers behind on a chain do not vote on the round's state; any other hash is told
+    to resync (`Resync`)."""
 
     def __init__(self, step: int, expected: Iterable[bytes], policy: QuorumPolicy, window: float,
                  own_hash: str | None = None, coordinator: tuple[bytes, Address | None] = (b"", None),
-                 attempt: int = 0):
+                 attempt: int = 0, chain: Mapping[int, str] | None = None):
         self.step = step
         self.coordinator = coordinator
         self.attempt = attempt
         self.policy = policy
         self.window = min(max(window, policy.grace_min), policy.grace_max)
         self.own_hash = own_hash
+        self.chain: dict[int, str] = dict(chain or {})
         self.expected: set[bytes] = {bytes(p) for p in expected}
         self.offers: dict[bytes, tuple[Offer, float]] = {}  # ready (non-intent) offers and their arrival times
         self.opened_at: float | None = None
@@ -300,6 +312,19 @@ class OuterRound:
             if self.opened_at is None and (staleness == 0 or len(self.offers) >= self._quorum()):
                 self.opened_at = now
         return Queued(self.deadline())
+
+    def hold(self, own_hash: str | None, chain: Mapping[int, str]) -> None:
+        """What the coordinator holds now (its round may have been created before it held this step)."""
+        if self.start is None:
+            self.own_hash = own_hash
+            self.chain = dict(chain)
+
+    def _vouched(self, offers: Iterable[Offer], mine: bool) -> set[tuple[int, str]]:
+        """The older outer states that `offers` (and I, with `mine`) say they held."""
+        vouched = {(b, h) for offer in offers for b, h in offer.chain if b < self.step}
+        if mine:
+            vouched.update((b, h) for b, h in self.chain.items() if b < self.step)
+        return vouched
 
     def lost(self, peer: bytes) -> None:
         """`peer` was found dead or unresponsive: it is no longer expected (an offer it made stays: if it is
@@ -365,18 +390,27 @@ class OuterRound:
         return times[min(len(times), self._quorum()) - 1]
 
     def _make_start(self, reason: str, now: float) -> Start:
-        counts = Counter(offer.hash for offer, _ in self.offers.values())
+        # trainers behind on someone's chain do not vote on the round's state, and need a member holding it
+        offers = {peer: offer for peer, (offer, _) in self.offers.items()}
+        vouched = self._vouched(offers.values(), mine=self.own_hash is not None)
+        behind = {peer for peer, offer in offers.items() if (offer.base, offer.hash) in vouched}
+        if len(behind) == len(offers):
+            behind = set()
+        counts = Counter(offer.hash for peer, offer in offers.items() if peer not in behind)
         top = max(counts.values())
         tied = sorted(h for h, n in counts.items() if n == top)
         canonical = self.own_hash if self.own_hash in tied else tied[0]
         opened = self.opened_at if self.opened_at is not None else now
-        cap = samples_cap([offer.samples for offer, _ in self.offers.values() if offer.hash == canonical],
-                          self.policy.max_samples_ratio)
+        holders = [offer for peer, offer in offers.items() if peer not in behind and offer.hash == canonical]
+        sure = self._vouched(holders, mine=canonical == self.own_hash)
+        on_chain = {peer for peer, offer in offers.items()
+                    if offer.hash == canonical or (peer in behind and (offer.base, offer.hash) in sure)}
+        cap = samples_cap([self.offers[peer][0].samples for peer in on_chain], self.policy.max_samples_ratio)
         members = []
         resync = []
         for peer in sorted(self.offers):
             offer, arrived = self.offers[peer]
-            if offer.hash != canonical:
+            if peer not in on_chain:
                 resync.append(peer)
                 continue
             staleness = self.step - offer.base

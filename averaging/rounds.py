@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +64,7 @@ __all__ = ["Behind", "Final", "Holding", "JOIN", "OPEN", "RoundService", "STATUS
            "start_to_wire"]
 
 _MAX_MEMBERS = 4096
+_MAX_CHAIN = 64  # (outer step, hash) pairs an offer may vouch for
 _MAX_ROSTER = 256
 
 
@@ -231,8 +232,14 @@ def _offer_from_wire(peer: bytes, args: Any) -> tuple[int, Offer, list[bytes], b
         skipped = args.get("skipped", [])
         if not isinstance(skipped, list) or len(skipped) > _MAX_MEMBERS:
             raise ValueError("bad skipped list")
+        chain = args.get("chain", [])
+        if not isinstance(chain, list) or len(chain) > _MAX_CHAIN or not all(
+                isinstance(item, list) and len(item) == 2 and isinstance(item[1], str) and len(item[1]) <= 128
+                for item in chain):
+            raise ValueError("bad chain")
         offer = Offer(peer, base, samples, hash_, _address(args.get("address")),
-                      _number(args.get("bandwidth", 1.0)), bool(args.get("intent", False)))
+                      _number(args.get("bandwidth", 1.0)), bool(args.get("intent", False)),
+                      tuple((_count(b), h) for b, h in chain))
         return step, offer, [_peer(p) for p in skipped], bool(args.get("insist", False))
     except ValueError as error:
         raise BadRequest(f"malformed round offer: {error}") from None
@@ -259,10 +266,11 @@ class RoundService:
     """One trainer's side of the outer rounds (see the module doc). Owned by the DiLoCo optimizer: `serve` runs
     in its nursery and installs the handlers; cancelling it removes them.
 
-    `holding()`: what this trainer holds now. `expected(step)`: whom to expect in a round it coordinates
-    (peer -> address). `on_open(step, closes_in)`: a coordinator opened round `step`, whose grace window closes
-    in `closes_in` seconds; returns whether this trainer will offer to that round (False: it already did,
-    elsewhere, or it is behind and will be late).
+    `holding()`: what this trainer holds now; `chain()`: the hashes of the recent outer steps it held (step ->
+    hash), so that trainers behind on them can take part in the rounds it coordinates. `expected(step)`: whom
+    to expect in a round it coordinates (peer -> address). `on_open(step, closes_in)`: a coordinator opened
+    round `step`, whose grace window closes in `closes_in` seconds; returns whether this trainer will offer to
+    that round (False: it already did, elsewhere, or it is behind and will be late).
 
     The **roster** is every trainer of the run this one knows of (with its address and when it was last heard
     of): the owner adds what the progress records say (`note`), offers and answers carry the sender's roster,
@@ -285,6 +293,7 @@ class RoundService:
         on_open: Callable[[int, float], bool],
         address: Callable[[], Address | None],
         banned: Callable[[], set[bytes]] = set,
+        chain: Callable[[], Mapping[int, str]] = dict,
         ack_floor: float = 2.0,
         poll_limit: float = 2.0,
         keep_rounds: int = 8,
@@ -300,6 +309,7 @@ class RoundService:
         self._on_open = on_open
         self._address = address
         self._banned = banned
+        self._chain = chain
         self.grace = GraceEstimator(policy)
         self.rtt = 0.0  # seconds, an exponential average of measured round trips (0: none measured yet)
         self.ack_floor = ack_floor
@@ -441,6 +451,7 @@ class RoundService:
             coordinated = self._coordinate(step)
         coordinated = self.rounds.get(step, coordinated)  # another offer may have started it again meanwhile
         now = trio.current_time()
+        self._hold(coordinated)
         verdict = coordinated.core.offer(offer, now)
         if offer.address is not None:
             coordinated.addresses[peer] = offer.address
@@ -534,7 +545,8 @@ class RoundService:
         banned = self._banned()
         expected = {p: a for p, a in self._expected(step).items() if p not in banned}
         core = OuterRound(step, expected, self.policy, self.grace.window(self.rtt), own_hash=self._own_hash(step),
-                          coordinator=(self.me, self._address()), attempt=self._attempts.get(step, 0))
+                          coordinator=(self.me, self._address()), attempt=self._attempts.get(step, 0),
+                          chain=self._chain())
         coordinated = _Coordinated(core, dict(expected))
         logger.debug("round %d: coordinating, expecting %s", step, sorted(PeerID(p).short() for p in expected))
         self.rounds[step] = coordinated
@@ -547,6 +559,10 @@ class RoundService:
         self._nursery.start_soon(self._drive, coordinated)
         return coordinated
 
+    def _hold(self, coordinated: _Coordinated) -> None:
+        """Tell a round's core what I hold now: it may have been created before I held its step."""
+        coordinated.core.hold(self._own_hash(coordinated.core.step), self._chain())
+
     def _own_hash(self, step: int) -> str | None:
         holding = self._holding()
         return holding.hash if holding.step == step else None
@@ -554,7 +570,10 @@ class RoundService:
     async def _drive(self, coordinated: _Coordinated) -> None:
         """Until the round starts: tell the not-ready trainers when the window opens, start when a rule fires."""
         core = coordinated.core
-        while core.poll(trio.current_time()) is None:
+        while True:
+            self._hold(coordinated)
+            if core.poll(trio.current_time()) is not None:
+                break
             for peer in core.to_notify():
                 self.stats["opens_sent"] += 1
                 assert self._nursery is not None
@@ -665,7 +684,7 @@ class RoundService:
             args = {"run": self.run_id, "step": step, "base": offer.base, "samples": offer.samples,
                     "hash": offer.hash, "address": list(offer.address) if offer.address is not None else None,
                     "bandwidth": offer.bandwidth, "intent": offer.intent, "skipped": skipped, "insist": insist,
-                    "roster": self._gossip()}
+                    "roster": self._gossip(), "chain": [list(item) for item in offer.chain]}
             try:
                 verdict = await self._ask(peer, address, args, step, deadline)
             except (RPCError, ValueError) as error:
@@ -704,7 +723,7 @@ class RoundService:
         args = {"run": self.run_id, "step": step, "base": offer.base, "samples": offer.samples, "hash": offer.hash,
                 "address": list(offer.address) if offer.address is not None else None,
                 "bandwidth": offer.bandwidth, "intent": True, "skipped": skipped, "insist": False,
-                "roster": self._gossip()}
+                "roster": self._gossip(), "chain": [list(item) for item in offer.chain]}
         for _ in range(4):  # the best candidate, or up to 3 redirects from it
             if not queue or trio.current_time() >= deadline:
                 return False

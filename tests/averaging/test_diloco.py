@@ -266,6 +266,32 @@ def _in_bridge(bridge: Bridge, fn: Any, *args: Any) -> None:
     bridge.run(change)
 
 
+def test_a_joiner_the_swarm_outran_contributes_from_its_state_in_its_second_round(bridge):
+    """A newcomer downloads outer step 2; the others apply round 2 before its first phase ends. It offers its
+    pseudo-gradient (computed on step 2) to round 3 as a member behind by one, vouched for by the others' chains,
+    and downloads step 4 after it: it contributed in its second outer step instead of after a catch-up download
+    that the swarm outruns again, and all three hold one state."""
+    memory = MemoryNetwork(latency=0.002)
+    peers = _start_swarm(bridge, memory, 3)
+    made = _make_together([SimSwarm(bridge, peer) for peer in peers[:2]], start_with=2)
+    try:
+        _threads([lambda m=m, o=o, i=i: _train(m, o, 10, seed=i) for i, (m, o) in enumerate(made)])
+        model, newcomer = _make(SimSwarm(bridge, peers[2]))
+        made.append((model, newcomer))
+        assert newcomer.outer_step == 2
+        _threads([lambda m=m, o=o, i=i: _train(m, o, 5, seed=10 + i) for i, (m, o) in enumerate(made[:2])])
+        assert {opt.outer_step for _, opt in made[:2]} == {3} and newcomer.outer_step == 2
+        _threads([lambda m=m, o=o, i=i: _train(m, o, 5, seed=20 + i) for i, (m, o) in enumerate(made)])
+        behind = [r for r in newcomer.round_records if r.get("behind") is not None]
+        assert [(r["round"], r["behind"], r["staleness"], r["members"]) for r in behind] == [(3, 2, 1, 3)], behind
+        assert newcomer.first_contribution is not None and newcomer.first_contribution["outer_steps"] == 2
+        assert {opt.outer_step for _, opt in made} == {4} and len({opt.hash for _, opt in made}) == 1
+        assert made[0][1].stats()["group_sizes"].get(3) == 1  # its pseudo-gradient is in the others' step 4
+    finally:
+        for _, opt in made:
+            opt.close()
+
+
 @pytest.mark.slow
 def test_partitioned_trainer_resyncs_after_the_partition_heals(bridge):
     memory = MemoryNetwork(latency=0.002)

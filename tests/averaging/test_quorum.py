@@ -134,6 +134,53 @@ def test_the_hash_most_ready_trainers_hold_wins_and_the_others_are_told_to_resyn
     assert isinstance(core.verdict(peer(1)), Resync) and isinstance(core.verdict(peer(3)), Start)
 
 
+def test_trainers_behind_on_the_coordinators_chain_are_stale_members_and_do_not_vote():
+    """A joiner the swarm outran, holding outer step 1 of the coordinator's chain, takes part in round 3 stale by
+    2 (it downloads the result afterwards); a hash the coordinator never held is told to resync."""
+    chain = {1: "h1", 2: "h2"}
+    core = OuterRound(3, [peer(i) for i in range(1, 6)], POLICY, window=0.5, own_hash="h3", chain=chain)
+    core.offer(offer(1, base=3, hash_="h3"), 0.0)
+    core.offer(offer(2, base=1, hash_="h1"), 0.0)  # behind by 2, on the chain
+    core.offer(offer(3, base=2, hash_="h2"), 0.0)  # behind by 1, on the chain
+    core.offer(offer(4, base=2, hash_="x2"), 0.0)  # step 2 of another chain
+    core.offer(offer(5, base=2, hash_="h3"), 0.0)  # late for round 2, caught up: stale as before
+    start = core.poll(0.0)
+    assert start is not None and start.hash == "h3"  # three offers of old states outvote no one
+    assert start.peers == [peer(1), peer(2), peer(3), peer(5)] and start.resync == (peer(4),)
+    assert [m.staleness for m in start.members] == [0, 2, 1, 1]
+    assert isinstance(core.verdict(peer(2)), Start) and isinstance(core.verdict(peer(4)), Resync)
+
+
+def test_behind_offers_need_a_coordinator_holding_the_round_and_one_member_that_does():
+    # created before the coordinator held step 3: no own hash, so no chain to be behind on
+    early = OuterRound(3, [peer(1), peer(2)], POLICY, window=0.5, own_hash=None, chain={2: "h2"})
+    early.offer(offer(1, base=3, hash_="h3"), 0.0)
+    early.offer(offer(2, base=2, hash_="h2"), 0.0)
+    early.hold("h3", {2: "h2"})  # it applied round 2 meanwhile (the driver says so before each poll)
+    start = early.poll(0.0)
+    assert start is not None and start.peers == [peer(1), peer(2)] and start.resync == ()
+    # nobody holds the round's state: the behind offers are not members of a round nobody can apply
+    alone = OuterRound(3, [peer(1), peer(2)], POLICY, window=0.5, own_hash="h3", chain={2: "h2"})
+    alone.offer(offer(1, base=2, hash_="h2"), 0.0)
+    alone.offer(offer(2, base=2, hash_="h2"), 0.0)
+    start = alone.poll(0.0)
+    assert start is not None and start.hash == "h2"  # as before: the hash they hold (all of them resync later)
+    # a coordinator that is behind itself: the chains of the offers holding the round's state vouch
+    behind_me = OuterRound(3, [peer(1), peer(2), peer(3)], POLICY, window=0.5, own_hash=None, chain={1: "h1"})
+    behind_me.offer(Offer(peer(1), 3, 10, "h3", None, chain=((1, "h1"), (2, "h2"), (3, "h3"))), 0.0)
+    behind_me.offer(offer(2, base=1, hash_="h1"), 0.0)  # the coordinator's own offer, from outer step 1
+    behind_me.offer(offer(3, base=2, hash_="z2"), 0.0)  # nobody held that
+    start = behind_me.poll(0.0)
+    assert start is not None and start.hash == "h3" and start.peers == [peer(1), peer(2)]
+    assert start.resync == (peer(3),)
+    # without a chain, an old state is told to resync, as before
+    plain = OuterRound(3, [peer(1), peer(2), peer(3)], POLICY, window=0.5, own_hash="h3")
+    for index, (base, hash_) in enumerate([(3, "h3"), (3, "h3"), (2, "h2")], start=1):
+        plain.offer(offer(index, base=base, hash_=hash_), 0.0)
+    start = plain.poll(0.0)
+    assert start is not None and start.resync == (peer(3),)
+
+
 def test_group_ids_name_the_round_and_its_members():
     one = OuterRound(3, [peer(1), peer(2)], POLICY, window=0.5)
     two = OuterRound(3, [peer(1), peer(2)], POLICY, window=0.5)

@@ -3,6 +3,7 @@ what a trainer waiting for the outer step a round would produce hears when that 
 
 from __future__ import annotations
 
+import pytest
 import trio
 import trio.testing
 
@@ -10,6 +11,7 @@ from averaging.quorum import Offer, QuorumPolicy, Start, coordinator_order
 from averaging.rounds import Holding, RoundService
 from peer.p2p.identity import Identity
 from peer.p2p.net import MemoryNetwork
+from peer.p2p.rpc import BadRequest
 from tests.sim_peers import start_peers
 
 RUN = "rounds-test"
@@ -183,4 +185,20 @@ async def test_an_intent_for_a_round_that_started_is_not_taken(autojump_clock):
         joiner.note(coordinator.me, peers[c].address)
         offer = Offer(joiner.me, 3, 0, "h" * 8, peers[j].address)
         assert not await joiner.intend(3, offer, timeout=10)  # late: it offers its contribution later instead
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_offers_chain_reaches_the_core_and_a_malformed_one_is_refused(autojump_clock):
+    """The (outer step, hash) pairs that vouch for trainers behind on a chain travel with the offer; a chain that
+    is not a short list of pairs is the sender's protocol error, refused before it reaches the round."""
+    async with trio.open_nursery() as nursery:
+        peers, services = await _services(1, MemoryNetwork(), nursery)
+        service = services[0]
+        args = {"run": RUN, "step": 3, "base": 3, "samples": 10, "hash": "h" * 8, "address": list(peers[0].address)}
+        for chain in ([[2]], [[2, 5]], "x", [[1, "a"]] * 65):
+            with pytest.raises(BadRequest, match="bad chain"):
+                await service.join(service.me, {**args, "chain": chain})
+        await service.join(service.me, {**args, "chain": [[2, "g" * 8], [3, "h" * 8]]})
+        offer, _ = service.rounds[3].core.offers[service.me]
+        assert offer.chain == ((2, "g" * 8), (3, "h" * 8))
         nursery.cancel_scope.cancel()

@@ -110,7 +110,8 @@ def _run(aggregation: str, attack: str | None) -> list[tuple[float, DiLoCoOptimi
                 inner_steps=INNER, batch_size_per_step=BATCH, compression=TOPK2, exchange="gather",
                 # DiLoCo's Nesterov rather than top-k's default plain step: over these 10 outer steps momentum
                 # gets the clean run further (0.87 against 0.77), which leaves room to see an attack's damage
-                outer_lr=0.7, outer_momentum=0.9, aggregation=aggregation, start_with=count, averaging_timeout=30.0, progress_ttl=10.0,
+                outer_lr=0.7, outer_momentum=0.9, aggregation=aggregation, start_with=count, averaging_timeout=30.0,
+                progress_ttl=10.0,
                 min_refresh=0.05, max_refresh=0.5, quorum=QuorumPolicy(grace_min=2.0))
 
         _threads([lambda i=i: build(i) for i in range(count)])
