@@ -19,11 +19,12 @@ its contribution to the coordinator of the next round (`averaging.rounds`); the 
 trainer is ready, or when a learned grace window has passed with a quorum ready. The members average their
 pseudo-gradients with the butterfly all-reduce of `averaging.averager` (a member lost mid-way is excluded and
 the others renormalise) and apply the same outer step, so every trainer that completed outer step N holds
-bit-identical outer state for N (`hash`). A trainer that arrives after its round started is late: it moves to the
-newest outer state (a verified download from the round's members) and offers the same contribution to the next
-round, its weight discounted by staleness. When a round's window opens, the trainers still computing are told,
-and end their inner phase after their current step: a slow machine runs fewer inner steps per outer step, its
-pseudo-gradient weighted by its samples, and slows nobody.
+bit-identical outer state for N (`hash`). A trainer that arrives after its round started is late: it offers the
+same contribution to the next round from the outer state it holds, its weight discounted by staleness, as a member
+behind on the round's chain (`quorum.OuterRound`), and downloads that round's result afterwards (a verified
+download from the round's members); so does a joiner that the swarm outran while it downloaded. When a round's
+window opens, the trainers still computing are told, and end their inner phase after their current step: a slow
+machine runs fewer inner steps per outer step, its pseudo-gradient weighted by its samples, and slows nobody.
 
 Overlap (`overlap=True`, the "eager / one step delayed" variant): at a phase's end the pseudo-gradient is handed
 to a background contribution and inner steps go on; its averaged update is applied to the outer state as soon as
