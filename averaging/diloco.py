@@ -451,6 +451,12 @@ class DiLoCoOptimizer:
             elif isinstance(verdict, Resync):
                 logger.warning("diloco: my outer state at step %d (%s) is not the round's (%s); catching up",
                                self.outer_step, self.hash[:12], start.hash[:12])
+                if self.outer_step < start.step and await self._resync(self.tracker.progress()):
+                    # behind, and nobody vouched for my state: take the newest one now, then offer from it
+                    # (waiting for the round's result instead can wait forever: a round of one member whose
+                    # coordinator is me produces nothing, and is started again, alone, at each offer)
+                    step = self.outer_step
+                    continue
             if not await self._catch_up(start.step + 1, self._members_of[start.step + 1], deadline):
                 retries += 1
                 if retries > 2:
@@ -542,7 +548,7 @@ class DiLoCoOptimizer:
             self._count_traffic(result)
             outcome = "averaged" if result.finished else "lost"
             reason = result.reason
-        behind = False
+        behind = first = False
         if outcome == "lost":
             self._stats["lost_rounds"] += 1
             logger.info("diloco: round %d did not finish (%s); nothing applied", start.step, reason)
@@ -571,6 +577,7 @@ class DiLoCoOptimizer:
                     sizes[len(start.members)] = sizes.get(len(start.members), 0) + 1
                 self.tracker.note_group([m.peer for m in start.members])
                 if self.first_contribution is None:
+                    first = True
                     self.first_contribution = {
                         "seconds": round(time.monotonic() - self._created, 3),
                         "outer_steps": start.step - self._joined_at_step + 1, "round": start.step}
@@ -589,6 +596,7 @@ class DiLoCoOptimizer:
             "contributors": [{"peer": PeerID(m.peer).short(), "samples": m.samples, "staleness": m.staleness,
                               "weight": round(m.weight, 4)} for m in start.members],
             **({"behind": self.outer_step} if behind else {}),
+            **({"first_contribution": self.first_contribution} if first else {}),  # also known if killed later
         })
         if behind:
             members = tuple((m.peer, m.address) for m in start.members)

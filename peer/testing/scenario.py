@@ -465,7 +465,8 @@ class Runner:
             since_spawn = {"seconds": round(event["_at"] - trainer.spawned_at, 3),
                            "outer_steps": int(event["round"]) - trainer.spawned_step + 1, "round": event["round"]}
             if first is None:  # killed before its result: the same figure from its events
-                first = {"seconds": None, "outer_steps": None, "round": event["round"]}
+                first = next((e["first_contribution"] for e in rounds if e.get("first_contribution")),
+                             {"seconds": None, "outer_steps": None, "round": event["round"]})
         lost = [e for e in trainer.rounds if e.get("outcome") in LOST]
         device = trainer.host.gateway_port
         finished = trainer.killed_at is None and bool(result) and trainer.process.returncode == 0

@@ -285,6 +285,7 @@ def test_a_joiner_the_swarm_outran_contributes_from_its_state_in_its_second_roun
         behind = [r for r in newcomer.round_records if r.get("behind") is not None]
         assert [(r["round"], r["behind"], r["staleness"], r["members"]) for r in behind] == [(3, 2, 1, 3)], behind
         assert newcomer.first_contribution is not None and newcomer.first_contribution["outer_steps"] == 2
+        assert behind[0]["first_contribution"] == newcomer.first_contribution  # in its events too (if killed)
         assert {opt.outer_step for _, opt in made} == {4} and len({opt.hash for _, opt in made}) == 1
         assert made[0][1].stats()["group_sizes"].get(3) == 1  # its pseudo-gradient is in the others' step 4
     finally:
