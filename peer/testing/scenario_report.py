@@ -17,7 +17,10 @@ if TYPE_CHECKING:
 
 APPLIED = ("averaged", "solo")  # outcomes of an outer_round event that moved the trainer's outer state by a round
 LOST = ("lost", "dropped", "skipped")  # outcomes whose work was not applied by that round
-WAITED_A_WINDOW = ("quorum after grace", "quorum", "max wait")  # start reasons of rounds that waited out a window
+# start reasons of rounds that waited out a window for a trainer that did not come. Not "quorum": that round
+# started the moment a quorum was ready, after its window, so it waited for the slowest of the quorum, not for the
+# missing trainer (without it, the round would have waited for every trainer: later)
+WAITED_A_WINDOW = ("quorum after grace", "max wait")
 
 
 @dataclass
