@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -392,7 +393,11 @@ class DiLoCoOptimizer:
                 return self._drop(contribution, f"stale by {staleness} rounds (at most {self.policy.max_staleness})")
             behind = self._may_offer_behind(contribution, step)
             if self.outer_step < step and not behind:  # a fragment's contribution waits for its next round
-                if not await self._catch_up(step, self._candidates(step - 1), deadline):
+                caught = await self._unless_others_finish(self._catch_up, step, self._candidates(step - 1), deadline)
+                if isinstance(caught, str):  # the others finished: their state is the last one
+                    await self._resync(self.tracker.progress())
+                    return "skipped"
+                if not caught:
                     return "lost"
                 continue
             offer = Offer(bytes(self.tracker.peer_id), step - staleness, contribution.samples, self.hash,
@@ -468,22 +473,25 @@ class DiLoCoOptimizer:
     async def _enter(self, step: int, offer: Offer, deadline: float) -> Final | None | str:
         """`rounds.enter`, or "finished" as soon as every other live trainer of the run has finished: they come to
         no more rounds (a trainer behind at the end of a run would wait for a round nobody starts)."""
-        verdict: Final | None | str = None
+        return await self._unless_others_finish(functools.partial(self.rounds.enter, deadline=deadline), step, offer)
+
+    async def _unless_others_finish(self, work: Callable[..., Awaitable[T]], *args: Any) -> T | str:
+        """`await work(*args)`, or "finished" as soon as every other live trainer of the run has finished (what it
+        waited for, a round or an outer step, will not come)."""
+        verdict: T | str = "finished"
         async with trio.open_nursery() as nursery:
-            async def enter() -> None:
+            async def run() -> None:
                 nonlocal verdict
-                verdict = await self.rounds.enter(step, offer, deadline=deadline)
+                verdict = await work(*args)
                 nursery.cancel_scope.cancel()
 
             async def watch() -> None:
-                nonlocal verdict
                 # polled: the tracker refreshes the progress records in the background, with no event to wait on
                 while not self._others_finished():  # noqa: ASYNC110
                     await trio.sleep(self.tracker.max_refresh)
-                verdict = "finished"
                 nursery.cancel_scope.cancel()
 
-            nursery.start_soon(enter)
+            nursery.start_soon(run)
             nursery.start_soon(watch)
         return verdict
 
