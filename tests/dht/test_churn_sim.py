@@ -97,4 +97,7 @@ async def test_records_survive_a_quarter_crashing_and_a_quarter_replaced_small(a
 
 @pytest.mark.slow
 async def test_records_survive_a_quarter_crashing_and_a_quarter_replaced_500_nodes(autojump_clock):
-    _check(await _churn(node_count=500, key_count=1000, seed=3))
+    # 500 keys: without republishing about 3% (15) would lose every replica, three times what the 99% bar allows;
+    # 1,000 keys showed the same in 5.4 minutes of CI, 500 in 3.7
+
+    _check(await _churn(node_count=500, key_count=500, seed=3))
