@@ -394,14 +394,13 @@ class DiLoCoOptimizer:
             behind = self._may_offer_behind(contribution, step)
             if self.outer_step < step and not behind:  # a fragment's contribution waits for its next round
                 caught = await self._unless_others_finish(self._catch_up, step, self._candidates(step - 1), deadline)
-                if isinstance(caught, str):  # the others finished: their state is the last one
-                    await self._resync(self.tracker.progress())
-                    return "skipped"
+                if isinstance(caught, str):
+                    return await self._take_final_state(step)
                 if not caught:
                     return "lost"
                 continue
             offer = Offer(bytes(self.tracker.peer_id), step - staleness, contribution.samples, self.hash,
-                          self._address, chain=tuple(sorted(self._chain.items())))
+                          self._address, chain=self._chain_items())
             if self.tracker.last_fetch_age > self.tracker.max_refresh:
                 self.last_progress = await self.tracker.fetch()  # the roster is no older than the tracker keeps it
             self._note_roster()
@@ -421,11 +420,8 @@ class DiLoCoOptimizer:
                 continue
             self._inflight_round = step
             verdict = await self._enter(step, offer, deadline)
-            if isinstance(verdict, str):  # "finished"
-                logger.info("diloco: every other trainer finished while my contribution waited for round %d; "
-                            "taking the final state instead", step)
-                await self._resync(self.tracker.progress())
-                return "skipped"
+            if isinstance(verdict, str):
+                return await self._take_final_state(step)
             if verdict is None:
                 logger.warning("diloco: no coordinator of round %d answered; the contribution waits", step)
                 return "skipped"
@@ -443,15 +439,13 @@ class DiLoCoOptimizer:
                 continue
             start = verdict.start
             self._members_of[start.step + 1] = tuple((m.peer, m.address) for m in start.members)
-            if isinstance(verdict, Late) and self._may_offer_behind(contribution, start.step + 1) \
-                    and not self._others_finished():
-                self._stats["late_contributions"] += 1
-                logger.info("diloco: late for round %d (%s); offering to the next from outer step %d", start.step,
-                            start.reason, self.outer_step)
-                step = start.step + 1
-                continue
             if isinstance(verdict, Late):
                 self._stats["late_contributions"] += 1
+                if self._may_offer_behind(contribution, start.step + 1) and not self._others_finished():
+                    logger.info("diloco: late for round %d (%s); offering to the next from outer step %d",
+                                start.step, start.reason, self.outer_step)
+                    step = start.step + 1
+                    continue
                 logger.info("diloco: late for round %d (%s); catching up", start.step, start.reason)
             elif isinstance(verdict, Resync):
                 logger.warning("diloco: my outer state at step %d (%s) is not the round's (%s); catching up",
@@ -495,11 +489,23 @@ class DiLoCoOptimizer:
             nursery.start_soon(watch)
         return verdict
 
+    async def _take_final_state(self, step: int) -> str:
+        """Every other trainer finished while my contribution waited for round `step` (or for its outer step):
+        nobody will start it. Hold their state instead; the contribution is skipped."""
+        logger.info("diloco: every other trainer finished while my contribution waited for round %d; taking the "
+                    "final state instead", step)
+        await self._resync(self.tracker.progress())
+        return "skipped"
+
     def _others_finished(self) -> bool:
         """Whether the progress records show other live trainers of the run, all of them finished."""
-        me = self.tracker.peer_id
-        others = [p for p in self.tracker.progress().peers if p.peer_id != me and p.info.get("alg") and not p.left]
+        others = self._other_trainers(self.tracker.progress().peers)
         return bool(others) and all(p.info.get("fin") for p in others)
+
+    def _other_trainers(self, peers: Sequence[PeerProgress]) -> list[PeerProgress]:
+        """The other trainers of the run among these progress records, live (not said goodbye)."""
+        me = self.tracker.peer_id
+        return [p for p in peers if p.peer_id != me and p.info.get("alg") and not p.left]
 
     def _may_offer_behind(self, contribution: _Contribution, step: int) -> bool:
         """Whether this contribution may go to round `step` from the older outer state I hold: the state it was
@@ -719,6 +725,10 @@ class DiLoCoOptimizer:
         self._stats["bytes_sent"] += result.allreduce.bytes_sent
         self._stats["bytes_received"] += result.allreduce.bytes_received
 
+    def _chain_items(self) -> tuple[tuple[int, str], ...]:
+        """The (outer step, hash) pairs my offers carry (`quorum.Offer.chain`)."""
+        return tuple(sorted(self._chain.items()))
+
     def _publish_state(self) -> None:
         self.tracker.new_epoch(self.outer_step)
         self.tracker.info.update({"hash": self.hash})
@@ -759,9 +769,9 @@ class DiLoCoOptimizer:
         it cannot make. It goes to the next one from the state it holds, stale by one (`_may_offer_behind`)."""
         step = self.outer_step + (1 if self.fragments == 1 else 0)
         offer = Offer(bytes(self.tracker.peer_id), self.outer_step, 0, self.hash, self._address,
-                      chain=tuple(sorted(self._chain.items())))
+                      chain=self._chain_items())
         taken = await self.rounds.intend(step, offer, timeout=self.averaging_timeout)
-        logger.debug("diloco: intent for round %d %s", offer.base, "taken" if taken else "not taken")
+        logger.debug("diloco: intent for round %d %s", step, "taken" if taken else "not taken")
 
     def _ahead(self, progress: SwarmProgress) -> bool:
         """Whether the progress records show trainers holding a newer outer step than mine."""
@@ -771,8 +781,7 @@ class DiLoCoOptimizer:
     def _canonical(self, peers: list[PeerProgress]) -> tuple[int, str | None, list[PeerProgress]]:
         """The newest outer step among `peers` (and me), the hash most trainers at it hold (ties: mine, then the
         smaller), and the others holding that hash."""
-        me = self.tracker.peer_id
-        others = [p for p in peers if p.peer_id != me and p.info.get("alg") and not p.left]
+        others = self._other_trainers(peers)
         step = max([p.epoch for p in others] + [self.outer_step])
         counts = collections.Counter(p.info.get("hash") for p in others
                                      if p.epoch == step and isinstance(p.info.get("hash"), str))
@@ -799,7 +808,6 @@ class DiLoCoOptimizer:
         """Step 5 of the module doc; None when every live trainer of the run finished with my outer step and
         hash, else why not (by `timeout`). Polls the run's progress records (the others publish `fin` when they
         get here)."""
-        me = self.tracker.peer_id
         why = "the run's progress records could not be read"
         with trio.move_on_after(timeout) as scope:
             # overlap: nothing else may write the outer state meanwhile. Bounded: at the end of a run the others
@@ -819,7 +827,7 @@ class DiLoCoOptimizer:
                     published = await self.tracker.publish()
                 progress = await self.tracker.fetch()
                 self.last_progress = progress
-                others = [p for p in progress.peers if p.peer_id != me and p.info.get("alg") and not p.left]
+                others = self._other_trainers(progress.peers)
                 finished = [p for p in others if p.info.get("fin")]
                 # only finished trainers: their state is final, so the download is the last one
                 if finished and await self._resync(dataclasses.replace(progress, peers=tuple(finished)),
