@@ -380,6 +380,33 @@ class CollaborativeOptimizer:
         self._hint_tracker()
         return False
 
+    def more_steps(self, step: int, planned: int) -> bool:
+        """A collaborative run is `planned` local steps: the swarm's epochs follow from everyone's samples."""
+        return step < planned
+
+    def shortfall(self, step: int, planned: int) -> str | None:
+        return None if step >= planned else f"took {step} of {planned} local steps"
+
+    def finish(self, timeout: float | None = None) -> bool:
+        """Leave the run at once (`close()`), so the others stop counting this trainer's samples toward their
+        epochs while it evaluates. There is no final state to agree on: each epoch ended averaged or downloaded.
+        True unless already closed; `timeout` is unused (the goodbye record's store is bounded by the tracker)."""
+        if self._scope is None:
+            return False
+        self.close()
+        return True
+
+    def report(self, final: bool = False) -> dict[str, Any]:
+        stats = self.stats()
+        if not final:
+            return {"epoch": self.epoch, "averaging_rounds": stats["averaging_rounds"],
+                    "swarm_trainers": stats.get("swarm_trainers")}
+        report = {key: stats[key] for key in ("epoch", "averaging_rounds", "averaging_attempts", "group_sizes",
+                                               "peers_averaged_with", "state_loads", "peer_id")}
+        averaging = self.averager.stats()  # Byzantine-robust aggregation: whom this trainer banned
+        report.update({key: averaging[key] for key in ("aggregation", "banned", "rejected_parts")})
+        return report
+
     def stats(self) -> dict[str, Any]:
         """What this trainer did: epochs, averaging rounds, group sizes, who it averaged with, state loads."""
         stats = dict(self._stats)

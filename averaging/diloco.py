@@ -79,6 +79,14 @@ Members = tuple[tuple[bytes, Address | None], ...]
 state_hash = state_digest  # the outer state's hash: a manifest root, so downloads are verified block by block
 
 
+# what a trainer reports in each progress line, and in its result besides
+REPORTED = ("algorithm", "outer_step", "hash", "bytes_sent", "bytes_per_outer_step", "goodput", "swarm_trainers")
+REPORTED_FINAL = (*REPORTED, "group_sizes", "state_loads", "resyncs", "final_resyncs", "outer_waits",
+                  "bytes_received", "peer_id", "utilization", "rounds", "late_contributions", "stale_contributions",
+                  "dropped_contributions", "lost_rounds", "cut_short", "coordinated", "first_contribution",
+                  "compute_seconds", "blocked_seconds", "grace_window", "rtt")
+
+
 @dataclasses.dataclass
 class DiLoCoHooks:
     """What tests change in a trainer, passed to the constructor (product code reads no environment for it).
@@ -1080,6 +1088,35 @@ class DiLoCoOptimizer:
         self.swarm.run(self._start_background, contribution)
         if blocked:
             logger.info("diloco: an inner step waited for the outer round")
+
+    def outer_target(self, planned: int) -> int:
+        """The swarm outer steps (fragment rounds with Streaming DiLoCo) that `planned` local steps amount to."""
+        return planned // self.inner_steps * self.fragments
+
+    def more_steps(self, step: int, planned: int) -> bool:
+        """DiLoCo counts the swarm's outer steps, not local steps: a trainer that lost a round (it re-synced by
+        download instead of averaging) is a round behind and takes one more; one that downloaded an outer step its
+        rounds had not reached is ahead and stops there. Counting local steps left such a trainer waiting alone for
+        a round nobody else took, or taking a solo outer step past the end. Twice `planned` bounds a trainer whose
+        contributions keep missing."""
+        return self.outer_step < self.outer_target(planned) and step < 2 * planned
+
+    def shortfall(self, step: int, planned: int) -> str | None:
+        target = self.outer_target(planned)
+        if self.outer_step >= target:
+            return None
+        return (f"reached outer step {self.outer_step} of {target} in {step} local steps (the bound is twice "
+                f"the planned {planned}): the swarm's rounds did not take this trainer's contributions (the "
+                f"progress lines' 'why' says what they answered)")
+
+    def report(self, final: bool = False) -> dict[str, Any]:
+        stats = self.stats()
+        keys = REPORTED_FINAL if final else REPORTED
+        report = {key: stats.get(key) for key in keys}
+        if final:  # Byzantine-robust aggregation: whom this trainer banned
+            averaging = self.averager.stats()
+            report.update({key: averaging[key] for key in ("aggregation", "banned", "rejected_parts")})
+        return report
 
     def finish(self, timeout: float | None = None) -> bool:
         """Call once when training ends, before `close()`: a final agreement on the outer state, at most

@@ -51,6 +51,7 @@ from peer.options import TRAIN, OptionParser, parse_grid_size
 
 if TYPE_CHECKING:
     from averaging.diloco import DiLoCoHooks
+    from averaging.optimizer import SwarmOptimizer
     from moe.mixture import RemoteMixtureOfExperts
     from peer.lm import LMTask
     from peer.user_model import UserTask
@@ -492,11 +493,6 @@ def _failed_expert_calls(model: Any, swarm: SwarmHandle | None) -> int:
                    for m in model.remote_mixtures()))
 
 
-# what a DiLoCo trainer adds to its progress and result lines
-DILOCO_LINE = ("algorithm", "outer_step", "hash", "bytes_sent", "bytes_per_outer_step", "goodput",
-               "swarm_trainers")
-
-
 def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]], None] | None = None,
                  stop: StopSignal | None = None, hooks: DiLoCoHooks | None = None) -> dict[str, Any]:
     """Train as configured by `args` (see `add_arguments`); print progress and the result; return the result.
@@ -520,7 +516,7 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
     out = _Output()
     swarm = None
     metrics_bridge = None
-    optimizer: Any = None
+    optimizer: SwarmOptimizer | None = None
     started = time.monotonic()
     try:
         diloco = getattr(args, "algorithm", "collaborative") == "diloco"
@@ -554,34 +550,8 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
             ])
         else:
             base = torch.optim.Adam(model.parameters(), lr=args.lr)
-        if swarm is not None and diloco:
-            from averaging.diloco import DiLoCoHooks, DiLoCoOptimizer
-            from averaging.quorum import QuorumPolicy
-            from peer.p2p.wire import Compression, set_default_density
-
-            set_default_density(args.density)  # what the top-k codecs keep of what this trainer sends
-            diloco_hooks = dataclasses.replace(hooks) if hooks is not None else DiLoCoHooks()
-            if diloco_hooks.on_event is None:
-                diloco_hooks.on_event = out.emit  # outer rounds, as JSON lines beside the progress lines
-            optimizer = DiLoCoOptimizer(
-                base, swarm, args.run_id, inner_steps=args.inner_steps, batch_size_per_step=args.batch_size,
-                outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
-                compression=Compression[args.compression.upper()], overlap=args.overlap,
-                quorum=QuorumPolicy(quorum_min=args.quorum_min, quorum_fraction=args.quorum_fraction,
-                                    max_staleness=args.max_staleness),
-                start_with=args.start_with, fragments=args.fragments, exchange=args.exchange,
-                listen=not args.client_mode,
-                should_stop=lambda: stop.requested,
-                aggregation=args.aggregation, hooks=diloco_hooks,
-            )
-        elif swarm is not None:
-            from averaging.collaborative import CollaborativeOptimizer
-
-            optimizer = CollaborativeOptimizer(
-                base, swarm, args.run_id, target_batch_size=args.target_batch_size,
-                batch_size_per_step=args.batch_size, average=args.average, target_group_size=args.group_size,
-                matchmaking_time=args.matchmaking_time, listen=not args.client_mode, aggregation=args.aggregation,
-            )
+        if swarm is not None:
+            optimizer = _make_optimizer(args, base, swarm, hooks, out, stop)
         meter = _Meter()
         training: dict[str, Any] = {"step": 0, "samples": 0}  # what --metrics-port exports of the loop
         metrics_bridge = _start_metrics(args, swarm, model, optimizer, training)
@@ -591,20 +561,12 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
         samples = 0
         train_started = last_line_at = time.monotonic()
         step = last_line_step = 0
-        # DiLoCo: the run is `--steps / --inner-steps` outer steps of the swarm, not a count of local steps. A
-        # trainer that lost a round (it re-synced by download instead of averaging) is a round behind the swarm
-        # and takes one more; one that downloaded an outer step its rounds had not reached yet is ahead and stops
-        # there. Counting local steps instead left such a trainer waiting alone for a round nobody else took
-        # (ending one outer step behind), or taking a solo outer step past the end (one ahead).
-        outer_target = (args.steps // args.inner_steps * optimizer.fragments) if optimizer is not None and diloco \
-            else 0
-        step_limit = 2 * args.steps if outer_target else args.steps  # a bound for a trainer that keeps missing
 
         def training_continues() -> bool:
             if stop.requested:
                 return False
-            if outer_target:
-                return bool(optimizer.outer_step < outer_target) and step < step_limit
+            if optimizer is not None:  # DiLoCo counts the swarm's outer steps (see its more_steps)
+                return optimizer.more_steps(step, args.steps)
             return bool(step < args.steps)
 
         while training_continues():
@@ -636,8 +598,7 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
                 base.zero_grad(set_to_none=True)
             samples += len(x)
             meter.update(loss.item(), accuracy)
-            if (step % args.log_every == 0 or step == args.steps
-                    or (outer_target and optimizer.outer_step >= outer_target)):
+            if step % args.log_every == 0 or step == args.steps or not training_continues():
                 now = time.monotonic()
                 elapsed = now - train_started
                 line = {
@@ -652,14 +613,8 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
                     "failed_calls": _failed_expert_calls(model, experts_swarm),
                 }
                 last_line_at, last_line_step = now, step
-                if optimizer is not None and diloco:
-                    stats = optimizer.stats()
-                    line.update({key: stats[key] for key in DILOCO_LINE})
-                elif optimizer is not None:
-                    stats = optimizer.stats()
-                    line["epoch"] = optimizer.epoch
-                    line["averaging_rounds"] = stats["averaging_rounds"]
-                    line["swarm_trainers"] = stats.get("swarm_trainers")
+                if optimizer is not None:
+                    line.update(optimizer.report())
                 out.emit(line)
                 out.draw_bar(line)
                 training.update(line, samples=samples)
@@ -669,8 +624,8 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
                     on_progress(line)
         out.end_bar()
         train_seconds = time.monotonic() - train_started
-        if optimizer is not None and diloco:
-            optimizer.finish()  # agree on the final outer state (skipped after a stop request)
+        if optimizer is not None:
+            optimizer.finish()  # DiLoCo: agree on the final outer state (skipped after a stop request)
         evaluation_error: NotEnoughExperts | None = None
         held_out: dict[str, Any] = {"accuracy": None, "loss": None}
         try:
@@ -687,25 +642,8 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
             "train_seconds": round(train_seconds, 3), "wall_seconds": round(time.monotonic() - started, 3),
             "run_id": args.run_id, "local_experts": bool(args.local_experts),
         }
-        if optimizer is not None and diloco:
-            stats = optimizer.stats()
-            result.update({key: stats[key] for key in (*DILOCO_LINE, "group_sizes", "state_loads", "resyncs",
-                                                        "final_resyncs", "outer_waits", "bytes_received",
-                                                        "peer_id", "utilization", "rounds", "late_contributions",
-                                                        "stale_contributions", "dropped_contributions",
-                                                        "lost_rounds", "cut_short", "coordinated",
-                                                        "first_contribution", "compute_seconds",
-                                                        "blocked_seconds", "grace_window", "rtt")})
-            averaging = optimizer.averager.stats()  # Byzantine-robust aggregation: whom this trainer banned
-            result.update({key: averaging[key] for key in ("aggregation", "banned", "rejected_parts")})
-        elif optimizer is not None:
-            stats = optimizer.stats()
-            result.update({
-                "epoch": stats["epoch"], "averaging_rounds": stats["averaging_rounds"],
-                "averaging_attempts": stats["averaging_attempts"], "group_sizes": stats["group_sizes"],
-                "peers_averaged_with": stats["peers_averaged_with"], "state_loads": stats["state_loads"],
-                "peer_id": stats["peer_id"],
-            })
+        if optimizer is not None:
+            result.update(optimizer.report(final=True))
             result["failed_expert_calls"] = _failed_expert_calls(model, experts_swarm)
         if swarm is not None and swarm.reached is not None:  # how others reached this trainer (--reachability)
             result["reachability"] = swarm.reached.reachability.stats()
@@ -726,10 +664,9 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
             raise TrainingFailed(f"never averaged: {mismatch} (every trainer of --run-id needs the same model)")
         if evaluation_error is not None and not stop.requested:
             raise TrainingFailed(f"held-out evaluation failed: {evaluation_error}")
-        if outer_target and optimizer.outer_step < outer_target and not stop.requested:
-            raise TrainingFailed(f"reached outer step {optimizer.outer_step} of {outer_target} in {step} local steps "
-                               f"(the bound is twice --steps): the swarm's rounds did not take this trainer's "
-                               f"contributions (the progress lines' 'why' says what they answered)")
+        shortfall = optimizer.shortfall(step, args.steps) if optimizer is not None else None
+        if shortfall is not None and not stop.requested:
+            raise TrainingFailed(shortfall)
         return result
     finally:
         if metrics_bridge is not None:
@@ -738,6 +675,37 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
             optimizer.close()
         if swarm is not None:
             swarm.close()
+
+
+def _make_optimizer(args: argparse.Namespace, base: torch.optim.Optimizer, swarm: Any, hooks: DiLoCoHooks | None,
+                    out: _Output, stop: StopSignal) -> SwarmOptimizer:
+    """The one place that reads `--algorithm`: the loop uses what it returns through `SwarmOptimizer` only."""
+    if args.algorithm == "diloco":
+        from averaging.diloco import DiLoCoHooks, DiLoCoOptimizer
+        from averaging.quorum import QuorumPolicy
+        from peer.p2p.wire import Compression, set_default_density
+
+        set_default_density(args.density)  # what the top-k codecs keep of what this trainer sends
+        diloco_hooks = dataclasses.replace(hooks) if hooks is not None else DiLoCoHooks()
+        if diloco_hooks.on_event is None:
+            diloco_hooks.on_event = out.emit  # outer rounds, as JSON lines beside the progress lines
+        return DiLoCoOptimizer(
+            base, swarm, args.run_id, inner_steps=args.inner_steps, batch_size_per_step=args.batch_size,
+            outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+            compression=Compression[args.compression.upper()], overlap=args.overlap,
+            quorum=QuorumPolicy(quorum_min=args.quorum_min, quorum_fraction=args.quorum_fraction,
+                                max_staleness=args.max_staleness),
+            start_with=args.start_with, fragments=args.fragments, exchange=args.exchange,
+            listen=not args.client_mode, should_stop=lambda: stop.requested,
+            aggregation=args.aggregation, hooks=diloco_hooks,
+        )
+    from averaging.collaborative import CollaborativeOptimizer
+
+    return CollaborativeOptimizer(
+        base, swarm, args.run_id, target_batch_size=args.target_batch_size,
+        batch_size_per_step=args.batch_size, average=args.average, target_group_size=args.group_size,
+        matchmaking_time=args.matchmaking_time, listen=not args.client_mode, aggregation=args.aggregation,
+    )
 
 
 def _never_averaged_for_mismatch(result: dict[str, Any], since: int) -> str | None:

@@ -1,0 +1,61 @@
+"""`SwarmOptimizer`: what a training loop uses of an optimizer that trains with the swarm.
+
+Both `CollaborativeOptimizer` (average every collective epoch) and `DiLoCoOptimizer` (local inner steps, then an
+outer step on averaged pseudo-gradients) implement it, so a loop written against it (`peer train`'s runner, a
+user's own loop) never asks which algorithm it holds. The algorithms differ in what "done" means (a count of
+local steps, or of the swarm's outer steps) and in what they report; those differences live behind
+`more_steps`, `shortfall` and `report`, not in the caller."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class SwarmOptimizer(Protocol):
+    """The surface both swarm optimizers share (a `torch.optim.Optimizer`-like face plus the run's end)."""
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's parameter groups (for learning-rate schedulers)."""
+        ...
+
+    @property
+    def lock(self) -> threading.Lock:
+        """Held while averaging writes parameters; hold it to touch them from another thread."""
+        ...
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+    def step(self, batch_size: int | None = None) -> bool:
+        """Account one local batch after `loss.backward()`; True when this call changed the model with the swarm
+        (an averaged epoch or outer step applied, or state downloaded)."""
+        ...
+
+    def more_steps(self, step: int, planned: int) -> bool:
+        """Whether a loop planned for `planned` local steps takes another after `step` of them."""
+        ...
+
+    def shortfall(self, step: int, planned: int) -> str | None:
+        """After the loop: one line saying what the run fell short of (None when it did its job)."""
+        ...
+
+    def finish(self, timeout: float | None = None) -> bool:
+        """End training with the swarm, before `close()`; True when this trainer holds the swarm's final state."""
+        ...
+
+    def report(self, final: bool = False) -> dict[str, Any]:
+        """The figures of a progress line (`final=False`) or of the run's result (`final=True`)."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Everything this trainer counted (a superset of `report`)."""
+        ...
+
+    def close(self) -> None:
+        """Stop publishing progress and leave averaging; the swarm itself stays open."""
+        ...
+
+
+__all__ = ["SwarmOptimizer"]
