@@ -52,6 +52,7 @@ import torch
 import trio
 
 from averaging.averager import Averager
+from averaging.optimizer import SwarmOptimizerBase
 from averaging.progress import PeerProgress, ProgressTracker, SwarmProgress, _Rate, estimate
 from averaging.schema import MISMATCHES
 from averaging.state import install_state_server, load_state
@@ -153,7 +154,7 @@ class _SharedProgressTracker(ProgressTracker):
         return estimate(reports.values(), target=self.target, now=now, max_extrapolation=self.ttl / 2)
 
 
-class CollaborativeOptimizer:
+class CollaborativeOptimizer(SwarmOptimizerBase):
     """Wraps any torch optimizer for collaborative training over a `peer.client.Swarm` (see module doc).
 
     `target_batch_size`: samples the whole swarm processes per epoch (one averaged update per epoch in gradients
@@ -162,6 +163,8 @@ class CollaborativeOptimizer:
     `compression` (a `peer.p2p.wire.Compression`), `aggregation` (Byzantine-robust reduction:
     `averaging.robust`). Progress options: `progress_ttl`, `min_refresh`, `max_refresh`.
     """
+
+    tracker: _SharedProgressTracker
 
     def __init__(
         self,
@@ -326,18 +329,6 @@ class CollaborativeOptimizer:
 
     # ------------------------------------------------------------------------------------------ public API
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @property
-    def lock(self) -> threading.Lock:
-        """The lock averaging takes while writing tensors; hold it when touching parameters from other threads."""
-        return self._lock
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
     def step(self, batch_size: int | None = None) -> bool:
         """Account one local batch (after `loss.backward()`); returns True when this call ended an epoch (an
         averaged update was applied, or state was loaded from peers)."""
@@ -420,27 +411,6 @@ class CollaborativeOptimizer:
             stats["swarm_epoch"] = progress.epoch
             stats["swarm_trainers"] = progress.num_peers
         return stats
-
-    def close(self) -> None:
-        """Stop publishing progress and leave averaging (the swarm itself stays open)."""
-        scope, self._scope = self._scope, None
-        if scope is None or getattr(self.swarm, "bridge", None) is None:
-            return
-
-        async def cancel() -> None:
-            scope.cancel()
-            await self.tracker.leave()  # the others stop counting this trainer at once
-
-        try:
-            self.swarm.bridge.run(cancel)
-        except Exception as error:  # the bridge already closed: nothing left to stop
-            logger.debug("collaborative optimizer: close after the bridge: %s", error)
-
-    def __enter__(self) -> "CollaborativeOptimizer":
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
 
     # ------------------------------------------------------------------------------------------ epochs
 

@@ -56,6 +56,7 @@ from averaging.averager import Averager, StepResult
 from averaging.errors import AveragingError
 from averaging.gather import GatherService, combine, prefer_gather
 from averaging.group import GroupInfo, Member
+from averaging.optimizer import SwarmOptimizerBase
 from averaging.outer_state import ErrorFeedback, OuterState, default_outer, nesterov_sgd
 from averaging.progress import PeerProgress, ProgressTracker, SwarmProgress
 from averaging.quorum import Dropped, Late, Offer, QuorumPolicy, Resync, Start, check_start
@@ -121,7 +122,7 @@ class _Contribution:
     indices: list[int]
 
 
-class DiLoCoOptimizer:
+class DiLoCoOptimizer(SwarmOptimizerBase):
     """Wraps any torch optimizer (the inner one) for DiLoCo training over a `peer.client.Swarm` (see module doc).
 
     `outer_optimizer`: a callable building the outer optimizer over the outer parameters (default: SGD with
@@ -926,18 +927,6 @@ class DiLoCoOptimizer:
     def pseudo(self) -> list[torch.Tensor]:
         return self.outer.pseudo
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @property
-    def lock(self) -> threading.Lock:
-        """Held while the outer state is written (outer steps, downloads, snapshots served to others)."""
-        return self._lock
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
     def step(self, batch_size: int | None = None) -> bool:
         """One inner step (after `loss.backward()`); returns True when this call ended an outer round."""
         now = time.monotonic()
@@ -1171,27 +1160,6 @@ class DiLoCoOptimizer:
         if progress is not None:
             stats["swarm_trainers"] = len([p for p in progress.peers if p.info.get("alg")])
         return stats
-
-    def close(self) -> None:
-        """Stop publishing progress and leave averaging (the swarm itself stays open)."""
-        scope, self._scope = self._scope, None
-        if scope is None or getattr(self.swarm, "bridge", None) is None:
-            return
-
-        async def cancel() -> None:
-            scope.cancel()
-            await self.tracker.leave()
-
-        try:
-            self.swarm.bridge.run(cancel)
-        except Exception as error:  # the bridge already closed: nothing left to stop
-            logger.debug("diloco optimizer: close after the bridge: %s", error)
-
-    def __enter__(self) -> "DiLoCoOptimizer":
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
 
 
 __all__ = ["ALGORITHM", "DiLoCoHooks", "DiLoCoOptimizer", "ErrorFeedback", "nesterov_sgd", "state_hash"]

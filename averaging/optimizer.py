@@ -8,8 +8,20 @@ local steps, or of the swarm's outer steps) and in what they report; those diffe
 
 from __future__ import annotations
 
+import logging
 import threading
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+import trio
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+    from averaging.progress import ProgressTracker
+    from dht.client import SwarmHandle
+
+logger = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -58,4 +70,50 @@ class SwarmOptimizer(Protocol):
         ...
 
 
-__all__ = ["SwarmOptimizer"]
+class SwarmOptimizerBase:
+    """What both optimizers do alike: the torch face over the wrapped optimizer, and leaving the run. Subclasses
+    set `optimizer`, `swarm`, `tracker`, `_lock` and `_scope` (the cancel scope of their trio-side services)."""
+
+    optimizer: torch.optim.Optimizer
+    swarm: SwarmHandle
+    tracker: ProgressTracker
+    _lock: threading.Lock
+    _scope: trio.CancelScope | None
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def lock(self) -> threading.Lock:
+        """Held while averaging writes parameters (averaged updates, outer steps, downloads, snapshots served to
+        others); hold it to touch them from another thread."""
+        return self._lock
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def close(self) -> None:
+        """Stop publishing progress and leave averaging (the swarm itself stays open); a goodbye record makes the
+        others stop counting this trainer at once."""
+        scope, self._scope = self._scope, None
+        if scope is None or getattr(self.swarm, "bridge", None) is None:
+            return
+
+        async def cancel() -> None:
+            scope.cancel()
+            await self.tracker.leave()
+
+        try:
+            self.swarm.bridge.run(cancel)
+        except Exception as error:  # the bridge already closed: nothing left to stop
+            logger.debug("%s: close after the bridge: %s", type(self).__name__, error)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+__all__ = ["SwarmOptimizer", "SwarmOptimizerBase"]
