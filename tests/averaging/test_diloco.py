@@ -155,6 +155,28 @@ def _make_together(swarms: list[SimSwarm], **options: Any) -> list[tuple[nn.Modu
     return [made[i] for i in range(len(swarms))]
 
 
+def _trainers(bridge: Bridge, count: int, latency: float = 0.002, building: int | None = None,
+              **options: Any) -> tuple[MemoryNetwork, list[SimPeer], list[tuple[nn.Module, DiLoCoOptimizer]]]:
+    """`count` simulated peers on a fresh in-memory network, and trainers built together on the first `building`
+    of them (all by default; the rest are left for a newcomer)."""
+    memory = MemoryNetwork(latency=latency)
+    peers = _start_swarm(bridge, memory, count)
+    made = _make_together([SimSwarm(bridge, peer) for peer in peers[:building]], **options)
+    return memory, peers, made
+
+
+def _close(made: list[tuple[nn.Module, DiLoCoOptimizer]]) -> None:
+    for _, opt in made:
+        opt.close()
+
+
+def _four_to_partition(bridge: Bridge) -> tuple[MemoryNetwork, list[tuple[nn.Module, DiLoCoOptimizer]], list[str]]:
+    """Four trainers built together, with load and averaging timeouts short enough that a partitioned one gives up
+    within the test, and the peers' names (to cut the last one off); the network is returned to cut and heal."""
+    memory, peers, made = _trainers(bridge, 4, load_state_timeout=4.0, averaging_timeout=8.0, start_with=4)
+    return memory, made, [peer.name for peer in peers]
+
+
 def _train(model: nn.Module, opt: DiLoCoOptimizer, steps: int, seed: int, rows: int = 4,
            before_step: Any = None) -> None:
     generator = torch.Generator().manual_seed(seed)
@@ -216,10 +238,7 @@ def _reference_check(trace_dir: str, steps: int, count: int) -> None:
 
 
 def test_four_trainers_agree_after_every_outer_step_and_match_reference_nesterov(bridge, tmp_path):
-    memory = MemoryNetwork(latency=0.002)
-    peers = _start_swarm(bridge, memory, 4)
-    made = _make_together([SimSwarm(bridge, peer) for peer in peers], hooks=DiLoCoHooks(trace_dir=str(tmp_path)),
-                          start_with=4)
+    memory, peers, made = _trainers(bridge, 4, hooks=DiLoCoHooks(trace_dir=str(tmp_path)), start_with=4)
     try:
         _threads([lambda m=m, o=o, i=i: _train(m, o, 15, seed=i) for i, (m, o) in enumerate(made)])
         assert {opt.outer_step for _, opt in made} == {3}
@@ -230,14 +249,11 @@ def test_four_trainers_agree_after_every_outer_step_and_match_reference_nesterov
             assert opt.stats()["group_sizes"] == {4: 3}
             assert opt.stats()["bytes_sent"] > 0
     finally:
-        for _, opt in made:
-            opt.close()
+        _close(made)
 
 
 def test_newcomer_holds_the_outer_params_and_momentum_before_its_first_inner_step(bridge):
-    memory = MemoryNetwork(latency=0.002)
-    peers = _start_swarm(bridge, memory, 3)
-    made = _make_together([SimSwarm(bridge, peer) for peer in peers[:2]], start_with=2)
+    memory, peers, made = _trainers(bridge, 3, building=2, start_with=2)
     try:
         _threads([lambda m=m, o=o, i=i: _train(m, o, 25, seed=i) for i, (m, o) in enumerate(made)])
         assert {opt.outer_step for _, opt in made} == {5}
@@ -254,8 +270,7 @@ def test_newcomer_holds_the_outer_params_and_momentum_before_its_first_inner_ste
         finally:
             newcomer.close()
     finally:
-        for _, opt in made:
-            opt.close()
+        _close(made)
 
 
 def _in_bridge(bridge: Bridge, fn: Any, *args: Any) -> None:
@@ -271,9 +286,7 @@ def test_a_joiner_the_swarm_outran_contributes_from_its_state_in_its_second_roun
     pseudo-gradient (computed on step 2) to round 3 as a member behind by one, vouched for by the others' chains,
     and downloads step 4 after it: it contributed in its second outer step instead of after a catch-up download
     that the swarm outruns again, and all three hold one state."""
-    memory = MemoryNetwork(latency=0.002)
-    peers = _start_swarm(bridge, memory, 3)
-    made = _make_together([SimSwarm(bridge, peer) for peer in peers[:2]], start_with=2)
+    memory, peers, made = _trainers(bridge, 3, building=2, start_with=2)
     try:
         _threads([lambda m=m, o=o, i=i: _train(m, o, 10, seed=i) for i, (m, o) in enumerate(made)])
         model, newcomer = _make(SimSwarm(bridge, peers[2]))
@@ -289,17 +302,12 @@ def test_a_joiner_the_swarm_outran_contributes_from_its_state_in_its_second_roun
         assert {opt.outer_step for _, opt in made} == {4} and len({opt.hash for _, opt in made}) == 1
         assert made[0][1].stats()["group_sizes"].get(3) == 1  # its pseudo-gradient is in the others' step 4
     finally:
-        for _, opt in made:
-            opt.close()
+        _close(made)
 
 
 @pytest.mark.slow
 def test_partitioned_trainer_resyncs_after_the_partition_heals(bridge):
-    memory = MemoryNetwork(latency=0.002)
-    peers = _start_swarm(bridge, memory, 4)
-    made = _make_together([SimSwarm(bridge, peer) for peer in peers], load_state_timeout=4.0, averaging_timeout=8.0,
-                          start_with=4)
-    names = [peer.name for peer in peers]
+    memory, made, names = _four_to_partition(bridge)
     cut = threading.Event()
 
     def partition_at(step: int) -> None:
@@ -331,17 +339,12 @@ def test_partitioned_trainer_resyncs_after_the_partition_heals(bridge):
         assert last.stats()["state_loads"] >= 1, last.stats()
         assert all(state_hash(opt._outer_state) == opt.hash for _, opt in made)
     finally:
-        for _, opt in made:
-            opt.close()
+        _close(made)
 
 
 @pytest.mark.slow
 def test_finish_resyncs_a_trainer_partitioned_during_the_last_outer_round(bridge):
-    memory = MemoryNetwork(latency=0.002)
-    peers = _start_swarm(bridge, memory, 4)
-    made = _make_together([SimSwarm(bridge, peer) for peer in peers], load_state_timeout=4.0, averaging_timeout=8.0,
-                          start_with=4)
-    names = [peer.name for peer in peers]
+    memory, made, names = _four_to_partition(bridge)
 
     def partition_at(step: int) -> None:
         if step == 10:  # the last trainer, at the start of the third and last outer round, once the others
@@ -371,8 +374,7 @@ def test_finish_resyncs_a_trainer_partitioned_during_the_last_outer_round(bridge
         assert state_hash(last._outer_state) == last.hash
         assert all(torch.equal(p, q) for p, q in zip(made[3][0].parameters(), made[0][1].outer_params))
     finally:
-        for _, opt in made:
-            opt.close()
+        _close(made)
 
 
 def test_trainers_started_apart_with_the_same_loop_end_with_one_state(bridge):
@@ -414,9 +416,7 @@ def test_trainers_started_apart_with_the_same_loop_end_with_one_state(bridge):
 
 
 def test_finish_says_why_within_its_timeout_when_nobody_is_left_to_agree_with(bridge):
-    memory = MemoryNetwork(latency=0.002)
-    peers = _start_swarm(bridge, memory, 3)
-    made = _make_together([SimSwarm(bridge, peer) for peer in peers], start_with=3)
+    memory, peers, made = _trainers(bridge, 3, start_with=3)
     try:
         _threads([lambda m=m, o=o, i=i: _train(m, o, 5, seed=i) for i, (m, o) in enumerate(made)])
         assert len({opt.hash for _, opt in made}) == 1
@@ -436,15 +436,12 @@ def test_finish_says_why_within_its_timeout_when_nobody_is_left_to_agree_with(br
         finally:
             stopped.close()
     finally:
-        for _, opt in made:
-            opt.close()
+        _close(made)
 
 
 def test_overlap_no_inner_step_waits_when_the_round_is_faster_than_inner_steps(bridge):
-    memory = MemoryNetwork(latency=0.01)
-    peers = _start_swarm(bridge, memory, 2)
-    made = _make_together([SimSwarm(bridge, peer) for peer in peers], overlap=True, inner_steps=40,
-                          compression=INT8, start_with=2)
+    memory, peers, made = _trainers(bridge, 2, latency=0.01, overlap=True, inner_steps=40, compression=INT8,
+                                    start_with=2)
     gate = threading.Barrier(2, timeout=60)
     rounds: list[list[int]] = [[], []]
 
@@ -473,8 +470,7 @@ def test_overlap_no_inner_step_waits_when_the_round_is_faster_than_inner_steps(b
         assert len({opt.hash for _, opt in made}) == 1
         assert state_hash(made[0][1]._outer_state) == made[1][1].hash
     finally:
-        for _, opt in made:
-            opt.close()
+        _close(made)
 
 
 # ------------------------------------------------------------------------------------------- traffic counts
@@ -509,10 +505,7 @@ async def test_allreduce_counts_the_encoded_bytes_it_sends_and_receives(autojump
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_streaming_fragments_alternate_and_each_round_sends_its_fragment_only(bridge, overlap):
-    memory = MemoryNetwork(latency=0.002)
-    peers = _start_swarm(bridge, memory, 2)
-    made = _make_together([SimSwarm(bridge, peer) for peer in peers], start_with=2, inner_steps=10, fragments=2,
-                          overlap=overlap)
+    memory, peers, made = _trainers(bridge, 2, start_with=2, inner_steps=10, fragments=2, overlap=overlap)
     whole = _make_together([SimSwarm(bridge, peer) for peer in _start_swarm(bridge, memory, 2, first=2)],
                            start_with=2, inner_steps=10)
     try:
@@ -529,15 +522,12 @@ def test_streaming_fragments_alternate_and_each_round_sends_its_fragment_only(br
         whole_per_round = whole[0][1].stats()["bytes_sent"] / 4
         assert per_round < 0.75 * whole_per_round, (per_round, whole_per_round)
     finally:
-        for _, o in made + whole:
-            o.close()
+        _close(made + whole)
 
 
 def test_gather_exchange_agrees_and_matches_reference_nesterov(bridge, tmp_path):
-    memory = MemoryNetwork(latency=0.002)
-    peers = _start_swarm(bridge, memory, 4)
-    made = _make_together([SimSwarm(bridge, peer) for peer in peers], hooks=DiLoCoHooks(trace_dir=str(tmp_path)),
-                          start_with=4, exchange="gather", compression=INT8)
+    memory, peers, made = _trainers(bridge, 4, hooks=DiLoCoHooks(trace_dir=str(tmp_path)), start_with=4,
+                                    exchange="gather", compression=INT8)
     try:
         _threads([lambda m=m, o=o, i=i: _train(m, o, 15, seed=i) for i, (m, o) in enumerate(made)])
         assert {opt.outer_step for _, opt in made} == {3} and len({opt.hash for _, opt in made}) == 1
@@ -546,5 +536,4 @@ def test_gather_exchange_agrees_and_matches_reference_nesterov(bridge, tmp_path)
         assert stats["group_sizes"] == {4: 3} and stats["bytes_sent"] > 0
         assert all(o.gather.stats["rounds"] == 3 for _, o in made)
     finally:
-        for _, opt in made:
-            opt.close()
+        _close(made)
