@@ -132,18 +132,14 @@ class Harness:
                     view.copy_(value.reshape(-1))
             core.part_averaged(part.index)
 
-    def run(self, members=None):
+    def run(self, members=None, until="pull"):
+        """Each step of the round for every member given (all by default) before the next step, up to and
+        including the step named `until`."""
         members = list(range(len(self.cores))) if members is None else members
-        for m in members:
-            self.push_all(m)
-        for m in members:
-            self.start_reducing(m)
-        for m in members:
-            self.commit(m)
-        for m in members:
-            self.finalize(m)
-        for m in members:
-            self.pull(m)
+        steps = [self.push_all, self.start_reducing, self.commit, self.finalize, self.pull]
+        for step in steps[:[s.__name__ for s in steps].index(until) + 1]:
+            for m in members:
+                step(m)
 
     def kill(self, member):
         """Every other member learns it crashed (hard evidence, as a lost connection gives)."""
@@ -327,10 +323,7 @@ def test_a_reducer_that_excluded_us_is_not_blamed():
 
 def test_hard_evidence_is_passed_on_in_the_commit_and_in_the_answer():
     h = Harness(size=4)
-    for m in range(4):
-        h.push_all(m)
-    for m in range(4):
-        h.start_reducing(m)
+    h.run(until="start_reducing")
     h.cores[0].note_failed(3, crashed=True, reason="connection lost")  # only member 0 saw it crash
     part = h.partition.part_of(1)
     request = h.cores[0].finish_request(part.index)
@@ -366,12 +359,7 @@ def test_deadlines_are_plain_numbers():
 
 def test_pulls_are_served_until_every_committed_member_has_its_copy_or_is_late():
     h = Harness(size=3)
-    for m in range(3):
-        h.push_all(m)
-    for m in range(3):
-        h.start_reducing(m)
-    for m in range(3):
-        h.commit(m)
+    h.run(until="commit")
     reducer = h.cores[0]
     reducer.watch_started(1, 0, 0.0)
     h.finalize(0, now=5.0)
@@ -434,10 +422,7 @@ def test_messages_out_of_order_are_refused_and_the_sender_is_blamed():
 
 def test_malformed_answers_are_the_reducers_fault():
     h = Harness(size=3)
-    for m in range(3):
-        h.push_all(m)
-    for m in range(3):
-        h.start_reducing(m)
+    h.run(until="start_reducing")
     core = h.cores[0]
     part = h.partition.part_of(1)
     core.finish_request(part.index)
