@@ -86,10 +86,10 @@ def load_digits_split(seed: int = DIGITS_SPLIT_SEED) -> tuple[torch.Tensor, torc
 
 
 class BatchStream:
-    """Shuffled mini-batches, epoch after epoch, from a seeded generator."""
+    """Shuffled mini-batches of rows, epoch after epoch, from a seeded generator (a batch is at most every row)."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int):
-        self.x, self.y, self.batch_size = x, y, batch_size
+        self.x, self.y, self.batch_size = x, y, min(batch_size, len(x))
         self.generator = torch.Generator().manual_seed(seed)
         self._order = torch.empty(0, dtype=torch.long)
         self._position = 0

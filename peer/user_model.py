@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from peer.corpus import WindowStream, evaluation_windows
+from peer.train import BatchStream
 
 HELD_OUT_FRACTION = 0.1
 SPLIT_SEED = 20240607  # the held-out rows are the same for every trainer of every run
@@ -176,24 +177,6 @@ def _text(path: Path, data: bytes) -> TextData:
     return TextData(tensor[:cut].clone(), tensor[cut:].clone())
 
 
-class _TensorBatches:
-    """Shuffled mini-batches of rows, epoch after epoch, from a seeded generator."""
-
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int):
-        self.x, self.y, self.batch_size = x, y, min(batch_size, len(x))
-        self.generator = torch.Generator().manual_seed(seed)
-        self._order = torch.empty(0, dtype=torch.long)
-        self._position = 0
-
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._position + self.batch_size > len(self._order):
-            self._order = torch.randperm(len(self.x), generator=self.generator)
-            self._position = 0
-        index = self._order[self._position:self._position + self.batch_size]
-        self._position += self.batch_size
-        return self.x[index], self.y[index]
-
-
 # ------------------------------------------------------------------------------------------------ the task
 
 
@@ -218,10 +201,10 @@ class UserTask:
     def discover(self, args: argparse.Namespace, swarm: Any) -> argparse.Namespace:
         return args
 
-    def batches(self, args: argparse.Namespace) -> WindowStream | _TensorBatches:
+    def batches(self, args: argparse.Namespace) -> WindowStream | BatchStream:
         if isinstance(self.data, TextData):
             return WindowStream(self.data.train, args.seq_len, args.batch_size, seed=args.seed)
-        return _TensorBatches(self.data.x_train, self.data.y_train, args.batch_size, seed=args.seed)
+        return BatchStream(self.data.x_train, self.data.y_train, args.batch_size, seed=args.seed)
 
     def build_model(self, args: argparse.Namespace, swarm: Any) -> nn.Module:
         from peer.train import run_seed

@@ -78,6 +78,18 @@ def verify_signature(public_key: bytes, signature: bytes, data: bytes) -> bool:
     return True
 
 
+def _write_secret(path: Path, magic: bytes, secret: bytes) -> None:
+    """`magic` and the hex of `secret` in a file readable by the owner only (0600), replacing any old file
+    atomically (a crash mid-write leaves the old key, never half of a new one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "wb") as file:
+        file.write(magic + secret.hex().encode() + b"\n")
+    os.chmod(temporary, 0o600)
+    os.replace(temporary, path)
+
+
 def _check_private(path: Path, what: str = "identity file") -> None:
     """Refuse a key file that group or others may read (as ssh does): whoever can read it can act as this peer.
     Files this module writes are 0600, so this fires only for a file copied or made by hand, or loosened later;
@@ -120,14 +132,7 @@ class Identity:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the key file readable by the owner only (0600), replacing any old file atomically."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(path.name + ".tmp")
-        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(descriptor, "wb") as file:
-            file.write(_KEY_FILE_MAGIC + self.private_bytes().hex().encode() + b"\n")
-        os.chmod(temporary, 0o600)
-        os.replace(temporary, path)
+        _write_secret(Path(path), _KEY_FILE_MAGIC, self.private_bytes())
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "Identity":
@@ -197,13 +202,7 @@ class SwarmKey:
         if path.exists() and not overwrite:
             raise SwarmKeyError(f"{path} exists; pass --force to replace it (peers holding the old key will no "
                                 f"longer reach this one)")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(path.name + ".tmp")
-        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(descriptor, "wb") as file:
-            file.write(_SWARM_KEY_MAGIC + self._secret.hex().encode() + b"\n")
-        os.chmod(temporary, 0o600)
-        os.replace(temporary, path)
+        _write_secret(path, _SWARM_KEY_MAGIC, self._secret)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "SwarmKey":
