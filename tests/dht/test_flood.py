@@ -10,6 +10,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import trio
 
@@ -48,18 +50,42 @@ class StorageWorkMeter:
         server.handle = measured
 
 
+@asynccontextmanager
+async def _flooder(victim: DHTNode, *options: str) -> AsyncIterator[trio.Process]:
+    """The flood aimed at `victim`: bench_flood.py's `--flooder` with `options`, in another process (it floods
+    until it has sent its count or its stdin closes, then prints a JSON summary); killed if still running."""
+    process = await trio.lowlevel.open_process(
+        [sys.executable, FLOODER, "--flooder", f"127.0.0.1:{victim.address[1]}", *options],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT)
+    try:
+        yield process
+    finally:
+        if process.returncode is None:
+            process.kill()
+
+
+async def _until_full(victim: DHTNode) -> None:
+    with trio.fail_after(120):
+        while not victim.stats()["storage"]["stores_refused_full"]:
+            await trio.sleep(0.01)  # polling the condition: the flood has filled the store
+
+
+async def _sent(flooder: trio.Process) -> int:
+    """Waits for the flooder to end and returns the datagrams it says it sent."""
+    output = b""
+    with trio.fail_after(120):
+        while chunk := await flooder.stdout.receive_some():
+            output += chunk
+        await flooder.wait()
+    return json.loads(output.decode().splitlines()[-1])["sent"]
+
+
 async def test_a_flood_of_new_keys_from_one_host_leaves_room_and_cheap_service_for_honest_peers():
     async with DHTNode.open("127.0.0.1", 0, config=VICTIM_CONFIG) as victim:
         meter = StorageWorkMeter(victim, HONEST_HOST)
         async with DHTNode.open(HONEST_HOST, 0, [victim.address], client_mode=True, config=HONEST_CONFIG) as honest:
-            flooder = await trio.lowlevel.open_process(
-                [sys.executable, FLOODER, "--flooder", f"127.0.0.1:{victim.address[1]}", "--count", str(FLOOD_KEYS),
-                 "--ports", "64", "--rate", "0"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT)
-            try:
-                with trio.fail_after(120):
-                    while not victim.stats()["storage"]["stores_refused_full"]:
-                        await trio.sleep(0.01)  # polling the condition: the flood has filled the store
+            async with _flooder(victim, "--count", str(FLOOD_KEYS), "--ports", "64", "--rate", "0") as flooder:
+                await _until_full(victim)
                 held_at_full = dict(victim.stats()["storage"])
                 await flooder.stdin.aclose()  # the flooder stops once it sent FLOOD_KEYS
                 for i in range(HONEST_KEYS):
@@ -69,15 +95,8 @@ async def test_a_flood_of_new_keys_from_one_host_leaves_room_and_cheap_service_f
                     storage = victim.stats()["storage"]
                     assert storage["records_held"] <= VICTIM_CONFIG.max_records
                     assert storage["bytes_held"] <= VICTIM_CONFIG.max_bytes
-                output = b""
-                with trio.fail_after(120):
-                    while chunk := await flooder.stdout.receive_some():
-                        output += chunk
-                    await flooder.wait()
-            finally:
-                if flooder.returncode is None:
-                    flooder.kill()
-            assert json.loads(output.decode().splitlines()[-1])["sent"] >= FLOOD_KEYS
+                sent = await _sent(flooder)
+            assert sent >= FLOOD_KEYS
 
             for i in range(HONEST_KEYS):
                 assert victim.local_record(f"honest-{i}").value == i
@@ -119,28 +138,16 @@ async def test_a_flood_with_a_made_up_sender_id_per_datagram_leaves_honest_store
     async with DHTNode.open("127.0.0.1", 0, config=VICTIM_CONFIG) as victim:
         async with DHTNode.open(HONEST_HOST, 0, [victim.address], client_mode=True,
                                 config=RANDOM_ID_HONEST_CONFIG) as honest:
-            flooder = await trio.lowlevel.open_process(
-                [sys.executable, FLOODER, "--flooder", f"127.0.0.1:{victim.address[1]}", "--count", "5000",
-                 "--ports", "64", "--rate", "2500", "--random-ids"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT)
-            try:
-                with trio.fail_after(120):
-                    while not victim.stats()["storage"]["stores_refused_full"]:
-                        await trio.sleep(0.01)  # polling the condition: the flood has filled the store
+            async with _flooder(victim, "--count", "5000", "--ports", "64", "--rate", "2500",
+                                "--random-ids") as flooder:
+                await _until_full(victim)
                 during = [await _store_with_attempts(honest, f"during-{i}", i, ATTEMPTS_DURING)
                           for i in range(HONEST_KEYS)]
                 flooding_still = flooder.returncode is None
                 await flooder.stdin.aclose()
-                output = b""
-                with trio.fail_after(120):
-                    while chunk := await flooder.stdout.receive_some():
-                        output += chunk
-                    await flooder.wait()
-            finally:
-                if flooder.returncode is None:
-                    flooder.kill()
+                sent = await _sent(flooder)
             assert flooding_still
-            assert json.loads(output.decode().splitlines()[-1])["sent"] >= 5000
+            assert sent >= 5000
             assert all(during), during
             after = [await _store_with_attempts(honest, f"after-{i}", i, ATTEMPTS_AFTER) for i in range(HONEST_KEYS)]
             assert all(after), after
