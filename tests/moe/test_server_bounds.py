@@ -5,7 +5,6 @@ larger than the expert usually gets, so one caller cannot wreck an expert in a s
 from __future__ import annotations
 
 import copy
-from contextlib import asynccontextmanager
 
 import pytest
 import torch
@@ -14,11 +13,8 @@ import trio
 from moe import calls
 from moe.errors import BadExpertInput
 from moe.experts import Expert, OptimizerConfig, make_expert
-from moe.server import ExpertServer
 from moe.trust import NormStats
-from peer.p2p.identity import Identity
-from peer.p2p.net import RealNetwork
-from peer.p2p.rpc import RPCNode
+from tests.moe.serving import serving
 
 HIDDEN = 8
 SGD = OptimizerConfig("sgd", lr=0.1, clip_grad_norm=1.0)
@@ -67,18 +63,6 @@ def test_norm_stats_ratio_after_warmup():
         stats.observe(norm)
     assert 50 < stats.ratio(100.0) < 100
     assert 0.5 < stats.ratio(1.3) < 2
-
-
-@asynccontextmanager
-async def serving(experts, **options):
-    server = ExpertServer(experts, **options)
-    async with RPCNode(Identity.generate(), RealNetwork()) as node, \
-            RPCNode(Identity.generate(), RealNetwork()) as client:
-        address = await node.listen("127.0.0.1", 0)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(server.run, node)
-            yield server, client, address, node.peer_id
-            nursery.cancel_scope.cancel()
 
 
 async def test_the_server_refuses_gradients_and_inputs_far_above_the_usual():

@@ -1,7 +1,6 @@
 """An ExpertServer over real sockets on 127.0.0.1, called with a plain RPCNode: the wire contract of moe.*."""
 
 import copy
-from contextlib import asynccontextmanager
 
 import pytest
 import torch
@@ -11,11 +10,11 @@ from torch import nn
 from moe.errors import BadExpertInput, ExpertFailed, ExpertNotFound
 from moe.experts import ExpertKind, OptimizerConfig, make_expert, register_expert_kind
 from moe.schema import TensorSpec
-from moe.server import ExpertServer
 from peer.p2p.identity import Identity
 from peer.p2p.net import RealNetwork
 from peer.p2p.rpc import RPCNode
 from peer.p2p.wire import Compression
+from tests.moe.serving import serving
 
 TIMEOUT = 30.0
 
@@ -36,22 +35,9 @@ register_expert_kind(
 )
 
 
-@asynccontextmanager
-async def serving(experts, **server_options):
-    """A server node hosting `experts` and a client node; yields (server, client, server_address)."""
-    server = ExpertServer(experts, **server_options)
-    async with RPCNode(Identity.generate(), RealNetwork()) as server_node, \
-            RPCNode(Identity.generate(), RealNetwork()) as client:
-        address = await server_node.listen("127.0.0.1", 0)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(server.run, server_node)
-            yield server, client, address
-            nursery.cancel_scope.cancel()
-
-
 async def test_info_describes_the_schema():
     expert = make_expert("ffn.0.1", "ffn", 16, seed=0)
-    async with serving([expert], max_batch_size=64) as (_, client, address):
+    async with serving([expert], max_batch_size=64) as (_, client, address, _):
         info = await client.call(address, "moe.info", {"uid": "ffn.0.1"}, timeout=TIMEOUT)
     assert info == {
         "uid": "ffn.0.1", "kind": "ffn", "hidden_dim": 16, "max_batch_size": 64,
@@ -65,7 +51,7 @@ async def test_forward_and_backward_equal_local_computation_including_optimizer_
     local = copy.deepcopy(expert.module)
     local_opt = torch.optim.Adam(local.parameters(), lr=0.01)
     x, grad_out = torch.randn(*shape), torch.randn(*shape)
-    async with serving([expert]) as (server, client, address):
+    async with serving([expert]) as (server, client, address, _):
         reply = await client.call(address, "moe.forward", {"uid": f"{kind}.0", "inputs": [x]}, timeout=TIMEOUT)
         torch.testing.assert_close(reply["outputs"][0], local(x).detach(), rtol=1e-5, atol=1e-5)
 
@@ -102,7 +88,7 @@ async def test_bad_inputs_get_typed_errors_while_others_are_served():
         ("moe.backward", {"uid": "ffn.1", "inputs": [torch.randn(3, 8)],
                           "grad_outputs": [torch.full((3, 8), float("inf"))]}, "infinite"),
     ]
-    async with serving([expert], max_batch_size=16) as (server, client, address):
+    async with serving([expert], max_batch_size=16) as (server, client, address, _):
         other = RPCNode(Identity.generate(), RealNetwork())
         async with other:
             good_results = []
@@ -133,7 +119,7 @@ async def test_bad_inputs_get_typed_errors_while_others_are_served():
 
 async def test_module_failure_is_typed_and_server_keeps_serving():
     expert = make_expert("boom.0", "test_exploding", 4, seed=0)
-    async with serving([expert]) as (server, client, address):
+    async with serving([expert]) as (server, client, address, _):
         with pytest.raises(ExpertFailed, match="exploded"):
             await client.call(address, "moe.forward", {"uid": "boom.0", "inputs": [torch.full((1, 4), 1000.0)]},
                               timeout=TIMEOUT)
@@ -147,7 +133,7 @@ async def test_concurrent_callers_share_batches_and_get_their_own_rows():
     expert = make_expert("ffn.2", "ffn", 16, seed=0)
     xs = [torch.randn(3, 16) for _ in range(8)]
     results = [None] * len(xs)
-    async with serving([expert], min_batch_size=24, batch_timeout=30) as (server, client, address):
+    async with serving([expert], min_batch_size=24, batch_timeout=30) as (server, client, address, _):
         async def call(i):
             reply = await client.call(address, "moe.forward", {"uid": "ffn.2", "inputs": [xs[i]]}, timeout=TIMEOUT)
             results[i] = reply["outputs"][0]
@@ -164,7 +150,7 @@ async def test_concurrent_callers_share_batches_and_get_their_own_rows():
 async def test_compressed_replies_on_request():
     expert = make_expert("ffn.3", "ffn", 32, seed=0)
     x = torch.randn(4, 32)
-    async with serving([expert]) as (_, client, address):
+    async with serving([expert]) as (_, client, address, _):
         exact = await client.call(address, "moe.forward", {"uid": "ffn.3", "inputs": [x]}, timeout=TIMEOUT)
         half = await client.call(address, "moe.forward", {"uid": "ffn.3", "inputs": [x],
                                                           "compression": int(Compression.FLOAT16)}, timeout=TIMEOUT)
@@ -179,7 +165,7 @@ async def test_cuda_expert_serves_cpu_callers_and_trains():
     local = copy.deepcopy(expert.module).cpu()
     local_opt = torch.optim.Adam(local.parameters(), lr=0.01)
     x, grad_out = torch.randn(8, 64), torch.randn(8, 64)
-    async with serving([expert]) as (_, client, address):
+    async with serving([expert]) as (_, client, address, _):
         reply = await client.call(address, "moe.forward", {"uid": "ffn.9", "inputs": [x]}, timeout=TIMEOUT)
         assert reply["outputs"][0].device.type == "cpu"
         torch.testing.assert_close(reply["outputs"][0], local(x).detach(), rtol=1e-3, atol=1e-3)
