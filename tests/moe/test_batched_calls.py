@@ -14,7 +14,7 @@ from moe.errors import BadExpertOutput, ExpertNotFound
 from moe.experts import ExpertKind, OptimizerConfig, make_expert, register_expert_kind
 from moe.mixture import RemoteMixtureOfExperts
 from moe.schema import TensorSpec
-from tests.moe.test_fault_process import TIMEOUT
+from tests.moe.process_training import TIMEOUT
 
 HIDDEN = 8
 GRID = 8  # experts per layer, half on each server

@@ -10,143 +10,38 @@ always part of the step it is armed for, however slow a loaded machine makes it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
-import torch
-from torch import nn
 
-from moe.beam_search import ExpertLocation
-from moe.mixture import RemoteMixtureOfExperts
+from tests.moe.process_training import TIMEOUT, armed_kill, banned, mean, mixture, server_uids, start_servers, train
 
-HIDDEN = 16
-TIMEOUT = 30.0
+# per phase: the `train` hook that arms the kill and the one that checks it landed while the client waited; the
+# kill lands after step 10's forward returned from both servers (mid-backward) or inside that forward
+KILL_HOOKS = {"backward": ("before_backward", "after_backward"), "forward": ("before_forward", "before_backward")}
 
 
-def start_servers(harness, server_processes, count, hooked=()):
-    """`count` server processes of 4 ffn experts each (ffn.0-3, ffn.4-7, ...) joining a DHT bootstrapped in the
-    test process, all started at once; those in `hooked` accept `kill_in`. Returns (processes, their ready
-    lines, client swarm)."""
-    bootstrap = harness.dht_bootstrap()
-    servers = [
-        server_processes.launch([f"ffn.{4 * i + j}" for j in range(4)], "--hidden", str(HIDDEN), "--seed",
-                                str(10 * i), "--lr", "0.01", "--torch-threads", "1", "--dht-peer", "%s:%d" % bootstrap,
-                                phase_hooks=i in hooked)
-        for i in range(count)
-    ]
-    infos = [server_processes.wait_ready(process, timeout=120.0) for process in servers]
-    return servers, infos, harness.client()
-
-
-def mixture(swarm, experts):
-    # k_best=5 over servers of 4 experts: every sample has experts on at least two servers. The grace period is
-    # the whole timeout, so every call is waited for: an armed server is always in the step (see module doc).
-    return RemoteMixtureOfExperts(HIDDEN, (experts,), "ffn", k_best=5, k_min=1, forward_timeout=TIMEOUT,
-                                  timeout_after_k_min=TIMEOUT, backward_timeout=TIMEOUT, swarm=swarm)
-
-
-@dataclass
-class Run:
-    losses: list[float] = field(default_factory=list)
-    # per step: failures the client counted during that step's forward and during its backward
-    forward_failures: list[float] = field(default_factory=list)
-    backward_failures: list[float] = field(default_factory=list)
-
-
-def train(moe, steps, before_forward=None, before_backward=None, after_backward=None) -> Run:
-    torch.manual_seed(0)
-    teacher = nn.Sequential(nn.Linear(HIDDEN, 32), nn.Tanh(), nn.Linear(32, HIDDEN))
-    xs = torch.randn(512, HIDDEN)
-    with torch.no_grad():
-        ys = teacher(xs)
-    head = nn.Linear(HIDDEN, HIDDEN)
-    opt = torch.optim.Adam([*moe.parameters(), *head.parameters()], lr=0.01)
-    run = Run()
-    stats = moe.client.stats
-    for step in range(steps):
-        batch = slice((step * 32) % 512, (step * 32) % 512 + 32)
-        if before_forward:
-            before_forward(step)
-        start = dict(stats)
-        loss = ((head(moe(xs[batch])) - ys[batch]) ** 2).mean()
-        middle = dict(stats)
-        if before_backward:
-            before_backward(step)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if after_backward:
-            after_backward(step)
-        run.losses.append(loss.item())
-        run.forward_failures.append(middle["forward_failures"] - start["forward_failures"])
-        run.backward_failures.append(stats["backward_failures"] - middle["backward_failures"])
-        assert middle["backward_failures"] == start["backward_failures"]  # no backward inside a forward
-        assert stats["forward_failures"] == middle["forward_failures"]  # no forward inside a backward
-    assert all(torch.isfinite(torch.tensor(run.losses)))
-    return run
-
-
-def mean(values):
-    return sum(values) / len(values)
-
-
-def banned(moe, swarm, info, uids) -> bool:
-    """Whether the client banned the server at `info` for all of `uids` (a lost connection bans the address)."""
-    location = ExpertLocation(info["address"][0], info["address"][1], info["peer_id"])
-
-    async def check() -> bool:
-        return all(moe.client.blacklist.is_banned(uid, location) for uid in uids)
-
-    return swarm.bridge.run(check)
-
-
-def server_uids(index):
-    return [f"ffn.{4 * index + j}" for j in range(4)]
-
-
-def test_training_survives_a_server_process_killed_mid_backward(dht_harness, server_processes):
+@pytest.mark.parametrize("phase", ["backward", "forward"])
+def test_training_survives_a_server_process_killed_mid_phase(dht_harness, server_processes, phase):
+    """Killed mid-backward: the step's forward succeeded everywhere and its backward lost the dead server's experts.
+    Killed mid-forward: the forward lost them, yet the step ran (k_min), and the backward only asks the experts
+    that answered. Either way nothing failed before, the dead server is banned and the survivor keeps learning."""
     servers, infos, swarm = start_servers(dht_harness, server_processes, 2, hooked={1})
     moe = mixture(swarm, 8)
-    kills = {}
-
-    def arm(step):
-        if step == 10:  # the forward is done: its answers came from both servers
-            kills[step] = server_processes.kill_in(servers[1], "backward")
+    arm, kills = armed_kill(server_processes, servers[1], phase, at=10)
 
     def landed(step):
         if step == 10:
-            assert kills[10].entered.is_set()  # inside this step's backward, while the client waited for it
+            assert kills[10].entered.is_set()  # inside this step's phase, while the client waited for it
 
-    run = train(moe, 30, before_backward=arm, after_backward=landed)
+    arm_at, check_at = KILL_HOOKS[phase]
+    run = train(moe, 30, **{arm_at: arm, check_at: landed})
     assert kills[10].killed.wait(TIMEOUT) and kills[10].uid in server_uids(1)
-    assert run.forward_failures[10] == 0  # the step's forward succeeded everywhere
-    assert run.backward_failures[10] >= 1  # and its backward lost the dead server's experts
+    failures = {"forward": run.forward_failures[10], "backward": run.backward_failures[10]}
+    other = "forward" if phase == "backward" else "backward"
+    assert failures[phase] >= 1, failures  # the killed phase lost the dead server's experts
+    assert failures[other] == 0, failures  # and the other phase of that step lost nothing
     assert sum(run.forward_failures[:10]) == sum(run.backward_failures[:10]) == 0  # nothing failed before
     assert banned(moe, swarm, infos[1], server_uids(1)) and not banned(moe, swarm, infos[0], server_uids(0))
     assert mean(run.losses[-5:]) < mean(run.losses[10:15])  # the survivor keeps learning
-    assert mean(run.losses[-5:]) < 0.6 * mean(run.losses[:5])
-
-
-def test_training_survives_a_server_process_killed_mid_forward(dht_harness, server_processes):
-    servers, infos, swarm = start_servers(dht_harness, server_processes, 2, hooked={1})
-    moe = mixture(swarm, 8)
-    kills = {}
-
-    def arm(step):
-        if step == 10:
-            kills[step] = server_processes.kill_in(servers[1], "forward")
-
-    def landed(step):
-        if step == 10:
-            assert kills[10].entered.is_set()  # inside this step's forward, which has returned
-
-    run = train(moe, 30, before_forward=arm, before_backward=landed)
-    assert kills[10].killed.wait(TIMEOUT) and kills[10].uid in server_uids(1)
-    assert run.forward_failures[10] >= 1  # the forward lost the dead server's experts, yet the step ran (k_min)
-    assert run.backward_failures[10] == 0  # the backward only asks the experts that answered
-    assert sum(run.forward_failures[:10]) == sum(run.backward_failures[:10]) == 0
-    assert banned(moe, swarm, infos[1], server_uids(1)) and not banned(moe, swarm, infos[0], server_uids(0))
-    assert mean(run.losses[-5:]) < mean(run.losses[10:15])
     assert mean(run.losses[-5:]) < 0.6 * mean(run.losses[:5])
 
 
@@ -154,11 +49,7 @@ def test_training_survives_a_server_process_killed_mid_forward(dht_harness, serv
 def test_training_survives_server_processes_killed_mid_backward_and_before_forward(dht_harness, server_processes):
     servers, infos, swarm = start_servers(dht_harness, server_processes, 3, hooked={1})
     moe = mixture(swarm, 12)
-    kills = {}
-
-    def arm(step):
-        if step == 10:
-            kills[step] = server_processes.kill_in(servers[1], "backward")
+    arm, kills = armed_kill(server_processes, servers[1], "backward", at=10)
 
     def after(step):
         if step == 10:

@@ -15,8 +15,8 @@ from moe.experts import OptimizerConfig, make_expert
 from moe.kept import KeptStore
 from moe.mixture import RemoteMixtureOfExperts
 from moe.remote_expert import RemoteExpert
+from tests.moe.process_training import TIMEOUT
 from tests.moe.test_batched_calls import HIDDEN, _experts, _static_model, _two_servers
-from tests.moe.test_fault_process import TIMEOUT
 
 
 def _count_recomputes(experts) -> list[int]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.moe.test_fault_process import TIMEOUT, mean, mixture, server_uids, start_servers, train
+from tests.moe.process_training import TIMEOUT, armed_kill, mean, mixture, server_uids, start_servers, train
 
 STEPS = 500
 KILL_AT = 200
@@ -16,11 +16,7 @@ KILL_AT = 200
 def test_honest_experts_are_never_banned_in_500_steps_with_a_sigkill(dht_harness, server_processes):
     servers, _, swarm = start_servers(dht_harness, server_processes, 3, hooked={1})
     moe = mixture(swarm, 12)
-    kills = {}
-
-    def arm(step):
-        if step == KILL_AT:
-            kills[step] = server_processes.kill_in(servers[1], "backward")
+    arm, kills = armed_kill(server_processes, servers[1], "backward", at=KILL_AT)
 
     def after(step):
         assert not moe.client.trust.bans(), (step, moe.client.trust.bans())
