@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 class SwarmOptimizer(Protocol):
     """The surface both swarm optimizers share (a `torch.optim.Optimizer`-like face plus the run's end)."""
 
+    optimizer: torch.optim.Optimizer  # the wrapped one: it takes the local steps
+
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         """The wrapped optimizer's parameter groups (for learning-rate schedulers)."""

@@ -94,8 +94,8 @@ def _two_trainers(name: str, tmp_path: Path) -> tuple[str, str]:
             second.stop()
 
 
-def test_the_page_has_the_three_examples():
-    assert set(examples()) == {"diloco", "collaborative", "export"}
+def test_the_page_has_every_example():
+    assert set(examples()) == {"diloco", "collaborative", "hf_trainer", "export"}
     changed = [line for line in examples()["diloco"].splitlines() if "# swarmd" in line]
     assert len(changed) <= 10  # the target: a plain script, at most 10 lines changed
 
@@ -106,6 +106,16 @@ def test_the_diloco_example_ends_with_one_hash_on_both_trainers(tmp_path):
     hashes = [re.search(r"hash (\S+)", output) for output in outputs]
     assert all(hashes), outputs
     assert hashes[0].group(1) == hashes[1].group(1)
+
+
+@pytest.mark.slow
+def test_the_hugging_face_trainer_example_ends_with_one_hash_after_every_outer_step(tmp_path):
+    pytest.importorskip("accelerate", reason="the Trainer needs accelerate: pip install -e '.[hf]'")
+    outputs = _two_trainers("hf_trainer", tmp_path)
+    ends = [re.search(r"outer step (\d+) hash (\S+)", output) for output in outputs]
+    assert all(ends), outputs
+    assert {m.group(2) for m in ends} == {ends[0].group(2)}  # one final state
+    assert all(int(m.group(1)) == 4 for m in ends)  # max_steps 40 / inner_steps 10: every outer step taken
 
 
 @pytest.mark.slow
