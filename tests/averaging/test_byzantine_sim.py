@@ -11,11 +11,14 @@ tens (random noise) to 1e30 (constant) spreads away, which the test asserts too.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import trio
 from swarm_helpers import flat, start_averagers, step_all
 
+from averaging.averager import Averager
 from peer.p2p.net import MemoryNetwork
 from tests.sim_peers import start_peers
 
@@ -47,25 +50,36 @@ def _attack(kind: str, round_index: int, peer: int) -> list[torch.Tensor]:
     return [n * factor for n in noise]
 
 
+async def _averagers(nursery: trio.Nursery, count: int, seed: int, prefix: str, **options: Any) -> list[Averager]:
+    """`count` averagers on simulated peers of a fresh in-memory network, holding the honest inputs of round 0."""
+    memory = MemoryNetwork(latency=0.005, seed=seed)
+    peers = await start_peers(nursery, count, memory=memory, seed=seed)
+    return await start_averagers(peers, lambda i: _honest_input(0, i), trio_locks=True, prefix=prefix,
+                                 matchmaking_time=2.0, **options)
+
+
+def _feed(averagers: list[Averager], round_index: int, attack_of: dict[int, str]) -> dict[int, torch.Tensor]:
+    """Writes each member's input of this round into its tensors (an attacker's is `_attack` of its kind in
+    `attack_of`), and returns the inputs flattened, by member index."""
+    inputs = {}
+    for index, averager in enumerate(averagers):
+        values = _attack(attack_of[index], round_index, index) if index in attack_of \
+            else _honest_input(round_index, index)
+        for tensor, value in zip(averager.tensors, values):
+            tensor.copy_(value)
+        inputs[index] = flat(values)
+    return inputs
+
+
 async def _run(aggregation: str, attacks: tuple[str, str]) -> tuple[list[float], dict[int, set[bytes]], list]:
     """Returns, per round, the worst honest error / honest spread; who grouped with whom; the averagers."""
     worst: list[float] = []
     met: dict[int, set[bytes]] = {i: set() for i in range(PEERS)}
     async with trio.open_nursery() as nursery:
-        memory = MemoryNetwork(latency=0.005, seed=3)
-        peers = await start_peers(nursery, PEERS, memory=memory, seed=3)
-        averagers = await start_averagers(peers, lambda i: _honest_input(0, i), trio_locks=True, prefix="byz",
-                                          target_group_size=PEERS, aggregation=aggregation,
-                                          matchmaking_time=2.0)
+        averagers = await _averagers(nursery, PEERS, 3, "byz", target_group_size=PEERS, aggregation=aggregation)
         attack_of = dict(zip(MALICIOUS, attacks))
         for round_index in range(ROUNDS):
-            inputs = {}
-            for index, averager in enumerate(averagers):
-                values = _attack(attack_of[index], round_index, index) if index in attack_of \
-                    else _honest_input(round_index, index)
-                for tensor, value in zip(averager.tensors, values):
-                    tensor.copy_(value)
-                inputs[index] = flat(values)
+            inputs = _feed(averagers, round_index, attack_of)
             results = await step_all(averagers, timeout=30)
             errors = []
             for index, result in enumerate(results):
@@ -127,18 +141,13 @@ def _lie(averager, scale: float = -100.0) -> None:
 
 async def test_a_lying_reducer_is_caught_its_part_keeps_local_values_and_it_is_banned(autojump_clock):
     async with trio.open_nursery() as nursery:
-        memory = MemoryNetwork(latency=0.005, seed=5)
-        peers = await start_peers(nursery, 4, memory=memory, seed=5)
-        averagers = await start_averagers(peers, lambda i: _honest_input(0, i), trio_locks=True, prefix="liar",
-                                          target_group_size=4, aggregation="centered_clip", ban_after=2,
-                                          matchmaking_time=2.0)
+        averagers = await _averagers(nursery, 4, 5, "liar", target_group_size=4, aggregation="centered_clip",
+                                     ban_after=2)
         liar = averagers[1]
         _lie(liar)
         honest = [a for a in averagers if a is not liar]
         for round_index in range(2):
-            for index, averager in enumerate(averagers):
-                for tensor, value in zip(averager.tensors, _honest_input(round_index, index)):
-                    tensor.copy_(value)
+            _feed(averagers, round_index, {})
             before = {i: flat(a.tensors).clone() for i, a in enumerate(averagers)}
             results = await step_all(averagers, timeout=30)
             for index, (averager, result) in enumerate(zip(averagers, results)):
@@ -164,10 +173,7 @@ async def test_with_mean_a_lying_reducer_that_stays_finite_is_not_detected(autoj
     """The lie check needs validated inputs: with `mean` an honest reducer's result may be anywhere (one 1e30
     member moves it there), so only non-finite parts count as lies."""
     async with trio.open_nursery() as nursery:
-        memory = MemoryNetwork(latency=0.005, seed=6)
-        peers = await start_peers(nursery, 3, memory=memory, seed=6)
-        averagers = await start_averagers(peers, lambda i: _honest_input(0, i), trio_locks=True, prefix="m",
-                                          target_group_size=3, matchmaking_time=2.0)
+        averagers = await _averagers(nursery, 3, 6, "m", target_group_size=3)
         _lie(averagers[0])
         results = await step_all(averagers, timeout=30)
         assert all(not r.allreduce.lying_peers for r in results)
@@ -179,18 +185,11 @@ async def test_with_mean_a_lying_reducer_that_stays_finite_is_not_detected(autoj
 
 async def test_a_member_whose_parts_are_rejected_is_banned_after_ban_after_rounds(autojump_clock):
     async with trio.open_nursery() as nursery:
-        memory = MemoryNetwork(latency=0.005, seed=8)
-        peers = await start_peers(nursery, 4, memory=memory, seed=8)
-        averagers = await start_averagers(peers, lambda i: _honest_input(0, i), trio_locks=True, prefix="rej",
-                                          target_group_size=4, aggregation="trimmed_mean", ban_after=2,
-                                          matchmaking_time=2.0)
+        averagers = await _averagers(nursery, 4, 8, "rej", target_group_size=4, aggregation="trimmed_mean",
+                                     ban_after=2)
         attacker = averagers[3]
         for round_index in range(2):
-            for index, averager in enumerate(averagers):
-                values = _attack("const", round_index, index) if averager is attacker \
-                    else _honest_input(round_index, index)
-                for tensor, value in zip(averager.tensors, values):
-                    tensor.copy_(value)
+            _feed(averagers, round_index, {3: "const"})
             results = await step_all(averagers, timeout=30)
             assert all(attacker.peer_id in r.allreduce.rejected_peers for r in results[:3])
             assert all(float(flat(a.tensors).abs().max()) < 100 for a in averagers[:3])
