@@ -135,6 +135,17 @@ def check_common(x: torch.Tensor, codec: Compression, density: float | None = No
     return header, data, y
 
 
+def check_blocked(x: torch.Tensor, codec: Compression, block: int) -> tuple | None:
+    """`check_common` for a codec of per-block scales or levels, also checking that its header names `block`;
+    returns (data, decoded, block, number of blocks), or None where there is nothing blocked to check."""
+    common = check_common(x, codec)
+    if common is None or x.numel() == 0:
+        return None
+    header, data, y = common
+    assert header[5][0] == block
+    return data, y, block, -(-x.numel() // block)
+
+
 # ------------------------------------------------------------------------------------------- error bounds
 
 
@@ -143,13 +154,10 @@ def check_common(x: torch.Tensor, codec: Compression, density: float | None = No
 @example(torch.tensor([65504.0, -65504.0, 1.0], dtype=torch.float16))  # a scale rounded up: clamped, not inf
 @example(torch.tensor([1e-45, -3e-45, 0.0] * 30, dtype=torch.float32))  # subnormals
 def test_int4_stays_within_half_a_scale_and_is_idempotent(x):
-    common = check_common(x, Compression.INT4)
-    if common is None or x.numel() == 0:
+    blocked = check_blocked(x, Compression.INT4, wire.INT4_BLOCK)
+    if blocked is None:
         return
-    header, data, y = common
-    block = header[5][0]
-    assert block == wire.INT4_BLOCK
-    blocks = -(-x.numel() // block)
+    data, y, block, blocks = blocked
     scales = floats(data, blocks).repeat_interleave(block)[:x.numel()]
     xs, ys = work(x), work(y)
     absmax = torch.nn.functional.pad(xs.abs(), (0, blocks * block - x.numel())).view(blocks, block).amax(1)
@@ -189,13 +197,10 @@ def two_level_bounds(values: torch.Tensor, decoded: torch.Tensor, levels: torch.
 @example(torch.tensor([3.0] * 200))  # one level only
 @example(torch.tensor([0.0, -0.0, 5.0, -1.0, 1e-30] * 40))
 def test_int2_keeps_signs_and_sends_each_value_as_the_nearer_of_two_levels(x):
-    common = check_common(x, Compression.INT2)
-    if common is None or x.numel() == 0:
+    blocked = check_blocked(x, Compression.INT2, wire.INT2_BLOCK)
+    if blocked is None:
         return
-    header, data, y = common
-    block = header[5][0]
-    assert block == wire.INT2_BLOCK
-    blocks = -(-x.numel() // block)
+    data, y, block, blocks = blocked
     levels = floats(data, 2 * blocks).view(blocks, 2)
     xs, ys = work(x), work(y)
     for index in range(blocks):
