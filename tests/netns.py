@@ -9,6 +9,8 @@ import os
 import shutil
 import subprocess
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 SUBNET = "10.213.0"
@@ -191,14 +193,9 @@ class NatInternet:
         self._index = 0
 
     def __enter__(self) -> "NatInternet":
-        try:
-            self._add_namespace(self.hub)
+        with self._building(self.hub):
             self._in(self.hub, "ip", "link", "add", "br0", "type", "bridge")
             self._in(self.hub, "ip", "link", "set", "br0", "up")
-            self._in(self.hub, "ip", "link", "set", "lo", "up")
-        except BaseException:
-            self.close()
-            raise
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -217,9 +214,18 @@ class NatInternet:
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
         self._created.clear()
 
-    def _add_namespace(self, namespace: str) -> None:
-        _run("ip", "netns", "add", namespace)
-        self._created.append(namespace)
+    @contextmanager
+    def _building(self, namespace: str) -> Iterator[None]:
+        """Adds `namespace` (its loopback up; deleted with the network) for the block to set up: if adding it or
+        the block fails, all that was built is torn down (nothing is left behind)."""
+        try:
+            _run("ip", "netns", "add", namespace)
+            self._created.append(namespace)
+            self._in(namespace, "ip", "link", "set", "lo", "up")
+            yield
+        except BaseException:
+            self.close()
+            raise
 
     @staticmethod
     def _in(namespace: str, *args: str) -> None:
@@ -244,15 +250,10 @@ class NatInternet:
         """A host with a public address on the internet bridge (reachable by everyone)."""
         namespace = f"sw{self.tag}p{len(self.public) + 1}"
         address = f"{INTERNET}.{len(self.public) + 2}"
-        try:
-            self._add_namespace(namespace)
-            self._in(namespace, "ip", "link", "set", "lo", "up")
+        with self._building(namespace):
             port = self._on_internet(namespace, "eth0", address)
             if bandwidth_mbit:
                 _tbf(namespace, "eth0", bandwidth_mbit)
-        except BaseException:
-            self.close()
-            raise
         host = Host(name, namespace, address, port)
         self.public.append(host)
         return host
@@ -264,9 +265,7 @@ class NatInternet:
         namespace = f"sw{self.tag}r{index}"
         address = f"{INTERNET}.{200 + index}"
         lan_prefix = f"192.168.{10 + index}"
-        try:
-            self._add_namespace(namespace)
-            self._in(namespace, "ip", "link", "set", "lo", "up")
+        with self._building(namespace):
             self._on_internet(namespace, "wan", address)
             self._in(namespace, "ip", "link", "add", "lan", "type", "bridge")
             self._in(namespace, "ip", "addr", "add", f"{lan_prefix}.1/24", "dev", "lan")
@@ -296,9 +295,6 @@ class NatInternet:
                 self._in(namespace, "iptables", *rule)
             if uplink_mbit:
                 _tbf(namespace, "wan", uplink_mbit)
-        except BaseException:
-            self.close()
-            raise
         router = Router(name, namespace, address, lan_prefix, [])
         self.routers.append(router)
         return router
@@ -309,9 +305,7 @@ class NatInternet:
         namespace = f"{router.namespace}h{index}"
         address = f"{router.lan_prefix}.{index + 1}"
         outer = f"v{self.tag}{self._next()}l"
-        try:
-            self._add_namespace(namespace)
-            self._in(namespace, "ip", "link", "set", "lo", "up")
+        with self._building(namespace):
             _run("ip", "link", "add", "eth0", "netns", namespace, "type", "veth", "peer", "name", outer,
                  "netns", router.namespace)
             self._in(namespace, "ip", "addr", "add", f"{address}/24", "dev", "eth0")
@@ -319,9 +313,6 @@ class NatInternet:
             self._in(namespace, "ip", "route", "add", "default", "via", f"{router.lan_prefix}.1")
             self._in(router.namespace, "ip", "link", "set", outer, "master", "lan")
             self._in(router.namespace, "ip", "link", "set", outer, "up")
-        except BaseException:
-            self.close()
-            raise
         host = Host(name, namespace, address, outer)
         router.hosts.append(host)
         return host
