@@ -15,17 +15,6 @@ from averaging.partition import Partition
 from peer.p2p import wire
 
 
-@pytest.fixture(params=["memory", "real"])
-def transport(request):
-    return request.param
-
-
-@pytest.fixture
-def clock(transport):
-    """Virtual time on the simulated network (deterministic); the real clock for real sockets."""
-    return trio.testing.MockClock(autojump_threshold=0) if transport == "memory" else None
-
-
 def weighted_mean(tensor_sets, weights):
     total = sum(weights)
     return sum(flat(ts) * w for ts, w in zip(tensor_sets, weights)) / total
@@ -37,6 +26,20 @@ async def wait_all(peers, seconds=30):
             await peer.done.wait()
     for peer in peers:
         assert peer.error is None, f"{peer.name}: {peer.error!r}"
+
+
+async def average(swarm, tensor_sets, weights=None, **options):
+    """One all-reduce round among fresh peers of `swarm`, one per tensor set (averaged in place), each with its
+    weight in `weights` (the default where None); returns the peers, their results in `peer.result`."""
+    async with trio.open_nursery() as nursery:
+        peers = await swarm.start(nursery, len(tensor_sets))
+        group = swarm.group(peers)
+        for index, (peer, tensors) in enumerate(zip(peers, tensor_sets)):
+            weight = {} if weights is None else {"weight": weights[index]}
+            peer.start_round(group, tensors, timeout=30, **weight, **options)
+        await wait_all(peers)
+        nursery.cancel_scope.cancel()
+    return peers
 
 
 async def test_four_peers_get_the_exact_weighted_mean_including_a_client(transport, clock):
@@ -67,13 +70,7 @@ async def test_compressed_round_is_close_to_the_mean(transport, clock, compressi
     swarm = Swarm(transport)
     tensor_sets = [random_tensors(seed) for seed in range(10, 13)]
     expected = weighted_mean(tensor_sets, [1, 1, 1])
-    async with trio.open_nursery() as nursery:
-        peers = await swarm.start(nursery, 3)
-        group = swarm.group(peers)
-        for peer, tensors in zip(peers, tensor_sets):
-            peer.start_round(group, tensors, compression=compression, timeout=30)
-        await wait_all(peers)
-        nursery.cancel_scope.cancel()
+    await average(swarm, tensor_sets, compression=compression)
     spread = float(max((flat(ts).max() - flat(ts).min()) for ts in tensor_sets))
     for tensors in tensor_sets:
         error = float((flat(tensors) - expected).abs().max())
@@ -90,13 +87,7 @@ async def test_zero_weight_member_receives_the_mean_without_contributing(autojum
     swarm = Swarm("memory")
     tensor_sets = [random_tensors(seed) for seed in range(20, 23)]
     expected = weighted_mean(tensor_sets[:2], [1.0, 1.0])
-    async with trio.open_nursery() as nursery:
-        peers = await swarm.start(nursery, 3)
-        group = swarm.group(peers)
-        for peer, tensors, weight in zip(peers, tensor_sets, [1.0, 1.0, 0.0]):
-            peer.start_round(group, tensors, weight=weight, timeout=30)
-        await wait_all(peers)
-        nursery.cancel_scope.cancel()
+    peers = await average(swarm, tensor_sets, [1.0, 1.0, 0.0])
     for peer, tensors in zip(peers, tensor_sets):
         assert peer.result.fully_averaged
         assert torch.allclose(flat(tensors), expected, atol=1e-6, rtol=0)
@@ -139,13 +130,7 @@ async def test_wrong_calls_raise_group_mismatch(autojump_clock):
 async def test_more_reducers_than_elements(autojump_clock):
     swarm = Swarm("memory")
     tensor_sets = [[torch.tensor([float(i), 2.0 * i])] for i in range(4)]
-    async with trio.open_nursery() as nursery:
-        peers = await swarm.start(nursery, 4)
-        group = swarm.group(peers)
-        for peer, tensors in zip(peers, tensor_sets):
-            peer.start_round(group, tensors, timeout=30)
-        await wait_all(peers)
-        nursery.cancel_scope.cancel()
+    peers = await average(swarm, tensor_sets)
     for peer, tensors in zip(peers, tensor_sets):
         assert peer.result.fully_averaged
         assert torch.equal(tensors[0], torch.tensor([1.5, 3.0]))
@@ -157,13 +142,7 @@ async def test_many_small_tensors_share_messages(autojump_clock):
     tensor_sets = [[torch.randn(n, generator=torch.Generator().manual_seed(1000 * s + n)) for n in sizes]
                    for s in range(3)]
     expected = weighted_mean(tensor_sets, [1, 1, 1])
-    async with trio.open_nursery() as nursery:
-        peers = await swarm.start(nursery, 3)
-        group = swarm.group(peers)
-        for peer, tensors in zip(peers, tensor_sets):
-            peer.start_round(group, tensors, timeout=30)
-        await wait_all(peers)
-        nursery.cancel_scope.cancel()
+    await average(swarm, tensor_sets)
     for tensors in tensor_sets:
         assert torch.allclose(flat(tensors), expected, atol=1e-6, rtol=0)
     pushed = [e for e in swarm.events if e[1] == "chunk_pushed"]

@@ -19,16 +19,6 @@ from averaging.allreduce_core import AllReduceConfig
 from averaging.partition import Partition
 
 
-@pytest.fixture(params=["memory", "real"])
-def transport(request):
-    return request.param
-
-
-@pytest.fixture
-def clock(transport):
-    return trio.testing.MockClock(autojump_threshold=0) if transport == "memory" else None
-
-
 def part_ranges(group, tensors, chunk_bytes):
     partition = Partition.for_tensors(tensors, [m.bandwidth if m.reduces else 0.0 for m in group.members],
                                       chunk_bytes=chunk_bytes)
