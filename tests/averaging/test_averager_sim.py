@@ -21,6 +21,13 @@ async def _averagers(nursery, count, *, seed=0, client_mode=frozenset(), **optio
     return memory, peers, averagers
 
 
+def _assert_hold(averagers, expected, atol) -> None:
+    """Every averager's tensors equal `expected` (within `atol`)."""
+    for averager in averagers:
+        for tensor, mean in zip(averager.tensors, expected):
+            torch.testing.assert_close(tensor, mean, atol=atol, rtol=0)
+
+
 async def test_eight_peers_groups_of_two_three_bits_hold_global_mean_after_three_rounds(autojump_clock):
     async with trio.open_nursery() as nursery:
         memory, peers, averagers = await _averagers(nursery, 8, prefix="m", target_group_size=2, nbits=3)
@@ -30,9 +37,7 @@ async def test_eight_peers_groups_of_two_three_bits_hold_global_mean_after_three
             assert len({a.keys.key for a in averagers}) == 2 ** round_index
             results = await step_all(averagers, timeout=30)
             assert all(r.finished and r.group_size == 2 for r in results), [r.reason for r in results]
-        for averager in averagers:
-            for tensor, mean in zip(averager.tensors, expected):
-                torch.testing.assert_close(tensor, mean, atol=1e-5, rtol=0)
+        _assert_hold(averagers, expected, atol=1e-5)
         nursery.cancel_scope.cancel()
 
 
@@ -43,9 +48,7 @@ async def test_one_round_four_peers_with_a_client_gives_exact_mean(autojump_cloc
         results = await step_all(averagers, timeout=30)
         assert all(r.finished and r.group_size == 4 for r in results)
         assert len({r.group.group_id for r in results}) == 1
-        for averager in averagers:
-            for tensor, mean in zip(averager.tensors, expected):
-                torch.testing.assert_close(tensor, mean, atol=1e-6, rtol=0)
+        _assert_hold(averagers, expected, atol=1e-6)
         stats = averagers[0].stats()
         assert stats["succeeded"] == 1 and len(stats["last_group"]) == 4
         nursery.cancel_scope.cancel()
@@ -65,9 +68,7 @@ async def test_weights_give_a_weighted_mean(autojump_clock):
             for index in range(3):
                 inner.start_soon(one, index)
         assert all(r.finished for r in results.values())
-        for averager in averagers:
-            for tensor, mean in zip(averager.tensors, expected):
-                torch.testing.assert_close(tensor, mean, atol=1e-6, rtol=0)
+        _assert_hold(averagers, expected, atol=1e-6)
         nursery.cancel_scope.cancel()
 
 
