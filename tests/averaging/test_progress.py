@@ -110,21 +110,23 @@ async def _tracker(nursery, network, servers, name, run_id="run", target=600, **
     return await nursery.start(_run_tracker, name, network, servers, run_id, target, options)
 
 
-async def _servers(nursery, network, count=3):
+async def _servers(nursery, seed, count=3):
+    """A fresh in-memory network seeded with `seed` and `count` DHT servers on it; returns (network, their
+    addresses)."""
+    network = MemoryNetwork(latency=0.003, seed=seed)
     addresses: list = []
     for i in range(count):
         node, _ = await nursery.start(_dht_node, f"s{i}", network, list(addresses), False)
         addresses.append(node.address)
-    return addresses
+    return network, addresses
 
 
 async def test_every_trainer_sees_the_epoch_end_when_the_swarm_reaches_the_target(autojump_clock):
-    network = MemoryNetwork(latency=0.003, seed=5)
     detected: dict[str, float] = {}
     totals: dict[str, int] = {}
     trackers: list[ProgressTracker] = []
     async with trio.open_nursery() as nursery:
-        servers = await _servers(nursery, network)
+        network, servers = await _servers(nursery, 5)
         for i in range(3):
             trackers.append((await _tracker(nursery, network, servers, f"t{i}", target=600))[0])
         start = trio.current_time()
@@ -150,9 +152,8 @@ async def test_every_trainer_sees_the_epoch_end_when_the_swarm_reaches_the_targe
 
 
 async def test_a_new_epoch_resets_the_count_and_laggards_no_longer_count(autojump_clock):
-    network = MemoryNetwork(latency=0.003, seed=6)
     async with trio.open_nursery() as nursery:
-        servers = await _servers(nursery, network)
+        network, servers = await _servers(nursery, 6)
         a, _ = await _tracker(nursery, network, servers, "a", target=1000)
         b, _ = await _tracker(nursery, network, servers, "b", target=1000)
         a.report(300)
@@ -173,9 +174,8 @@ async def test_a_new_epoch_resets_the_count_and_laggards_no_longer_count(autojum
 
 
 async def test_a_dead_trainer_drops_out_after_its_record_expires(autojump_clock):
-    network = MemoryNetwork(latency=0.003, seed=7)
     async with trio.open_nursery() as nursery:
-        servers = await _servers(nursery, network)
+        network, servers = await _servers(nursery, 7)
         alive, _ = await _tracker(nursery, network, servers, "alive")
         dying, dying_scope = await _tracker(nursery, network, servers, "dying")
         dying.report(10)
@@ -198,9 +198,8 @@ async def test_a_dead_trainer_drops_out_after_its_record_expires(autojump_clock)
 
 
 async def test_records_not_signed_by_their_subkey_peer_are_ignored(autojump_clock):
-    network = MemoryNetwork(latency=0.003, seed=8)
     async with trio.open_nursery() as nursery:
-        servers = await _servers(nursery, network)
+        network, servers = await _servers(nursery, 8)
         honest, _ = await _tracker(nursery, network, servers, "honest", target=1000)
         liar, _ = await nursery.start(_dht_node, "liar", network, servers, True)
         victim = Identity.from_seed(b"victim" * 6)
@@ -223,9 +222,8 @@ async def test_records_not_signed_by_their_subkey_peer_are_ignored(autojump_cloc
 
 
 async def test_the_tracker_republishes_before_expiry_and_reports_a_rate(autojump_clock):
-    network = MemoryNetwork(latency=0.003, seed=9)
     async with trio.open_nursery() as nursery:
-        servers = await _servers(nursery, network)
+        network, servers = await _servers(nursery, 9)
         watcher, _ = await _tracker(nursery, network, servers, "watcher")
         worker, _ = await _tracker(nursery, network, servers, "worker")
         for _ in range(20):
@@ -242,9 +240,8 @@ async def test_the_tracker_republishes_before_expiry_and_reports_a_rate(autojump
 
 
 async def test_status_lists_the_live_runs_and_their_progress(autojump_clock):
-    network = MemoryNetwork(latency=0.003, seed=10)
     async with trio.open_nursery() as nursery:
-        servers = await _servers(nursery, network)
+        network, servers = await _servers(nursery, 10)
         a, _ = await _tracker(nursery, network, servers, "a", run_id="digits", target=512)
         b, b_scope = await _tracker(nursery, network, servers, "b", run_id="digits", target=512)
         c, _ = await _tracker(nursery, network, servers, "c", run_id="cifar", target=4096)
@@ -291,9 +288,8 @@ def test_algorithm_summary_shows_dilocos_rounds_under_churn():
 async def test_samples_added_directly_are_published_as_throughput(autojump_clock):
     """A driver that adds to `tracker.samples` from its training thread instead of calling `report` (DiLoCo
     does) still publishes its samples/s, and `peer status`'s listing shows it (it showed 0.0)."""
-    network = MemoryNetwork(latency=0.003, seed=11)
     async with trio.open_nursery() as nursery:
-        servers = await _servers(nursery, network)
+        network, servers = await _servers(nursery, 11)
         worker, _ = await _tracker(nursery, network, servers, "worker", run_id="plain-loop")
         for _ in range(20):
             await trio.sleep(0.1)
