@@ -424,11 +424,11 @@ class CorruptingStream(_HostileStream):
 
 def corrupting_relay(toward: str, nth: int, drop: bool = False):
     class CorruptingRelay(RelayService):
-        async def _splice(self, dialer, target):
+        async def _splice(self, dialer, target, offer=None):
             if toward == "dialer":
-                await super()._splice(CorruptingStream(dialer, nth, drop), target)
+                await super()._splice(CorruptingStream(dialer, nth, drop), target, offer)
             else:
-                await super()._splice(dialer, CorruptingStream(target, nth, drop))
+                await super()._splice(dialer, CorruptingStream(target, nth, drop), offer)
 
     return CorruptingRelay
 
@@ -489,11 +489,11 @@ class DelayingStream(_HostileStream):
 
 def delaying_relay(toward: str, start: int, **delay):
     class DelayingRelay(RelayService):
-        async def _splice(self, dialer, target):
+        async def _splice(self, dialer, target, offer=None):
             if toward == "dialer":
-                await super()._splice(DelayingStream(dialer, start, **delay), target)
+                await super()._splice(DelayingStream(dialer, start, **delay), target, offer)
             else:
-                await super()._splice(dialer, DelayingStream(target, start, **delay))
+                await super()._splice(dialer, DelayingStream(target, start, **delay), offer)
 
     return DelayingRelay
 

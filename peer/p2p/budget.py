@@ -67,8 +67,9 @@ class BudgetLimits:
     relay_requests_per_ip: int = 32  # relay circuit streams whose request is being read, per IP group
     relay_requests_total: int = 256
     reservations_per_ip: int = 32  # relay reservations held by the identities of one IP group
-    circuits_per_peer: int = 8  # relayed circuits to one reserved peer (the relay's `--relay-limit` bounds all)
-    circuits_per_ip: int = 16  # relayed circuits dialed from one IP group
+    circuits_per_peer: int = 16  # relayed circuits to one reserved peer (the relay's `--relay-limit` bounds all)
+    circuits_per_ip: int = 32  # relayed circuits dialed from one IP group
+    circuit_bytes: int = 8 * 1024 * MIB  # bytes one relayed circuit carries (both ways) before the relay ends it
 
     def table(self) -> dict[tuple[str, str], float]:
         """`(scope kind, resource) -> limit`, as `Accountant` reads it."""
@@ -99,6 +100,8 @@ class BudgetLimits:
             if not 0 < per <= total:
                 raise ValueError(f"the {name} limit per peer ({per}) must be positive and at most the total "
                                  f"({total})")
+        if not min(self.reservations_per_ip, self.circuits_per_peer, self.circuits_per_ip, self.circuit_bytes) > 0:
+            raise ValueError("the relay limits must be positive")
         if not self.message_stall_timeout > 0:
             raise ValueError("message_stall_timeout must be positive")
 
@@ -177,8 +180,8 @@ class Accountant:
         """The one-line refusal: which limit (its option name), its value, who holds what, who was refused."""
         name = f"{resource}_total" if scope[0] == "total" else f"{resource}_per_{scope[0]}"
         refused = describe(who) if isinstance(who, tuple) else describe(("peer", who)) if who is not None else "?"
-        return (f"limit {name}={_amount(limit, resource)} reached: {describe(scope)} holds "
-                f"{_amount(self.amount(scope, resource), resource)}; refused for {refused}")
+        return (f"limit {name}={describe_amount(limit, resource)} reached: {describe(scope)} holds "
+                f"{describe_amount(self.amount(scope, resource), resource)}; refused for {refused}")
 
     def add(self, scopes: Iterable[Scope], resource: str, amount: float) -> None:
         """Charge without checking (what already arrived, or a holder the caller decided to let in)."""
@@ -223,7 +226,10 @@ class Accountant:
         return report
 
 
-def _amount(value: float, resource: str) -> str:
+def describe_amount(value: float, resource: str) -> str:
+    """`value` of `resource` as a refusal shows it (bytes in MiB/GiB)."""
+    if resource.endswith("bytes") and value >= 1024 * MIB:
+        return f"{value / (1024 * MIB):.1f} GiB"
     if resource.endswith("bytes") and value >= MIB:
         return f"{value / MIB:.1f} MiB"
     return f"{value:g}"

@@ -39,6 +39,7 @@ from typing import Any, Awaitable, Callable, TypeVar, Union
 import msgpack
 import trio
 
+from peer.p2p import budget
 from peer.p2p.identity import PeerID
 from peer.p2p.net import Address, Network
 from peer.p2p.rpc_protocol import (
@@ -309,6 +310,12 @@ class RateLimiter:
         self._level = rate or 0.0
         self._updated: float | None = None
 
+    def set_rate(self, rate: float | None) -> None:
+        """A new rate (a circuit's fair share changes as others start and stop); one never used starts full."""
+        if self._updated is None:
+            self._level = rate or 0.0
+        self.rate = rate
+
     def delay(self, size: int, now: float) -> float:
         if not self.rate:
             return 0.0
@@ -319,9 +326,10 @@ class RateLimiter:
         return 0.0 if self._level >= 0 else -self._level / self.rate
 
 
-@dataclass
+@dataclass(eq=False)
 class Offer:
-    """A circuit the relay offered a reserved peer: told over its reservation, waiting for its accept."""
+    """A circuit the relay offered a reserved peer: told over its reservation, waiting for its accept, then (same
+    object) the spliced circuit until it ends."""
 
     token: bytes
     target: PeerID
@@ -329,6 +337,9 @@ class Offer:
     observed: Address | None  # the dialer, as the relay sees it
     deadline: float
     closed: bool = False  # withdrawn, or its circuit ended: its slot is free again
+    group: str = "?"  # the dialer's IP group (`peer.p2p.budget.ip_group` of `observed`)
+    bytes: int = 0  # relayed both ways, against `BudgetLimits.circuit_bytes`
+    evicted: str | None = None  # why the relay closed it for a newcomer (the limit), if it did
 
 
 @dataclass
@@ -336,47 +347,89 @@ class _Reservation:
     polls: int = 0
     expires: float = math.inf
     offers: list[Offer] | None = None
+    since: float = 0.0  # when it was first taken: older reservations keep their circuit slots at a tie
+    group: str = "?"  # the IP group of the connection that took it
+
+
+class CircuitMeter:
+    """One circuit's byte accounting at the relay: its rate limiter (its fair share) and its offer (data cap)."""
+
+    def __init__(self, offer: Offer | None, rate: float | None):
+        self.offer = offer
+        self.limiter = RateLimiter(rate)
 
 
 class RelayCore:
-    """What a relay decides, with no I/O: reservations (peer -> offered circuits), the circuit count against
-    `limit`, accept tokens, and the byte-rate limiters. Time comes in as `now` (seconds, any clock).
+    """What a relay decides, with no I/O: reservations (peer -> offered circuits), circuits against their limits,
+    accept tokens, and each circuit's byte rate. Time comes in as `now` (seconds, any clock).
 
     A reservation lives while its peer has a poll outstanding and `grace` seconds after its last one ended, so a
     private peer that vanishes is forgotten within `grace`; an offer not accepted by its `deadline` is dropped
     and its dialer is told `CircuitFailed`-like `RelayError`.
 
-    Why `limit` counts circuits in total, over every reserved peer, and not per reserved peer: what bounds a
-    relay is what each circuit costs it (two pumps, two splice buffers, a share of the total byte rate), which
-    is the same whoever the circuit is for; a per-peer cap on top would refuse callers of a busy peer -- one
-    behind a symmetric NAT, whom every caller reaches through a circuit -- while slots stand idle. Slots come
-    back fast instead: an upgraded circuit closes at once and an idle one within `RPCNode.circuit_idle_timeout`,
-    and a refused dialer tries the target's other relay (`dial_through_relays`)."""
+    Limits (issue 40: 70 identities holding circuits left the private peer the relay serves unreachable), each
+    keyed on what the relay itself knows, never on a field a requester writes: reservations per IP group of the
+    reserving connection (`reservations_per_ip`; one per authenticated identity) and in total
+    (`max_reservations`); circuits per reserved peer (`circuits_per_peer`, the target: authenticated by its
+    reservation), per IP group of the dialer as observed (`circuits_per_ip`), and in total (`limit`, the daemon's
+    `--relay-limit`). A dialer's `source` is unauthenticated and keys nothing.
+
+    Circuits are admitted by eviction rather than refused first come: over a reserved peer's or a dialer group's
+    share, the oldest circuit of that share goes; when the total is full, the newcomer takes a slot from the
+    reserved peer that holds the most circuits if that one would still hold at least as many as the newcomer's
+    target (max-min fairness over the relay's private peers), and at a tie only from a younger reservation -- so
+    the relay keeps slots for the private peers it has served longest, and identities that appear to flood it
+    take slots from each other. Each circuit carries at most `circuit_bytes`, at most `rate` bytes/s, and a fair
+    share of `total_rate`: the total divided by the circuits that moved bytes in the last second, so a flood
+    through some circuits leaves the others' latency alone.
+
+    Why `limit` counts circuits in total, over every reserved peer: what bounds a relay is what each circuit costs
+    it (two pumps, two splice buffers, a share of the total byte rate), which is the same whoever the circuit is
+    for. Slots come back fast: an upgraded circuit closes at once and an idle one within
+    `RPCNode.circuit_idle_timeout`, and a refused dialer tries the target's other relay (`dial_through_relays`)."""
 
     def __init__(self, peer_id: PeerID, *, limit: int, rate: float | None = None, total_rate: float | None = None,
-                 max_reservations: int = 256, grace: float = 10.0, accept_timeout: float = 5.0):
+                 max_reservations: int = 256, grace: float = 10.0, accept_timeout: float = 5.0,
+                 budget_limits: budget.BudgetLimits = budget.DEFAULT_BUDGET):
         self.peer_id = peer_id
         self.limit = limit
         self.rate = rate
-        self.total = RateLimiter(total_rate)
+        self.total_rate = total_rate
         self.max_reservations = max_reservations
         self.grace = grace
         self.accept_timeout = accept_timeout
+        self.circuit_bytes = budget_limits.circuit_bytes
+        self.accountant = budget.Accountant({
+            ("ip", "reservations"): budget_limits.reservations_per_ip, ("total", "reservations"): max_reservations,
+            ("peer", "circuits"): budget_limits.circuits_per_peer, ("ip", "circuits"): budget_limits.circuits_per_ip,
+            ("total", "circuits"): limit})
         self.reservations: dict[PeerID, _Reservation] = {}
-        self.offers: dict[bytes, Offer] = {}
-        self.circuits = 0  # spliced circuits running, plus offers waiting for their accept
+        self.offers: dict[bytes, Offer] = {}  # offered, not accepted yet
+        self.live: dict[bytes, Offer] = {}  # every circuit holding a slot (offered or spliced), oldest first
+        self.evicted: list[Offer] = []  # closed for a newcomer: the driver ends them (`drain_evicted`)
+        self._active: dict[CircuitMeter, float] = {}  # circuit -> when it last moved bytes
         self.stats = {"circuits_opened": 0, "circuits_refused": 0, "bytes_relayed": 0, "reservations": 0,
-                      "requests_evicted": 0}
+                      "requests_evicted": 0, "circuits_evicted": 0, "circuits_capped": 0,
+                      "reservations_refused": 0}
+
+    @property
+    def circuits(self) -> int:
+        """Spliced circuits running, plus offers waiting for their accept."""
+        return len(self.live)
 
     # reservations
-    def reserve(self, peer: PeerID, now: float) -> None:
+    def reserve(self, peer: PeerID, now: float, group: str = "?") -> None:
         self.expire(now)
         if peer == self.peer_id:
             raise CircuitToSelf("a relay cannot hold a reservation for itself")
         if peer not in self.reservations:
-            if len(self.reservations) >= self.max_reservations:
-                raise RelayLimitReached(f"this relay holds {self.max_reservations} reservations already")
-            self.reservations[peer] = _Reservation(offers=[])
+            try:
+                self.accountant.take((("ip", group),), "reservations", peer=peer)
+            except budget.LimitReached as refusal:
+                self.stats["reservations_refused"] += 1
+                raise RelayLimitReached(refusal.message) from None
+            # it lives `grace` past now unless polled (a reservation never polled used to live forever)
+            self.reservations[peer] = _Reservation(offers=[], since=now, group=group, expires=now + self.grace)
             self.stats["reservations"] += 1
         self.reservations[peer].expires = max(self.reservations[peer].expires, now + self.grace)
 
@@ -411,8 +464,10 @@ class RelayCore:
     # circuits
     def request_circuit(self, request: ConnectRequest, observed: Address | None, token: bytes,
                         now: float) -> Offer:
-        """A dialer's connect: refused with a typed error, or an `Offer` to deliver to the target's poll."""
+        """A dialer's connect: refused with a typed error, or an `Offer` to deliver to the target's poll (the
+        circuits it displaced are in `evicted`: the driver closes them)."""
         self.expire(now)
+        group = budget.ip_group(observed[0]) if observed is not None else "?"
         try:
             if request.target == self.peer_id:
                 raise CircuitToSelf("a circuit to the relay itself: dial it directly")
@@ -420,18 +475,62 @@ class RelayCore:
                 raise CircuitToSelf("a circuit from a peer to itself")
             if request.target not in self.reservations:
                 raise NoReservation(f"peer {request.target.short()} holds no reservation here")
-            if self.circuits >= self.limit:
-                raise RelayLimitReached(f"this relay runs {self.limit} circuits already (--relay-limit)")
+            self._make_room(request.target, group)
         except RelayError:
             self.stats["circuits_refused"] += 1
             raise
-        offer = Offer(token, request.target, request.source, observed, now + self.accept_timeout)
+        offer = Offer(token, request.target, request.source, observed, now + self.accept_timeout, group=group)
         self.offers[token] = offer
+        self.live[token] = offer
+        self.accountant.add((("peer", offer.target), ("ip", group)), "circuits", 1)
         reservation = self.reservations[request.target]
         assert reservation.offers is not None
         reservation.offers.append(offer)
-        self.circuits += 1
         return offer
+
+    def _make_room(self, target: PeerID, group: str) -> None:
+        """Evict circuits until one more to `target` from `group` fits (see the class docstring), or raise
+        `RelayLimitReached` naming the limit, the target and the dialer's group."""
+        scopes: tuple[budget.Scope, ...] = (("peer", target), ("ip", group))
+        while (refusal := self.accountant.over(scopes, "circuits", 1)) is not None:
+            scope, limit = refusal
+            if scope == budget.TOTAL:
+                victim = self._fair_victim(target)
+            else:  # over one share: that share's oldest circuit goes
+                victim = next((offer for offer in self.live.values()
+                               if (offer.target if scope[0] == "peer" else offer.group) == scope[1]), None)
+            if victim is None:
+                message = self.accountant.refusal(scope, "circuits", limit, ("ip", group))
+                raise RelayLimitReached(f"{message}, dialing peer {target.short()}"
+                                        + (" (--relay-limit)" if scope == budget.TOTAL else ""))
+            victim.evicted = (f"{scope[0]} limit" if scope != budget.TOTAL else "--relay-limit") + \
+                f" {limit:g}: closed for a circuit to peer {target.short()}"
+            self.withdraw(victim)
+            self.evicted.append(victim)
+            self.stats["circuits_evicted"] += 1
+
+    def _fair_victim(self, target: PeerID) -> Offer | None:
+        """The node is full: the oldest circuit of the reserved peer holding the most (the youngest reservation
+        among equals), if it holds more than `target` would with one more, or as many and reserved later."""
+        held = self.accountant.held["circuits"]
+        mine = held.get(("peer", target), 0)
+        since = self.reservations[target].since
+        best: tuple[float, float] | None = None
+        heaviest: Any = None
+        for scope, amount in held.items():
+            if scope[0] != "peer" or scope[1] == target:
+                continue
+            reservation = self.reservations.get(PeerID(scope[1]))  # type: ignore[arg-type]
+            key = (amount, reservation.since if reservation is not None else math.inf)
+            if best is None or key > best:
+                best, heaviest = key, scope[1]
+        if best is None or not (best[0] > mine + 1 or (best[0] == mine + 1 and best[1] > since)):
+            return None
+        return next(offer for offer in self.live.values() if offer.target == heaviest)
+
+    def drain_evicted(self) -> list[Offer]:
+        evicted, self.evicted = self.evicted, []
+        return evicted
 
     def accept(self, request: AcceptRequest, now: float) -> Offer:
         self.expire(now)
@@ -442,24 +541,47 @@ class RelayCore:
         return offer
 
     def withdraw(self, offer: Offer) -> None:
-        """The offer expired, its dialer gave up, or its circuit ended: free its slot (once, whatever the
-        order these happen in)."""
+        """The offer expired, its dialer gave up, its circuit ended, or it was evicted: free its slot (once,
+        whatever the order these happen in)."""
         if offer.closed:
             return
         offer.closed = True
         self.offers.pop(offer.token, None)
+        self.live.pop(offer.token, None)
         reservation = self.reservations.get(offer.target)
         if reservation is not None and reservation.offers and offer in reservation.offers:
             reservation.offers.remove(offer)
-        self.circuits -= 1
+        self.accountant.give_back((("peer", offer.target), ("ip", offer.group)), "circuits", 1)
 
-    def circuit_limiter(self) -> RateLimiter:
-        return RateLimiter(self.rate)
+    def circuit_limiter(self, offer: Offer | None = None) -> CircuitMeter:
+        return CircuitMeter(offer, self.rate)
 
-    def relayed(self, size: int, circuit: RateLimiter, now: float) -> float:
-        """`size` bytes pass a circuit: the seconds to wait before forwarding them (both caps)."""
+    def relayed(self, size: int, circuit: CircuitMeter, now: float) -> float:
+        """`size` bytes pass a circuit: the seconds to wait before forwarding them (its cap, and its fair share
+        of the total: `total_rate` over the circuits active in the last second). Raises `RelayLimitReached`
+        (the driver ends the circuit) once the circuit has carried `circuit_bytes`."""
         self.stats["bytes_relayed"] += size
-        return max(circuit.delay(size, now), self.total.delay(size, now))
+        offer = circuit.offer
+        if offer is not None:
+            offer.bytes += size
+            if offer.bytes > self.circuit_bytes:
+                self.stats["circuits_capped"] += 1
+                raise RelayLimitReached(
+                    f"limit circuit_bytes={budget.describe_amount(self.circuit_bytes, 'bytes')} reached: the circuit "
+                    f"to peer {offer.target.short()} from IP {offer.group} carried it")
+        rate = self.rate
+        if self.total_rate:
+            self._active[circuit] = now
+            for meter, last in list(self._active.items()):
+                if now - last > 1.0:
+                    del self._active[meter]
+            share = self.total_rate / len(self._active)
+            rate = min(rate, share) if rate else share
+        circuit.limiter.set_rate(rate)
+        return circuit.limiter.delay(size, now)
+
+    def circuit_ended(self, circuit: CircuitMeter) -> None:
+        self._active.pop(circuit, None)
 
     def expire(self, now: float) -> None:
         for offer in list(self.offers.values()):
@@ -470,6 +592,7 @@ class RelayCore:
                 for offer in reservation.offers or []:
                     self.withdraw(offer)
                 del self.reservations[peer]
+                self.accountant.give_back((("ip", reservation.group),), "reservations", 1)
 
 
 # --------------------------------------------------------------------------------------------- trio helpers

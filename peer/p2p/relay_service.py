@@ -52,19 +52,22 @@ class RelayService:
                  accept_timeout: float = 5.0, idle_timeout: float = IDLE_TIMEOUT):
         self.rpc = rpc
         self.core = relay.RelayCore(rpc.peer_id, limit=limit, rate=rate, total_rate=total_rate,
-                                    accept_timeout=accept_timeout)
+                                    accept_timeout=accept_timeout, budget_limits=rpc.budget_limits)
         self.idle_timeout = idle_timeout
         self._offer_wakeups: dict[PeerID, trio.Event] = {}
         # token -> where the accept handler hands its stream (and the event it waits on until the splice ends)
         self._accepted: dict[bytes, trio.MemorySendChannel[tuple[trio.abc.Stream, trio.Event]]] = {}
         self._circuits: set[trio.CancelScope] = set()
+        self._offered: dict[bytes, trio.CancelScope] = {}  # token -> the scope of its dialer's task (eviction)
         self._requests = 0  # circuit streams whose request is being read
         self._pending = budget.OldestFirst(rpc.accountant, "relay_requests")
         self._running = False
 
     def stats(self) -> dict[str, Any]:
+        usage = self.core.accountant.usage()
         return {**self.core.stats, "limit": self.core.limit, "circuits": self.core.circuits,
-                "reserved_peers": len(self.core.reservations)}
+                "reserved_peers": len(self.core.reservations),
+                "budget": {resource: usage[resource] for resource in ("circuits", "reservations")}}
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         rpc = self.rpc
@@ -97,7 +100,8 @@ class RelayService:
         return {"limit": self.core.limit, "circuits": self.core.circuits}
 
     async def _handle_reserve(self, context: CallContext, args: Any) -> dict[str, Any]:
-        self.core.reserve(context.peer_id, trio.current_time())
+        group = budget.ip_group(context.observed[0]) if context.observed is not None else "?"
+        self.core.reserve(context.peer_id, trio.current_time(), group)
         return {"grace": self.core.grace, "poll": POLL_SECONDS}
 
     async def _handle_poll(self, context: CallContext, args: Any) -> list[dict[str, Any]]:
@@ -170,28 +174,34 @@ class RelayService:
         except relay.RelayError as error:
             await self._refuse(stream, error)
             return
+        for victim in self.core.drain_evicted():  # circuits this one displaced (see RelayCore): ended now
+            logger.debug("relay: evicted a circuit to %s: %s", victim.target.short(), victim.evicted)
+            evicted = self._offered.get(victim.token)
+            if evicted is not None:
+                evicted.cancel()
         send, receive = trio.open_memory_channel[tuple[trio.abc.Stream, trio.Event]](1)
         self._accepted[token] = send
         self._wake(request.target)
-        accepted = None
+        accepted: tuple[trio.abc.Stream, trio.Event] | None = None
         try:
-            with trio.move_on_at(offer.deadline):
-                accepted = await receive.receive()
+            with trio.CancelScope() as self._offered[token]:  # cancelled when a newcomer evicts this circuit
+                try:
+                    with trio.move_on_at(offer.deadline):
+                        accepted = await receive.receive()
+                finally:
+                    self._accepted.pop(token, None)
+                    receive.close()  # an accept arriving now finds the channel broken and gives up
+                if accepted is not None:
+                    try:
+                        await self._splice(stream, accepted[0], offer)
+                    finally:
+                        accepted[1].set()
         finally:
-            self._accepted.pop(token, None)
-            receive.close()  # an accept arriving now finds the channel broken and gives up
-            if accepted is None:
-                self.core.withdraw(offer)
-        if accepted is None:
-            await self._refuse(stream, relay.RelayError(
-                f"peer {request.target.short()} did not take the circuit within {self.core.accept_timeout:.3g} s"))
-            return
-        other, done = accepted
-        try:
-            await self._splice(stream, other)
-        finally:
+            self._offered.pop(token, None)
             self.core.withdraw(offer)
-            done.set()
+        if accepted is None:
+            await self._refuse(stream, relay.RelayLimitReached(offer.evicted) if offer.evicted else relay.RelayError(
+                f"peer {request.target.short()} did not take the circuit within {self.core.accept_timeout:.3g} s"))
 
     async def _accept(self, stream: trio.abc.Stream, request: relay.AcceptRequest) -> None:
         try:
@@ -216,8 +226,9 @@ class RelayService:
         # idle timeout, and leaving `run` cancels it)
         await done.wait()
 
-    async def _splice(self, dialer: trio.abc.Stream, target: trio.abc.Stream) -> None:
-        """Forward bytes both ways under the caps until either side ends or nothing moves for `idle_timeout`."""
+    async def _splice(self, dialer: trio.abc.Stream, target: trio.abc.Stream, offer: relay.Offer | None = None) -> None:
+        """Forward bytes both ways under the caps until either side ends, nothing moves for `idle_timeout`, or the
+        circuit has carried its `circuit_bytes` (then the relay ends it: the RPC layer dials a fresh one)."""
         try:
             with trio.move_on_after(REQUEST_TIMEOUT):
                 await dialer.send_all(relay.ok_response(_observed(target)))
@@ -225,7 +236,7 @@ class RelayService:
             return
         scope = trio.CancelScope(deadline=trio.current_time() + self.idle_timeout)
         self._circuits.add(scope)
-        limiter = self.core.circuit_limiter()
+        limiter = self.core.circuit_limiter(offer)
 
         async def pump(source: trio.abc.Stream, sink: trio.abc.Stream) -> None:
             # one buffer per direction, reused: `receive_some` would allocate (and, this large, mmap) per read
@@ -245,6 +256,8 @@ class RelayService:
                     await sink.send_all(view[:size])  # sent before it returns: the buffer is free again
             except TRANSPORT_ERRORS:
                 pass
+            except relay.RelayLimitReached as error:
+                logger.info("relay: %s", error)
             scope.cancel()  # one side ended: the circuit ends (the RPC layer has no half-closed connections)
 
         try:
@@ -254,6 +267,7 @@ class RelayService:
                     nursery.start_soon(pump, target, dialer)
         finally:
             self._circuits.discard(scope)
+            self.core.circuit_ended(limiter)
             with trio.CancelScope(shield=True):
                 await trio.aclose_forcefully(target)
 

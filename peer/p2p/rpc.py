@@ -96,11 +96,13 @@ _SCRATCH_BYTES = 64 * 1024
 
 @dataclass(frozen=True)
 class CallContext:
-    """Who is calling: the authenticated PeerID, and the listen address it announced (None for client mode)."""
+    """Who is calling: the authenticated PeerID, the listen address it announced (None for client mode), and the
+    address its connection comes from as this node observes it (what per-IP limits key on; None when unknown)."""
 
     peer_id: PeerID
     address: Address | None
     method: str
+    observed: Address | None = None
 
 
 Handler = Callable[[CallContext, Any], Awaitable[Any]]
@@ -145,6 +147,7 @@ class Connection:
         self.stream = stream
         self.peer_id = handshake.peer_id
         self.remote_listen = handshake.remote_listen
+        self.observed = remote_address(stream)
         self.dialed = dialed
         self.protocol = RPCConnection(
             initiator=handshake.role is Role.INITIATOR, peer_id=handshake.peer_id, address=self.label,
@@ -322,7 +325,7 @@ class Connection:
 
     async def _serve_call(self, stream_id: int, method: str, args: Any, handler: Handler,
                           scope: trio.CancelScope) -> None:
-        context = CallContext(self.peer_id, self.remote_listen, method)
+        context = CallContext(self.peer_id, self.remote_listen, method, self.observed)
         protocol, stats = self.protocol, self.node.stats
         answered = False
         started = trio.current_time()
