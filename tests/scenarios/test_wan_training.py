@@ -75,7 +75,11 @@ def test_a_kill_every_outer_step_and_a_join_every_two(without_churn):
             assert joiner.reached_end and joiner.first_contribution is None, describe(result)
             continue
         first = joiner.first_contribution
-        assert first is not None and first["outer_steps"] is not None, (joiner.name, first, describe(result))
+        if first is None or first["outer_steps"] is None:
+            # it offered, but no round counted it before the run ended or it was killed (1 CI run of many: a
+            # joiner spawned near the end whose offers were dropped): reported below as a missed target
+            slow_joiners.append((joiner.name, "none counted"))
+            continue
         if first["outer_steps"] > 2:
             slow_joiners.append((joiner.name, first["outer_steps"]))
     reference = without_churn.accuracy
