@@ -202,8 +202,15 @@ class _Waker:
         self._event = trio.Event()
 
 
+# What one direction of an in-memory connection holds unread before `send_all` blocks, as a socket's send and
+# receive buffers together would. Without it a sender on an unlimited link never blocks: under the autojump clock
+# a flooding task stays runnable forever, so virtual time stops and the queue grows without end.
+PIPE_BUFFER = 4 << 20
+
+
 class _Pipe:
-    """One direction of an in-memory TCP connection: ordered, reliable, delayed by the link's conditions."""
+    """One direction of an in-memory TCP connection: ordered, reliable, delayed by the link's conditions, with
+    `PIPE_BUFFER` bytes of buffer between the two ends."""
 
     def __init__(self, network: "MemoryNetwork", source: str, destination: str):
         self.network = network
@@ -214,7 +221,8 @@ class _Pipe:
         self.sender_closed = False
         self.receiver_closed = False
         self.reset = False
-        self.waker = _Waker()
+        self.queued = 0  # bytes sent and not yet received
+        self.waker = _Waker()  # notified on data, space, close, reset and topology changes
 
     def link_up(self) -> bool:
         return self.network.link_up(self.source, self.destination)
@@ -275,9 +283,16 @@ class MemoryStream(trio.abc.HalfCloseableStream):
             transmit = len(data) / conditions.bandwidth if conditions.bandwidth else 0.0
             pipe.busy_until = start + transmit
             pipe.chunks.append((pipe.busy_until + conditions.latency, data))
+            pipe.queued += len(data)
             pipe.waker.notify()
             if transmit:
                 await trio.sleep_until(pipe.busy_until)  # backpressure, like a full socket buffer
+            while pipe.queued > PIPE_BUFFER:  # the receiver is behind: wait for it, as a full socket buffer would
+                if self._closed:
+                    raise trio.ClosedResourceError("stream was closed")
+                if pipe.reset or pipe.receiver_closed:
+                    raise trio.BrokenResourceError("connection reset by peer")
+                await pipe.waker.current().wait()
 
     async def wait_send_all_might_not_block(self) -> None:
         with self._send_guard:
@@ -322,8 +337,12 @@ class MemoryStream(trio.abc.HalfCloseableStream):
                         raise trio.ClosedResourceError("stream was closed")
                     if max_bytes is not None and len(data) > max_bytes:
                         pipe.chunks[0] = (deliver_at, data[max_bytes:])
-                        return data[:max_bytes]
-                    pipe.chunks.popleft()
+                        data = data[:max_bytes]
+                    else:
+                        pipe.chunks.popleft()
+                    pipe.queued -= len(data)
+                    if pipe.queued + len(data) > PIPE_BUFFER >= pipe.queued:
+                        pipe.waker.notify()  # a blocked sender has room again
                     return data
                 with trio.move_on_at(deliver_at):
                     await wake.wait()
