@@ -34,7 +34,7 @@ import errno
 import math
 import struct
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, TypeVar, Union
+from typing import Any, Awaitable, Callable, Iterable, TypeVar, Union
 
 import msgpack
 import trio
@@ -339,6 +339,7 @@ class Offer:
     closed: bool = False  # withdrawn, or its circuit ended: its slot is free again
     group: str = "?"  # the dialer's IP group (`peer.p2p.budget.ip_group` of `observed`)
     bytes: int = 0  # relayed both ways, against `BudgetLimits.circuit_bytes`
+    active: float = 0.0  # when it last relayed a byte (or was offered): eviction takes the least recently active
     evicted: str | None = None  # why the relay closed it for a newcomer (the limit), if it did
 
 
@@ -349,6 +350,13 @@ class _Reservation:
     offers: list[Offer] | None = None
     since: float = 0.0  # when it was first taken: older reservations keep their circuit slots at a tie
     group: str = "?"  # the IP group of the connection that took it
+
+
+def _least_active(offers: Iterable[Offer]) -> Offer | None:
+    """The circuit to evict from a share: the one idle longest, the oldest at a tie (`live` is in offer order).
+    Not simply the oldest: a popular private peer's share holds calls in flight next to circuits that wait out
+    their idle timeout, and closing one in flight fails a call that the idle one would not."""
+    return min(offers, key=lambda offer: offer.active, default=None)
 
 
 class CircuitMeter:
@@ -479,7 +487,8 @@ class RelayCore:
         except RelayError:
             self.stats["circuits_refused"] += 1
             raise
-        offer = Offer(token, request.target, request.source, observed, now + self.accept_timeout, group=group)
+        offer = Offer(token, request.target, request.source, observed, now + self.accept_timeout, group=group,
+                      active=now)
         self.offers[token] = offer
         self.live[token] = offer
         self.accountant.add((("peer", offer.target), ("ip", group)), "circuits", 1)
@@ -496,9 +505,9 @@ class RelayCore:
             scope, limit = refusal
             if scope == budget.TOTAL:
                 victim = self._fair_victim(target)
-            else:  # over one share: that share's oldest circuit goes
-                victim = next((offer for offer in self.live.values()
-                               if (offer.target if scope[0] == "peer" else offer.group) == scope[1]), None)
+            else:  # over one share: that share's least recently active circuit goes
+                victim = _least_active(offer for offer in self.live.values()
+                                       if (offer.target if scope[0] == "peer" else offer.group) == scope[1])
             if victim is None:
                 message = self.accountant.refusal(scope, "circuits", limit, ("ip", group))
                 raise RelayLimitReached(f"{message}, dialing peer {target.short()}"
@@ -526,7 +535,7 @@ class RelayCore:
                 best, heaviest = key, scope[1]
         if best is None or not (best[0] > mine + 1 or (best[0] == mine + 1 and best[1] > since)):
             return None
-        return next(offer for offer in self.live.values() if offer.target == heaviest)
+        return _least_active(offer for offer in self.live.values() if offer.target == heaviest)
 
     def drain_evicted(self) -> list[Offer]:
         evicted, self.evicted = self.evicted, []
@@ -564,6 +573,7 @@ class RelayCore:
         offer = circuit.offer
         if offer is not None:
             offer.bytes += size
+            offer.active = now
             if offer.bytes > self.circuit_bytes:
                 self.stats["circuits_capped"] += 1
                 raise RelayLimitReached(
