@@ -11,7 +11,7 @@ import trio
 
 from dht import DHTNode, InvalidValue, records
 from dht.node import key_id_of
-from dht.records import MAX_RECORD_BYTES, MAX_SUBKEYS_PER_OWNER, Record, make_entry
+from dht.records import MAX_RECORD_BYTES, MAX_SUBKEYS_PER_OWNER, Entry, Record, make_entry
 from moe.bans import BANS_KEY
 from peer.directory import PeerDirectory, list_peers, shard_key
 from peer.p2p.identity import Identity
@@ -45,6 +45,28 @@ def test_a_peer_id_subkey_accepts_only_its_own_signature():
     assert records.entry_authentic(key_id, 3, make_entry(key_id, 3, "x", 100.0, attacker))
     assert records.entry_authentic(key_id, "run-1", make_entry(key_id, "run-1", "x", 100.0))
     assert records.subkey_peer_id(victim.peer_id.hex().upper()) is None  # only the lowercase hex form
+
+
+def test_a_signature_checked_once_is_not_checked_again_and_a_replay_over_other_bytes_still_is(monkeypatch):
+    signer = _identity("signer")
+    key_id = key_id_of("swarmd.matchmaking.run")
+    entry = make_entry(key_id, "group", ["a", 1], 100.0, signer)
+    checks = []
+    real = records.verify_signature
+    monkeypatch.setattr(records, "verify_signature", lambda *a: checks.append(a) or real(*a))
+    monkeypatch.setattr(records, "VERIFIED", records.VerifiedSignatures(size=2))
+    for _ in range(3):  # a reader polling the same key
+        assert records.entry_authentic(key_id, "group", entry)
+    assert len(checks) == 1
+    for replay in (Entry(["b", 1], 100.0, entry.owner, entry.signature),  # the good signature over other bytes
+                   Entry(entry.value, 101.0, entry.owner, entry.signature),
+                   Entry(entry.value, 100.0, _identity("other").public_key, entry.signature)):
+        assert not records.entry_authentic(key_id, "group", replay)
+    assert not records.entry_authentic("other key".encode().ljust(20, b"\0"), "group", entry)
+    assert len(checks) == 5
+    for index in range(2):  # the oldest good signature is forgotten past `size`, and then checked again
+        assert records.entry_authentic(key_id, index, make_entry(key_id, index, "x", 100.0, signer))
+    assert records.entry_authentic(key_id, "group", entry) and len(checks) == 8
 
 
 def test_the_client_refuses_to_send_what_every_replica_would_refuse():
