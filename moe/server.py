@@ -48,6 +48,7 @@ from moe.kept import KeptStore
 from moe.runtime import ExpertComputeError, ExpertRuntime, RuntimeNotRunning
 from moe.schema import SchemaError, validate_batch
 from moe.trust import NormStats, typical_norm
+from peer.memory import TrimPolicy, keep_returning_memory
 from peer.p2p import wire
 from peer.p2p.identity import PeerID
 from peer.p2p.net import Address
@@ -226,6 +227,7 @@ class ExpertServer:
         max_norm_ratio: float | None = 1e4,
         kept_bytes: int = 256 << 20,
         kept_ttl: float = 30.0,
+        memory: TrimPolicy | None = None,
     ):
         """`trainers`: who may call backward (and so step the experts' optimizers); `forward_from`: who may call
         forward. Both default to anyone who completed the RPC handshake (see `CallerPolicy`); `moe.info` is open.
@@ -235,7 +237,8 @@ class ExpertServer:
         0.001 in one call and 0.5 in the next; the check is for the absurd (1e30 passes the finiteness check),
         and `clip_grad_norm` bounds the step whatever gets through.
         `kept_bytes`, `kept_ttl`: the bounds of the forward graphs kept for callers' backwards (`moe.kept`): at
-        most that many bytes of activations, each freed that many seconds after its forward at the latest."""
+        most that many bytes of activations, each freed that many seconds after its forward at the latest.
+        `memory`: when freed heap memory goes back to the OS after a burst of calls (`peer.memory`)."""
         if isinstance(experts, Mapping):
             experts = list(experts.values())
         self.experts: dict[str, Expert] = {}
@@ -274,6 +277,7 @@ class ExpertServer:
         self._saved_steps: dict[str, int] = {}
         self._running = False
         self.kept = KeptStore(max_bytes=kept_bytes, ttl=kept_ttl)
+        self.memory = memory or TrimPolicy()
 
     @classmethod
     async def from_pattern(
@@ -329,6 +333,7 @@ class ExpertServer:
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.runtime.run)
+                nursery.start_soon(keep_returning_memory, self.memory)
                 for name, handler in ((calls.INFO, self._handle_info), (calls.FORWARD, self._handle_forward),
                                       (calls.BACKWARD, self._handle_backward),
                                       (calls.FORWARD_BATCH, self._handle_forward_batch),
