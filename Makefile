@@ -25,10 +25,12 @@ run: $(STAMP)
 
 # Everything CI runs: static checks (ruff; mypy, strict on the foundation, the DHT and the averaging cores), the
 # documentation site (a broken link or a missing page fails it), the default (fast) suite, then the scenarios
-# marked slow.
+# marked slow: the simulations in virtual time two at a time (what they see does not depend on the load), the
+# rest (real processes, sockets and clocks) one at a time.
 test: lint docs $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15
-	$(BIN)/python -m pytest -q -m slow --durations=15 || test $$? -eq 5
+	$(BIN)/python -m pytest -q -m "slow and virtual_time" -n 2 --dist worksteal --durations=10 || test $$? -eq 5
+	$(BIN)/python -m pytest -q -m "slow and not virtual_time" --durations=15 || test $$? -eq 5
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

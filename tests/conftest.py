@@ -37,3 +37,11 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 @pytest.fixture
 def memory_network() -> MemoryNetwork:
     return MemoryNetwork(latency=0.005, seed=1234)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests under the autojump clock run in virtual time: how busy the CPU is cannot change what they see, so
+    `make test` runs the slow ones two at a time (`-m "slow and virtual_time" -n 2`) and the rest one by one."""
+    for item in items:
+        if "autojump_clock" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.virtual_time)
