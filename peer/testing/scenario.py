@@ -83,9 +83,9 @@ class Scenario:
     """What to run; see the module docstring for the churn options. `outer_steps` is the run's length
     (`--steps` = outer_steps * inner_steps). `fragments`: passed as `--fragments N` (Streaming DiLoCo: outer steps
     then count fragment rounds, N per `inner_steps`, and the churn schedule's steps are those).
-    `stall_timeout`: give up when no live trainer reported a new outer step for that long (a swarm that stopped
-    moving; averaging/diloco.py has rounds that never end, see `pick_victim`). `train_args`: more `peer train`
-    arguments for every trainer. `timeout`: the whole run, in seconds."""
+    `stall_timeout`: give up when no live trainer reported a new outer step, or anything at all, for that long (a
+    swarm that stopped moving; averaging/diloco.py has rounds that never end, see `pick_victim`). `train_args`: more
+    `peer train` arguments for every trainer. `timeout`: the whole run, in seconds."""
 
     name: str
     profile: str = "home"
@@ -388,13 +388,18 @@ class Runner:
     def _follow(self, churn: Churn) -> None:
         """Apply the schedule as the trainers report, until every trainer not killed is done."""
         deadline = self.started + self.scenario.timeout
-        last_step, moved_at = -1, time.monotonic()
+        last_step, last_events, moved_at = -1, -1, time.monotonic()
         while True:
             for applied in churn.poll():
                 self._note_applied(applied.action, applied.target, applied.pid, applied.outcome)
             with self.condition:
                 step = self.swarm_step()
                 steps = {n: t.outer_step for n, t in self.trainers.items() if t.killed_at is None}
+                # moving: a new swarm step, or any live trainer reporting anything (inner steps on a loaded machine
+                # may take longer than `stall_timeout` per outer step, and that is slow, not stalled)
+                events = sum(len(t.reader.events) for t in self.trainers.values() if t.killed_at is None)
+                if events != last_events:
+                    last_events, moved_at = events, time.monotonic()
                 if step != last_step:
                     last_step, moved_at = step, time.monotonic()
                     live = sorted(steps)
@@ -414,7 +419,8 @@ class Runner:
                 stalled = time.monotonic() - moved_at > self.scenario.stall_timeout and step > 0
                 if time.monotonic() > deadline or stalled:
                     pending = ", ".join(f"{a.kind} {a.target}" for a in churn.pending)
-                    why = (f"stalled: no trainer passed outer step {step} in {self.scenario.stall_timeout:.0f} s"
+                    why = (f"stalled: no trainer passed outer step {step} or reported anything in "
+                           f"{self.scenario.stall_timeout:.0f} s"
                            if stalled else f"not done after {self.scenario.timeout:.0f} s")
                     raise ScenarioError(f"scenario {self.scenario.name} {why}; outer steps {steps}; churn pending: "
                                         f"{pending or '-'}; logs in {self.workdir}")
