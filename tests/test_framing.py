@@ -189,6 +189,21 @@ def test_receive_budget_charges_bytes_as_they_arrive_per_peer_and_evicts_the_hea
     assert budget.available == 3000
 
 
+def test_a_whole_message_in_one_read_is_not_charged_and_one_arriving_in_pieces_is(monkeypatch):
+    budget = framing.ReceiveBudget(3000, per_peer=2000)
+    parser = framing.FrameParser(max_message_bytes=4000, chunk_bytes=1000, budget=budget, owner="a")
+    charges = []
+    take = budget.take
+    monkeypatch.setattr(budget, "take", lambda size, owner=None: charges.append(size) or take(size, owner))
+    whole = _chunk(1, framing.FIRST | framing.LAST, b"x" * 500, total=500)
+    assert [type(e) for e in parser.receive(whole)] == [framing.MessageReceived] and charges == []
+    # the same message split across two reads holds its bytes in between: charged while it arrives
+    assert parser.receive(whole[:100]) == [] and charges == [500] and budget.held_by("a") == 500
+    assert [type(e) for e in parser.receive(whole[100:])] == [framing.MessageReceived]
+    assert budget.available == 3000
+    parser.close()
+
+
 def test_a_stalled_message_is_dropped_and_gives_its_budget_back():
     budget = framing.ReceiveBudget(10_000, stall_timeout=30.0)
     parser = framing.FrameParser(max_message_bytes=10_000, chunk_bytes=1000, budget=budget, owner="slow")

@@ -368,7 +368,11 @@ class FrameParser:
                     f"peer {_short(self.owner)}"), over_budget=True))
             else:  # nothing reserved for the announced size: the bytes are charged as their chunks start
                 partial = _Partial(None, progress_at=self.now)
-                refusal = self._charge(partial, self._remaining)
+                # except a whole message in this read (one chunk, all here): it is delivered before `feed`
+                # returns and holds nothing meanwhile, so charging and releasing it would only cost (an echo
+                # call's share of the accountant, issue 40's `budget_overhead`)
+                whole = kind & LAST and len(view) >= self._remaining
+                refusal = None if whole else self._charge(partial, self._remaining)
                 if refusal is not None:
                     self._partials[self._stream_id] = partial
                     events.append(MessageRejected(self._stream_id, total, refusal, over_budget=True))
