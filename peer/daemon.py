@@ -415,7 +415,17 @@ class Daemon:
             "averaging": self.replicas.stats() if self.replicas else None,
             "reachability": self.reachability.stats() if self.reachability else None,
             "relay": self.relaying.stats() if self.relaying else None,
+            "budgets": self.budget_usage(),
         }
+
+    def budget_usage(self) -> dict[str, Any]:
+        """Use against each limit (`peer.p2p.budget.Accountant.usage`): the RPC node's, and the relay's when
+        this daemon relays."""
+        assert self.rpc is not None
+        usage = self.rpc.accountant.usage()
+        if self.relaying is not None and self.relaying.service is not None:
+            usage.update(self.relaying.service.core.accountant.usage())
+        return usage
 
     async def _handle_status(self, context: CallContext, args: Any) -> dict[str, Any]:
         status = self.status()

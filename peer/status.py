@@ -16,6 +16,7 @@ from dht.client import DHTClient
 from dht.records import signed_by_subkey
 from moe.bans import BANS_KEY, parse_bans
 from peer.directory import PeerEntry, list_peers
+from peer.p2p.budget import describe_usage
 from peer.p2p.identity import PeerID
 from peer.p2p.relay import show_address
 from peer.p2p.rpc import RPCError, RPCNode
@@ -110,6 +111,9 @@ async def gather_status(rpc: RPCNode, dht: DHTClient, *, timeout: float = 3.0,
             "reached": (reply.get("reachability") or {}).get("how"),
             "connections": (reply.get("relay") or {}).get("connections"),
             "relays": (reply.get("relay") or {}).get("relays"),  # a private peer's relays (PeerIDs)
+            # use against each resource limit (issue 40), and that in one line
+            "budgets": reply.get("budgets") if reachable else None,
+            "budget": describe_usage(reply["budgets"]) if reachable and reply.get("budgets") else None,
         })
         for uid in experts:
             prefix = uid.split(".")[0]
@@ -159,6 +163,11 @@ def format_status(status: dict[str, Any]) -> str:
         total = {key: sum(c.get(key, 0) for c in counted) for key in ("direct", "upgraded", "relayed")}
         lines.append(f"connections: {total['direct']} direct, {total['upgraded']} upgraded by hole punching, "
                      f"{total['relayed']} relayed ({plural(private, 'private peer')})")
+    budgets = [(peer["peer_id"], peer["budget"]) for peer in status["peers"] if peer.get("budget")]
+    if budgets:
+        lines.append("")
+        lines.append("budgets (the limit nearest to full on each peer, and what it refused):")
+        lines += [f"  {peer_id[:12]}: {line}" for peer_id, line in budgets]
     lines.append("")
     if status["experts"]:
         lines.append("experts by prefix:")

@@ -78,8 +78,13 @@ def test_status_json_lists_peers_and_their_experts(daemons):
             break
     assert {peer["peer_id"] for peer in status["peers"]} == {first_id, second_id}
     assert [e["uid"] for e in status["experts"]["ffn"]] == ["ffn.0", "ffn.1", "ffn.2", "ffn.3"]
+    # use against each limit (issue 40): the first daemon holds connections (the second's, the status caller's)
+    budgets = next(peer for peer in status["peers"] if peer["peer_id"] == first_id)["budgets"]
+    assert budgets["connections"]["held"] >= 1 and budgets["connections"]["limit_per_peer"] > 0
+    assert {"handshakes", "requests", "message_bytes"} <= set(budgets)
     human = run_peer("status", "--initial-peers", first_address)
     assert "2 reachable" in human.stdout and "ffn: 4 experts on 2 peers" in human.stdout
+    assert f"  {first_id[:12]}: fullest: " in human.stdout and "refused: " in human.stdout, human.stdout
 
 
 def test_sigterm_checkpoints_exits_zero_and_restart_resumes_identity_and_weights(tmp_path):

@@ -242,6 +242,7 @@ class SwarmView:
                 "bytes_received": row.get("bytes_received"),
                 "dht_table_size": row.get("dht_table_size"),
                 "averaging_rounds": row.get("averaging_rounds"),
+                "budget": row.get("budget") if track.state == "online" else None,
                 "first_seen": track.first_seen,
                 "last_seen": track.last_seen,
                 "error": row.get("error"),

@@ -244,6 +244,40 @@ class Accountant:
         return report
 
 
+def fullest(usage: Mapping[str, Mapping[str, Any]]) -> tuple[str, str, float] | None:
+    """Of `Accountant.usage()` (or several merged), the limit nearest to full: (resource, which: "total" or
+    "per_peer"/"per_ip"/..., the share of it in use); None when nothing has a limit."""
+    best: tuple[str, str, float] | None = None
+    for resource, entry in usage.items():
+        pairs = [("total", entry.get("held"), entry.get("limit"))]
+        pairs += [(f"per_{kind}", entry.get(f"max_per_{kind}"), entry.get(f"limit_per_{kind}"))
+                  for kind in ("peer", "ip", "protocol")]
+        for which, held, limit in pairs:
+            if held is not None and limit:
+                share = held / limit
+                if best is None or share > best[2]:
+                    best = (resource, which, share)
+    return best
+
+
+def describe_usage(usage: Mapping[str, Mapping[str, Any]]) -> str:
+    """One line for `peer status` and the dashboard: the fullest limit, and the requests refused per resource
+    since the start ("connections per_ip 3/8 (38%); refused: 12 requests")."""
+    top = fullest(usage)
+    if top is None:
+        return "no limits"
+    resource, which, share = top
+    entry = usage[resource]
+    held, limit = (entry["held"], entry["limit"]) if which == "total" else \
+        (entry[f"max_{which}"], entry[f"limit_{which}"])
+    line = (f"fullest: {resource}_{which} {describe_amount(held, resource)}/{describe_amount(limit, resource)} "
+            f"({share:.0%})")
+    refused = {resource: entry.get("refused", 0) for resource, entry in sorted(usage.items())
+               if entry.get("refused", 0)}
+    line += "; refused: " + (", ".join(f"{count} {resource}" for resource, count in refused.items()) or "none")
+    return line
+
+
 def describe_amount(value: float, resource: str) -> str:
     """`value` of `resource` as a refusal shows it (bytes in MiB/GiB)."""
     if resource.endswith("bytes") and value >= 1024 * MIB:

@@ -66,7 +66,8 @@ function drawPeers(state) {
     el("td", {class: "num"}, peer.requests_per_s.toFixed(1)),
     el("td", {class: "num"}, peer.requests_served),
     el("td", {class: "num", title: peer.error || ""}, peer.failures_seen === null ? "-" : peer.failures_seen),
-    el("td", {class: "num"}, `${bytes(peer.bytes_received)} / ${bytes(peer.bytes_sent)}`))));
+    el("td", {class: "num"}, `${bytes(peer.bytes_received)} / ${bytes(peer.bytes_sent)}`),
+    el("td", {}, peer.budget || "-"))));
   const online = state.peers.filter(peer => peer.state === "online").length;
   document.getElementById("peer-count").textContent = `(${online} online of ${state.peers.length})`;
 }
