@@ -48,6 +48,7 @@ from peer.directory import PeerDirectory
 from peer.discover import SwarmMismatch, choose_family, discover_families, summary_fields
 from peer.options import JOIN
 from peer.p2p.addresses import WILDCARDS, announced_address, default_listen_host, pick_free_port
+from peer.p2p.budget import DEFAULT_BUDGET
 from peer.p2p.identity import Identity, load_membership
 from peer.p2p.net import Address, Network, RealNetwork
 from peer.p2p.rpc import CallContext, RPCNode
@@ -102,6 +103,7 @@ class DaemonConfig:
     relay_rate: float = _JOIN["relay_rate"]
     relay_total_rate: float = _JOIN["relay_total_rate"]
     no_relay: bool = _JOIN["no_relay"]
+    budget: list[str] = field(default_factory=lambda: list(_JOIN["budget"]))  # NAME=VALUE limit overrides
     trainers: Path | None = _JOIN["trainers"]
     forward_from: Path | None = _JOIN["forward_from"]
     dht_disjoint_paths: int = _JOIN["dht_disjoint_paths"]
@@ -222,9 +224,13 @@ class Daemon:
         if config.host is None and not isinstance(self.network, RealNetwork):
             raise StartupError("a daemon on a simulated network needs DaemonConfig.host (its host's name)")
         host = config.host if config.host is not None else default_listen_host(peers)
+        try:
+            limits = DEFAULT_BUDGET.with_overrides(config.budget)
+        except ValueError as error:
+            raise StartupError(f"--budget: {error}") from None
         async with RPCNode(self.identity, self.network, announce=config.announce,
                            secure=not config.insecure_transport, swarm_key=self.swarm_key,
-                           allowed_peers=self.allowed_peers) as rpc:
+                           allowed_peers=self.allowed_peers, budget_limits=limits) as rpc:
             self.rpc = rpc
             port = config.port
             try:

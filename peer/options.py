@@ -24,6 +24,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Iterable, NoReturn, Sequence, TypeVar, overload
 
+from peer.p2p.budget import BudgetLimits
 from peer.topology import Topology
 
 # moe/experts.py registers these (a test compares)
@@ -563,6 +564,9 @@ JOIN = OptionSet("peer join", [
     Option("relay-rate", POSITIVE, 16.0, "MB/s (10^6 bytes) one relayed circuit may carry", metavar="MB_S"),
     Option("relay-total-rate", POSITIVE, 64.0, "MB/s all relayed circuits together may carry", metavar="MB_S"),
     Option("no-relay", SWITCH, False, "offer no relay service, even when public"),
+    Option("budget", Text(validate=BudgetLimits.parse_override, what="NAME=VALUE"), [], "change one limit on "
+           "what remote peers may make this peer hold (docs/budgets.md lists them with their defaults), e.g. "
+           "requests_per_peer=512 (several: space-separated)", many=True, shown_default="the defaults", metavar="NAME=VALUE"),
     Option("dht-disjoint-paths", POSITIVE_INT, 1, "look keys up over this many disjoint paths (S/Kademlia: no peer "
            "is asked by two paths; a key's unsigned value is the one most paths agree on), so lying or colluding "
            "DHT peers must capture most paths to mislead this peer; 1: plain Kademlia", metavar="D"),

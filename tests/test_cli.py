@@ -35,6 +35,9 @@ def test_help_and_version():
     (["join", "--initial-peers", "127.0.0.1:9"], "bootstrap failed"),
     (["status", "--initial-peers", "127.0.0.1:9"], "bootstrap failed"),
     (["frobnicate"], "invalid choice"),
+    (["join", "--budget", "requests_per_pear=5"], "NAME one of connections_per_peer"),
+    (["join", "--budget", "requests_per_peer=lots"], "'lots' is not a number"),
+    (["join", "--budget", "requests_per_peer=5000"], "requests limit per peer (5000)"),
 ])
 def test_bad_input_gives_one_line_error_and_nonzero_exit(args, message):
     result = run_peer(*args)
@@ -64,7 +67,8 @@ def test_config_file_values_apply_and_flags_win(tmp_path, daemons):
 
 
 def test_status_json_lists_peers_and_their_experts(daemons):
-    first, first_id, first_address = start_daemon("--experts", "ffn.[0:2]", "--hidden-dim", "32")
+    first, first_id, first_address = start_daemon("--experts", "ffn.[0:2]", "--hidden-dim", "32",
+                                                  "--budget", "connections_per_peer=7", "requests_total=900")
     daemons.append(first)
     second, second_id, _ = start_daemon("--initial-peers", first_address, "--experts", "ffn.[2:4]",
                                         "--hidden-dim", "32")
@@ -80,7 +84,8 @@ def test_status_json_lists_peers_and_their_experts(daemons):
     assert [e["uid"] for e in status["experts"]["ffn"]] == ["ffn.0", "ffn.1", "ffn.2", "ffn.3"]
     # use against each limit (issue 40): the first daemon holds connections (the second's, the status caller's)
     budgets = next(peer for peer in status["peers"] if peer["peer_id"] == first_id)["budgets"]
-    assert budgets["connections"]["held"] >= 1 and budgets["connections"]["limit_per_peer"] > 0
+    assert budgets["connections"]["held"] >= 1 and budgets["connections"]["limit_per_peer"] == 7  # --budget
+    assert budgets["requests"]["limit"] == 900
     assert {"handshakes", "requests", "message_bytes"} <= set(budgets)
     human = run_peer("status", "--initial-peers", first_address)
     assert "2 reachable" in human.stdout and "ffn: 4 experts on 2 peers" in human.stdout

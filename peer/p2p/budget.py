@@ -24,8 +24,9 @@ Sans-I/O: no trio, no clock, no sockets; services call it from their drivers and
 from __future__ import annotations
 
 import ipaddress
+import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Hashable, Iterable, Mapping
 
 Scope = tuple[str, Hashable]
@@ -70,6 +71,34 @@ class BudgetLimits:
     circuits_per_peer: int = 16  # relayed circuits to one reserved peer (the relay's `--relay-limit` bounds all)
     circuits_per_ip: int = 32  # relayed circuits dialed from one IP group
     circuit_bytes: int = 8 * 1024 * MIB  # bytes one relayed circuit carries (both ways) before the relay ends it
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @staticmethod
+    def parse_override(text: str) -> tuple[str, float]:
+        """`NAME=VALUE` (one `--budget` flag) as (name, value); ValueError naming what is wrong, and the names."""
+        name, equals, value = text.partition("=")
+        name = name.strip().replace("-", "_")
+        if not equals or name not in BudgetLimits.names():
+            raise ValueError(f"{text!r} is not NAME=VALUE with NAME one of {', '.join(BudgetLimits.names())}")
+        try:
+            number = float(value)
+        except ValueError:
+            raise ValueError(f"{text!r}: {value.strip()!r} is not a number") from None
+        if not number > 0 or not math.isfinite(number):
+            raise ValueError(f"{text!r}: the limit must be a positive number")
+        return name, number
+
+    def with_overrides(self, overrides: Iterable[str]) -> "BudgetLimits":
+        """These limits with `NAME=VALUE` overrides applied (the daemon's `--budget`), checked together (a limit
+        per peer above its total is a ValueError naming both)."""
+        changes: dict[str, Any] = {}
+        for text in overrides:
+            name, number = self.parse_override(text)
+            changes[name] = number if name == "message_stall_timeout" else int(number)
+        return replace(self, **changes)
 
     def table(self) -> dict[tuple[str, str], float]:
         """`(scope kind, resource) -> limit`, as `Accountant` reads it."""
