@@ -48,9 +48,9 @@ from moe.kept import KeptStore
 from moe.runtime import ExpertComputeError, ExpertRuntime, RuntimeNotRunning
 from moe.schema import SchemaError, validate_batch
 from moe.trust import NormStats, typical_norm
-from peer.memory import TrimPolicy, keep_returning_memory
 from peer.p2p import wire
 from peer.p2p.identity import PeerID
+from peer.p2p.memory import TrimPolicy, keep_returning_memory
 from peer.p2p.net import Address
 from peer.p2p.periodic import run_periodic
 from peer.p2p.rpc import CallContext, RemoteError, RPCNode
@@ -238,7 +238,7 @@ class ExpertServer:
         and `clip_grad_norm` bounds the step whatever gets through.
         `kept_bytes`, `kept_ttl`: the bounds of the forward graphs kept for callers' backwards (`moe.kept`): at
         most that many bytes of activations, each freed that many seconds after its forward at the latest.
-        `memory`: when freed heap memory goes back to the OS after a burst of calls (`peer.memory`)."""
+        `memory`: when freed heap memory goes back to the OS after a burst of calls (`peer.p2p.memory`)."""
         if isinstance(experts, Mapping):
             experts = list(experts.values())
         self.experts: dict[str, Expert] = {}

@@ -566,7 +566,8 @@ JOIN = OptionSet("peer join", [
     Option("no-relay", SWITCH, False, "offer no relay service, even when public"),
     Option("budget", Text(validate=BudgetLimits.parse_override, what="NAME=VALUE"), [], "change one limit on "
            "what remote peers may make this peer hold (docs/budgets.md lists them with their defaults), e.g. "
-           "requests_per_peer=512 (several: space-separated)", many=True, shown_default="the defaults", metavar="NAME=VALUE"),
+           "requests_per_peer=512 (several: space-separated)", many=True, shown_default="the defaults",
+           metavar="NAME=VALUE"),
     Option("dht-disjoint-paths", POSITIVE_INT, 1, "look keys up over this many disjoint paths (S/Kademlia: no peer "
            "is asked by two paths; a key's unsigned value is the one most paths agree on), so lying or colluding "
            "DHT peers must capture most paths to mislead this peer; 1: plain Kademlia", metavar="D"),

@@ -1,12 +1,12 @@
-"""`peer.memory`: when freed heap memory goes back to the OS (the policy, sans-I/O), and that a trim does return
+"""`peer.p2p.memory`: when freed heap memory goes back to the OS (the policy, sans-I/O), and that a trim does return
 what a burst of large buffers left in the heap."""
 
 from __future__ import annotations
 
 import pytest
 
-from peer import memory
-from peer.memory import MB, TrimPolicy
+from peer.p2p import memory
+from peer.p2p.memory import MB, TrimPolicy
 
 
 def test_trims_once_grown_past_the_floor_at_most_once_per_interval_and_never_when_steady():

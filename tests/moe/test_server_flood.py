@@ -2,7 +2,7 @@
 sockets on 127.0.0.1, an expert server, a flooding identity and an honest caller as separate RPC nodes: the flood
 past the identity's share is refused at once (naming the limit and the peer), honest calls succeed meanwhile, and
 30 s after the flood the process's RSS is back within 128 MB of its level before (the server gives freed heap
-pages back, `peer.memory`: without it, 250 MB stayed)."""
+pages back, `peer.p2p.memory`: without it, 250 MB stayed)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import trio
 
 from moe import calls
 from moe.experts import make_expert
-from peer.memory import rss_bytes
 from peer.p2p.identity import Identity
+from peer.p2p.memory import rss_bytes
 from peer.p2p.net import RealNetwork
 from peer.p2p.rpc import BudgetExceeded, RPCNode
 from tests.moe.serving import serving
