@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from peer.p2p.identity import PeerID
-from peer.p2p.rpc import BadRequest, RemoteError, register_error_code
+from peer.p2p.rpc import BadRequest, RemoteError
 
 
 class AveragingError(Exception):
@@ -85,24 +85,14 @@ class StateSourceCorrupt(StateSourceError):
 # What an all-reduce handler answers to one caller; registered so the caller gets these exact classes.
 
 
-class SenderExcluded(RemoteError):
+class SenderExcluded(RemoteError, code="averaging.excluded"):
     """The reducer already counts the caller as failed for this round (it was too slow or reported lost); the
     caller keeps its local values for that part and does not blame the reducer."""
 
-    code = "averaging.excluded"
 
-
-class RoundNotFound(RemoteError):
+class RoundNotFound(RemoteError, code="averaging.no_round"):
     """The callee is not (or no longer) running the round named in the call."""
 
-    code = "averaging.no_round"
 
-
-class BadChunk(BadRequest):
+class BadChunk(BadRequest, code="averaging.bad_chunk"):
     """A message that does not fit the round: not a member, another partition, wrong chunk, size or dtype."""
-
-    code = "averaging.bad_chunk"
-
-
-for _cls in (SenderExcluded, RoundNotFound, BadChunk):
-    register_error_code(_cls.code, _cls)

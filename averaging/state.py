@@ -69,7 +69,7 @@ from averaging.state_hash import (
 from peer.p2p import wire
 from peer.p2p.identity import PeerID
 from peer.p2p.net import Address
-from peer.p2p.rpc import CallContext, RemoteError, RPCError, RPCNode, register_error_code
+from peer.p2p.rpc import CallContext, RemoteError, RPCError, RPCNode
 
 logger = logging.getLogger(__name__)
 
@@ -80,20 +80,12 @@ CLOSE = "averaging.state.close"
 StateGetter = Callable[[], tuple[Any, Sequence[torch.Tensor]]]
 
 
-class ProviderBusy(RemoteError):
+class ProviderBusy(RemoteError, code="averaging.state_busy"):
     """The provider already serves as many downloads as it keeps snapshots for; ask another peer."""
 
-    code = "averaging.state_busy"
 
-
-class NoState(RemoteError):
+class NoState(RemoteError, code="averaging.no_state"):
     """The provider has no state to give (not ready, or the snapshot expired)."""
-
-    code = "averaging.no_state"
-
-
-for _cls in (ProviderBusy, NoState):
-    register_error_code(_cls.code, _cls)
 
 
 @dataclass

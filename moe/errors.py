@@ -5,44 +5,30 @@ request was wrong" (a bug to report) from "the server broke" (avoid it for a whi
 
 from __future__ import annotations
 
-from peer.p2p.rpc import RemoteError, register_error_code
+from peer.p2p.rpc import RemoteError
 
 
-class ExpertNotFound(RemoteError):
+class ExpertNotFound(RemoteError, code="moe.expert_not_found"):
     """The server does not host an expert with that uid (it moved, expired, or never existed)."""
 
-    code = "moe.expert_not_found"
 
-
-class BadExpertInput(RemoteError):
+class BadExpertInput(RemoteError, code="moe.bad_input"):
     """The request does not fit the expert's schema: wrong tensor count, shape or dtype, NaN or infinite values,
     a batch larger than the server accepts, or malformed arguments. Only that request fails."""
 
-    code = "moe.bad_input"
 
-
-class ExpertFailed(RemoteError):
+class ExpertFailed(RemoteError, code="moe.expert_failed"):
     """The expert's module raised while computing the batch this request was part of."""
 
-    code = "moe.expert_failed"
 
-
-class ServerShuttingDown(RemoteError):
+class ServerShuttingDown(RemoteError, code="moe.server_shutting_down"):
     """The server stopped before it computed this request; the expert may be back later or elsewhere."""
 
-    code = "moe.server_shutting_down"
 
-
-class NotAllowed(RemoteError):
+class NotAllowed(RemoteError, code="moe.not_allowed"):
     """The server does not accept this call from the calling peer: its operator lists who may train its experts
     (`peer join --trainers FILE`) or call their forward (`--forward-from FILE`), and the caller's PeerID (proved
     by the RPC handshake) is not on that list. Nothing was computed and the expert's weights are unchanged."""
-
-    code = "moe.not_allowed"
-
-
-for _cls in (ExpertNotFound, BadExpertInput, ExpertFailed, ServerShuttingDown, NotAllowed):
-    register_error_code(_cls.code, _cls)
 
 
 class CheckpointError(Exception):

@@ -28,19 +28,14 @@ from moe.errors import BadExpertInput, BadExpertOutput, ExpertNotFound, NotAllow
 from moe.experts import Expert
 from moe.server import ExpertServer
 from peer.p2p.identity import PeerID
-from peer.p2p.rpc import CallContext, RemoteError, RPCNode, register_error_code
+from peer.p2p.rpc import CallContext, RemoteError, RPCNode
 
 WRITE_WEIGHTS = "moe.write_weights"
 READ_WEIGHTS = "moe.read_weights"
 
 
-class WeightsRefused(RemoteError):
+class WeightsRefused(RemoteError, code="moe.weights_refused"):
     """The daemon does not accept expert weights from the calling peer (not in its --accept-weights-from)."""
-
-    code = "moe.weights_refused"
-
-
-register_error_code(WeightsRefused.code, WeightsRefused)
 
 
 class WeightWriter:

@@ -26,7 +26,7 @@ import trio
 
 from dht.node import DHTNode
 from peer.p2p.net import Address
-from peer.p2p.rpc import CallContext, RemoteError, RPCError, RPCNode, register_error_code
+from peer.p2p.rpc import CallContext, RemoteError, RPCError, RPCNode
 
 logger = logging.getLogger(__name__)
 
@@ -37,13 +37,8 @@ DIAL_TIMEOUT = 3.0  # seconds a helper tries each dial-back
 MAX_CONCURRENT = 8  # dial-backs a helper runs at once
 
 
-class DialBackRefused(RemoteError):
+class DialBackRefused(RemoteError, code="reach.refused"):
     """The helper will not dial back now (the caller announced no address, or too many dial-backs run)."""
-
-    code = "reach.refused"
-
-
-register_error_code(DialBackRefused.code, DialBackRefused)
 
 
 @dataclass

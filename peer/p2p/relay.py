@@ -47,7 +47,6 @@ from peer.p2p.rpc_protocol import (
     RemoteError,
     RemoteProtocolError,
     RPCError,
-    register_error_code,
     remote_error,
 )
 
@@ -63,43 +62,29 @@ T = TypeVar("T")
 # ------------------------------------------------------------------------------------------------------- errors
 
 
-class RelayError(RemoteError):
+class RelayError(RemoteError, code="relay.failed"):
     """A relay refused or could not make a circuit; the subclass says why. Also sent as the error of the
     relay's RPC methods (`relay.reserve`, `relay.poll`)."""
 
-    code = "relay.failed"
 
-
-class NoReservation(RelayError):
+class NoReservation(RelayError, code="relay.no_reservation"):
     """The relay holds no reservation for the target peer (or no offered circuit for the accept token)."""
 
-    code = "relay.no_reservation"
 
-
-class CircuitToSelf(RelayError):
+class CircuitToSelf(RelayError, code="relay.self"):
     """A circuit from a peer to itself, or to the relay itself (dial the relay directly)."""
 
-    code = "relay.self"
 
-
-class RelayLimitReached(RelayError):
+class RelayLimitReached(RelayError, code="relay.limit"):
     """The relay runs `--relay-limit` circuits (or holds as many reservations) already."""
 
-    code = "relay.limit"
 
-
-class MalformedRequest(RelayError):
+class MalformedRequest(RelayError, code="relay.malformed"):
     """A circuit request that is not one: bad magic, bad length, bad msgpack, unknown op, bad fields."""
-
-    code = "relay.malformed"
 
 
 class RelayProtocolError(RemoteProtocolError):
     """The relay's response is not a response (a relay that speaks garbage, or not a relay at all)."""
-
-
-for _cls in (RelayError, NoReservation, CircuitToSelf, RelayLimitReached, MalformedRequest):
-    register_error_code(_cls.code, _cls)
 
 
 def _error_for(code: Any, message: Any) -> RelayError:

@@ -126,36 +126,12 @@ class ResponseRejected(RPCError):
     """The peer's answer broke the wire limits or could not be decoded."""
 
 
-class RemoteError(RPCError):
-    """The remote handler answered with an error; `code` selects the subclass raised here."""
-
-    code = "remote_error"
-
-
-class UnknownMethod(RemoteError):
-    code = "unknown_method"
-
-
-class BadRequest(RemoteError):
-    code = "bad_request"
-
-
-class HandlerFailed(RemoteError):
-    code = "internal"
-
-
-class BudgetExceeded(RemoteError):
-    """The remote refused the call at once: it would have taken this peer (or the method, or the remote node)
-    past one of its resource limits (`peer.p2p.budget`); the message names the limit and the peer."""
-
-    code = "budget.exceeded"
-
-
 _ERROR_CLASSES: dict[str, type[RemoteError]] = {}
 
 
 def register_error_code(code: str, cls: type[RemoteError]) -> type[RemoteError]:
-    """Make errors with `code` arrive as `cls` on callers (e.g. `moe.errors.ExpertNotFound`)."""
+    """Make errors with `code` arrive as `cls` on callers (e.g. `moe.errors.ExpertNotFound`). A class that names
+    its code in its header is registered already (see `RemoteError`)."""
     existing = _ERROR_CLASSES.get(code)
     if existing is not None and existing is not cls:
         raise ValueError(f"error code {code!r} is already registered to {existing.__name__}")
@@ -165,8 +141,42 @@ def register_error_code(code: str, cls: type[RemoteError]) -> type[RemoteError]:
     return cls
 
 
-for _cls in (RemoteError, UnknownMethod, BadRequest, HandlerFailed, BudgetExceeded):
-    register_error_code(_cls.code, _cls)
+class RemoteError(RPCError):
+    """The remote handler answered with an error; `code` selects the subclass raised here.
+
+    A family of typed errors names each one's wire code in the class header, `class NoState(RemoteError,
+    code="averaging.no_state")`, which sets `code` and registers the class for it: the code and the
+    registration are one statement, so no error of any module's family can reach its callers as a bare
+    `RemoteError` because a registration was forgotten. A subclass without `code=` is not registered
+    (`register_error_code` still registers one by hand)."""
+
+    code = "remote_error"
+
+    def __init_subclass__(cls, code: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if code is not None:
+            cls.code = code
+            register_error_code(code, cls)
+
+
+register_error_code(RemoteError.code, RemoteError)
+
+
+class UnknownMethod(RemoteError, code="unknown_method"):
+    """The remote serves no method of that name."""
+
+
+class BadRequest(RemoteError, code="bad_request"):
+    """The remote could not take the request as sent (undecodable, malformed, over a wire limit)."""
+
+
+class HandlerFailed(RemoteError, code="internal"):
+    """The remote's handler raised something that is not a typed error (or returned an unencodable result)."""
+
+
+class BudgetExceeded(RemoteError, code="budget.exceeded"):
+    """The remote refused the call at once: it would have taken this peer (or the method, or the remote node)
+    past one of its resource limits (`peer.p2p.budget`); the message names the limit and the peer."""
 
 
 def remote_error(code: str, text: str, *, peer: PeerID | None = None, address: Address | None = None,
