@@ -38,18 +38,41 @@ class WeightsRefused(RemoteError, code="moe.weights_refused"):
     """The daemon does not accept expert weights from the calling peer (not in its --accept-weights-from)."""
 
 
-class WeightWriter:
-    """The server side: `moe.write_weights {uid, state: {name: tensor}}` from an allowed peer replaces that
-    expert's weights. `register(rpc)` once the expert server runs (the daemon does it)."""
+class _WeightService:
+    """What the write and the read side share: the expert server, the peers its operator lets write weights
+    (`--accept-weights-from`, as hex PeerIDs), a count of refused calls, the one RPC method `register` installs,
+    and finding the expert a call names. Subclasses set `method` and answer it in `_handle`."""
+
+    method: str
 
     def __init__(self, server: ExpertServer, accept_from: Iterable[str]):
         self.server = server
         self.accept_from = {PeerID.from_hex(p).hex() if not isinstance(p, PeerID) else p.hex() for p in accept_from}
-        self.written = 0
         self.refused = 0
 
     def register(self, rpc: RPCNode) -> None:
-        rpc.register(WRITE_WEIGHTS, self._handle)
+        rpc.register(self.method, self._handle)
+
+    async def _handle(self, context: CallContext, args: Any) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _expert(self, uid: str) -> Expert:
+        """The expert `uid` names on this server; ExpertNotFound for the caller when there is none."""
+        expert = self.server.experts.get(uid)
+        if expert is None:
+            raise ExpertNotFound(f"no expert {uid[:100]!r} on this server")
+        return expert
+
+
+class WeightWriter(_WeightService):
+    """The server side: `moe.write_weights {uid, state: {name: tensor}}` from an allowed peer replaces that
+    expert's weights. `register(rpc)` once the expert server runs (the daemon does it)."""
+
+    method = WRITE_WEIGHTS
+
+    def __init__(self, server: ExpertServer, accept_from: Iterable[str]):
+        super().__init__(server, accept_from)
+        self.written = 0
 
     async def _handle(self, context: CallContext, args: Any) -> dict[str, Any]:
         caller = context.peer_id.hex()
@@ -58,28 +81,23 @@ class WeightWriter:
             raise WeightsRefused(f"peer {caller} may not write expert weights here (not in --accept-weights-from)")
         if not (isinstance(args, dict) and isinstance(args.get("uid"), str) and isinstance(args.get("state"), dict)):
             raise BadExpertInput("expected arguments {'uid': str, 'state': {name: tensor}}")
-        expert = self.server.experts.get(args["uid"])
-        if expert is None:
-            raise ExpertNotFound(f"no expert {args['uid'][:100]!r} on this server")
+        expert = self._expert(args["uid"])
         state = _checked_state(expert, args["state"])
         await self.server.runtime.exclusive(expert.uid, lambda e: _load(e, state))
         self.written += 1
         return {"uid": expert.uid, "tensors": len(state)}
 
 
-class WeightReader:
+class WeightReader(_WeightService):
     """The server side of export: `moe.read_weights {uid}` -> `{uid, kind, hidden_dim, steps, state}` for a peer
     that may train the experts (the server's `trainers` policy) or write them (`accept_from`); NotAllowed
     otherwise. `register(rpc)` once the expert server runs (the daemon does it, beside the WeightWriter)."""
 
-    def __init__(self, server: ExpertServer, accept_from: Iterable[str] = ()):
-        self.server = server
-        self.accept_from = {PeerID.from_hex(p).hex() if not isinstance(p, PeerID) else p.hex() for p in accept_from}
-        self.read = 0
-        self.refused = 0
+    method = READ_WEIGHTS
 
-    def register(self, rpc: RPCNode) -> None:
-        rpc.register(READ_WEIGHTS, self._handle)
+    def __init__(self, server: ExpertServer, accept_from: Iterable[str] = ()):
+        super().__init__(server, accept_from)
+        self.read = 0
 
     async def _handle(self, context: CallContext, args: Any) -> dict[str, Any]:
         if not (self.server.trainers.allows(context) or context.peer_id.hex() in self.accept_from):
@@ -88,9 +106,7 @@ class WeightReader:
                              f"{self.server.trainers.source})")
         if not (isinstance(args, dict) and isinstance(args.get("uid"), str)):
             raise BadExpertInput("expected arguments {'uid': str}")
-        expert = self.server.experts.get(args["uid"])
-        if expert is None:
-            raise ExpertNotFound(f"no expert {args['uid'][:100]!r} on this server")
+        expert = self._expert(args["uid"])
         state, steps = await self.server.runtime.exclusive(expert.uid, _snapshot)
         self.read += 1
         return {"uid": expert.uid, "kind": expert.kind, "hidden_dim": expert.hidden_dim, "steps": steps,
