@@ -21,7 +21,7 @@ import random
 import socket as stdlib_socket
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Container
 
 import trio
 
@@ -893,6 +893,18 @@ class MemoryHost(Network):
         self.network = network
         self.name = name
 
+    def _bind(self, host: str, port: int, bound: Container[Address]) -> Address:
+        """The address a listener or UDP endpoint asking for `host`:`port` gets, refused as a real socket's bind
+        would be: a host that is not this one (the wildcard means this one), or an address already in `bound`
+        (TCP and UDP each have their own table); port 0 picks a free port."""
+        host = self.name if host in ("", "0.0.0.0", self.name) else host
+        if host != self.name:
+            raise OSError(errno.EADDRNOTAVAIL, f"{host} is not an address of memory host {self.name}")
+        port = port or self.network._free_port(host)
+        if (host, port) in bound:
+            raise OSError(errno.EADDRINUSE, f"address {host}:{port} already in use")
+        return host, port
+
     async def connect_tcp(self, address: Address) -> trio.abc.Stream:
         return await self.network._connect(self.name, address)
 
@@ -903,12 +915,7 @@ class MemoryHost(Network):
         self, handler: StreamHandler, host: str, port: int, *,
         task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        host = self.name if host in ("", "0.0.0.0", self.name) else host
-        if host != self.name:
-            raise OSError(errno.EADDRNOTAVAIL, f"{host} is not an address of memory host {self.name}")
-        port = port or self.network._free_port(host)
-        if (host, port) in self.network._listeners:
-            raise OSError(errno.EADDRINUSE, f"address {host}:{port} already in use")
+        host, port = self._bind(host, port, self.network._listeners)
         listener = _Listener(host, port)
         self.network._listeners[(host, port)] = listener
         try:
@@ -922,12 +929,7 @@ class MemoryHost(Network):
 
     async def open_udp(self, host: str, port: int) -> UDPEndpoint:
         await trio.lowlevel.checkpoint()
-        host = self.name if host in ("", "0.0.0.0", self.name) else host
-        if host != self.name:
-            raise OSError(errno.EADDRNOTAVAIL, f"{host} is not an address of memory host {self.name}")
-        port = port or self.network._free_port(host)
-        if (host, port) in self.network._udp:
-            raise OSError(errno.EADDRINUSE, f"address {host}:{port} already in use")
+        host, port = self._bind(host, port, self.network._udp)
         endpoint = _MemoryUDPEndpoint(self.network, (host, port))
         self.network._udp[(host, port)] = endpoint
         return endpoint
