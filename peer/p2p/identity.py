@@ -90,6 +90,18 @@ def _write_secret(path: Path, magic: bytes, secret: bytes) -> None:
     os.replace(temporary, path)
 
 
+def _read_secret(path: Path, magic: bytes, what: str, error: type[IdentityError], hint: str = "") -> bytes:
+    """What follows `magic` in a key file `_write_secret` wrote (the caller decodes it); `error`, naming the file
+    as `what`, when the file cannot be read or is not that kind of file (`hint` says where to get one)."""
+    try:
+        content = path.read_bytes()
+    except OSError as reason:
+        raise error(f"cannot read {what} {path}: {reason.strerror}") from reason
+    if not content.startswith(magic):
+        raise error(f"{path} is not a swarmd {what} (missing header{hint})")
+    return content[len(magic):]
+
+
 def _check_private(path: Path, what: str = "identity file") -> None:
     """Refuse a key file that group or others may read (as ssh does): whoever can read it can act as this peer.
     Files this module writes are 0600, so this fires only for a file copied or made by hand, or loosened later;
@@ -137,14 +149,9 @@ class Identity:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "Identity":
         path = Path(path)
+        encoded = _read_secret(path, _KEY_FILE_MAGIC, "identity file", IdentityError)
         try:
-            content = path.read_bytes()
-        except OSError as error:
-            raise IdentityError(f"cannot read identity file {path}: {error.strerror}") from error
-        if not content.startswith(_KEY_FILE_MAGIC):
-            raise IdentityError(f"{path} is not a swarmd identity file (missing header)")
-        try:
-            raw = bytes.fromhex(content[len(_KEY_FILE_MAGIC):].decode("ascii").strip())
+            raw = bytes.fromhex(encoded.decode("ascii").strip())
             if len(raw) != 32:
                 raise ValueError("wrong key length")
             identity = cls(Ed25519PrivateKey.from_private_bytes(raw))
@@ -207,15 +214,10 @@ class SwarmKey:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "SwarmKey":
         path = Path(path)
+        encoded = _read_secret(path, _SWARM_KEY_MAGIC, "swarm key file", SwarmKeyError,
+                            hint="; `peer keygen --swarm-key FILE` writes one")
         try:
-            content = path.read_bytes()
-        except OSError as error:
-            raise SwarmKeyError(f"cannot read swarm key file {path}: {error.strerror}") from error
-        if not content.startswith(_SWARM_KEY_MAGIC):
-            raise SwarmKeyError(f"{path} is not a swarmd swarm key file (missing header; "
-                                f"`peer keygen --swarm-key FILE` writes one)")
-        try:
-            key = cls(bytes.fromhex(content[len(_SWARM_KEY_MAGIC):].decode("ascii").strip()))
+            key = cls(bytes.fromhex(encoded.decode("ascii").strip()))
         except (ValueError, UnicodeDecodeError):
             raise SwarmKeyError(f"{path} is corrupt: not {SWARM_KEY_BYTES} hex-encoded bytes") from None
         try:
