@@ -55,10 +55,9 @@ from averaging.averager import Averager
 from averaging.optimizer import SwarmOptimizerBase
 from averaging.progress import PeerProgress, ProgressTracker, SwarmProgress, _Rate, estimate
 from averaging.schema import MISMATCHES
-from averaging.state import install_state_server, load_state
+from averaging.state import load_state
 from dht.client import SwarmHandle
 from peer.p2p import wire
-from peer.p2p.addresses import local_host_towards
 
 logger = logging.getLogger(__name__)
 
@@ -246,11 +245,7 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
             self._counts, swarm.dht, run_id, self.target_batch_size, ttl=progress_ttl, min_refresh=min_refresh,
             max_refresh=max_refresh, client_mode=not listen,
         )
-        host = listen_host
-        if listen and host is None:
-            initial_peers = getattr(swarm, "initial_peers", None)  # a Swarm has them; a test's handle may not
-            host = local_host_towards(initial_peers[0]) if initial_peers else "127.0.0.1"
-        self._scope = swarm.bridge.start_and_wait(self._serve, host if listen else None)
+        self._scope = self._start_serving(listen, listen_host)
         self.last_progress = swarm.run(self._current)
         if load_state_on_join and self.last_progress.epoch > self.epoch:
             self._catch_up(self.last_progress)
@@ -260,22 +255,11 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
     async def _serve(self, listen_host: str | None, *,
                      task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED) -> None:
         with trio.CancelScope() as scope:
-            rpc = self.swarm.rpc
-            if listen_host is not None and rpc.announced_address is None:
-                await rpc.listen(listen_host, 0)
-            state_server = None
-            if rpc.announced_address is not None:
-                # others catching up download parameters + optimizer state (and our epoch) from us
-                state_server = install_state_server(rpc, self._get_state, lock=self.averager.lock)
-                self.tracker.address = rpc.announced_address
-            try:
-                async with trio.open_nursery() as nursery:
-                    await nursery.start(self.averager.serve)
-                    await nursery.start(self.tracker.run)
-                    task_status.started(scope)
-            finally:
-                if state_server is not None:
-                    state_server.uninstall()
+            # others catching up download parameters + optimizer state (and our epoch) from us
+            async with self._serving_state(listen_host), trio.open_nursery() as nursery:
+                await nursery.start(self.averager.serve)
+                await nursery.start(self.tracker.run)
+                task_status.started(scope)
 
     def _get_state(self) -> tuple[Any, list[torch.Tensor]]:
         """Called by the state server under the averaging lock: a consistent (epoch, tensors) pair."""

@@ -61,11 +61,10 @@ from averaging.outer_state import ErrorFeedback, OuterState, default_outer, nest
 from averaging.progress import PeerProgress, ProgressTracker, SwarmProgress
 from averaging.quorum import Dropped, Late, Offer, QuorumPolicy, Resync, Start, check_start
 from averaging.rounds import Behind, Final, Holding, RoundService
-from averaging.state import install_state_server, load_state
+from averaging.state import load_state
 from averaging.state_hash import state_digest
 from dht.client import SwarmHandle
 from peer.p2p import wire
-from peer.p2p.addresses import local_host_towards
 from peer.p2p.identity import PeerID
 from peer.p2p.net import Address
 
@@ -256,11 +255,7 @@ class DiLoCoOptimizer(SwarmOptimizerBase):
             publish_interval=publish_interval,
         )
         self.tracker.info.update({"alg": ALGORITHM, "hash": self.hash, "bytes": 0, "util": None})
-        host = listen_host
-        if listen and host is None:
-            initial_peers = getattr(swarm, "initial_peers", None)
-            host = local_host_towards(initial_peers[0]) if initial_peers else "127.0.0.1"
-        self._scope: trio.CancelScope | None = swarm.bridge.start_and_wait(self._serve, host if listen else None)
+        self._scope = self._start_serving(listen, listen_host)
         self.swarm.run(self._join)  # a newcomer holds the swarm's outer state before its first inner step
         self._joined_at_step = self.outer_step
 
@@ -269,27 +264,20 @@ class DiLoCoOptimizer(SwarmOptimizerBase):
     async def _serve(self, listen_host: str | None, *,
                      task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED) -> None:
         with trio.CancelScope() as scope:
-            rpc = self.swarm.rpc
-            if listen_host is not None and rpc.announced_address is None:
-                await rpc.listen(listen_host, 0)
-            state_server = None
-            if rpc.announced_address is not None:
-                state_server = install_state_server(rpc, self._get_state, lock=self._lock)
-                self.tracker.address = self._address = rpc.announced_address
-            try:
-                async with trio.open_nursery() as nursery:
-                    self._nursery = nursery
-                    await nursery.start(self.averager.serve)
-                    assert self.averager.allreduce_server is not None
-                    self.averager.allreduce_server.hook = self._on_allreduce_event
-                    await nursery.start(self.rounds.serve)
-                    self.gather.install()
-                    await nursery.start(self.tracker.run)
-                    task_status.started(scope)
-            finally:
-                self.gather.uninstall()
-                if state_server is not None:
-                    state_server.uninstall()
+            async with self._serving_state(listen_host) as address:
+                self._address = address
+                try:
+                    async with trio.open_nursery() as nursery:
+                        self._nursery = nursery
+                        await nursery.start(self.averager.serve)
+                        assert self.averager.allreduce_server is not None
+                        self.averager.allreduce_server.hook = self._on_allreduce_event
+                        await nursery.start(self.rounds.serve)
+                        self.gather.install()
+                        await nursery.start(self.tracker.run)
+                        task_status.started(scope)
+                finally:
+                    self.gather.uninstall()
 
     def _emit(self, event: dict[str, Any]) -> None:
         if self.hooks.on_event is not None:

@@ -8,18 +8,23 @@ local steps, or of the swarm's outer steps) and in what they report; those diffe
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol, runtime_checkable
 
 import torch
 import trio
+
+from averaging.state import install_state_server
+from peer.p2p.addresses import local_host_towards
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
     from averaging.progress import ProgressTracker
     from dht.client import SwarmHandle
+    from peer.p2p.net import Address
 
 logger = logging.getLogger(__name__)
 
@@ -73,14 +78,53 @@ class SwarmOptimizer(Protocol):
 
 
 class SwarmOptimizerBase:
-    """What both optimizers do alike: the torch face over the wrapped optimizer, and leaving the run. Subclasses
-    set `optimizer`, `swarm`, `tracker`, `_lock` and `_scope` (the cancel scope of their trio-side services)."""
+    """What both optimizers do alike: the torch face over the wrapped optimizer, starting their trio-side services
+    where partners can reach them, serving their state to trainers that catch up, and leaving the run.
+    Subclasses set `optimizer`, `swarm`, `tracker`, `_lock` and `_scope` (the cancel scope of their trio-side
+    services), and define `_serve` (those services) and `_get_state` (what a newcomer downloads)."""
 
     optimizer: torch.optim.Optimizer
     swarm: SwarmHandle
     tracker: ProgressTracker
     _lock: threading.Lock
     _scope: trio.CancelScope | None
+
+    async def _serve(self, listen_host: str | None, *,
+                     task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED) -> None:
+        raise NotImplementedError
+
+    def _get_state(self) -> tuple[Any, list[torch.Tensor]]:
+        raise NotImplementedError
+
+    def _start_serving(self, listen: bool, listen_host: str | None) -> trio.CancelScope:
+        """Start `_serve` in the swarm's trio thread and return its cancel scope. A listening optimizer without
+        `listen_host` listens on the interface toward the swarm's first initial peer, the one its partners share
+        (loopback for a handle that names none, e.g. a test's); one that does not listen gets None."""
+        host = listen_host
+        if listen and host is None:
+            initial_peers = getattr(self.swarm, "initial_peers", None)  # a Swarm has them; a test's handle may not
+            host = local_host_towards(initial_peers[0]) if initial_peers else "127.0.0.1"
+        scope: trio.CancelScope = self.swarm.bridge.start_and_wait(self._serve, host if listen else None)
+        return scope
+
+    @contextlib.asynccontextmanager
+    async def _serving_state(self, listen_host: str | None) -> AsyncIterator[Address | None]:
+        """For `_serve`: listen on `listen_host` unless the RPC node listens already; then, while the body runs and
+        this trainer has an address to be reached at, serve `_get_state` (under the lock) to those catching up and
+        announce the address in the progress records. Yields that address (None: this trainer serves nothing)."""
+        rpc = self.swarm.rpc
+        if listen_host is not None and rpc.announced_address is None:
+            await rpc.listen(listen_host, 0)
+        address = rpc.announced_address
+        if address is None:
+            yield None
+            return
+        state_server = install_state_server(rpc, self._get_state, lock=self._lock)
+        self.tracker.address = address
+        try:
+            yield address
+        finally:
+            state_server.uninstall()
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
