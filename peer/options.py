@@ -22,7 +22,7 @@ import sys
 import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Callable, Iterable, NoReturn, Sequence, TypeVar, overload
+from typing import Any, Callable, Generic, Iterable, NoReturn, Sequence, TypeVar, overload
 
 from peer.p2p.budget import BudgetLimits
 from peer.topology import Topology
@@ -62,21 +62,39 @@ class Kind:
         return value
 
 
-class Integer(Kind):
-    def __init__(self, minimum: int | None = None, maximum: int | None = None, what: str = "a whole number"):
-        self.minimum, self.maximum, self.what = minimum, maximum, what
+_Numeric = TypeVar("_Numeric", int, float)
 
-    def from_text(self, text: str) -> int:
+
+class _NumberKind(Kind, Generic[_Numeric]):
+    """What the integer and the float kinds read alike: a flag's text through `parse` (int or float), a TOML
+    value only when it is one of `toml_types` (never a bool, which Python counts as an int), both ending in the
+    subclass's `check`."""
+
+    parse: Callable[[Any], _Numeric]
+    toml_types: tuple[type, ...]
+
+    def from_text(self, text: str) -> _Numeric:
         try:
-            value = int(text)
+            value = self.parse(text)
         except ValueError:
             raise OptionError(f"{text!r} is not {self.what}") from None
         return self.check(value)
 
-    def from_config(self, value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
+    def from_config(self, value: Any) -> _Numeric:
+        if isinstance(value, bool) or not isinstance(value, self.toml_types):
             raise OptionError(_wrong_toml_type(value, self.what, self.from_text))
-        return self.check(value)
+        return self.check(self.parse(value))
+
+    def check(self, value: _Numeric) -> _Numeric:
+        return value
+
+
+class Integer(_NumberKind[int]):
+    parse = int
+    toml_types = (int,)
+
+    def __init__(self, minimum: int | None = None, maximum: int | None = None, what: str = "a whole number"):
+        self.minimum, self.maximum, self.what = minimum, maximum, what
 
     def check(self, value: int) -> int:
         low, high = self.minimum, self.maximum
@@ -89,25 +107,16 @@ class Integer(Kind):
         return value
 
 
-class Number(Kind):
+class Number(_NumberKind[float]):
     """A finite float above `minimum` (or at least `minimum` when `inclusive`), at most `maximum` when given."""
 
     what = "a number"
 
+    parse = float
+    toml_types = (int, float)
+
     def __init__(self, minimum: float = 0.0, *, inclusive: bool = False, maximum: float | None = None):
         self.minimum, self.inclusive, self.maximum = minimum, inclusive, maximum
-
-    def from_text(self, text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise OptionError(f"{text!r} is not a number") from None
-        return self.check(value)
-
-    def from_config(self, value: Any) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise OptionError(_wrong_toml_type(value, self.what, self.from_text))
-        return self.check(float(value))
 
     def check(self, value: float) -> float:
         if not math.isfinite(value):
