@@ -259,39 +259,40 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"swarmd {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OptionParser)
-    join = commands.add_parser("join", help="run a volunteer daemon: DHT node + expert server",
-                               description="Run a volunteer daemon. With no --initial-peers it starts a new swarm "
-                                           "and prints the command others use to join it.")
-    JOIN.add_to(join)
-    join.set_defaults(handler=cmd_join)
-    status = commands.add_parser("status", help="show the swarm: peers, experts, training runs",
-                                 description="Attach in client mode and show every live peer of the swarm.")
-    STATUS.add_to(status)
-    status.set_defaults(handler=cmd_status)
-    train = commands.add_parser("train", help="train a model with MoE layers served by the swarm (digits)",
-                                description="Example trainer: a model whose mixture-of-experts layer is served by "
-                                            "the swarm, trained on scikit-learn's handwritten digits with a "
-                                            "collaborative optimizer; prints JSON progress lines and a result.",
-                                epilog=TRAIN_SIGNALS_EPILOG)
-    TRAIN.add_to(train)
-    train.set_defaults(handler=cmd_train)
-    dashboard = commands.add_parser("dashboard", help="serve a live web page of the swarm (and its state as JSON)",
-                                    description="Attach in client mode and serve a web page that shows the swarm "
-                                                "live: peers, experts, training runs, failures; the same data at "
-                                                "/api/v1/state.")
-    DASHBOARD.add_to(dashboard)
-    dashboard.set_defaults(handler=cmd_dashboard)
-    keygen = commands.add_parser("keygen", help="write a private swarm's key (--swarm-key FILE)",
-                                 description="Write a fresh random swarm key (mode 0600). Peers started with "
-                                             "--swarm-key FILE form a private swarm: only holders of the key "
-                                             "complete an RPC handshake or get an answer from the DHT.")
-    KEYGEN.add_to(keygen)
-    keygen.set_defaults(handler=cmd_keygen)
-    swarm = commands.add_parser("swarm", help="run a whole local swarm (volunteers + trainers) on this machine",
-                                description="Local swarms for demos and tests.")
-    add_swarm_arguments(swarm)
-    swarm.set_defaults(handler=cmd_swarm)
+    _add_command(commands, "join", JOIN.add_to, cmd_join, help="run a volunteer daemon: DHT node + expert server",
+                 description="Run a volunteer daemon. With no --initial-peers it starts a new swarm and prints the "
+                             "command others use to join it.")
+    _add_command(commands, "status", STATUS.add_to, cmd_status, help="show the swarm: peers, experts, training runs",
+                 description="Attach in client mode and show every live peer of the swarm.")
+    _add_command(commands, "train", TRAIN.add_to, cmd_train,
+                 help="train a model with MoE layers served by the swarm (digits)",
+                 description="Example trainer: a model whose mixture-of-experts layer is served by the swarm, "
+                             "trained on scikit-learn's handwritten digits with a collaborative optimizer; prints "
+                             "JSON progress lines and a result.",
+                 epilog=TRAIN_SIGNALS_EPILOG)
+    _add_command(commands, "dashboard", DASHBOARD.add_to, cmd_dashboard,
+                 help="serve a live web page of the swarm (and its state as JSON)",
+                 description="Attach in client mode and serve a web page that shows the swarm live: peers, experts, "
+                             "training runs, failures; the same data at /api/v1/state.")
+    _add_command(commands, "keygen", KEYGEN.add_to, cmd_keygen, help="write a private swarm's key (--swarm-key FILE)",
+                 description="Write a fresh random swarm key (mode 0600). Peers started with --swarm-key FILE form a "
+                             "private swarm: only holders of the key complete an RPC handshake or get an answer from "
+                             "the DHT.")
+    _add_command(commands, "swarm", add_swarm_arguments, cmd_swarm,
+                 help="run a whole local swarm (volunteers + trainers) on this machine",
+                 description="Local swarms for demos and tests.")
     return parser
+
+
+def _add_command(commands: argparse._SubParsersAction[OptionParser], name: str,
+                 add_arguments: Callable[[argparse.ArgumentParser], None],
+                 handler: Callable[[argparse.Namespace], int], *, help: str, description: str,
+                 epilog: str | None = None) -> None:
+    """One `peer` command: its parser and texts, its arguments, and the handler `main` runs for it; every command
+    is declared the same way, so none can miss its handler."""
+    command = commands.add_parser(name, help=help, description=description, epilog=epilog)
+    add_arguments(command)
+    command.set_defaults(handler=handler)
 
 
 def _leaves(error: BaseException) -> list[BaseException]:
