@@ -12,6 +12,11 @@ No import cycles between modules either, counting imports inside functions (a fu
 from Python at import time, not from the reader: the two modules still cannot be understood or changed apart).
 Imports under `if TYPE_CHECKING:` are left out of the cycle check (they never run); the layering check sees them.
 
+No file under tests/ or benchmarks/ imports a test module (one named test_*): helpers and fixtures that several
+test modules share live in harness modules (tests/sim_peers.py, tests/averaging/diloco_sim.py...) or a conftest.py,
+so a test module can be run, read and changed alone, and pytest never imports one test module under two names. Code
+in string constants (scripts run with `python -c`) counts too.
+
 Why a test: the rule is what lets the foundation and the features be read, tested and replaced on their own; it
 erodes one convenient import at a time unless something fails when it is broken.
 """
@@ -222,3 +227,99 @@ def test_each_package_names_its_public_api(package):
     init = ROOT.joinpath(*package.split("."), "__init__.py")
     tree = ast.parse(init.read_text())
     assert ast.get_docstring(tree), f"{package}/__init__.py has no docstring naming its public API"
+
+
+# ------------------------------------------------------------------------------------------- tests' own imports
+
+TEST_TREES = ("tests", "benchmarks")
+
+
+def _code_in(tree: ast.AST) -> list[tuple[int, ast.AST]]:
+    """The module itself and every string constant in it that parses as code importing something (a script run
+    with `python -c`), each with the line it starts on."""
+    found: list[tuple[int, ast.AST]] = [(0, tree)]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and "import" in node.value:
+            try:
+                found.append((node.lineno - 1, ast.parse(node.value)))
+            except SyntaxError:
+                continue
+    return found
+
+
+def _is_test_module(name: str) -> bool:
+    return any(part.startswith("test_") for part in name.split("."))
+
+
+def _module_file_in(folders: list[Path], name: str) -> bool:
+    return any((folder / f"{name}.py").is_file() or (folder / name / "__init__.py").is_file() for folder in folders)
+
+
+def imports_of_test_modules(path: Path) -> list[str]:
+    """'FILE:LINE: IMPORT' for each import in `path` (at any depth, strings of code included) of a module named
+    test_*: `import tests.test_x`, `from tests.test_x import y`, `from tests import test_x`, `from .test_x import y`,
+    `from test_x import y` (the test's own folder is on sys.path under pytest)."""
+    where = path.relative_to(ROOT)
+    found: list[tuple[int, str]] = []
+    for offset, tree in _code_in(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                bad = any(_is_test_module(alias.name) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                if node.level:  # relative: from the importing file's folder, one level up per extra dot
+                    folders = [path.parents[node.level - 1].joinpath(*module.split(".") if module else ())]
+                else:
+                    folders = [ROOT.joinpath(*module.split(".")), path.parent.joinpath(*module.split("."))]
+                bad = _is_test_module(module) or any(
+                    alias.name.startswith("test_") and _module_file_in(folders, alias.name) for alias in node.names)
+            else:
+                continue
+            if bad:
+                found.append((offset + node.lineno, ast.unparse(node)))
+    return [f"{where}:{line}: {statement}" for line, statement in sorted(found)]
+
+
+def imported_test_modules() -> list[str]:
+    """`imports_of_test_modules` of every file under tests/ and benchmarks/."""
+    return [problem for tree in TEST_TREES for path in sorted((ROOT / tree).rglob("*.py"))
+            for problem in imports_of_test_modules(path)]
+
+
+def test_no_test_imports_a_test_module():
+    imports = imported_test_modules()
+    assert imports == [], ("these files import test modules: move what they share into a harness module (a name "
+                           "not starting with test_) or a conftest.py, and import it from there in every user:\n"
+                           + "\n".join(imports))
+
+
+def test_the_test_import_check_sees_every_form_of_import(tmp_path, monkeypatch):
+    (tmp_path / "tests" / "sub").mkdir(parents=True)
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "tests" / "test_a.py").write_text("x = 1\n")
+    (tmp_path / "tests" / "sub" / "test_b.py").write_text("x = 1\n")
+    (tmp_path / "tests" / "harness.py").write_text("def test_like():\n    pass\n")
+    name, other = "test_a", "test_b"  # (the checker reads this file's strings of code too)
+    (tmp_path / "tests" / "sub" / "test_c.py").write_text(
+        f"import tests.{name}\n"
+        f"from tests.{name} import x\n"
+        f"from tests import {name}, harness\n"
+        f"from .. import {name}\n"
+        f"from ..{name} import x\n"
+        f"from test_b import x\n"
+        f"from tests.harness import test_like\n"  # a function named test_*, not a module: allowed
+        f"def f():\n    import tests.sub.test_b\n"
+        f"SCRIPT = 'import sys; from tests.{name} import x'\n")
+    (tmp_path / "benchmarks" / "bench.py").write_text(f"from tests.sub.{other} import x\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert imported_test_modules() == [
+        "tests/sub/test_c.py:1: import tests.test_a",
+        "tests/sub/test_c.py:2: from tests.test_a import x",
+        "tests/sub/test_c.py:3: from tests import test_a, harness",
+        "tests/sub/test_c.py:4: from .. import test_a",
+        "tests/sub/test_c.py:5: from ..test_a import x",
+        "tests/sub/test_c.py:6: from test_b import x",
+        "tests/sub/test_c.py:9: import tests.sub.test_b",
+        "tests/sub/test_c.py:10: from tests.test_a import x",
+        "benchmarks/bench.py:1: from tests.sub.test_b import x",
+    ]

@@ -4,8 +4,6 @@ announces and declares only relayed addresses, and its RPC listener accepts no c
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import trio
 import trio.testing
@@ -18,16 +16,7 @@ from peer.p2p import relay
 from peer.p2p.identity import Identity, PeerID
 from peer.p2p.net import MemoryNetwork, RealNetwork
 from peer.p2p.rpc import RPCNode
-
-
-async def run_daemon(config: DaemonConfig, network=None, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """One daemon in its own cancel scope: `started` with (daemon, scope); cancelling the scope kills it."""
-    host = "127.0.0.1" if network is None else config.host  # tests never bind the real interfaces
-    daemon = Daemon(dataclasses.replace(config, host=host), network=network.host(host) if network else None)
-    with trio.CancelScope() as scope:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(daemon.run)
-            task_status.started((daemon, scope))
+from tests.daemon_tasks import run_daemon
 
 
 async def use_expert(network, bootstrap, uid: str, *, host: str = "127.0.0.1",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-from contextlib import asynccontextmanager
 
 import msgpack
 import pytest
@@ -15,7 +14,6 @@ import trio.testing
 from peer.p2p import framing, wire
 from peer.p2p.budget import BudgetLimits
 from peer.p2p.identity import Identity
-from peer.p2p.net import MemoryNetwork, RealNetwork
 from peer.p2p.rpc import (
     BadRequest,
     BudgetExceeded,
@@ -23,19 +21,10 @@ from peer.p2p.rpc import (
     ConnectionFailed,
     HandlerFailed,
     HandshakeError,
-    RemoteError,
-    RPCNode,
     UnknownMethod,
-    register_error_code,
 )
 from tests import hand_rolled
-
-
-class QuotaExceeded(RemoteError):
-    code = "test.quota_exceeded"
-
-
-register_error_code(QuotaExceeded.code, QuotaExceeded)
+from tests.rpc_peers import QuotaExceeded, Swarmlet, node_cancelled_events, raw_connect, send_raw_request
 
 
 @pytest.fixture(params=["real", "memory"])
@@ -47,64 +36,6 @@ def transport(request):
 def clock(transport):
     """MockClock for the simulated network (virtual time, deterministic); the real clock for real sockets."""
     return trio.testing.MockClock(autojump_threshold=0) if transport == "memory" else "real-clock"
-
-
-class Swarmlet:
-    """A few RPC peers on one network, for tests."""
-
-    def __init__(self, transport: str, **node_options):
-        self.transport = transport
-        self.memory = MemoryNetwork(latency=0.002, seed=5) if transport == "memory" else None
-        self.node_options = node_options
-
-    def network(self, name: str):
-        return self.memory.host(name) if self.memory else RealNetwork()
-
-    def host(self, name: str) -> str:
-        return name if self.memory else "127.0.0.1"
-
-    @asynccontextmanager
-    async def peer(self, name: str, listen: bool = True, **options):
-        async with RPCNode(Identity.generate(), self.network(name), **{**self.node_options, **options}) as node:
-            register_test_handlers(node)
-            if listen:
-                await node.listen(self.host(name), 0)
-            yield node
-
-
-def register_test_handlers(node: RPCNode) -> None:
-    async def echo(ctx, args):
-        return args
-
-    async def whoami(ctx, args):
-        return bytes(ctx.peer_id)
-
-    async def fail(ctx, args):
-        if args == "typed":
-            raise QuotaExceeded("only 3 calls per minute")
-        raise ValueError("boom")
-
-    async def sleep(ctx, args):
-        try:
-            await trio.sleep(args["seconds"])
-        except trio.Cancelled:
-            args_event = node_cancelled_events.get(id(node))
-            if args_event is not None:
-                args_event.set()
-            raise
-        return "slept"
-
-    async def double(ctx, tensor):
-        return tensor * 2
-
-    node.register("echo", echo)
-    node.register("whoami", whoami)
-    node.register("fail", fail)
-    node.register("sleep", sleep)
-    node.register("double", double)
-
-
-node_cancelled_events: dict[int, trio.Event] = {}
 
 
 async def test_call_roundtrip_with_tensors_and_authenticated_caller(transport, clock):
@@ -285,10 +216,6 @@ async def test_large_transfer_does_not_block_small_calls(transport, clock):
 # ---------------------------------------------------------------------------------------------- hostile input
 
 
-async def raw_connect(swarm: Swarmlet, address):
-    return await swarm.network("mallory").connect_tcp(address)
-
-
 async def expect_closed(stream, within: float = 10):
     with trio.fail_after(within):
         try:
@@ -319,15 +246,6 @@ async def test_hostile_connections_are_closed_and_the_server_keeps_serving(trans
         await rude.send(framing.HEADER.pack(10**9, 0, 1))
         await expect_closed(rude.stream)
         assert await a.call(b.address, "echo", "still here", timeout=5) == "still here"
-
-
-async def send_raw_request(channel: hand_rolled.RawChannel, stream_id: int, body_parts):
-    await channel.send_frames(stream_id, body_parts)
-    with trio.fail_after(5):
-        while True:
-            for event in await channel.receive_events():
-                if isinstance(event, framing.MessageReceived) and event.stream_id == stream_id:
-                    return wire.decode(event.data)
 
 
 async def test_bad_messages_get_error_replies_and_the_connection_keeps_working(transport, clock):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from tests.peer_processes import PeerProcess, ProcessGroup
-from tests.test_train_diloco import _daemon, _result, _trainer
+from tests.train_processes import diloco_daemon, diloco_trainer, train_result
 
 HONEST = 3  # trainers --seed 0..2; the attacker is --seed 3
 # 12 outer steps of 20 inner steps: the digits classifier is near its plateau, so the 1-point comparison
@@ -33,10 +33,10 @@ def processes():
 def _swarm(processes: ProcessGroup, aggregation: str, *, attacker: bool) -> list[PeerProcess]:
     """The honest trainers (and the attacker last) of the run "digits" on a swarm of their own (one daemon each):
     the initial model comes from the run id and the batches from --seed, so every swarm starts alike."""
-    address = _daemon(processes)
+    address = diloco_daemon(processes)
     count = HONEST + attacker
-    return [_trainer(processes, address, *COMMON, "--aggregation", aggregation, "--seed", str(i), start_with=count,
-                     hooks=ATTACK if i == HONEST else ())
+    return [diloco_trainer(processes, address, *COMMON, "--aggregation", aggregation, "--seed", str(i),
+                           start_with=count, hooks=ATTACK if i == HONEST else ())
             for i in range(count)]
 
 
@@ -46,9 +46,9 @@ def test_centered_clip_keeps_the_clean_accuracy_and_bans_a_trainer_scaling_its_p
     clean = _swarm(processes, "centered_clip", attacker=False)
     attacked = _swarm(processes, "centered_clip", attacker=True)
     wrecked = _swarm(processes, "mean", attacker=True)
-    clean_results = [_result(t, 600) for t in clean]
-    attacked_results = [_result(t, 600) for t in attacked]
-    wrecked_results = [_result(t, 600) for t in wrecked]
+    clean_results = [train_result(t, 600) for t in clean]
+    attacked_results = [train_result(t, 600) for t in attacked]
+    wrecked_results = [train_result(t, 600) for t in wrecked]
     assert all(t.wait(60) == 0 for t in clean + attacked + wrecked)
     for name, results in (("clean", clean_results), ("attacked", attacked_results), ("mean", wrecked_results)):
         for r in results:

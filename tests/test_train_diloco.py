@@ -7,18 +7,14 @@ from __future__ import annotations
 import glob
 import json
 import signal
-import sys
 import time
-from typing import Sequence
 
 import pytest
 import torch
 
-from tests.averaging.test_diloco import _reference_check
-from tests.peer_processes import ChildProcess, PeerProcess, ProcessGroup, start_daemon
-
-TRAINER = ["--algorithm", "diloco", "--local-experts", "--hidden-dim", "16", "--grid-size", "2", "--batch-size",
-           "16", "--threads", "1"]
+from tests.averaging.diloco_sim import reference_check
+from tests.peer_processes import ProcessGroup
+from tests.train_processes import diloco_daemon, diloco_trainer, train_result
 
 
 @pytest.fixture
@@ -28,53 +24,31 @@ def processes():
     group.close()
 
 
-def _daemon(processes: ProcessGroup) -> str:
-    daemon, _, address = start_daemon("--hidden-dim", "16", "--num-experts", "1")
-    processes.add(daemon)
-    return address
-
-
-def _trainer(processes: ProcessGroup, address: str, *args: str, start_with: int, hooks: Sequence[str] = ()
-             ) -> PeerProcess:
-    """A `peer train` process; with `hooks` (options of `peer.testing.trainer`) through the test entry point.
-    start_with: trainers started together begin together, however far apart a loaded machine brings them up."""
-    train = ["train", "--initial-peers", address, *TRAINER, "--start-with", str(start_with), *args]
-    if hooks:
-        return processes.add(ChildProcess([sys.executable, "-m", "peer.testing.trainer", *hooks, "--", *train[1:]]))
-    return processes.add(PeerProcess(train))
-
-
-def _result(process: PeerProcess, timeout: float = 300.0) -> dict:
-    while True:
-        line = process.read_json(timeout)
-        if line.get("event") == "result":
-            return line
-
-
 @pytest.mark.slow
 def test_four_trainer_processes_agree_and_match_reference_nesterov(processes, tmp_path):
-    address = _daemon(processes)
-    trainers = [_trainer(processes, address, "--inner-steps", "20", "--steps", "200", "--seed", str(i),
-                         "--log-every", "20", start_with=4, hooks=["--trace", str(tmp_path)]) for i in range(4)]
-    results = [_result(t) for t in trainers]
+    address = diloco_daemon(processes)
+    trainers = [diloco_trainer(processes, address, "--inner-steps", "20", "--steps", "200", "--seed", str(i),
+                               "--log-every", "20", start_with=4, hooks=["--trace", str(tmp_path)]) for i in range(4)]
+    results = [train_result(t) for t in trainers]
     assert all(t.wait(30) == 0 for t in trainers)
     assert {r["outer_step"] for r in results} == {10}
     assert len({r["hash"] for r in results}) == 1
-    _reference_check(str(tmp_path), 10, 4)
+    reference_check(str(tmp_path), 10, 4)
 
 
 @pytest.mark.slow
 def test_trainer_killed_while_sending_its_part_the_others_finish_and_agree(processes, tmp_path):
-    address = _daemon(processes)
+    address = diloco_daemon(processes)
     common = ["--inner-steps", "20", "--steps", "80", "--log-every", "20"]
-    victim = _trainer(processes, address, *common, "--seed", "9", start_with=4, hooks=["--hold-at", "1"])
+    victim = diloco_trainer(processes, address, *common, "--seed", "9", start_with=4, hooks=["--hold-at", "1"])
     trace = ["--trace", str(tmp_path)]
-    others = [_trainer(processes, address, *common, "--seed", str(i), start_with=4, hooks=trace) for i in range(3)]
+    others = [diloco_trainer(processes, address, *common, "--seed", str(i), start_with=4, hooks=trace)
+              for i in range(3)]
     victim.read_until(r'"diloco_hold"', 300)
     victim.kill()  # SIGKILL while its part of outer step 2 is being sent
     hold = json.loads([line for line in victim.lines if "diloco_hold" in line][-1])
     assert (hold["outer_step"], hold["phase"]) == (1, "chunk_pushed"), hold  # the round 1 -> 2, while sending
-    results = [_result(t) for t in others]
+    results = [train_result(t) for t in others]
     assert all(t.wait(30) == 0 for t in others)
     assert {r["outer_step"] for r in results} == {4}
     assert len({r["hash"] for r in results}) == 1
@@ -98,10 +72,10 @@ def test_trainer_killed_while_sending_its_part_the_others_finish_and_agree(proce
 
 @pytest.mark.slow
 def test_sigint_during_an_outer_step_exits_0_within_10_s(processes):
-    address = _daemon(processes)
+    address = diloco_daemon(processes)
     common = ["--inner-steps", "10", "--steps", "1000", "--log-every", "5"]
-    frozen = _trainer(processes, address, *common, "--seed", "1", start_with=2, hooks=["--hold-at", "0"])
-    trainer = _trainer(processes, address, *common, "--seed", "0", start_with=2)
+    frozen = diloco_trainer(processes, address, *common, "--seed", "1", start_with=2, hooks=["--hold-at", "0"])
+    trainer = diloco_trainer(processes, address, *common, "--seed", "0", start_with=2)
     frozen.read_until(r'"diloco_hold"', 120)  # the other stopped in the middle of sending: we are in the round
     started = time.monotonic()
     trainer.signal(signal.SIGINT)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests.peer_processes import ProcessGroup
-from tests.test_train_diloco import _daemon, _result, _trainer
+from tests.train_processes import diloco_daemon, diloco_trainer, train_result
 
 TRAINERS = 4
 # 30 outer steps of 20 inner steps: near the plateau, so the 1-point comparison measures the codec rather than
@@ -31,10 +31,10 @@ def processes():
 def test_four_trainers_with_topk2_reach_the_int8_accuracy_and_agree(processes):
     swarms = {}
     for codec in ("int8", "topk2"):
-        address = _daemon(processes)
-        swarms[codec] = [_trainer(processes, address, *COMMON, "--compression", codec, "--density", "0.02",
-                                  "--seed", str(i), start_with=TRAINERS) for i in range(TRAINERS)]
-    results = {codec: [_result(t, 600) for t in trainers] for codec, trainers in swarms.items()}
+        address = diloco_daemon(processes)
+        swarms[codec] = [diloco_trainer(processes, address, *COMMON, "--compression", codec, "--density", "0.02",
+                                        "--seed", str(i), start_with=TRAINERS) for i in range(TRAINERS)]
+    results = {codec: [train_result(t, 600) for t in trainers] for codec, trainers in swarms.items()}
     assert all(t.wait(60) == 0 for trainers in swarms.values() for t in trainers)
     for codec, rs in results.items():
         for r in rs:

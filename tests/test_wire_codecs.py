@@ -28,7 +28,8 @@ from peer.p2p import wire
 from peer.p2p.rpc import BadRequest
 from peer.p2p.wire import ALIGNMENT, Compression, MalformedTensor, WireError
 from tests import hand_rolled
-from tests.test_rpc import Swarmlet, raw_connect, send_raw_request
+from tests.rpc_peers import Swarmlet, raw_connect, send_raw_request
+from tests.wire_inputs import determinism_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
 NEW = [Compression.INT4, Compression.INT2, Compression.TOPK2, Compression.TOPK8]
@@ -378,19 +379,12 @@ import sys, torch
 torch.set_num_threads(int(sys.argv[1]))
 sys.path.insert(0, sys.argv[2])
 from peer.p2p import wire
-from tests.test_wire_codecs import determinism_inputs
+from tests.wire_inputs import determinism_inputs
 for codec in ("INT4", "INT2", "TOPK2", "TOPK8"):
     for x in determinism_inputs():
         message = wire.encode_bytes(wire.compressed(x, wire.Compression[codec], density=0.03))
         sys.stdout.write(message.hex() + "\\n")
 """
-
-
-def determinism_inputs() -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(12)
-    heavy = torch.randn(3 * 4096 + 77, generator=generator) * torch.randn(3 * 4096 + 77, generator=generator).exp()
-    ties = torch.tensor([1.0, -1.0, 0.5, 0.0] * 3000)  # every chunk's boundary falls inside a tie
-    return [heavy, heavy.double(), heavy.bfloat16(), ties, torch.zeros(5000)]
 
 
 def test_encoding_is_bit_for_bit_the_same_in_another_process():

@@ -8,28 +8,12 @@ from __future__ import annotations
 import copy
 import threading
 
-import pytest
 import torch
-import trio
 from torch import nn
 
 from averaging.collaborative import CollaborativeOptimizer, initialize_optimizer_state, state_tensors
 from averaging.progress import parse_records
-from dht import DHTNode
 from peer.client import Swarm
-from peer.p2p.bridge import Bridge
-
-
-async def _bootstrap_node(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    async with DHTNode.open("127.0.0.1", 0) as node:
-        task_status.started(node.address)
-        await trio.sleep_forever()
-
-
-@pytest.fixture
-def bootstrap():
-    with Bridge.start() as bridge:
-        yield bridge.start_and_wait(_bootstrap_node)
 
 
 def _template(seed: int = 0) -> nn.Module:

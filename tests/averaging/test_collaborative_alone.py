@@ -14,10 +14,9 @@ from torch import nn
 from averaging.collaborative import CollaborativeOptimizer
 from averaging.schema import MISMATCHES
 from peer.client import Swarm
-from tests.averaging.test_collaborative import bootstrap  # noqa: F401  (the fixture)
 
 
-def test_mismatched_models_are_named_once_and_warned_about(bootstrap, caplog):  # noqa: F811
+def test_mismatched_models_are_named_once_and_warned_about(bootstrap, caplog):
     caplog.set_level(logging.WARNING)
     MISMATCHES.seen.clear()
     errors: list[BaseException] = []

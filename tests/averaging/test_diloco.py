@@ -5,7 +5,6 @@ partitioned trainer get the swarm's outer state; overlap never makes an inner st
 
 from __future__ import annotations
 
-import glob
 import threading
 import time
 from typing import Any
@@ -17,11 +16,20 @@ import trio
 from torch import nn
 
 from averaging.diloco import DiLoCoHooks, DiLoCoOptimizer, ErrorFeedback, NotAgreed, state_hash
-from averaging.quorum import QuorumPolicy
 from peer.p2p import wire
 from peer.p2p.bridge import Bridge
 from peer.p2p.net import MemoryNetwork
-from tests.sim_peers import SimPeer, start_peers
+from tests.averaging.diloco_sim import (
+    SimSwarm,
+    close_all,
+    make_together,
+    make_trainer,
+    reference_check,
+    run_threads,
+    start_swarm,
+    start_trainers,
+    train_steps,
+)
 
 INT8 = wire.Compression.INT8
 
@@ -99,115 +107,11 @@ def test_error_feedback_tracks_the_uncompressed_sum_over_20_rounds():
 # ------------------------------------------------------------------------------------------- in-memory swarm
 
 
-class SimSwarm:
-    """A `SwarmHandle` over one simulated peer of a shared bridge (what DiLoCoOptimizer needs)."""
-
-    def __init__(self, bridge: Bridge, peer: SimPeer):
-        self.bridge, self.peer = bridge, peer
-
-    @property
-    def rpc(self) -> Any:
-        return self.peer.rpc
-
-    @property
-    def dht(self) -> Any:
-        return self.peer.dht
-
-    def run(self, async_fn: Any, *args: Any) -> Any:
-        return self.bridge.run(async_fn, *args)
-
-
-def _start_swarm(bridge: Bridge, memory: MemoryNetwork, count: int, first: int = 0,
-                 bootstrap: list | None = None) -> list[SimPeer]:
-    async def start(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            peers = await start_peers(nursery, count, memory=memory, seed=3, first=first, bootstrap=bootstrap)
-            task_status.started(peers)
-
-    return bridge.start_and_wait(start)
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
-
-
-def _make(swarm: SimSwarm, model: nn.Module | None = None, **options: Any) -> tuple[nn.Module, DiLoCoOptimizer]:
-    model = _model() if model is None else model
-    inner = torch.optim.SGD(model.parameters(), lr=0.05)
-    # a window of at least 2 s: on a loaded machine a trainer descheduled for a moment must not cut its phase
-    # (most tests check that every member's phases end together)
-    defaults = dict(inner_steps=5, batch_size_per_step=4, averaging_timeout=20.0, progress_ttl=10.0,
-                    min_refresh=0.05, max_refresh=0.5, quorum=QuorumPolicy(grace_min=2.0))
-    defaults.update(options)
-    return model, DiLoCoOptimizer(inner, swarm, "sim", **defaults)
-
-
-def _make_together(swarms: list[SimSwarm], **options: Any) -> list[tuple[nn.Module, DiLoCoOptimizer]]:
-    """Trainers built at the same time (each constructor waits for `start_with` of them), in swarm order."""
-    made: dict[int, tuple[nn.Module, DiLoCoOptimizer]] = {}
-    models = [_model() for _ in swarms]  # here: _model seeds torch's global generator, threads would race on it
-
-    def build(index: int) -> None:
-        made[index] = _make(swarms[index], models[index], **options)
-
-    _threads([lambda i=i: build(i) for i in range(len(swarms))])
-    return [made[i] for i in range(len(swarms))]
-
-
-def _trainers(bridge: Bridge, count: int, latency: float = 0.002, building: int | None = None,
-              **options: Any) -> tuple[MemoryNetwork, list[SimPeer], list[tuple[nn.Module, DiLoCoOptimizer]]]:
-    """`count` simulated peers on a fresh in-memory network, and trainers built together on the first `building`
-    of them (all by default; the rest are left for a newcomer)."""
-    memory = MemoryNetwork(latency=latency)
-    peers = _start_swarm(bridge, memory, count)
-    made = _make_together([SimSwarm(bridge, peer) for peer in peers[:building]], **options)
-    return memory, peers, made
-
-
-def _close(made: list[tuple[nn.Module, DiLoCoOptimizer]]) -> None:
-    for _, opt in made:
-        opt.close()
-
-
 def _four_to_partition(bridge: Bridge) -> tuple[MemoryNetwork, list[tuple[nn.Module, DiLoCoOptimizer]], list[str]]:
     """Four trainers built together, with load and averaging timeouts short enough that a partitioned one gives up
     within the test, and the peers' names (to cut the last one off); the network is returned to cut and heal."""
-    memory, peers, made = _trainers(bridge, 4, load_state_timeout=4.0, averaging_timeout=8.0, start_with=4)
+    memory, peers, made = start_trainers(bridge, 4, load_state_timeout=4.0, averaging_timeout=8.0, start_with=4)
     return memory, made, [peer.name for peer in peers]
-
-
-def _train(model: nn.Module, opt: DiLoCoOptimizer, steps: int, seed: int, rows: int = 4,
-           before_step: Any = None) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    for step in range(steps):
-        if before_step is not None:
-            before_step(step)
-        x = torch.randn(rows, 6, generator=generator)
-        y = torch.randn(rows, 2, generator=generator)
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step(batch_size=rows)
-
-
-def _threads(targets: list) -> None:
-    errors: list[BaseException] = []
-
-    def guarded(fn):
-        def run():
-            try:
-                fn()
-            except BaseException as error:  # reported in the test's thread
-                errors.append(error)
-        return run
-
-    threads = [threading.Thread(target=guarded(fn), daemon=True) for fn in targets]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(180)
-    assert not any(thread.is_alive() for thread in threads), "a trainer hung"
-    if errors:
-        raise errors[0]
 
 
 @pytest.fixture
@@ -216,48 +120,27 @@ def bridge():
         yield bridge
 
 
-def _reference_check(trace_dir: str, steps: int, count: int) -> None:
-    """Every outer step equals Nesterov SGD (lr 0.7, momentum 0.9) on the sample-weighted mean of the group's
-    own (uncompressed) pseudo-gradients, and all members hold the same result."""
-    momentum = None
-    for step in range(1, steps + 1):
-        records = [torch.load(f, weights_only=True) for f in sorted(glob.glob(f"{trace_dir}/*.{step}.pt"))]
-        assert len(records) == count, f"outer step {step}: {len(records)} trainers"
-        assert len({r["hash"] for r in records}) == 1, f"outer step {step}: hashes differ"
-        weights = torch.stack([r["weight"] for r in records])
-        for index in range(len(records[0]["own"])):
-            mean = sum(w * r["own"][index] for w, r in zip(weights, records)) / weights.sum()
-            assert torch.allclose(records[0]["averaged"][index], mean, atol=1e-6)
-        grads = records[0]["averaged"]
-        if momentum is None:
-            momentum = [torch.zeros_like(g) for g in grads]
-        for index, grad in enumerate(grads):
-            momentum[index] = 0.9 * momentum[index] + grad
-            expected = records[0]["before"][index] - 0.7 * (grad + 0.9 * momentum[index])
-            assert torch.allclose(records[0]["after"][index], expected, atol=1e-6)
-
-
 def test_four_trainers_agree_after_every_outer_step_and_match_reference_nesterov(bridge, tmp_path):
-    memory, peers, made = _trainers(bridge, 4, hooks=DiLoCoHooks(trace_dir=str(tmp_path)), start_with=4)
+    memory, peers, made = start_trainers(bridge, 4, hooks=DiLoCoHooks(trace_dir=str(tmp_path)), start_with=4)
     try:
-        _threads([lambda m=m, o=o, i=i: _train(m, o, 15, seed=i) for i, (m, o) in enumerate(made)])
+        run_threads([lambda m=m, o=o, i=i: train_steps(m, o, 15, seed=i) for i, (m, o) in enumerate(made)])
         assert {opt.outer_step for _, opt in made} == {3}
         assert len({opt.hash for _, opt in made}) == 1
-        _reference_check(str(tmp_path), 3, 4)
+        reference_check(str(tmp_path), 3, 4)
         for model, opt in made:
             assert all(torch.equal(p, q) for p, q in zip(model.parameters(), opt.outer_params))
             assert opt.stats()["group_sizes"] == {4: 3}
             assert opt.stats()["bytes_sent"] > 0
     finally:
-        _close(made)
+        close_all(made)
 
 
 def test_newcomer_holds_the_outer_params_and_momentum_before_its_first_inner_step(bridge):
-    memory, peers, made = _trainers(bridge, 3, building=2, start_with=2)
+    memory, peers, made = start_trainers(bridge, 3, building=2, start_with=2)
     try:
-        _threads([lambda m=m, o=o, i=i: _train(m, o, 25, seed=i) for i, (m, o) in enumerate(made)])
+        run_threads([lambda m=m, o=o, i=i: train_steps(m, o, 25, seed=i) for i, (m, o) in enumerate(made)])
         assert {opt.outer_step for _, opt in made} == {5}
-        model, newcomer = _make(SimSwarm(bridge, peers[2]))
+        model, newcomer = make_trainer(SimSwarm(bridge, peers[2]))
         try:
             reference = made[0][1]
             assert newcomer.outer_step == 5 and newcomer.local_steps == 0
@@ -270,7 +153,7 @@ def test_newcomer_holds_the_outer_params_and_momentum_before_its_first_inner_ste
         finally:
             newcomer.close()
     finally:
-        _close(made)
+        close_all(made)
 
 
 def _in_bridge(bridge: Bridge, fn: Any, *args: Any) -> None:
@@ -286,15 +169,15 @@ def test_a_joiner_the_swarm_outran_contributes_from_its_state_in_its_second_roun
     pseudo-gradient (computed on step 2) to round 3 as a member behind by one, vouched for by the others' chains,
     and downloads step 4 after it: it contributed in its second outer step instead of after a catch-up download
     that the swarm outruns again, and all three hold one state."""
-    memory, peers, made = _trainers(bridge, 3, building=2, start_with=2)
+    memory, peers, made = start_trainers(bridge, 3, building=2, start_with=2)
     try:
-        _threads([lambda m=m, o=o, i=i: _train(m, o, 10, seed=i) for i, (m, o) in enumerate(made)])
-        model, newcomer = _make(SimSwarm(bridge, peers[2]))
+        run_threads([lambda m=m, o=o, i=i: train_steps(m, o, 10, seed=i) for i, (m, o) in enumerate(made)])
+        model, newcomer = make_trainer(SimSwarm(bridge, peers[2]))
         made.append((model, newcomer))
         assert newcomer.outer_step == 2
-        _threads([lambda m=m, o=o, i=i: _train(m, o, 5, seed=10 + i) for i, (m, o) in enumerate(made[:2])])
+        run_threads([lambda m=m, o=o, i=i: train_steps(m, o, 5, seed=10 + i) for i, (m, o) in enumerate(made[:2])])
         assert {opt.outer_step for _, opt in made[:2]} == {3} and newcomer.outer_step == 2
-        _threads([lambda m=m, o=o, i=i: _train(m, o, 5, seed=20 + i) for i, (m, o) in enumerate(made)])
+        run_threads([lambda m=m, o=o, i=i: train_steps(m, o, 5, seed=20 + i) for i, (m, o) in enumerate(made)])
         behind = [r for r in newcomer.round_records if r.get("behind") is not None]
         assert [(r["round"], r["behind"], r["staleness"], r["members"]) for r in behind] == [(3, 2, 1, 3)], behind
         assert newcomer.first_contribution is not None and newcomer.first_contribution["outer_steps"] == 2
@@ -302,7 +185,7 @@ def test_a_joiner_the_swarm_outran_contributes_from_its_state_in_its_second_roun
         assert {opt.outer_step for _, opt in made} == {4} and len({opt.hash for _, opt in made}) == 1
         assert made[0][1].stats()["group_sizes"].get(3) == 1  # its pseudo-gradient is in the others' step 4
     finally:
-        _close(made)
+        close_all(made)
 
 
 @pytest.mark.slow
@@ -320,7 +203,7 @@ def test_partitioned_trainer_resyncs_after_the_partition_heals(bridge):
             _in_bridge(bridge, memory.heal)
 
     try:
-        _threads([lambda m=m, o=o, i=i: _train(m, o, 25, seed=i, before_step=partition_at if i == 3 else (
+        run_threads([lambda m=m, o=o, i=i: train_steps(m, o, 25, seed=i, before_step=partition_at if i == 3 else (
             healed_at if i == 0 else None)) for i, (m, o) in enumerate(made)])
         last = made[3][1]
         # cut off, it found no group (applied nothing)
@@ -333,13 +216,14 @@ def test_partitioned_trainer_resyncs_after_the_partition_heals(bridge):
         for extra in range(8):
             if len({opt.hash for _, opt in made}) == 1 and len({opt.outer_step for _, opt in made}) == 1:
                 break
-            _threads([lambda m=m, o=o, s=100 * extra + i: _train(m, o, 5, seed=s) for i, (m, o) in enumerate(made)])
+            run_threads([lambda m=m, o=o, s=100 * extra + i: train_steps(m, o, 5, seed=s)
+                         for i, (m, o) in enumerate(made)])
         assert len({opt.hash for _, opt in made}) == 1, [opt.stats() for _, opt in made]
         assert len({opt.outer_step for _, opt in made}) == 1, [opt.stats() for _, opt in made]
         assert last.stats()["state_loads"] >= 1, last.stats()
         assert all(state_hash(opt._outer_state) == opt.hash for _, opt in made)
     finally:
-        _close(made)
+        close_all(made)
 
 
 @pytest.mark.slow
@@ -356,8 +240,8 @@ def test_finish_resyncs_a_trainer_partitioned_during_the_last_outer_round(bridge
             _in_bridge(bridge, memory.partition, [names[3]], names[:3])
 
     try:
-        _threads([lambda m=m, o=o, i=i: _train(m, o, 15, seed=i, before_step=partition_at if i == 3 else None)
-                  for i, (m, o) in enumerate(made)])
+        run_threads([lambda m=m, o=o, i=i: train_steps(m, o, 15, seed=i, before_step=partition_at if i == 3 else None)
+                     for i, (m, o) in enumerate(made)])
         last = made[3][1]
         # the run ended with the laggard on its own outer state: no later round would ever fix that
         assert last.hash != made[0][1].hash and {opt.outer_step for _, opt in made[:3]} == {3}
@@ -367,41 +251,41 @@ def test_finish_resyncs_a_trainer_partitioned_during_the_last_outer_round(bridge
         def finish(index: int) -> None:
             agreed[index] = made[index][1].finish(timeout=30.0)
 
-        _threads([lambda i=i: finish(i) for i in range(4)])
+        run_threads([lambda i=i: finish(i) for i in range(4)])
         assert agreed == [True] * 4, [opt.stats() for _, opt in made]
         assert len({opt.hash for _, opt in made}) == 1 and {opt.outer_step for _, opt in made} == {3}
         assert [opt.stats()["final_resyncs"] for _, opt in made] == [0, 0, 0, 1]
         assert state_hash(last._outer_state) == last.hash
         assert all(torch.equal(p, q) for p, q in zip(made[3][0].parameters(), made[0][1].outer_params))
     finally:
-        _close(made)
+        close_all(made)
 
 
 def test_trainers_started_apart_with_the_same_loop_end_with_one_state(bridge):
     """The natural loop, `for step in range(N)`, with the second trainer started most of an outer step later:
     the first waits in finish() and the second takes its state when it finishes (no `start_with`)."""
     memory = MemoryNetwork(latency=0.002)
-    peers = _start_swarm(bridge, memory, 2)
-    first = _make(SimSwarm(bridge, peers[0]))
+    peers = start_swarm(bridge, memory, 2)
+    first = make_trainer(SimSwarm(bridge, peers[0]))
     second: list = []
     agreed: dict[int, bool] = {}
 
     def run_first() -> None:
         def start_second(step: int) -> None:
             if step == 9:  # most of the second outer step done: the other one starts now
-                second.append(_make(SimSwarm(bridge, peers[1])))
+                second.append(make_trainer(SimSwarm(bridge, peers[1])))
                 threading.Thread(target=run_second, daemon=True).start()
 
-        _train(*first, 15, seed=0, before_step=start_second)
+        train_steps(*first, 15, seed=0, before_step=start_second)
         agreed[0] = first[1].finish(timeout=60.0)
 
     def run_second() -> None:
         model, opt = second[0]
-        _train(model, opt, 15, seed=1)
+        train_steps(model, opt, 15, seed=1)
         agreed[1] = opt.finish(timeout=60.0)
 
     try:
-        _threads([run_first])
+        run_threads([run_first])
         for _ in range(6000):  # the second trainer's thread ends on its own (polled: no timed sync)
             if 1 in agreed:
                 break
@@ -416,9 +300,9 @@ def test_trainers_started_apart_with_the_same_loop_end_with_one_state(bridge):
 
 
 def test_finish_says_why_within_its_timeout_when_nobody_is_left_to_agree_with(bridge):
-    memory, peers, made = _trainers(bridge, 3, start_with=3)
+    memory, peers, made = start_trainers(bridge, 3, start_with=3)
     try:
-        _threads([lambda m=m, o=o, i=i: _train(m, o, 5, seed=i) for i, (m, o) in enumerate(made)])
+        run_threads([lambda m=m, o=o, i=i: train_steps(m, o, 5, seed=i) for i, (m, o) in enumerate(made)])
         assert len({opt.hash for _, opt in made}) == 1
         made[2][1].close()  # left with a goodbye: not waited for
         _in_bridge(bridge, memory.isolate, peers[1].name)  # gone without one: its record lives on, never "fin"
@@ -429,19 +313,19 @@ def test_finish_says_why_within_its_timeout_when_nobody_is_left_to_agree_with(br
         assert 1.0 <= elapsed < 10.0, elapsed  # waited for the silent one until the timeout, then gave up
         assert made[0][1].stats()["final_resyncs"] == 0
         # on the peer of the one that left (its state server is gone); the isolated one cannot give the state
-        stopped = _make(SimSwarm(bridge, peers[2]), should_stop=lambda: True, load_state_timeout=2.0)[1]
+        stopped = make_trainer(SimSwarm(bridge, peers[2]), should_stop=lambda: True, load_state_timeout=2.0)[1]
         try:
             assert stopped.finish(timeout=60.0) is False  # a stop request skips the final agreement
             assert "fin" not in stopped.tracker.info
         finally:
             stopped.close()
     finally:
-        _close(made)
+        close_all(made)
 
 
 def test_overlap_no_inner_step_waits_when_the_round_is_faster_than_inner_steps(bridge):
-    memory, peers, made = _trainers(bridge, 2, latency=0.01, overlap=True, inner_steps=40, compression=INT8,
-                                    start_with=2)
+    memory, peers, made = start_trainers(bridge, 2, latency=0.01, overlap=True, inner_steps=40, compression=INT8,
+                                         start_with=2)
     gate = threading.Barrier(2, timeout=60)
     rounds: list[list[int]] = [[], []]
 
@@ -459,18 +343,18 @@ def test_overlap_no_inner_step_waits_when_the_round_is_faster_than_inner_steps(b
         return before
 
     try:
-        _threads([lambda m=m, o=o, i=i: _train(m, o, 160, seed=i, before_step=pace(i))
-                  for i, (m, o) in enumerate(made)])
+        run_threads([lambda m=m, o=o, i=i: train_steps(m, o, 160, seed=i, before_step=pace(i))
+                     for i, (m, o) in enumerate(made)])
         for _, opt in made:
             stats = opt.stats()
             assert stats["outer_waits"] == 0, stats
             assert stats["outer_step"] >= 3, stats  # 4 rounds, the last one's update maybe still in flight
-        _threads([lambda o=o: o.finish(timeout=30.0) for _, o in made])  # waits for it
+        run_threads([lambda o=o: o.finish(timeout=30.0) for _, o in made])  # waits for it
         assert {opt.outer_step for _, opt in made} == {4}
         assert len({opt.hash for _, opt in made}) == 1
         assert state_hash(made[0][1]._outer_state) == made[1][1].hash
     finally:
-        _close(made)
+        close_all(made)
 
 
 # ------------------------------------------------------------------------------------------- traffic counts
@@ -505,12 +389,12 @@ async def test_allreduce_counts_the_encoded_bytes_it_sends_and_receives(autojump
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_streaming_fragments_alternate_and_each_round_sends_its_fragment_only(bridge, overlap):
-    memory, peers, made = _trainers(bridge, 2, start_with=2, inner_steps=10, fragments=2, overlap=overlap)
-    whole = _make_together([SimSwarm(bridge, peer) for peer in _start_swarm(bridge, memory, 2, first=2)],
-                           start_with=2, inner_steps=10)
+    memory, peers, made = start_trainers(bridge, 2, start_with=2, inner_steps=10, fragments=2, overlap=overlap)
+    whole = make_together([SimSwarm(bridge, peer) for peer in start_swarm(bridge, memory, 2, first=2)],
+                          start_with=2, inner_steps=10)
     try:
-        _threads([lambda m=m, o=o, i=i: _train(m, o, 40, seed=i) for i, (m, o) in enumerate(made + whole)])
-        _threads([lambda o=o: o.finish(timeout=30.0) for _, o in made + whole])
+        run_threads([lambda m=m, o=o, i=i: train_steps(m, o, 40, seed=i) for i, (m, o) in enumerate(made + whole)])
+        run_threads([lambda o=o: o.finish(timeout=30.0) for _, o in made + whole])
         opt = made[0][1]
         assert opt.fragments == 2 and opt.phase_steps == 5
         assert {o.outer_step for _, o in made} == {8} and len({o.hash for _, o in made}) == 1  # 2 per 10 steps
@@ -522,18 +406,18 @@ def test_streaming_fragments_alternate_and_each_round_sends_its_fragment_only(br
         whole_per_round = whole[0][1].stats()["bytes_sent"] / 4
         assert per_round < 0.75 * whole_per_round, (per_round, whole_per_round)
     finally:
-        _close(made + whole)
+        close_all(made + whole)
 
 
 def test_gather_exchange_agrees_and_matches_reference_nesterov(bridge, tmp_path):
-    memory, peers, made = _trainers(bridge, 4, hooks=DiLoCoHooks(trace_dir=str(tmp_path)), start_with=4,
-                                    exchange="gather", compression=INT8)
+    memory, peers, made = start_trainers(bridge, 4, hooks=DiLoCoHooks(trace_dir=str(tmp_path)), start_with=4,
+                                         exchange="gather", compression=INT8)
     try:
-        _threads([lambda m=m, o=o, i=i: _train(m, o, 15, seed=i) for i, (m, o) in enumerate(made)])
+        run_threads([lambda m=m, o=o, i=i: train_steps(m, o, 15, seed=i) for i, (m, o) in enumerate(made)])
         assert {opt.outer_step for _, opt in made} == {3} and len({opt.hash for _, opt in made}) == 1
-        _reference_check(str(tmp_path), 3, 4)  # the weighted mean of the members' compressed pseudo-gradients
+        reference_check(str(tmp_path), 3, 4)  # the weighted mean of the members' compressed pseudo-gradients
         stats = made[0][1].stats()
         assert stats["group_sizes"] == {4: 3} and stats["bytes_sent"] > 0
         assert all(o.gather.stats["rounds"] == 3 for _, o in made)
     finally:
-        _close(made)
+        close_all(made)

@@ -23,11 +23,11 @@ from averaging.assembly import Declaration
 from averaging.progress import progress_key
 from peer.p2p.bridge import Bridge
 from peer.p2p.identity import Identity
-from tests.averaging.test_diloco import _close, _threads, _train, _trainers
+from tests.averaging.diloco_sim import close_all, run_threads, start_trainers, train_steps
 from tests.dht.dht_swarm import forge_store
 from tests.sim_peers import start_peers
 
-RUN = "sim"  # the run id `_make` gives its trainers
+RUN = "sim"  # the run id `make_trainer` gives its trainers
 TEN_YEARS = 10 * 365 * 86400.0
 INNER_STEPS, OUTER_STEPS = 5, 6
 
@@ -90,19 +90,19 @@ def _attack(bridge: Any, memory: Any, bootstrap: list) -> tuple[Any, dict[str, i
 
 
 def _train_run(bridge: Any, attacked: bool) -> dict[str, Any]:
-    memory, peers, made = _trainers(bridge, 3, start_with=3)
+    memory, peers, made = start_trainers(bridge, 3, start_with=3)
     scope, counts = None, {}
     try:
         if attacked:
             scope, counts = _attack(bridge, memory, [peers[0].dht.address])
-        _threads([lambda m=m, o=o, i=i: _train(m, o, INNER_STEPS * OUTER_STEPS, seed=i) for i, (m, o) in
-                  enumerate(made)])
+        run_threads([lambda m=m, o=o, i=i: train_steps(m, o, INNER_STEPS * OUTER_STEPS, seed=i) for i, (m, o) in
+                     enumerate(made)])
         return {"outer_steps": {opt.outer_step for _, opt in made}, "hashes": {opt.hash for _, opt in made},
                 "group_sizes": [opt.stats()["group_sizes"] for _, opt in made], "stores": counts}
     finally:
         if scope is not None:
             bridge.run(_cancel, scope)
-        _close(made)
+        close_all(made)
 
 
 async def _cancel(scope: trio.CancelScope) -> None:

@@ -36,7 +36,7 @@ from peer.p2p import wire
 from peer.p2p.bridge import Bridge
 from peer.p2p.net import MemoryNetwork
 from peer.train import load_digits_split
-from tests.averaging.test_diloco import SimSwarm, _start_swarm, _threads
+from tests.averaging.diloco_sim import SimSwarm, run_threads, start_swarm
 
 HONEST, ATTACKERS = 6, 2
 INNER, OUTER, BATCH = 10, 10, 32
@@ -99,7 +99,7 @@ def _run(aggregation: str, attack: str | None) -> list[tuple[float, DiLoCoOptimi
     x_train, y_train, x_test, y_test = load_digits_split()
     count = HONEST + (ATTACKERS if attack else 0)
     with Bridge.start() as bridge:
-        peers = _start_swarm(bridge, MemoryNetwork(latency=0.002), count)
+        peers = start_swarm(bridge, MemoryNetwork(latency=0.002), count)
         swarms = [SimSwarm(bridge, peer) for peer in peers]
         models = [_model() for _ in range(count)]
         made: dict[int, DiLoCoOptimizer] = {}
@@ -114,7 +114,7 @@ def _run(aggregation: str, attack: str | None) -> list[tuple[float, DiLoCoOptimi
                 progress_ttl=10.0,
                 min_refresh=0.05, max_refresh=0.5, quorum=QuorumPolicy(grace_min=2.0))
 
-        _threads([lambda i=i: build(i) for i in range(count)])
+        run_threads([lambda i=i: build(i) for i in range(count)])
         opts = [made[i] for i in range(count)]
         if attack:
             for opt in opts[HONEST:]:
@@ -135,7 +135,7 @@ def _run(aggregation: str, attack: str | None) -> list[tuple[float, DiLoCoOptimi
                 opts[index].step(batch_size=BATCH)
 
         try:
-            _threads([lambda i=i: train(i) for i in range(count)])
+            run_threads([lambda i=i: train(i) for i in range(count)])
         finally:
             for opt in opts:
                 opt.close()

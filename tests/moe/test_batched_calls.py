@@ -11,14 +11,20 @@ from torch import nn
 from moe import calls
 from moe.beam_search import StaticGridOracle
 from moe.errors import BadExpertOutput, ExpertNotFound
-from moe.experts import ExpertKind, OptimizerConfig, make_expert, register_expert_kind
-from moe.mixture import RemoteMixtureOfExperts
+from moe.experts import ExpertKind, make_expert, register_expert_kind
 from moe.schema import TensorSpec
 from tests.moe.process_training import TIMEOUT
-
-HIDDEN = 8
-GRID = 8  # experts per layer, half on each server
-LAYERS = ("la", "lb")
+from tests.moe.two_layer_grid import (
+    GRID,
+    HIDDEN,
+    LAYERS,
+    TwoLayers,
+    mixture_layer,
+    server_experts,
+    static_model,
+    two_servers,
+    uid_seed,
+)
 
 
 class _AnswersInf(nn.Module):
@@ -34,56 +40,15 @@ register_expert_kind(ExpertKind("test_batched_inf", lambda h, **o: _AnswersInf(h
                                 lambda h, **o: [TensorSpec((h,))]), replace=True)
 
 
-def _uid_seed(uid: str) -> int:
-    prefix, index = uid.split(".")
-    return 100 * LAYERS.index(prefix) + int(index)
-
-
-def _experts(server: int, lr: float) -> list:
-    """Server 0 holds experts 0-3 of each layer, server 1 experts 4-7, each seeded by its uid."""
-    uids = [f"{layer}.{i}" for layer in LAYERS for i in range(4 * server, 4 * server + 4)]
-    return [make_expert(uid, "ffn", HIDDEN, seed=_uid_seed(uid), optimizer=OptimizerConfig("sgd", lr=lr))
-            for uid in uids]
-
-
-class TwoLayers(nn.Module):
-    """x -> x + layer_a(x) -> ... + layer_b(...): two mixture layers, one grid prefix each."""
-
-    def __init__(self, layers: list[RemoteMixtureOfExperts]):
-        super().__init__()
-        self.layers = nn.ModuleList(layers)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = x + layer(x)
-        return x
-
-
-def _layer(swarm, prefix: str, grid: int, k_best: int, oracle=None) -> RemoteMixtureOfExperts:
-    return RemoteMixtureOfExperts(HIDDEN, (grid,), prefix, k_best=k_best, k_min=1, forward_timeout=TIMEOUT,
-                                  timeout_after_k_min=TIMEOUT, backward_timeout=TIMEOUT, swarm=swarm, oracle=oracle)
-
-
-def _static_model(swarm, locations, k_best: int) -> TwoLayers:
-    return TwoLayers([_layer(swarm, prefix, GRID, k_best, StaticGridOracle(
-        {uid: loc for uid, loc in locations.items() if uid.startswith(prefix + ".")})) for prefix in LAYERS])
-
-
-def _two_servers(harness, lr: float = 0.0):
-    servers = [harness.server(_experts(index, lr)) for index in range(2)]
-    locations = {uid: loc for server in servers for uid, loc in server.locations().items()}
-    return servers, locations
-
-
 def _rpc_calls(server) -> dict[str, int]:
     return dict(server.server.stats()["rpc_calls"])
 
 
 def test_a_step_sends_one_forward_and_one_backward_rpc_per_server_and_layer(harness):
-    servers, locations = _two_servers(harness, lr=0.01)
+    servers, locations = two_servers(harness, lr=0.01)
     swarm = harness.client()
     torch.manual_seed(0)
-    model = _static_model(swarm, locations, k_best=3)
+    model = static_model(swarm, locations, k_best=3)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for step in range(3):
         before = [_rpc_calls(server) for server in servers]
@@ -115,7 +80,7 @@ def test_a_step_sends_one_forward_and_one_backward_rpc_per_server_and_layer(harn
 def _local_reference(x: torch.Tensor, model: TwoLayers) -> tuple[torch.Tensor, list[dict[str, nn.Module]]]:
     """The same model with every expert computed in this process (k_best = the whole grid, so routing is the
     softmax over all experts)."""
-    experts = [{f"{prefix}.{i}": make_expert(f"{prefix}.{i}", "ffn", HIDDEN, seed=_uid_seed(f"{prefix}.{i}")).module
+    experts = [{f"{prefix}.{i}": make_expert(f"{prefix}.{i}", "ffn", HIDDEN, seed=uid_seed(f"{prefix}.{i}")).module
                 for i in range(GRID)} for prefix in LAYERS]
     h = x
     for layer, prefix, table in zip(model.layers, LAYERS, experts):
@@ -129,10 +94,10 @@ def test_gradients_match_the_same_model_computed_locally(harness):
     """Inputs, gate and expert gradients through batched calls equal those of the local computation: the
     servers' SGD step (lr 0.5) moved each expert's weights by exactly -lr times the local gradient."""
     lr = 0.5
-    servers, locations = _two_servers(harness, lr=lr)
+    servers, locations = two_servers(harness, lr=lr)
     swarm = harness.client()
     torch.manual_seed(1)
-    model = _static_model(swarm, locations, k_best=GRID)
+    model = static_model(swarm, locations, k_best=GRID)
     x = torch.randn(12, HIDDEN, requires_grad=True)
     target = torch.randn(12, HIDDEN)
 
@@ -152,7 +117,7 @@ def test_gradients_match_the_same_model_computed_locally(harness):
     served = {uid: expert for server in servers for uid, expert in server.experts.items()}
     for table in ref_experts:
         for uid, module in table.items():
-            initial = make_expert(uid, "ffn", HIDDEN, seed=_uid_seed(uid)).module
+            initial = make_expert(uid, "ffn", HIDDEN, seed=uid_seed(uid)).module
             for after, before, local in zip(served[uid].module.parameters(), initial.parameters(),
                                             module.parameters()):
                 torch.testing.assert_close(after.detach(), before.detach() - lr * local.grad, atol=1e-5, rtol=1e-4)
@@ -161,7 +126,7 @@ def test_gradients_match_the_same_model_computed_locally(harness):
 def test_batched_calls_answer_as_single_calls_do_and_fail_per_expert(harness):
     """forward_batch / backward_batch give the same tensors as one call per expert, and a missing expert fails
     alone, with the typed error a single call raises."""
-    server = harness.server(_experts(0, lr=0.0))
+    server = harness.server(server_experts(0, lr=0.0))
     swarm = harness.client()
     peer_id = server.peer_id
     xs = {uid: torch.randn(3 + i, HIDDEN) for i, uid in enumerate(["la.0", "la.1", "lb.2"])}
@@ -197,11 +162,11 @@ def test_one_bad_expert_in_a_batched_call_is_masked_alone(harness):
     """An expert answering inf fails alone: its server's other experts in the same RPC are used, and only it is
     banned; the step succeeds with finite outputs."""
     bad = make_expert("la.3", "test_batched_inf", HIDDEN, seed=0)
-    good = [expert for expert in _experts(0, lr=0.0) if expert.uid.startswith("la.") and expert.uid != "la.3"]
+    good = [expert for expert in server_experts(0, lr=0.0) if expert.uid.startswith("la.") and expert.uid != "la.3"]
     server = harness.server([*good, bad])
     swarm = harness.client()
     locations = server.locations()
-    layer = _layer(swarm, "la", 4, 4, StaticGridOracle(locations))
+    layer = mixture_layer(swarm, "la", 4, 4, StaticGridOracle(locations))
     x = torch.randn(8, HIDDEN, requires_grad=True)
     out = layer(x)
     out.sum().backward()
@@ -234,7 +199,7 @@ def test_two_layer_training_survives_servers_killed_mid_forward_and_mid_backward
     for process in processes:
         server_processes.wait_ready(process, timeout=120.0)
     swarm = dht_harness.client()
-    model = TwoLayers([_layer(swarm, prefix, 12, k_best=6) for prefix in LAYERS])
+    model = TwoLayers([mixture_layer(swarm, prefix, 12, k_best=6) for prefix in LAYERS])
     head = nn.Linear(HIDDEN, HIDDEN)
     opt = torch.optim.Adam([*model.parameters(), *head.parameters()], lr=0.01)
     torch.manual_seed(0)
@@ -355,7 +320,7 @@ def test_one_dimensional_search_shortcut_equals_the_general_search():
 def test_server_refuses_malformed_batched_calls_and_answers_bad_entries_alone(harness):
     from moe.errors import BadExpertInput
 
-    server = harness.server(_experts(0, lr=0.0))
+    server = harness.server(server_experts(0, lr=0.0))
     swarm = harness.client()
     good = {"uid": "la.0", "inputs": [torch.randn(2, HIDDEN)]}
 

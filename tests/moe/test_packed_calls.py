@@ -16,7 +16,7 @@ from moe.kept import KeptStore
 from moe.mixture import RemoteMixtureOfExperts
 from moe.remote_expert import RemoteExpert
 from tests.moe.process_training import TIMEOUT
-from tests.moe.test_batched_calls import HIDDEN, _experts, _static_model, _two_servers
+from tests.moe.two_layer_grid import HIDDEN, server_experts, static_model, two_servers
 
 
 def _count_recomputes(experts) -> list[int]:
@@ -36,7 +36,7 @@ def _count_recomputes(experts) -> list[int]:
 def test_packed_calls_equal_single_calls_bit_for_bit_with_and_without_kept_forwards(harness):
     """A packed forward + backward (kept graphs) gives exactly the tensors of one call per expert (recomputed
     backward), and the kept backward recomputes nothing."""
-    served = _experts(0, lr=0.0)
+    served = server_experts(0, lr=0.0)
     server = harness.server(served)
     swarm = harness.client()
     uids = ["la.0", "la.1", "lb.2"]
@@ -77,7 +77,7 @@ def test_packed_calls_equal_single_calls_bit_for_bit_with_and_without_kept_forwa
 
 
 def test_packed_call_fails_only_the_experts_whose_rows_are_bad(harness):
-    server = harness.server(_experts(0, lr=0.0))
+    server = harness.server(server_experts(0, lr=0.0))
     swarm = harness.client()
     x = torch.randn(6, HIDDEN)
     x[4, 1] = float("nan")  # in la.2's rows
@@ -100,10 +100,10 @@ def test_mixture_training_through_packed_kept_calls_equals_the_recomputing_path(
     weights after 3 steps equal those of the same run whose servers keep nothing (every backward recomputed)."""
     results = []
     for kept_bytes in (256 << 20, 0):  # 0: nothing fits, every backward recomputes
-        servers = [harness.server(_experts(index, lr=0.1), kept_bytes=kept_bytes) for index in range(2)]
+        servers = [harness.server(server_experts(index, lr=0.1), kept_bytes=kept_bytes) for index in range(2)]
         locations = {uid: loc for server in servers for uid, loc in server.locations().items()}
         swarm = harness.client()
-        model = _static_model(swarm, locations, k_best=3)
+        model = static_model(swarm, locations, k_best=3)
         for layer in model.layers:
             torch.manual_seed(7)
             layer.gate.reset_parameters()
@@ -193,9 +193,9 @@ def test_a_thousand_abandoned_forwards_are_freed_by_their_deadline_and_the_byte_
 
 
 def test_a_server_killed_mid_call_fails_the_packed_call_as_a_whole(harness):
-    servers, locations = _two_servers(harness)
+    servers, locations = two_servers(harness)
     swarm = harness.client()
-    model = _static_model(swarm, locations, k_best=4)
+    model = static_model(swarm, locations, k_best=4)
     x = torch.randn(6, HIDDEN, requires_grad=True)
     model(x).sum().backward()  # both servers answer
     servers[1].kill()

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from moe.pipeline import StepsInFlight
-from tests.moe.test_batched_calls import HIDDEN, _static_model, _two_servers
+from tests.moe.two_layer_grid import HIDDEN, static_model, two_servers
 
 
 def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -20,10 +20,10 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def _model_and_data(harness):
-    _, locations = _two_servers(harness, lr=0.0)  # experts that do not change: both runs see the same ones
+    _, locations = two_servers(harness, lr=0.0)  # experts that do not change: both runs see the same ones
     swarm = harness.client()
     torch.manual_seed(0)
-    model = nn.Sequential(_static_model(swarm, locations, k_best=3), nn.Linear(HIDDEN, 2))
+    model = nn.Sequential(static_model(swarm, locations, k_best=3), nn.Linear(HIDDEN, 2))
     batches = [(torch.randn(6, HIDDEN), torch.randn(6, 2)) for _ in range(4)]
     return model, batches
 
