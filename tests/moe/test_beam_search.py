@@ -194,10 +194,21 @@ async def test_find_best_experts_batches_oracle_calls():
     assert oracle.keys_asked <= 1 + grid_size[0]
 
 
-async def test_dht_oracle_finds_the_true_top_k_caches_and_forgets_expired_experts(autojump_clock):
+async def _dht_node(network, host, initial, client_mode=False, *, task_status):
+    """A DHT node on `host` of the in-memory `network`, `started` with the node, running until cancelled."""
     import trio
 
     from dht import DHTNode
+
+    async with DHTNode.open(host, 4000, initial, network=network.host(host), clock=trio.current_time,
+                            client_mode=client_mode, seed=len(host)) as dht:
+        task_status.started(dht)
+        await trio.sleep_forever()
+
+
+async def test_dht_oracle_finds_the_true_top_k_caches_and_forgets_expired_experts(autojump_clock):
+    import trio
+
     from moe.beam_search import DHTGridOracle
     from moe.declare import declaration_items
     from peer.p2p.net import MemoryNetwork
@@ -208,15 +219,9 @@ async def test_dht_oracle_finds_the_true_top_k_caches_and_forgets_expired_expert
     alive = random_alive(rng, grid_size, 0.6)
     locations = sorted({loc.address for loc in alive.values()})
     async with trio.open_nursery() as nursery:
-        async def node(host, initial, client_mode=False, task_status=trio.TASK_STATUS_IGNORED):
-            async with DHTNode.open(host, 4000, initial, network=network.host(host), clock=trio.current_time,
-                                    client_mode=client_mode, seed=len(host)) as dht:
-                task_status.started(dht)
-                await trio.sleep_forever()
-
-        first = await nursery.start(node, "d0", [])
-        servers = [first] + [await nursery.start(node, f"d{i}", [first.address]) for i in range(1, 4)]
-        client = await nursery.start(node, "trainer", [first.address], True)
+        first = await nursery.start(_dht_node, network, "d0", [])
+        servers = [first] + [await nursery.start(_dht_node, network, f"d{i}", [first.address]) for i in range(1, 4)]
+        client = await nursery.start(_dht_node, network, "trainer", [first.address], True)
         # the long-lived experts expire in an hour, one short-lived expert in 10 s
         short_lived = sorted(alive)[0]
         for index, address in enumerate(locations):
@@ -247,7 +252,6 @@ async def test_dht_oracle_finds_the_true_top_k_caches_and_forgets_expired_expert
 async def test_dht_oracle_serves_the_previous_answer_when_a_refresh_hangs(autojump_clock):
     import trio
 
-    from dht import DHTNode
     from moe.beam_search import DHTGridOracle
     from moe.declare import declaration_items
     from peer.p2p.net import MemoryNetwork
@@ -257,14 +261,8 @@ async def test_dht_oracle_serves_the_previous_answer_when_a_refresh_hangs(autoju
     grid_size = (3, 3)
     alive = random_alive(rng, grid_size, 1.0)
     async with trio.open_nursery() as nursery:
-        async def node(host, initial, client_mode=False, task_status=trio.TASK_STATUS_IGNORED):
-            async with DHTNode.open(host, 4000, initial, network=network.host(host), clock=trio.current_time,
-                                    client_mode=client_mode, seed=len(host)) as dht:
-                task_status.started(dht)
-                await trio.sleep_forever()
-
-        server = await nursery.start(node, "d0", [])
-        client = await nursery.start(node, "trainer", [server.address], True)
+        server = await nursery.start(_dht_node, network, "d0", [])
+        client = await nursery.start(_dht_node, network, "trainer", [server.address], True)
         for uid, location in alive.items():
             await server.store_many(declaration_items([uid], location.address, location.peer_id_hex, 1e9))
         oracle = DHTGridOracle(client, ttl=5.0, refresh_timeout=0.5)
