@@ -16,6 +16,7 @@ from peer import train
 from peer.daemon import Daemon, DaemonConfig
 from peer.discover import NoExpertsDeclared
 from peer.p2p.bridge import Bridge
+from tests.threaded import run_in_threads
 
 
 def _args(*extra: str):
@@ -111,23 +112,13 @@ def test_two_trainers_on_three_daemons_survive_a_dead_daemon_and_average_togethe
                 bridge.run(cancel)
 
         results: dict[int, dict] = {}
-        errors: list[BaseException] = []
 
         def trainer(index: int) -> None:
-            try:
-                args = _args("--initial-peers", f"{bootstrap[0]}:{bootstrap[1]}", "--steps", "200",
-                             "--log-every", "20", "--seed", str(index), "--run-id", "e2e")
-                results[index] = train.run_training(args, kill_at_step_40 if index == 0 else None)
-            except BaseException as error:
-                errors.append(error)
+            args = _args("--initial-peers", f"{bootstrap[0]}:{bootstrap[1]}", "--steps", "200",
+                         "--log-every", "20", "--seed", str(index), "--run-id", "e2e")
+            results[index] = train.run_training(args, kill_at_step_40 if index == 0 else None)
 
-        threads = [threading.Thread(target=trainer, args=(i,)) for i in range(2)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=300)
-        if errors:
-            raise errors[0]
+        run_in_threads(trainer, 2, timeout=300)
     assert killed.is_set()
     for me, other in ((results[0], results[1]), (results[1], results[0])):
         assert me["accuracy"] >= 0.9, me

@@ -14,6 +14,7 @@ from torch import nn
 from averaging.collaborative import CollaborativeOptimizer, initialize_optimizer_state, state_tensors
 from averaging.progress import parse_records
 from peer.client import Swarm
+from tests.threaded import run_in_threads
 
 
 def _template(seed: int = 0) -> nn.Module:
@@ -61,37 +62,27 @@ def _run_pair(bootstrap, mode: str, make_optimizer, target: int = 400, batch: in
     """Two trainers in threads, each with its own Swarm and data; each runs until its first epoch ends."""
     template = _template()
     results: dict[int, dict] = {}
-    errors: list[BaseException] = []
     ready = threading.Barrier(2, timeout=60)
 
     def train(index: int) -> None:
-        try:
-            with Swarm([bootstrap]) as swarm:
-                model = copy.deepcopy(template)
-                opt = CollaborativeOptimizer(make_optimizer(model), swarm, f"pair-{mode}", target_batch_size=target,
-                                             batch_size_per_step=batch, average=mode, listen=listen[index],
-                                             matchmaking_time=matchmaking_time)
-                x, y = _data(10 + index, batch)
-                ready.wait()
-                steps = 0
-                while True:
-                    nn.functional.mse_loss(model(x), y).backward()
-                    steps += 1
-                    if opt.step():
-                        break
-                results[index] = {"samples": steps * batch, "params": _params(model), "stats": opt.stats(),
-                                  "epoch": opt.epoch, "peer_id": str(opt.averager.peer_id)}
-                opt.close()
-        except BaseException as error:  # re-raised in the test thread
-            errors.append(error)
+        with Swarm([bootstrap]) as swarm:
+            model = copy.deepcopy(template)
+            opt = CollaborativeOptimizer(make_optimizer(model), swarm, f"pair-{mode}", target_batch_size=target,
+                                         batch_size_per_step=batch, average=mode, listen=listen[index],
+                                         matchmaking_time=matchmaking_time)
+            x, y = _data(10 + index, batch)
+            ready.wait()
+            steps = 0
+            while True:
+                nn.functional.mse_loss(model(x), y).backward()
+                steps += 1
+                if opt.step():
+                    break
+            results[index] = {"samples": steps * batch, "params": _params(model), "stats": opt.stats(),
+                              "epoch": opt.epoch, "peer_id": str(opt.averager.peer_id)}
+            opt.close()
 
-    threads = [threading.Thread(target=train, args=(i,)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    if errors:
-        raise errors[0]
+    run_in_threads(train, 2, timeout=120)
     assert set(results) == {0, 1}
     return results
 
@@ -159,7 +150,6 @@ def test_a_crashed_partner_costs_at_most_one_failed_round(bootstrap):
     template = _template()
     ready, dead = threading.Barrier(2, timeout=60), threading.Event()
     stats: dict = {}
-    errors: list[BaseException] = []
 
     def trainer(index: int) -> None:
         try:
@@ -183,17 +173,11 @@ def test_a_crashed_partner_costs_at_most_one_failed_round(bootstrap):
             else:
                 opt.close()
                 swarm.close()
-        except BaseException as error:
-            errors.append(error)
-            dead.set()
+        except BaseException:
+            dead.set()  # the other trainer stops waiting for this one
+            raise
 
-    threads = [threading.Thread(target=trainer, args=(i,)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    if errors:
-        raise errors[0]
+    run_in_threads(trainer, 2, timeout=120)
     survivor = stats[0]
     assert survivor["averaging_rounds"] == 1  # the first epoch, together
     # afterwards the crashed partner's live-looking record costs at most one round that finds nobody: the
