@@ -9,6 +9,7 @@ import trio
 
 from peer.daemon import Daemon, DaemonConfig
 from peer.status import gather_status
+from tests.daemon_tasks import average_together
 
 
 async def start(nursery, config: DaemonConfig) -> Daemon:
@@ -31,15 +32,7 @@ async def test_replicas_of_the_same_experts_converge_to_their_mean():
                                                    initial_peers=[first.rpc.address]))
         before = [weights(first), weights(second)]
         assert not torch.allclose(before[0]["ffn.0"][0], before[1]["ffn.0"][0])
-        results = []
-
-        async def average(daemon: Daemon) -> None:
-            results.append(await daemon.replicas.average_once())
-
-        with trio.fail_after(30):
-            async with trio.open_nursery() as round_nursery:
-                round_nursery.start_soon(average, first)
-                round_nursery.start_soon(average, second)
+        results = await average_together([first, second], timeout=30)
         assert all(result is not None and result.finished and result.group_size == 2 for result in results)
         after = [weights(first), weights(second)]
         for uid in ("ffn.0", "ffn.1"):

@@ -11,12 +11,12 @@ import trio.testing
 from dht.node import DHTNode
 from moe.calls import forward, info
 from moe.declare import get_experts
-from peer.daemon import Daemon, DaemonConfig
+from peer.daemon import DaemonConfig
 from peer.p2p import relay
 from peer.p2p.identity import Identity, PeerID
 from peer.p2p.net import MemoryNetwork, RealNetwork
 from peer.p2p.rpc import RPCNode
-from tests.daemon_tasks import run_daemon
+from tests.daemon_tasks import average_together, run_daemon
 
 
 async def use_expert(network, bootstrap, uid: str, *, host: str = "127.0.0.1",
@@ -146,15 +146,7 @@ async def test_a_private_replica_averages_and_answers_status_through_a_relay():
         assert relay.is_relayed(private.rpc.announced_address)
         before = [[p.detach().clone() for p in daemon.expert_server.experts["ffn.0"].module.parameters()]
                   for daemon in (public, private)]
-        results = []
-
-        async def average(daemon: Daemon) -> None:
-            results.append(await daemon.replicas.average_once())
-
-        with trio.fail_after(60):
-            async with trio.open_nursery() as rounds:
-                rounds.start_soon(average, public)
-                rounds.start_soon(average, private)
+        results = await average_together([public, private], timeout=60)
         assert all(result is not None and result.finished and result.group_size == 2 for result in results), results
         after = [p.detach() for p in private.expert_server.experts["ffn.0"].module.parameters()]
         for index, value in enumerate(after):
