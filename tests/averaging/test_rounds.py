@@ -47,16 +47,22 @@ async def _start_alone(service: RoundService, address) -> Start:
     return start
 
 
+async def _waiter_on_a_lone_round(nursery: trio.Nursery) -> tuple[RoundService, RoundService, list]:
+    """Two trainers: the coordinator has started round 3 alone (`_start_alone`), the waiter has not joined it;
+    returns (coordinator, waiter, the [(peer id, address)] of the coordinator that `await_step` asks)."""
+    peers, (coordinator, waiter) = await _services(2, MemoryNetwork(latency=0.01, seed=1), nursery)
+    await _start_alone(coordinator, peers[0].address)
+    return coordinator, waiter, [(coordinator.me, peers[0].address)]
+
+
 async def test_a_waiter_hears_at_once_that_the_round_it_waits_on_produced_nothing(autojump_clock):
-    memory = MemoryNetwork(latency=0.01, seed=1)
     async with trio.open_nursery() as nursery:
-        peers, (coordinator, waiter) = await _services(2, memory, nursery)
-        await _start_alone(coordinator, peers[0].address)
+        coordinator, waiter, coordinators = await _waiter_on_a_lone_round(nursery)
         began = trio.current_time()
         answered: list[float] = []
 
         async def wait() -> None:
-            holding = await waiter.await_step(4, [(coordinator.me, peers[0].address)], deadline=began + 60)
+            holding = await waiter.await_step(4, coordinators, deadline=began + 60)
             assert holding is None
             answered.append(trio.current_time() - began)
 
@@ -71,6 +77,14 @@ async def test_a_waiter_hears_at_once_that_the_round_it_waits_on_produced_nothin
         await wait()
         assert answered[1] < 0.1
         nursery.cancel_scope.cancel()
+
+
+async def _waiter_on_a_lone_round(nursery: trio.Nursery) -> tuple[RoundService, RoundService, list]:
+    """Two trainers: the coordinator has started round 3 alone (`_start_alone`), the waiter has not joined it;
+    returns (coordinator, waiter, the [(peer id, address)] of the coordinator that `await_step` asks)."""
+    peers, (coordinator, waiter) = await _services(2, MemoryNetwork(latency=0.01, seed=1), nursery)
+    await _start_alone(coordinator, peers[0].address)
+    return coordinator, waiter, [(coordinator.me, peers[0].address)]
 
 
 async def test_a_waiter_hears_at_once_from_the_lone_member_of_a_round_another_coordinated(autojump_clock):
@@ -136,12 +150,10 @@ async def test_a_round_whose_lone_member_holds_the_next_step_is_late_for_the_nex
 
 
 async def test_a_waiter_of_a_round_that_did_not_fail_waits_for_its_outer_step(autojump_clock):
-    memory = MemoryNetwork(latency=0.01, seed=1)
     async with trio.open_nursery() as nursery:
-        peers, (coordinator, waiter) = await _services(2, memory, nursery)
-        await _start_alone(coordinator, peers[0].address)
+        coordinator, waiter, coordinators = await _waiter_on_a_lone_round(nursery)
         began = trio.current_time()
-        assert await waiter.await_step(4, [(coordinator.me, peers[0].address)], deadline=began + 10) is None
+        assert await waiter.await_step(4, coordinators, deadline=began + 10) is None
         assert trio.current_time() - began >= 10  # nothing said it would not come: asked until the deadline
         nursery.cancel_scope.cancel()
 
