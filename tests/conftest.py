@@ -39,6 +39,16 @@ def memory_network() -> MemoryNetwork:
     return MemoryNetwork(latency=0.005, seed=1234)
 
 
+@pytest.fixture
+def processes():
+    """A `tests.peer_processes.ProcessGroup` for the test's child processes, all stopped when the test ends."""
+    from tests.peer_processes import ProcessGroup  # only the tests that start processes pay for the import
+
+    group = ProcessGroup()
+    yield group
+    group.close()
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests under the autojump clock run in virtual time: how busy the CPU is cannot change what they see, so
     `make test` runs the slow ones two at a time (`-m "slow and virtual_time" -n 2`) and the rest one by one."""

@@ -23,13 +23,6 @@ COMMON = ["--inner-steps", "20", "--steps", "240", "--lr", "0.01", "--log-every"
 ATTACK = ["--scale", "1000"]
 
 
-@pytest.fixture
-def processes():
-    group = ProcessGroup()
-    yield group
-    group.close()
-
-
 def _swarm(processes: ProcessGroup, aggregation: str, *, attacker: bool) -> list[PeerProcess]:
     """The honest trainers (and the attacker last) of the run "digits" on a swarm of their own (one daemon each):
     the initial model comes from the run id and the batches from --seed, so every swarm starts alike."""

@@ -13,15 +13,7 @@ import pytest
 import torch
 
 from tests.averaging.diloco_sim import reference_check
-from tests.peer_processes import ProcessGroup
 from tests.train_processes import diloco_daemon, diloco_trainer, train_result
-
-
-@pytest.fixture
-def processes():
-    group = ProcessGroup()
-    yield group
-    group.close()
 
 
 @pytest.mark.slow

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 
-from tests.peer_processes import ProcessGroup
 from tests.train_processes import diloco_daemon, diloco_trainer, train_result
 
 TRAINERS = 4
@@ -18,13 +17,6 @@ TRAINERS = 4
 # delivered what error feedback holds back (top-k 0.88-0.89 against int8 0.91, both varying by 0.05 run to run)
 OUTER_STEPS = 30
 COMMON = ["--inner-steps", "20", "--steps", str(20 * OUTER_STEPS), "--lr", "0.01", "--log-every", "100"]
-
-
-@pytest.fixture
-def processes():
-    group = ProcessGroup()
-    yield group
-    group.close()
 
 
 @pytest.mark.slow

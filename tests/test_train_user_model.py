@@ -13,7 +13,7 @@ import torch
 
 from peer.train import main
 from peer.user_model import ModelSpec, UserModelError, build_user_model, load_data
-from tests.peer_processes import ChildProcess, PeerProcess, ProcessGroup, start_daemon
+from tests.peer_processes import ChildProcess, PeerProcess, start_daemon
 
 MODULE = textwrap.dedent("""
     import torch
@@ -139,13 +139,6 @@ def test_bad_model_spec_exits_non_zero_with_one_line(tmp_path):
         assert process.wait(60) == status
         errors = process.stderr_tail().strip().splitlines()
         assert len(errors) == 1 and "--model" in errors[0], errors
-
-
-@pytest.fixture
-def processes():
-    group = ProcessGroup()
-    yield group
-    group.close()
 
 
 @pytest.mark.slow
