@@ -3,45 +3,19 @@ peer (its own identity, TCP and UDP sockets), the trainer a Swarm client joined 
 
 from __future__ import annotations
 
-import contextlib
-from pathlib import Path
-from typing import Iterator
-
 import pytest
 import torch
-import trio
 from torch import nn
 
 from moe.errors import NotAllowed
 from moe.export import ExportError, deswarmify, save_safetensors
 from moe.swarmify import find_ffn_blocks, swarmify
 from peer.client import Swarm
-from peer.daemon import Daemon, DaemonConfig
-from peer.p2p.bridge import Bridge
 from peer.p2p.identity import Identity
+from tests.moe.daemon_swarm import daemons
 
 transformers = pytest.importorskip("transformers")
 HIDDEN = 16
-
-
-@contextlib.contextmanager
-def daemons(patterns: list[str], kind: str, *, accept: list[str] = (), trainers: Path | None = None
-            ) -> Iterator[str]:
-    """One daemon per pattern, joined through the first; yields the bootstrap's HOST:PORT."""
-    with Bridge.start() as bridge:
-        address = None
-        for index, pattern in enumerate(patterns):
-            config = DaemonConfig(host="127.0.0.1", experts=pattern, expert_kind=kind, hidden_dim=HIDDEN,
-                                  initial_peers=[] if address is None else [address], seed=index * 100,
-                                  accept_weights_from=list(accept), lr=1e-3, trainers=trainers)
-            daemon = Daemon(config)
-
-            async def run(daemon: Daemon = daemon, task_status=trio.TASK_STATUS_IGNORED) -> None:
-                await daemon.run(task_status=task_status)
-
-            info = bridge.start_and_wait(run)
-            address = address or info.address
-        yield f"{address[0]}:{address[1]}"
 
 
 def _gpt2():
@@ -64,7 +38,7 @@ def test_swarmified_gpt2_trains_on_daemons_and_exports_a_plain_model_with_the_sa
     generator = torch.Generator().manual_seed(3)
     train = [torch.randint(0, 12, (4, 12), generator=generator) for _ in range(3)]
     held_out = torch.randint(0, 12, (6, 12), generator=generator)
-    with daemons(["swarm.[0:1].[0:1]", "swarm.[1:2].[0:1]"], "gpt2_ffn@64",
+    with daemons(["swarm.[0:1].[0:1]", "swarm.[1:2].[0:1]"], "gpt2_ffn@64", HIDDEN,
                  accept=[trainer.peer_id.hex()]) as bootstrap, Swarm([bootstrap], identity=trainer) as swarm:
         swarmify(model, swarm, k_best=1, experts_per_layer=1, upcycle=True)
         optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-3)
@@ -101,7 +75,7 @@ def test_torch_encoder_exports_and_read_weights_is_refused_to_peers_who_may_not_
     model = nn.Sequential(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False))
     original_keys = set(model.state_dict())
     x = torch.randn(2, 5, HIDDEN)
-    with daemons(["swarm.[0:2].[0:1]"], "relu_ffn@32", trainers=allowed) as bootstrap:
+    with daemons(["swarm.[0:2].[0:1]"], "relu_ffn@32", HIDDEN, trainers=allowed) as bootstrap:
         with Swarm([bootstrap], identity=trainer) as swarm:
             swarmify(model, swarm, k_best=1, experts_per_layer=1)
             model.eval()
@@ -123,7 +97,7 @@ def test_a_layer_of_several_experts_needs_merge_and_mean_merges():
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(HIDDEN, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
     model = nn.Sequential(nn.TransformerEncoder(layer, 1, enable_nested_tensor=False))
-    with daemons(["swarm.[0:1].[0:2]"], "relu_ffn@32") as bootstrap, Swarm([bootstrap]) as swarm:
+    with daemons(["swarm.[0:1].[0:2]"], "relu_ffn@32", HIDDEN) as bootstrap, Swarm([bootstrap]) as swarm:
         swarmify(model, swarm, k_best=2, experts_per_layer=2)
         with pytest.raises(ValueError, match="experts_per_layer=1"):
             deswarmify(model, swarm)

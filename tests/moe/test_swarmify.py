@@ -2,44 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 import pytest
 import torch
-import trio
 from torch import nn
 
 from moe.experts import UnknownExpertKind, get_expert_kind, registered_kinds
 from moe.swarmify import SwarmNotServing, find_ffn_blocks, swarmify
 from peer.client import Swarm
-from peer.daemon import Daemon, DaemonConfig
 from peer.options import INNER_WIDTH_KINDS, ExpertKindName, OptionError
-from peer.p2p.bridge import Bridge
 from peer.p2p.identity import Identity
+from tests.moe.daemon_swarm import daemons
 
 HIDDEN = 16
-
-
-@contextlib.contextmanager
-def daemons(pattern_parts: list[str], kind: str, hidden: int, accept: list[str] | None = None
-            ) -> Iterator[str]:
-    """One daemon per pattern (each a separate peer on its own sockets), joined through the first; yields the
-    bootstrap address."""
-    with Bridge.start() as bridge:
-        address = None
-        for index, pattern in enumerate(pattern_parts):
-            config = DaemonConfig(host="127.0.0.1", experts=pattern, expert_kind=kind, hidden_dim=hidden,
-                                  initial_peers=[] if address is None else [address], seed=index * 100,
-                                  accept_weights_from=list(accept or []), lr=1e-3)
-            daemon = Daemon(config)
-
-            async def run(daemon: Daemon = daemon, task_status=trio.TASK_STATUS_IGNORED) -> None:
-                await daemon.run(task_status=task_status)
-
-            info = bridge.start_and_wait(run)
-            address = address or info.address
-        yield f"{address[0]}:{address[1]}"
 
 
 def _train(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], loss_fn, steps: int) -> list[float]:
