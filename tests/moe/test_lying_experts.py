@@ -17,6 +17,7 @@ from moe.experts import OptimizerConfig, make_expert
 from moe.mixture import RemoteMixtureOfExperts
 from moe.trust import ExpertTrust
 from peer.status import format_status, gather_status
+from tests.moe.small_regression import regression_losses, teacher_data
 
 HIDDEN = 16
 GRID = (3, 4)
@@ -67,28 +68,17 @@ def every_expert_declared(swarm, timeout: float = 60.0) -> None:
 
 
 def train(swarm, steps: int):
-    """The small regression of tests/moe/test_mixture.py; returns (losses, step at which LIAR was banned)."""
+    """The small regression of tests/moe/small_regression.py; returns (losses, step at which LIAR was banned)."""
     every_expert_declared(swarm)
-    torch.manual_seed(1)
-    teacher = nn.Sequential(nn.Linear(HIDDEN, 32), nn.Tanh(), nn.Linear(32, HIDDEN))
-    xs = torch.randn(256, HIDDEN)
-    with torch.no_grad():
-        ys = teacher(xs)
+    xs, ys = teacher_data(HIDDEN)
     # every reply is waited for (the run is deterministic then: same losses, same ban step, run after run); with
     # the 10 s defaults a reply cut off on a very loaded machine changes which experts a step mixed, and the
     # liar-vs-honest comparison below would compare two different runs (seen once in CI at load ~17)
     moe = RemoteMixtureOfExperts(HIDDEN, GRID, "ffn", k_best=4, swarm=swarm, timeout_after_k_min=60.0,
                                  forward_timeout=60.0, backward_timeout=60.0)
-    head = nn.Linear(HIDDEN, HIDDEN)
-    opt = torch.optim.Adam([*moe.parameters(), *head.parameters()], lr=0.01)
     losses, banned_at = [], None
-    for step in range(steps):
-        batch = slice((step * 32) % 256, (step * 32) % 256 + 32)
-        loss = ((head(moe(xs[batch])) - ys[batch]) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    for step, loss in enumerate(regression_losses(moe, xs, ys, steps)):
+        losses.append(loss)
         if banned_at is None and moe.client.trust.is_banned(LIAR):
             banned_at = step
     return moe, losses, banned_at

@@ -12,6 +12,7 @@ from torch import nn
 from moe.experts import OptimizerConfig, make_expert
 from moe.mixture import RemoteMixtureOfExperts, RemoteSwitchMixtureOfExperts
 from peer.client import Swarm
+from tests.moe.small_regression import regression_losses, teacher_data
 
 HIDDEN = 16
 GRID = (3, 4)
@@ -90,23 +91,9 @@ def test_mixture_trains_a_small_model_through_the_trainers_swarm(dht_harness):
 
 
 def train_small_model(swarm):
-    torch.manual_seed(1)
-    teacher = nn.Sequential(nn.Linear(HIDDEN, 32), nn.Tanh(), nn.Linear(32, HIDDEN))
-    xs = torch.randn(256, HIDDEN)
-    with torch.no_grad():
-        ys = teacher(xs)
+    xs, ys = teacher_data(HIDDEN)
     moe = RemoteMixtureOfExperts(HIDDEN, GRID, "ffn", k_best=3, swarm=swarm)
-    head = nn.Linear(HIDDEN, HIDDEN)
-    opt = torch.optim.Adam([*moe.parameters(), *head.parameters()], lr=0.01)
-    losses = []
-    for step in range(40):
-        batch = slice((step * 32) % 256, (step * 32) % 256 + 32)
-        loss = ((head(moe(xs[batch])) - ys[batch]) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return list(regression_losses(moe, xs, ys, 40))
 
 
 def test_switch_mixture_equals_local_top1_and_balancing_loss(dht_harness):
