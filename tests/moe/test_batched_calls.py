@@ -13,6 +13,7 @@ from moe.beam_search import StaticGridOracle
 from moe.errors import BadExpertOutput, ExpertNotFound
 from moe.experts import ExpertKind, make_expert, register_expert_kind
 from moe.schema import TensorSpec
+from tests.moe.bad_experts import AnswersInf
 from tests.moe.process_training import TIMEOUT
 from tests.moe.two_layer_grid import (
     GRID,
@@ -26,17 +27,7 @@ from tests.moe.two_layer_grid import (
     uid_seed,
 )
 
-
-class _AnswersInf(nn.Module):
-    def __init__(self, hidden: int):
-        super().__init__()
-        self.linear = nn.Linear(hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x) * float("inf")
-
-
-register_expert_kind(ExpertKind("test_batched_inf", lambda h, **o: _AnswersInf(h),
+register_expert_kind(ExpertKind("test_batched_inf", lambda h, **o: AnswersInf(h),
                                 lambda h, **o: [TensorSpec((h,))]), replace=True)
 
 

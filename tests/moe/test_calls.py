@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from moe import calls
 from moe.errors import BadExpertOutput
@@ -13,18 +12,9 @@ from moe.remote_expert import RemoteExpert
 from moe.schema import TensorSpec
 from peer.p2p import wire
 from peer.p2p.rpc import CallTimeout, ConnectionFailed, RemoteError
+from tests.moe.bad_experts import AnswersInf
 
-
-class _AnswersInf(nn.Module):
-    def __init__(self, hidden: int):
-        super().__init__()
-        self.linear = nn.Linear(hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x) * float("inf")
-
-
-register_expert_kind(ExpertKind("test_calls_inf", lambda h, **o: _AnswersInf(h), lambda h, **o: [TensorSpec((h,))]),
+register_expert_kind(ExpertKind("test_calls_inf", lambda h, **o: AnswersInf(h), lambda h, **o: [TensorSpec((h,))]),
                      replace=True)
 
 
