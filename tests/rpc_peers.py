@@ -1,11 +1,12 @@
-"""RPC peers for tests, and raw connections to them (tests/test_rpc.py, test_wire_codecs.py).
+"""RPC peers for tests, and raw connections to them (tests/test_rpc.py, test_wire_codecs.py, test_budgets.py).
 
 - `Swarmlet`: a few RPC peers on one network (in memory, or real sockets on 127.0.0.1), each serving the test
   handlers of `register_test_handlers`: echo, whoami, fail (`QuotaExceeded`, a typed remote error registered
   here, or an untyped failure), sleep (setting `node_cancelled_events[id(node)]`, if a test put one there, when
   the handler is cancelled) and double.
 - `raw_connect`: a plain stream to a peer, no handshake (hostile input starts here); `send_raw_request`: one
-  request's frames over a hand-rolled channel (tests/hand_rolled.py) and the decoded reply on its stream.
+  request's frames over a hand-rolled channel (tests/hand_rolled.py) and the decoded reply on its stream;
+  `expect_closed`: waits for the peer to close such a stream.
 """
 
 from __future__ import annotations
@@ -97,3 +98,14 @@ async def send_raw_request(channel: hand_rolled.RawChannel, stream_id: int, body
             for event in await channel.receive_events():
                 if isinstance(event, framing.MessageReceived) and event.stream_id == stream_id:
                     return wire.decode(event.data)
+
+
+async def expect_closed(stream: trio.abc.Stream, within: float = 10) -> None:
+    """Reads `stream` until the other side closes it (anything it still sends is dropped); fails after `within`
+    seconds."""
+    with trio.fail_after(within):
+        try:
+            while await stream.receive_some(65536):
+                pass
+        except trio.BrokenResourceError:
+            pass

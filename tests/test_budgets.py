@@ -20,6 +20,7 @@ from peer.p2p.identity import Identity
 from peer.p2p.net import RealNetwork
 from peer.p2p.rpc import BudgetExceeded, CallContext, RPCNode
 from tests import hand_rolled
+from tests.rpc_peers import expect_closed
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -34,15 +35,6 @@ async def open_node(stack: AsyncExitStack, **options) -> RPCNode:
     node = await stack.enter_async_context(RPCNode(Identity.generate(), RealNetwork(), **options))
     await node.listen("127.0.0.1", 0)
     return node
-
-
-async def expect_closed(stream: trio.abc.Stream, within: float) -> None:
-    with trio.fail_after(within):
-        try:
-            while await stream.receive_some(65536):
-                pass
-        except trio.BrokenResourceError:
-            pass
 
 
 # ------------------------------------------------------------------------------------------------ the accountant

@@ -24,7 +24,14 @@ from peer.p2p.rpc import (
     UnknownMethod,
 )
 from tests import hand_rolled
-from tests.rpc_peers import QuotaExceeded, Swarmlet, node_cancelled_events, raw_connect, send_raw_request
+from tests.rpc_peers import (
+    QuotaExceeded,
+    Swarmlet,
+    expect_closed,
+    node_cancelled_events,
+    raw_connect,
+    send_raw_request,
+)
 
 
 @pytest.fixture(params=["real", "memory"])
@@ -214,15 +221,6 @@ async def test_large_transfer_does_not_block_small_calls(transport, clock):
 
 
 # ---------------------------------------------------------------------------------------------- hostile input
-
-
-async def expect_closed(stream, within: float = 10):
-    with trio.fail_after(within):
-        try:
-            while await stream.receive_some(65536):
-                pass
-        except trio.BrokenResourceError:
-            pass
 
 
 async def test_hostile_connections_are_closed_and_the_server_keeps_serving(transport, clock):
