@@ -136,20 +136,21 @@ async def hold_circuits(net: Net, relay_node: RPCNode, target: RPCNode, count: i
     for token in tokens:
         stream = await net.network("a").connect_tcp(relay_node.address)
         await stream.send_all(relay.accept_request(token))
-        try:
-            with trio.fail_after(10):
-                await relay.read_message(stream, ResponseReader())
-            held.append(stream)
-        except (relay.RelayError, trio.BrokenResourceError, trio.TooSlowError):
-            await stream.aclose()
+        await _hold_if_answered(stream, held)
     for stream in dialers:
-        try:
-            with trio.fail_after(10):
-                await relay.read_message(stream, ResponseReader())
-            held.append(stream)
-        except (relay.RelayError, trio.BrokenResourceError, trio.TooSlowError):
-            await stream.aclose()
+        await _hold_if_answered(stream, held)
     return held
+
+
+async def _hold_if_answered(stream: trio.abc.Stream, held: list[trio.abc.Stream]) -> None:
+    """Adds `stream` to `held` once the relay's response to its request arrives within 10 s; closes it if the
+    relay refuses, drops or never answers it."""
+    try:
+        with trio.fail_after(10):
+            await relay.read_message(stream, ResponseReader())
+        held.append(stream)
+    except (relay.RelayError, trio.BrokenResourceError, trio.TooSlowError):
+        await stream.aclose()
 
 
 async def reserved_private_peer(stack: AsyncExitStack, net: Net, relay_node: RPCNode) -> RPCNode:
