@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import msgpack
 import pytest
@@ -237,15 +239,21 @@ async def test_a_proxy_that_swaps_an_ephemeral_key_breaks_the_handshake():
         assert server.stats["connections_accepted"] == 0
 
 
-@pytest.mark.parametrize("client_secure, server_secure", [(False, True), (True, False)])
-async def test_an_insecure_and_a_default_peer_refuse_each_other_with_one_clear_line(client_secure, server_secure):
+@asynccontextmanager
+async def _echo_pair(*, client_secure: bool, server_secure: bool) -> AsyncIterator[tuple[RPCNode, RPCNode, tuple]]:
+    """A server serving `echo` on 127.0.0.1 and a client, each secure or not; yields (server, client, address)."""
     async with RPCNode(Identity.generate(), RealNetwork(), secure=server_secure) as server, \
             RPCNode(Identity.generate(), RealNetwork(), secure=client_secure) as client:
         async def echo(ctx, args):
             return args
 
         server.register("echo", echo)
-        address = await server.listen("127.0.0.1", 0)
+        yield server, client, await server.listen("127.0.0.1", 0)
+
+
+@pytest.mark.parametrize("client_secure, server_secure", [(False, True), (True, False)])
+async def test_an_insecure_and_a_default_peer_refuse_each_other_with_one_clear_line(client_secure, server_secure):
+    async with _echo_pair(client_secure=client_secure, server_secure=server_secure) as (server, client, address):
         with pytest.raises(HandshakeError) as caught:
             await client.call(address, "echo", "x", timeout=10)
         message = str(caught.value)
@@ -256,13 +264,7 @@ async def test_an_insecure_and_a_default_peer_refuse_each_other_with_one_clear_l
 
 
 async def test_two_insecure_peers_talk_in_plaintext():
-    async with RPCNode(Identity.generate(), RealNetwork(), secure=False) as server, \
-            RPCNode(Identity.generate(), RealNetwork(), secure=False) as client:
-        async def echo(ctx, args):
-            return args
-
-        server.register("echo", echo)
-        address = await server.listen("127.0.0.1", 0)
+    async with _echo_pair(client_secure=False, server_secure=False) as (server, client, address):
         assert await client.call(address, "echo", "plain", timeout=10) == "plain"
         (connection,) = client._connections.values()
         assert connection.protocol.sealer is None
