@@ -89,6 +89,7 @@ from peer.p2p.relay import RelayLimitReached, ResponseReader  # noqa: E402
 from peer.p2p.relay_service import POLL_METHOD, RESERVE_METHOD  # noqa: E402
 from peer.p2p.rpc import BudgetExceeded, CallContext, RPCError, RPCNode  # noqa: E402
 from peer.status import STATUS_METHOD  # noqa: E402
+from tests import hand_rolled  # noqa: E402
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -419,13 +420,7 @@ async def sealed_session(address: Address) -> tuple[trio.SocketStream, seal.Seal
     shake = Handshake(Identity.generate(), Role.INITIATOR)
     await stream.send_all(shake.data_to_send())
     with trio.fail_after(10):
-        while True:
-            data = await stream.receive_some(65536)
-            if not data:
-                raise shake.connection_closed()
-            events = shake.receive_data(data)
-            if events:
-                break
+        events = await hand_rolled.handshake_reply(stream, shake)
     await stream.send_all(shake.data_to_send())
     keys = events[0].keys
     assert keys is not None

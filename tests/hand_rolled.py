@@ -66,19 +66,25 @@ class RawChannel:
         return self.feed(data)
 
 
-async def handshake(stream: trio.abc.Stream, identity: Identity | None = None, *, secure: bool = True,
-                    trailing: bytes | None = None) -> RawChannel:
-    """The initiator's side of a real handshake over `stream`; our PROOF goes out together with `trailing`
-    (plaintext, sealed here) in one write, as a fast peer sends its first request."""
-    shake = Handshake(identity or Identity.generate(), Role.INITIATOR, secure=secure)
-    await stream.send_all(shake.data_to_send())
+async def handshake_reply(stream: trio.abc.Stream, shake: Handshake) -> list[HandshakeComplete]:
+    """Reads `stream` into the initiator's `shake` (its HELLO already sent) until the handshake completes;
+    returns its events (the `HandshakeComplete`); raises its error if the other side closes first."""
     while True:
         data = await stream.receive_some(65536)
         if not data:
             raise shake.connection_closed()
         events = shake.receive_data(data)
         if events:
-            break
+            return events
+
+
+async def handshake(stream: trio.abc.Stream, identity: Identity | None = None, *, secure: bool = True,
+                    trailing: bytes | None = None) -> RawChannel:
+    """The initiator's side of a real handshake over `stream`; our PROOF goes out together with `trailing`
+    (plaintext, sealed here) in one write, as a fast peer sends its first request."""
+    shake = Handshake(identity or Identity.generate(), Role.INITIATOR, secure=secure)
+    await stream.send_all(shake.data_to_send())
+    events = await handshake_reply(stream, shake)
     channel = RawChannel(stream, events[0])
     leftover = channel.feed(events[0].leftover) if events[0].leftover else []
     assert not leftover
