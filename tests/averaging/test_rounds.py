@@ -79,14 +79,6 @@ async def test_a_waiter_hears_at_once_that_the_round_it_waits_on_produced_nothin
         nursery.cancel_scope.cancel()
 
 
-async def _waiter_on_a_lone_round(nursery: trio.Nursery) -> tuple[RoundService, RoundService, list]:
-    """Two trainers: the coordinator has started round 3 alone (`_start_alone`), the waiter has not joined it;
-    returns (coordinator, waiter, the [(peer id, address)] of the coordinator that `await_step` asks)."""
-    peers, (coordinator, waiter) = await _services(2, MemoryNetwork(latency=0.01, seed=1), nursery)
-    await _start_alone(coordinator, peers[0].address)
-    return coordinator, waiter, [(coordinator.me, peers[0].address)]
-
-
 async def test_a_waiter_hears_at_once_from_the_lone_member_of_a_round_another_coordinated(autojump_clock):
     """The end of a run: a coordinator that is finishing starts round 3 with one member (itself not in it); that
     member applies nothing, and a trainer told to catch up to outer step 4 from it must hear so at once."""
