@@ -56,12 +56,20 @@ async def _recovered_within(seconds: float, client: RunningNode, servers: list[R
             await trio.sleep(0.25)
 
 
+async def _three_servers_and_a_trainer(nursery: trio.Nursery, seed: int,
+                                      holder: int) -> tuple[MemoryNetwork, list[RunningNode], RunningNode]:
+    """Three servers on an in-memory network, `servers[holder]` storing the probe record, and a trainer's client
+    joined through the first; returns (network, servers, client)."""
+    network = MemoryNetwork(latency=0.005, seed=seed)
+    servers = await _servers(nursery, network, 3, seed=seed)
+    assert await servers[holder].node.store("probe-key", "v", FAR)
+    client = await _client(nursery, network, "trainer", [servers[0].node.address], seed=seed)
+    return network, servers, client
+
+
 async def test_client_whose_three_servers_all_froze_finds_them_again(autojump_clock):
-    network = MemoryNetwork(latency=0.005, seed=11)
     async with trio.open_nursery() as nursery:
-        servers = await _servers(nursery, network, 3, seed=11)
-        assert await servers[1].node.store("probe-key", "v", FAR)
-        client = await _client(nursery, network, "trainer", [servers[0].node.address], seed=11)
+        network, servers, client = await _three_servers_and_a_trainer(nursery, seed=11, holder=1)
         assert len(client.node.routing_table_ids()) == 3
         for server in servers:  # frozen one after the other, and kept frozen: the table drains to nothing
             network.freeze(server.node.address[0])
@@ -82,11 +90,8 @@ async def test_client_whose_three_servers_all_froze_finds_them_again(autojump_cl
 
 async def test_client_survives_its_servers_freezing_one_at_a_time(autojump_clock):
     """The reported sequence: each server frozen until the client evicted it, then running again."""
-    network = MemoryNetwork(latency=0.005, seed=12)
     async with trio.open_nursery() as nursery:
-        servers = await _servers(nursery, network, 3, seed=12)
-        assert await servers[2].node.store("probe-key", "v", FAR)
-        client = await _client(nursery, network, "trainer", [servers[0].node.address], seed=12)
+        network, servers, client = await _three_servers_and_a_trainer(nursery, seed=12, holder=2)
         for server in servers:
             network.freeze(server.node.address[0])
             await _use_until_evicted(client, server)
