@@ -112,9 +112,9 @@ async def _cancel(scope: trio.CancelScope) -> None:
 def test_junk_and_squat_from_ten_identities_leave_a_diloco_run_as_it_is_without_them(bridge):
     clean = _train_run(bridge, attacked=False)
     attacked = _train_run(bridge, attacked=True)
-    # every squatter stored through the run, and the storers took the declarations (clamped to their own
-    # expiration limit) while refusing the 8 KiB values under these keys
-    assert attacked["stores"]["rounds"] >= 2 and attacked["stores"]["acknowledged"] > 0, attacked["stores"]
+    # every squatter stored a full round before the training started (and went on storing during it), and the
+    # storers took the declarations (clamped to their own expiration limit) while refusing the 8 KiB values
+    assert attacked["stores"]["rounds"] >= 1 and attacked["stores"]["acknowledged"] > 0, attacked["stores"]
     assert clean["outer_steps"] == attacked["outer_steps"] == {OUTER_STEPS}, (clean, attacked)
     assert len(attacked["hashes"]) == 1, attacked
     assert attacked["group_sizes"] == clean["group_sizes"] == [{3: OUTER_STEPS}] * 3, (clean, attacked)
