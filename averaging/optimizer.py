@@ -8,6 +8,7 @@ local steps, or of the swarm's outer steps) and in what they report; those diffe
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import logging
 import threading
@@ -77,7 +78,7 @@ class SwarmOptimizer(Protocol):
         ...
 
 
-class SwarmOptimizerBase:
+class SwarmOptimizerBase(abc.ABC):
     """What both optimizers do alike: the torch face over the wrapped optimizer, starting their trio-side services
     where partners can reach them, serving their state to trainers that catch up, and leaving the run.
     Subclasses set `optimizer`, `swarm`, `tracker`, `_lock` and `_scope` (the cancel scope of their trio-side
@@ -89,12 +90,14 @@ class SwarmOptimizerBase:
     _lock: threading.Lock
     _scope: trio.CancelScope | None
 
+    @abc.abstractmethod
     async def _serve(self, listen_host: str | None, *,
                      task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED) -> None:
-        raise NotImplementedError
+        """The optimizer's trio-side services, run by `_start_serving` until its cancel scope is cancelled."""
 
+    @abc.abstractmethod
     def _get_state(self) -> tuple[Any, list[torch.Tensor]]:
-        raise NotImplementedError
+        """What a trainer that catches up downloads: (metadata, tensors)."""
 
     def _start_serving(self, listen: bool, listen_host: str | None) -> trio.CancelScope:
         """Start `_serve` in the swarm's trio thread and return its cancel scope. A listening optimizer without

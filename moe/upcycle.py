@@ -20,6 +20,7 @@ consistent state, never a half-applied optimizer step.
 
 from __future__ import annotations
 
+import abc
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
@@ -38,7 +39,7 @@ class WeightsRefused(RemoteError, code="moe.weights_refused"):
     """The daemon does not accept expert weights from the calling peer (not in its --accept-weights-from)."""
 
 
-class _WeightService:
+class _WeightService(abc.ABC):
     """What the write and the read side share: the expert server, the peers its operator lets write weights
     (`--accept-weights-from`, as hex PeerIDs), a count of refused calls, the one RPC method `register` installs,
     and finding the expert a call names. Subclasses set `method` and answer it in `_handle`."""
@@ -53,8 +54,9 @@ class _WeightService:
     def register(self, rpc: RPCNode) -> None:
         rpc.register(self.method, self._handle)
 
+    @abc.abstractmethod
     async def _handle(self, context: CallContext, args: Any) -> dict[str, Any]:
-        raise NotImplementedError
+        """Answer one call of `method`."""
 
     def _expert(self, uid: str) -> Expert:
         """The expert `uid` names on this server; ExpertNotFound for the caller when there is none."""
