@@ -15,6 +15,8 @@ core changed.
   evidence to share), the deadlines of the senders of its own part and of the pulls it serves, the events for
   the hook, and the round's result.
 - `TransferBudget`: the deadline of one transfer from the measured throughput and the bytes queued on the link.
+- `averaging.reducer_audit`: whether a reducer's returned part is believed (plausibility, cross-reduction);
+  `averaging.pull_ledger`: when serving our part's mean is over. Questions of their own that RoundCore asks.
 - `plan_retry` / `merge_retry`: the follow-up round on the parts whose reducer was lost.
 
 Errors: a message from a peer that breaks the protocol raises `ChunkRejected` (a `RemoteViolation`): the
@@ -43,6 +45,9 @@ from averaging.partition import (
     chunk_views,
     segment_view,
 )
+from averaging.pull_ledger import PullLedger
+from averaging.reducer_audit import CHECK_RTOL as CHECK_RTOL  # re-exported: it was defined here before
+from averaging.reducer_audit import checker_disagrees, checker_of, cross_verdict, implausible, reducer_claims
 from peer.p2p.identity import PeerID
 
 NOTHING = -1  # chunk index of the one push a zero-weight member sends: "I contribute nothing to this part"
@@ -222,6 +227,17 @@ class PartReducer:
         self.last_activity[sender] = now
         if len(received) == self.n_chunks:
             self._mark_complete(sender, now)
+
+    def feed(self, sender: int, weight: float, tensors: Sequence[torch.Tensor], *, now: float) -> None:
+        """A member's own slice of this part, read from its `tensors` without the network (the reducer's own, or a
+        checker's): as the chunks (views, nothing is copied until summed), or the NOTHING marker at weight 0."""
+        if self.n_chunks == 0:
+            return
+        if weight == 0:
+            self.receive(sender, NOTHING, 0.0, [], now=now)
+            return
+        for index, chunk in enumerate(self.part.chunks):
+            self.receive(sender, index, weight, chunk_views(tensors, chunk), now=now)
 
     def joined(self, sender: int, now: float) -> None:
         """The sender showed up in the round (its watch call arrived): from now on it is held to chunk deadlines
@@ -545,12 +561,7 @@ class RoundCore:
         self.released = False
         self.aborted = False
         self.closed = False
-        # serving our part's mean
-        self.pulled: dict[int, set[int]] = {}
-        self.last_pull: dict[int, float] = {}
-        self.gone: set[int] = set()
-        self.watching: set[int] = set()
-        self.released_at: float | None = None
+        self.pulls = PullLedger()  # serving our part's mean
         self.bytes_sent = 0
         self.bytes_received = 0
         self.events: list[Event] = []
@@ -657,11 +668,7 @@ class RoundCore:
         if not reply.get("averaged"):
             self.parts[part_index] = PartState.NO_MEAN
             return False
-        self._reply_contributors[part_index] = [
-            c for c in reply.get("contributors") or [] if isinstance(c, int) and not isinstance(c, bool)]
-        reported = reply.get("norm")
-        self._reply_norms[part_index] = float(reported) if isinstance(reported, (int, float)) \
-            and not isinstance(reported, bool) and math.isfinite(reported) and reported >= 0 else 0.0
+        self._reply_contributors[part_index], self._reply_norms[part_index] = reducer_claims(reply)
         self.parts[part_index] = PartState.PULLING
         return True
 
@@ -679,17 +686,13 @@ class RoundCore:
 
     def check_reduced(self, part_index: int, values: Sequence[Sequence[torch.Tensor]]) -> bool:
         """Before writing a pulled part into our tensors: could an honest reducer have produced it from what we
-        sent (`averaging.robust.plausible`)? If not, the reducer is a liar: the part keeps our local values
-        (it counts as failed, so it is not retried) and the averager counts a strike against the reducer."""
-        part = self.partition.parts[part_index]
-        if not part.chunks:
-            return True
-        reduced = [v for chunk in values for v in chunk]
-        own = None if self.weight == 0 else [t for chunk in part.chunks for t in chunk_views(self.tensors, chunk)]
-        if robust.plausible(reduced, own, self._reply_norms.get(part_index, 0.0), self.config.aggregation):
-            return True
-        self._caught(part_index, "returned an implausible reduced part")
-        return False
+        sent (`reducer_audit.implausible`)? If not, the reducer is a liar: the part keeps our local values (it
+        counts as failed, so it is not retried) and the averager counts a strike against the reducer."""
+        lie = implausible(self.partition.parts[part_index], values, self.tensors, self.weight,
+                          self._reply_norms.get(part_index, 0.0), self.config.aggregation)
+        if lie is not None:
+            self._caught(part_index, lie)
+        return lie is None
 
     def _caught(self, part_index: int, reason: str) -> None:
         owner = self.owner_of(part_index)
@@ -702,13 +705,8 @@ class RoundCore:
 
     def feed_checks(self, now: float) -> None:
         """Our own slice of every part we cross-reduce goes to its copy without the network."""
-        for index, check in self.checks.items():
-            part = self.partition.parts[index]
-            if self.weight == 0:
-                check.receive(self.me, NOTHING, 0.0, [], now=now)
-                continue
-            for chunk_index, chunk in enumerate(part.chunks):
-                check.receive(self.me, chunk_index, self.weight, chunk_views(self.tensors, chunk), now=now)
+        for check in self.checks.values():
+            check.feed(self.me, self.weight, self.tensors, now=now)
 
     def receive_check_push(self, sender: int, part_index: Any, chunk: Any, weight: Any, data: Any,
                            now: float) -> None:
@@ -729,48 +727,21 @@ class RoundCore:
         return all(c in check.complete for c in self._reply_contributors.get(part_index, []))
 
     def cross_check(self, part_index: int, values: Sequence[Sequence[torch.Tensor]]) -> bool | None:
-        """As the part's checker, with the reducer's part pulled: recompute it from our copy of the contributions
-        over the contributors the reducer reported, and compare. True: it matches; False: the reducer lied (the
-        part keeps our local values, a strike against it); None: inconclusive (we lack a contributor's data).
-        A reducer must also count at least half of the senders we hold data of: it cannot pick a minority (say,
-        its Sybils) and call the rest rejected."""
-        check = self.checks[part_index]
+        """As the part's checker, with the reducer's part pulled (`reducer_audit.cross_verdict`). True: it matches;
+        False: the reducer lied (the part keeps our local values, a strike against it); None: inconclusive."""
         contributors = self._reply_contributors.get(part_index, [])
-        expected = check.recompute(contributors)
-        holding = [s for s in check.complete if check.weights.get(s, 0.0) > 0]
-        if expected is None:
-            if contributors or not holding:
-                return None
-            self._caught(part_index, "reported no contributor for a part others sent")
-            return False
-        if 2 * len(set(contributors)) < len(holding):
-            self._caught(part_index, f"counted {len(set(contributors))} of {len(holding)} senders")
-            return False
-        reduced = torch.cat([v.reshape(-1).to(expected.dtype) for chunk in values for v in chunk])
-        if reduced.numel() != expected.numel():
-            return None
-        if robust.norm(reduced - expected) <= CHECK_RTOL * max(robust.norm(expected), 1e-30):
-            return True
-        self._caught(part_index, "its part differs from the cross-reduction")
-        return False
+        verdict, lie = cross_verdict(self.checks[part_index], contributors, values)
+        if verdict is False:
+            self._caught(part_index, lie)
+        return verdict
 
     def peer_verdict(self, part_index: int, answer: Any, values: Sequence[Sequence[torch.Tensor]]) -> bool:
-        """The checker's verdict on a part we pulled ({"verdict": True/False/None, "norm": the norm of the part
-        as the checker pulled it}). False: the reducer lied (to the checker, or to us: a part whose norm differs
-        from what the checker got), so the part keeps our local values and the reducer gets a strike; a
-        malformed or inconclusive answer believes the part (a lying checker can only withhold its check)."""
-        if not isinstance(answer, dict):
-            return True
-        verdict, reported = answer.get("verdict"), answer.get("norm")
-        if verdict is False:
-            self._caught(part_index, "its checker's cross-reduction differs")
-            return False
-        if verdict is True and isinstance(reported, float) and math.isfinite(reported):
-            mine = robust.part_norm(v for chunk in values for v in chunk)
-            if abs(mine - reported) > CHECK_RTOL * max(reported, 1e-30):
-                self._caught(part_index, "returned another part to its checker")
-                return False
-        return True
+        """The checker's verdict on a part we pulled (`reducer_audit.checker_disagrees`). False: the reducer lied,
+        so the part keeps our local values and the reducer gets a strike."""
+        lie = checker_disagrees(answer, values)
+        if lie is not None:
+            self._caught(part_index, lie)
+        return lie is None
 
     def part_averaged(self, part_index: int) -> None:
         """The pulled mean is written into our tensors."""
@@ -797,15 +768,7 @@ class RoundCore:
 
     def feed_own_part(self, now: float) -> None:
         """Our own slice of our own part goes to our reducer without the network."""
-        reducer = self._need_reducer()
-        assert self.own_part is not None
-        if reducer.n_chunks == 0:
-            return
-        if self.weight == 0:
-            reducer.receive(self.me, NOTHING, 0.0, [], now=now)
-            return
-        for index, chunk in enumerate(self.own_part.chunks):
-            reducer.receive(self.me, index, self.weight, chunk_views(self.tensors, chunk), now=now)
+        self._need_reducer().feed(self.me, self.weight, self.tensors, now=now)
 
     def expire_senders(self, now: float) -> tuple[bool, float]:
         """Count the senders of our part that missed their (adaptive) deadline as failed; returns (whether any
@@ -854,27 +817,20 @@ class RoundCore:
         """The mean of our part is in our tensors; from now on we serve it to the committed members."""
         assert self.own_part is not None
         self.averaged[self.own_part.index] = True
-        self.released_at = now
+        self.pulls.released_at = now
 
     def pull_service(self, now: float) -> float | None:
-        """Serving our mean: None once every committed member has its copy, left, or missed its deadline, else
-        when the next one falls due. A member is done when it pulled every chunk AND ended its watch call: a pull
-        handler returns before its reply has crossed the network, so leaving at that point could cut the last
-        reply off."""
+        """Serving our mean (`PullLedger.next_due`): None once every committed member has its copy, left, or
+        missed its deadline, else when the next one falls due. Every member pulling shares our outbound link."""
         reducer = self._need_reducer()
-        released_at = self.released_at if self.released_at is not None else now
-        while True:
-            waiting = [m for m in reducer.committed
-                       if m != self.me and m not in self.failed and m not in self.gone
-                       and (m in self.watching or len(self.pulled.get(m, ())) < reducer.n_chunks)]
-            if not waiting:
-                return None
-            timeout = self.budget.chunk_timeout(reducer.max_chunk_bytes * len(waiting) * self.config.pulls_in_flight)
-            deadlines = {m: self.last_pull.get(m, released_at) + timeout for m in waiting}
-            late = [m for m, due in deadlines.items() if due <= now]
-            if not late:
-                return min(deadlines.values())
-            self.gone.update(late)
+        served = [m for m in reducer.committed if m != self.me and m not in self.failed]
+        return self.pulls.next_due(served, reducer.n_chunks, lambda pulling: self.budget.chunk_timeout(
+            reducer.max_chunk_bytes * pulling * self.config.pulls_in_flight), now)
+
+    @property
+    def gone(self) -> set[int]:
+        """The members we no longer serve our mean (`PullLedger.gone`)."""
+        return self.pulls.gone
 
     # ------------------------------------------------------------------------------------------ reducer side
 
@@ -900,15 +856,14 @@ class RoundCore:
 
     def watch_started(self, sender: int, part_index: Any, now: float) -> None:
         reducer = self._reducer_for(sender, part_index, "allreduce.watch")
-        self.watching.add(sender)
+        self.pulls.watching.add(sender)
         reducer.joined(sender, now)
 
     def watch_ended(self, sender: int, *, cancelled: bool) -> None:
         """A member's watch call ended; `cancelled`: it vanished (or the round ended here)."""
         if cancelled and self.reducer is not None and sender not in self.reducer.committed:
             self.note_failed(sender, reason="left before committing")
-        self.watching.discard(sender)
-        self.gone.add(sender)
+        self.pulls.watch_ended(sender)
 
     def receive_commit(self, sender: int, part_index: Any, weight: Any, suspects: Any) -> None:
         """A member commits to our part, naming the members it saw crash (hard evidence, taken as ours)."""
@@ -928,7 +883,7 @@ class RoundCore:
 
     def commit_abandoned(self, sender: int) -> None:
         """A member left before our mean was ready: do not wait for its pulls."""
-        self.gone.add(sender)
+        self.pulls.gone.add(sender)
 
     def finish_answer(self) -> dict[str, Any] | None:
         """The answer to a pending commit once `released`; None when we left the round before reducing."""
@@ -950,8 +905,7 @@ class RoundCore:
             raise RemoteViolation("this part has no mean", peer=self.peer(member), operation="allreduce.pull")
         if not isinstance(chunk, int) or isinstance(chunk, bool) or not 0 <= chunk < reducer.n_chunks:
             raise RemoteViolation(f"no chunk {chunk!r}", peer=self.peer(member), operation="allreduce.pull")
-        self.pulled.setdefault(member, set()).add(chunk)
-        self.last_pull[member] = now
+        self.pulls.served(member, chunk, now)
         return list(reducer.result[chunk])
 
     def chunk_served(self, nbytes: int) -> None:
@@ -1004,28 +958,6 @@ class RoundCore:
     def _blame(self, error: AveragingError, sender: int, operation: str) -> None:
         error.peer = self.peer(sender)
         error.operation = operation
-
-
-CHECK_RTOL = 1e-3  # a cross-reduced part matches when |reducer's - checker's| <= this * |checker's| (float sums)
-
-
-def checker_of(group: GroupInfo, partition: Partition, part_index: int, rate: float) -> int | None:
-    """The member that cross-reduces part `part_index` this round, or None (not checked this time).
-
-    Drawn from the group id, so every member knows the schedule without a message and the reducer cannot choose
-    it; the group id is fixed before anyone knows which part it will reduce. Candidates are the members that
-    accept calls (the checker receives pushes), other than the part's reducer."""
-    if rate <= 0:
-        return None
-    part = partition.parts[part_index]
-    candidates = [i for i, m in enumerate(group.members) if not m.client_mode and i != part.owner]
-    if not candidates or not part.chunks:
-        return None
-    seed = hashlib.blake2b(group.group_id + b"|cross-check|" + part_index.to_bytes(4, "little"), digest_size=16)
-    draw = int.from_bytes(seed.digest()[:8], "little")
-    if (draw >> 11) / float(1 << 53) >= rate:
-        return None
-    return candidates[int.from_bytes(seed.digest()[8:], "little") % len(candidates)]
 
 
 def plan_retry(result: AllReduceResult, partition: Partition, group: GroupInfo, *, now: float,
