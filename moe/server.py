@@ -20,6 +20,9 @@ experts every `declare_interval` seconds with expiration `dht.now() + declare_tt
 `checkpoint_interval` seconds, and on cancellation unregisters the handlers, waits for running batches and saves
 a final checkpoint. Use `choose_uids` first to pick uids: checkpointed ones and those the same PeerID still declares
 come back, new ones avoid the DHT's.
+
+Every call is decoded and checked (the expert it names, its schema, finiteness, norms against the expert's usual
+ones, the reply codec) by `moe.call_checks` before anything reaches the runtime.
 """
 
 from __future__ import annotations
@@ -40,14 +43,13 @@ import trio
 
 from dht.client import DHTClient
 from moe import calls
+from moe.call_checks import CallChecker
 from moe.declare import PeerIDLike, declare_experts, find_free_uids, find_own_uids
-from moe.errors import BadExpertInput, CheckpointError, ExpertFailed, ExpertNotFound, NotAllowed, ServerShuttingDown
+from moe.errors import CheckpointError, ExpertFailed, NotAllowed, ServerShuttingDown
 from moe.experts import Expert, KeptForward, OptimizerConfig, make_expert
 from moe.grid import GridPattern, InvalidUID, choose_free_uids, is_valid_uid
 from moe.kept import KeptStore
 from moe.runtime import ExpertComputeError, ExpertRuntime, RuntimeNotRunning
-from moe.schema import SchemaError, validate_batch
-from moe.trust import NormStats, typical_norm
 from peer.p2p import wire
 from peer.p2p.identity import PeerID
 from peer.p2p.memory import TrimPolicy, keep_returning_memory
@@ -252,10 +254,6 @@ class ExpertServer:
         self.trainers = trainers if trainers is not None else CallerPolicy()
         self.forward_from = forward_from if forward_from is not None else CallerPolicy()
         self.max_norm_ratio = max_norm_ratio
-        # per expert uid: running statistics of each input tensor's and each gradient tensor's size
-        self._norms: dict[str, dict[str, list[NormStats]]] = {
-            uid: {"inputs": [NormStats() for _ in e.inputs], "grad_outputs": [NormStats() for _ in e.outputs]}
-            for uid, e in self.experts.items()}
         self.runtime = ExpertRuntime(
             self.experts, max_batch_size=max_batch_size, min_batch_size=min_batch_size,
             batch_timeout=batch_timeout, threads_per_device=threads_per_device, inline_threshold=inline_threshold,
@@ -267,6 +265,8 @@ class ExpertServer:
         self._served = {"info": 0, "forward": 0, "backward": 0}  # per expert request (a batched call holds several)
         self._rpc_calls = {name: 0 for name in calls.METHODS}  # RPCs received, by method
         self._errors = {"not_found": 0, "bad_input": 0, "expert_failed": 0, "shutting_down": 0, "not_allowed": 0}
+        self.checker = CallChecker(self.experts, max_batch_size=max_batch_size, max_norm_ratio=max_norm_ratio,
+                                   errors=self._errors)  # decodes and checks every call (`moe.call_checks`)
         self._declarations: _DeclarationStats = {
             "rounds": 0, "failures": 0, "unacknowledged": 0, "last_expiration": None}
         self._checkpoints = {"saved": 0, "loaded": 0, "failures": 0}
@@ -449,64 +449,6 @@ class ExpertServer:
 
     # ---------------------------------------------------------------------------------------- handlers
 
-    def _expert_for(self, args: Any) -> Expert:
-        if not isinstance(args, dict) or not isinstance(args.get("uid"), str):
-            self._errors["bad_input"] += 1
-            raise BadExpertInput("expected arguments {'uid': str, ...}")
-        expert = self.experts.get(args["uid"])
-        if expert is None:
-            self._errors["not_found"] += 1
-            raise ExpertNotFound(f"no expert {args['uid'][:100]!r} on this server")
-        return expert
-
-    def _validate(self, expert: Expert, args: dict[str, Any], *, backward: bool
-                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        try:
-            rows = validate_batch(expert.inputs, args.get("inputs"), max_batch_size=self.max_batch_size)
-            grads: list[torch.Tensor] = []
-            if backward:
-                validate_batch(expert.outputs, args.get("grad_outputs"), max_batch_size=self.max_batch_size,
-                               batch_size=rows, what="grad_outputs")
-                grads = list(args["grad_outputs"])
-        except SchemaError as error:
-            self._errors["bad_input"] += 1
-            raise BadExpertInput(f"{expert.uid}: {error}") from None
-        inputs = list(args["inputs"])
-        if self.max_norm_ratio is not None:
-            self._check_norms(expert, {"inputs": inputs, "grad_outputs": grads})
-        return inputs, grads
-
-    def _check_norms(self, expert: Expert, tensors: dict[str, list[torch.Tensor]]) -> None:
-        """Refuse inputs or gradients far larger than this expert usually gets: finite values can still be
-        1e30 and wreck a step (gradient clipping bounds the step, but the request is garbage either way). Only
-        accepted requests update the statistics, so a caller cannot ramp them up in one burst; smaller than
-        usual is harmless and accepted."""
-        self._admit_norms(expert, [(what, index, typical_norm(tensor)) for what, values in tensors.items()
-                                   for index, tensor in enumerate(values) if tensor.is_floating_point()])
-
-    def _admit_norms(self, expert: Expert, norms: Sequence[tuple[str, int, float]]) -> None:
-        """`_check_norms` on norms already measured: (what, index, typical norm) of each floating tensor."""
-        assert self.max_norm_ratio is not None
-        measured: list[tuple[NormStats, float]] = []
-        for what, index, norm in norms:
-            stats = self._norms[expert.uid][what][index]
-            ratio = stats.ratio(norm)
-            if ratio > self.max_norm_ratio:
-                self._errors["bad_input"] += 1
-                raise BadExpertInput(f"{expert.uid}: {what}[{index}] norm {norm:.3g} is {ratio:.3g}x this "
-                                     f"expert's usual {stats.typical():.3g} (at most {self.max_norm_ratio:g}x)")
-            measured.append((stats, norm))
-        for stats, norm in measured:
-            stats.observe(norm)
-
-    def _codec(self, args: Any) -> wire.Compression:
-        """The codec the caller asked replies in (`"compression": 1` = float16, `2` = 8-bit; default none)."""
-        compression = args.get("compression", 0) if isinstance(args, dict) else 0
-        if compression not in wire.Compression._value2member_map_ or isinstance(compression, bool):
-            self._errors["bad_input"] += 1
-            raise BadExpertInput(f"unknown compression {compression!r}")
-        return wire.Compression(compression)
-
     @staticmethod
     def _reply_tensors(tensors: list[torch.Tensor], codec: wire.Compression) -> list[Any]:
         if codec == wire.Compression.NONE:
@@ -528,8 +470,8 @@ class ExpertServer:
     async def _serve_one(self, mode: str, args: Any, codec: wire.Compression, caller: str) -> dict[str, Any]:
         """One expert's forward or backward: the whole of a single call. A forward asked to `keep` its graph
         answers its token under "kept"; a backward given one uses that graph when it is still held."""
-        expert = self._expert_for(args)
-        inputs, grad_outputs = self._validate(expert, args, backward=mode == "backward")
+        expert = self.checker.expert_for(args)
+        inputs, grad_outputs = self.checker.validate(expert, args, backward=mode == "backward")
         token = 0
         try:
             if mode == "forward" and args.get("keep") is True:
@@ -556,80 +498,17 @@ class ExpertServer:
 
     async def _serve_packed(self, mode: str, method: str, args: dict[str, Any], caller: str) -> dict[str, Any]:
         """Several experts in one call, packed (see `moe.calls`): one tensor per input and gradient holds every
-        expert's rows. The request is checked as a whole: its shape once against the first expert's schema (the
-        others must share it), finiteness in one pass, the norm checks from one row-norm pass; only what fails
-        a check is looked at expert by expert, and that expert alone fails. The experts' rows reach the runtime
+        expert's rows. The request is checked as a whole (`CallChecker.packed`, then `CallChecker.screen`): its
+        shape once against the first expert's schema (the others must share it), finiteness in one pass, the norm
+        checks from one row-norm pass; only what fails a check is looked at expert by expert, and that expert
+        alone fails. The experts' rows reach the runtime
         as views of the received tensors (no copy), and their results are written into one reply tensor."""
-        uids, rows = args.get("uids"), args.get("rows")
-        if (not isinstance(uids, list) or not isinstance(rows, list) or not uids or len(uids) != len(rows)
-                or not all(isinstance(uid, str) for uid in uids)
-                or not all(isinstance(r, int) and not isinstance(r, bool) and 1 <= r <= self.max_batch_size
-                           for r in rows)):
-            self._errors["bad_input"] += 1
-            raise BadExpertInput(f"expected arguments {{'uids': [str], 'rows': [1..{self.max_batch_size}], "
-                                 f"'inputs': [tensor], ...}} with one row count per uid")
-        if len(uids) > len(self.experts) or len(set(uids)) != len(uids):
-            self._errors["bad_input"] += 1
-            raise BadExpertInput(f"{len(uids)} entries: each of this server's {len(self.experts)} experts at "
-                                 f"most once per call")
-        codec = self._codec(args)
-        backward = mode == "backward"
-        errors: dict[int, RemoteError] = {}
-        experts: list[Expert | None] = []
-        for position, uid in enumerate(uids):
-            expert = self.experts.get(uid)
-            if expert is None:
-                self._errors["not_found"] += 1
-                errors[position] = ExpertNotFound(f"no expert {uid[:100]!r} on this server")
-            experts.append(expert)
-        reference = next((e for e in experts if e is not None), None)
-        total = sum(rows)
-        groups = ("inputs", "grad_outputs") if backward else ("inputs",)
-        packed: dict[str, list[torch.Tensor]] = {}
-        if reference is not None:
-            try:
-                for what, specs in zip(groups, (reference.inputs, reference.outputs)):
-                    validate_batch(specs, args.get(what), max_batch_size=total, batch_size=total, what=what,
-                                   finite=False)
-                    packed[what] = list(args[what])
-            except SchemaError as error:
-                self._errors["bad_input"] += 1
-                raise BadExpertInput(f"{reference.uid} and {len(uids) - 1} more: {error}") from None
-            for position, expert in enumerate(experts):
-                if expert is not None and position not in errors and (
-                        expert.inputs != reference.inputs or expert.outputs != reference.outputs):
-                    self._errors["bad_input"] += 1
-                    errors[position] = BadExpertInput(f"{expert.uid}: its schema differs from {reference.uid}'s: "
-                                                      f"call it alone")
+        call = self.checker.packed(args, backward=mode == "backward")
         self._rpc_calls[method] += 1
-        owner = torch.repeat_interleave(torch.arange(len(uids)), torch.tensor(rows))
-        for what, tensors in packed.items():
-            for index, tensor in enumerate(tensors):
-                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                    flat = torch.isfinite(tensor.reshape(total, -1)).all(dim=1)
-                    for position in torch.unique(owner[~flat]).tolist():
-                        if position not in errors:
-                            self._errors["bad_input"] += 1
-                            errors[position] = BadExpertInput(f"{uids[position]}: {what}[{index}]: contains NaN "
-                                                              f"or infinite values")
-        if self.max_norm_ratio is not None and packed:
-            # one row-norm pass per tensor, summed per expert: each expert's typical norm (RMS of its row norms)
-            norms: list[list[tuple[str, int, float]]] = [[] for _ in uids]
-            for what, tensors in packed.items():
-                for index, tensor in enumerate(tensors):
-                    if not tensor.is_floating_point():
-                        continue
-                    squares = tensor.detach().reshape(total, -1).double().square().sum(dim=1)
-                    per_expert = torch.zeros(len(uids), dtype=torch.float64).index_add_(0, owner, squares)
-                    rms = (per_expert / torch.tensor(rows, dtype=torch.float64)).sqrt().tolist()
-                    for position, norm in enumerate(rms):
-                        norms[position].append((what, index, norm))
-            for position, expert in enumerate(experts):
-                if expert is not None and position not in errors:
-                    try:
-                        self._admit_norms(expert, norms[position])
-                    except BadExpertInput as refused:
-                        errors[position] = refused
+        self.checker.screen(call)
+        uids, rows, total, codec, groups = call.uids, call.rows, call.total, call.codec, call.groups
+        experts, reference, packed, errors = call.experts, call.reference, call.packed, call.errors
+        backward = mode == "backward"
         valid = [p for p in range(len(uids)) if p not in errors]
         pieces = {what: [torch.split(tensor, rows) for tensor in tensors] for what, tensors in packed.items()}
         requests = [(uids[p], [piece[p] for what in groups for piece in pieces[what]]) for p in valid]
@@ -687,25 +566,16 @@ class ExpertServer:
         together (`ExpertRuntime.run_many`: one thread hand-off for the call, not one per expert)."""
         if isinstance(args, dict) and "uids" in args:
             return await self._serve_packed(mode, method, args, caller)
-        entries = args.get("experts") if isinstance(args, dict) else None
-        if not isinstance(entries, list) or not entries:
-            self._errors["bad_input"] += 1
-            raise BadExpertInput("expected arguments {'experts': [{'uid': str, ...}, ...]}")
-        uids = [entry.get("uid") if isinstance(entry, dict) else None for entry in entries]
-        named = [uid for uid in uids if isinstance(uid, str)]
-        if len(entries) > len(self.experts) or len(set(named)) != len(named):
-            self._errors["bad_input"] += 1
-            raise BadExpertInput(f"{len(entries)} entries: each of this server's {len(self.experts)} experts at "
-                                 f"most once per call")
-        codec = self._codec(args)
+        entries = self.checker.entries(args)
+        codec = self.checker.codec(args)
         self._rpc_calls[method] += 1
         results: list[Any] = [None] * len(entries)
         valid: list[tuple[int, Expert]] = []
         requests: list[tuple[str, list[torch.Tensor]]] = []
         for index, entry in enumerate(entries):
             try:
-                expert = self._expert_for(entry)
-                inputs, grad_outputs = self._validate(expert, entry, backward=mode == "backward")
+                expert = self.checker.expert_for(entry)
+                inputs, grad_outputs = self.checker.validate(expert, entry, backward=mode == "backward")
             except RemoteError as error:  # that expert's typed refusal; the others still answer
                 results[index] = {"error": [error.code, error.message]}
                 continue
@@ -727,7 +597,7 @@ class ExpertServer:
         return {"results": results}
 
     async def _handle_info(self, context: CallContext, args: Any) -> dict[str, Any]:
-        expert = self._expert_for(args)
+        expert = self.checker.expert_for(args)
         self._served["info"] += 1
         self._rpc_calls[calls.INFO] += 1
         return expert.info(self.max_batch_size)
@@ -743,12 +613,12 @@ class ExpertServer:
     async def _handle_forward(self, context: CallContext, args: Any) -> dict[str, Any]:
         self._rpc_calls[calls.FORWARD] += 1
         self._admit(context, "forward")
-        return await self._serve_one("forward", args, self._codec(args), context.peer_id.hex())
+        return await self._serve_one("forward", args, self.checker.codec(args), context.peer_id.hex())
 
     async def _handle_backward(self, context: CallContext, args: Any) -> dict[str, Any]:
         self._rpc_calls[calls.BACKWARD] += 1
         self._admit(context, "backward")
-        return await self._serve_one("backward", args, self._codec(args), context.peer_id.hex())
+        return await self._serve_one("backward", args, self.checker.codec(args), context.peer_id.hex())
 
     async def _handle_forward_batch(self, context: CallContext, args: Any) -> dict[str, Any]:
         self._admit(context, "forward")
