@@ -4,9 +4,9 @@ Why a module of its own: the assembly state (who joined, whom a collector still 
 it steps down into a lower collector, what a probe's answer means) used to hold trio events and sat in the same
 file as the DHT polling and the RPC handlers, so it could only be exercised through whole simulated swarms. Here
 everything is plain (h11 style): declarations, join requests, probe answers and times (numbers) in, decisions
-out; no trio, no sockets, no clock. `averaging.matchmaking.Matchmaker` is the driver: it reads and writes the
-DHT, makes the calls, holds the joiners' long polls and wakes its tasks. The protocol itself is described in
-`averaging.matchmaking`.
+out; no trio, no sockets, no clock. `averaging.matchmaking.Matchmaker` is the driver: it and its collaborators
+(`match_dht`, `match_join`, `match_ping`) read and write the DHT, make the calls, hold the joiners' long polls and
+wake its tasks. The protocol itself is described in `averaging.matchmaking`.
 """
 
 from __future__ import annotations
@@ -321,6 +321,13 @@ class Assembly:
         if quiet and not self.waiting_for and len(self.joined) >= self.min_size:
             return True
         return now >= self.seal_deadline
+
+    def group_id(self) -> bytes:
+        """The id the collector seals under: unique (its declaration time differs every round) and reproducible
+        in simulations, unlike random bytes."""
+        return hashlib.sha256(b"swarmd-group|" + self.key.encode() + bytes(self.me.peer_id)
+                              + repr(self.me.declared_at).encode()
+                              + b"".join(sorted(bytes(p) for p in self.joined))).digest()[:16]
 
     def seal(self, group_id: bytes) -> GroupInfo | None:
         """Fix the member list (None when too few joined: no group this round)."""

@@ -57,13 +57,16 @@ not banned the peer may still contain it, and the robust reducers deal with its 
 Layout: the decisions that need no I/O live in `averaging.assembly` (declarations, `plan_groups`, the collector's
 `Assembly`: joins in, answers and seal / step-down verdicts out, probe answers read by `read_probe_answer`),
 with no trio and no clock inside, so they are tested message by message (tests/averaging/test_assembly_core.py).
-This module is the driver: DHT reads and writes, the join and ping calls and handlers, the long polls it holds
-until the assembly's answer is final, and the adaptive waits (quiet period, straggler and follow waits).
+This module is the driver: `Matchmaker.find_group` and the two loops of a round (join a collector, or collect and
+seal). Each of its other jobs is a collaborator it owns, in a module of its own:
+`match_round` (what one round knows, and the long polls held on it), `match_dht` (declare, read the view,
+withdraw), `match_join` (`avg.mm.join`, both ways), `match_ping` (`avg.mm.ping`, both ways), `match_waits` (the
+adaptive waits: quiet period, probe timeout, straggler and follow waits) and `match_schema` (peers of another
+model, named once).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 from collections.abc import Iterable
@@ -72,48 +75,25 @@ from typing import Any, Awaitable, Callable
 
 import trio
 
-from averaging.assembly import (
-    WITHDRAWN,
-    Assembly,
-    Decision,
-    Declaration,
-    chunk_of,
-    collector_of,
-    plan_groups,
-    read_probe_answer,
-    round_salt,
-)
+from averaging.assembly import Assembly, Decision, Declaration, chunk_of, collector_of, plan_groups, round_salt
 from averaging.errors import LocalViolation
 from averaging.group import GroupInfo
-from averaging.schema import MISMATCHES, difference
+from averaging.match_dht import MAX_SHARDS, SHARD_CROWDED, DeclarationBoard, shard_key
+from averaging.match_join import JOIN_METHOD, Joins
+from averaging.match_ping import PING_METHOD, Prober
+from averaging.match_round import MatchRound
+from averaging.match_schema import SCHEMA_METHOD, SCHEMA_TIMEOUT, ForeignSchemas
+from averaging.match_waits import Pacing, Patience
 from dht.client import DHTClient
 from peer.p2p.identity import PeerID
 from peer.p2p.net import Address
-from peer.p2p.rpc import CallContext, CallTimeout, RemoteError, RPCError, RPCNode
+from peer.p2p.rpc import CallContext, RPCNode
 
-__all__ = ["JOIN_METHOD", "PING_METHOD", "MatchResult", "Matchmaker"]
+# the protocol's names and limits live with the collaborators that use them, and are importable from here as ever
+__all__ = ["JOIN_METHOD", "PING_METHOD", "SCHEMA_METHOD", "SCHEMA_TIMEOUT", "SHARD_CROWDED", "MAX_SHARDS",
+           "shard_key", "MatchResult", "Matchmaker"]
 
 logger = logging.getLogger(__name__)
-
-JOIN_METHOD = "avg.mm.join"
-PING_METHOD = "avg.mm.ping"
-SCHEMA_METHOD = "avg.mm.schema"  # -> {"schema": [[name, shape, dtype], ...]}: what a peer of another model asks
-SCHEMA_TIMEOUT = 3.0
-# One DHT record holds about 42 signed declarations (one datagram, about 190 bytes each): a key's declarations
-# overflow into shards `key#1`, `key#2`... A declarer that finds a crowded shard without its own declaration (the
-# holders trimmed it, dht.records.fit) moves to the next shard; a reader reads the next shard whenever the one it
-# just read is crowded. Small swarms never read more than the one key.
-SHARD_CROWDED = 32
-MAX_SHARDS = 16
-
-
-def shard_key(key: str, shard: int) -> str:
-    """The DHT key of a matchmaking key's `shard` (0 is the key itself)."""
-    return key if shard == 0 else f"{key}#{shard}"
-
-
-
-# --------------------------------------------------------------------------------------------- the driver
 
 
 @dataclass
@@ -128,96 +108,17 @@ class MatchResult:
     seconds: float = 0.0
 
 
-class _EWMA:
-    def __init__(self, initial: float, alpha: float = 0.3):
-        self.value = initial
-        self.alpha = alpha
-
-    def update(self, sample: float) -> None:
-        self.value = (1 - self.alpha) * self.value + self.alpha * max(0.0, sample)
-
-
-class _Round:
-    """Everything one `find_group` call knows; handlers read it to answer joins and probes."""
-
-    def __init__(self, key: str, me: Declaration, offset: float, expected: int):
-        self.key = key
-        self.me = me
-        self.offset = offset  # DHT clock minus trio clock
-        self.started = trio.current_time()
-        self.expected = expected  # peers (me included) seen under this key in recent rounds
-        self.promised = 0  # peers (me included) the caller knows are on their way: waited for up to half the window
-        self.seen: set[PeerID] = set()  # every peer seen under the key this round
-        self.last_change = self.started  # when the set of visible peers (or of excluded ones) last changed
-        self.population_reached_after: float | None = None  # seconds until every expected peer was visible
-        self.patience_ran_out = False
-        self.probe_timeouts: dict[PeerID, int] = {}
-        self.invited_by: Declaration | None = None  # a lower collector asked me to merge into its group
-        self.merging: set[PeerID] = set()  # peers a higher collector is handing over to me
-        self.last_drop = -math.inf  # when a probe last found an expected peer following another collector
-        self.following_others: set[PeerID] = set()  # those peers (rechecked once before sealing with room left)
-        self.following_since: dict[PeerID, float] = {}  # when a probe first found a chunk member following another
-        self.view: dict[PeerID, Declaration] = {}
-        self.excluded: set[PeerID] = set()
-        # peers excluded as taken (in a sealed or full group) -> declared_at of their declaration then: a newer
-        # declaration means they finished that group's averaging and are matching again
-        self.busy_as_of: dict[PeerID, float] = {}
-        self.failed: list[PeerID] = []
-        self.assembly: Assembly | None = None
-        self.following: Declaration | None = None
-        self.changed = trio.Event()
-        self.answered: dict[PeerID, tuple[Assembly, trio.Event]] = {}  # joins held in a long poll
-        self.join_arrived = False
-        self.patient = False  # the collector loop's last verdict of Matchmaker._patient (sent with my probes)
-        self.stale: dict[PeerID, float] = {}  # peer -> declared_at of a declaration its owner no longer runs
-        self.returning: set[PeerID] = set()  # stale peers between two rounds (not matching elsewhere): coming back
-        self.shard = 0  # where my declaration lives (see SHARD_CROWDED)
-        self.declared_in: set[int] = set()  # shards holding a declaration of mine (all withdrawn at the end)
-        self.declaring: int | None = None  # the shard my declaration is on its way to
-        self.expiration = 0.0  # of my declaration
-        self.crowded = False  # a read met a crowded shard: declarations may still be moving to the next ones
-
-    def exclude_busy(self, peer_ids: Iterable[PeerID], me: PeerID) -> None:
-        """Plan without peers a collector reported taken, until they declare again. Excluding them for the rest
-        of the round split 8 peers 4 + 2 + 2: a peer turned away by a sealed group kept skipping its members
-        after they came back from averaging, and sealed 2 while they were collecting 2 of their own."""
-        for peer_id in peer_ids:
-            if peer_id != me:
-                self.excluded.add(peer_id)
-                seen = self.view.get(peer_id)
-                self.busy_as_of[peer_id] = seen.declared_at if seen is not None else -math.inf
-
-    def poke(self) -> None:
-        """Something changed: wake the matchmaking loop, and every held join whose answer became final."""
-        self.changed.set()
-        for joiner, (assembly, event) in self.answered.items():
-            if assembly.answer_ready(joiner):
-                event.set()
-
-    async def answer_of(self, assembly: Assembly, joiner: PeerID) -> Decision:
-        """Hold a joiner's long poll until the assembly's answer for it is final (every poke checks)."""
-        entry = self.answered.setdefault(joiner, (assembly, trio.Event()))
-        if assembly.answer_ready(joiner):
-            entry[1].set()
-        try:
-            await entry[1].wait()
-        finally:
-            if self.answered.get(joiner) is entry:
-                del self.answered[joiner]
-        return assembly.answer(joiner)
-
-    async def wait_changed(self, until_trio_time: float) -> None:
-        self.changed = trio.Event()
-        with trio.move_on_at(until_trio_time):
-            await self.changed.wait()
-
-
 class Matchmaker:
     """Runs the protocol above for one peer; one `find_group` at a time (the averager serialises steps).
 
-    `register()` adds the `avg.mm.join` and `avg.mm.ping` handlers to the RPC node. A join that arrives while this
-    peer is not matchmaking under the caller's key is rejected at once ("not matching"), never left hanging.
-    `nursery` (optional) runs background withdrawals; without one, the withdrawal is awaited (bounded).
+    `register()` adds the `avg.mm.join`, `avg.mm.ping` and `avg.mm.schema` handlers to the RPC node. A join that
+    arrives while this peer is not matchmaking under the caller's key is rejected at once ("not matching"), never
+    left hanging. `nursery` (optional) runs background withdrawals; without one, the withdrawal is awaited
+    (bounded).
+
+    The round itself runs here (`find_group`, `_assemble`, `_collect`); the rest is delegated to collaborators it
+    owns (see "Layout" above). They share its `banned` set and `stats` counters (the same objects, never
+    replaced), and the RPC handlers here hand them the current round, so no collaborator holds a round of its own.
     """
 
     def __init__(
@@ -241,220 +142,72 @@ class Matchmaker:
         self.dht = dht
         self.peer_id: PeerID = rpc.peer_id
         self.schema = bytes(schema)
-        self.description = description  # averaging.schema.describe of my tensors, served to peers of other models
-        self._foreign: set[PeerID] = set()  # peers declaring another schema, already looked into
         self.target = target_group_size
         self.min_size = min_group_size
         self.matchmaking_time = matchmaking_time
         self.bandwidth = bandwidth
         self.client_mode = client_mode
-        self.min_quiet = min_quiet
         self.nursery = nursery
-        self.dht_latency = _EWMA(0.01)
-        self.store_latency = _EWMA(0.01)
-        self.rtt = _EWMA(0.02)
         self.spread = 0.0  # how far apart in time the last group's members declared
-        self._patience = 0.0  # see straggler_wait
-        self._recent: dict[str, list[set[PeerID]]] = {}  # key -> peers seen there in the last few rounds
-        self._forgotten: set[PeerID] = set()
         self.banned: set[PeerID] = set()  # see "Bans" above
-        self._round: _Round | None = None
-        self._last_group: tuple[str, GroupInfo] | None = None  # (key, group) of my last round, for late joiners
+        self._round: MatchRound | None = None
         self.stats = {"attempts": 0, "groups": 0, "no_group": 0, "abandoned": 0, "collected": 0, "joins_served": 0,
                       "redirects": 0, "rejects": 0, "dead_peers": 0}
+        self.pacing = Pacing(matchmaking_time, min_quiet)
+        self.rtt = self.pacing.rtt  # the averager reports it
+        self.patience = Patience(self.pacing, self.peer_id, self.banned)
+        self.schemas = ForeignSchemas(rpc, self.schema, description, nursery)
+        self.board = DeclarationBoard(dht, self.peer_id, self.schema, pacing=self.pacing, banned=self.banned,
+                                      on_foreign=self.schemas.notice, nursery=nursery)
+        self.prober = Prober(rpc, pacing=self.pacing, target_group_size=target_group_size, banned=self.banned,
+                             stats=self.stats)
+        self.joins = Joins(rpc, pacing=self.pacing, target_group_size=target_group_size,
+                           min_group_size=min_group_size, banned=self.banned, stats=self.stats,
+                           my_collector=self._my_collector)
 
     def register(self) -> None:
         self.rpc.register(JOIN_METHOD, self._handle_join)
         self.rpc.register(PING_METHOD, self._handle_ping)
-        self.rpc.register(SCHEMA_METHOD, self._handle_schema)
+        self.rpc.register(SCHEMA_METHOD, self.schemas.handle)
 
     def unregister(self) -> None:
         self.rpc.unregister(JOIN_METHOD)
         self.rpc.unregister(PING_METHOD)
         self.rpc.unregister(SCHEMA_METHOD)
 
-    async def _handle_schema(self, ctx: CallContext, args: Any) -> dict[str, Any]:
-        return {"schema": self.description}
+    async def _handle_join(self, ctx: CallContext, args: Any) -> dict[str, Any]:
+        return await self.joins.answer(self._round, ctx, args)
 
-    def _foreign_schema(self, declaration: Declaration) -> None:
-        """A peer under my key declares another model: say so once, naming what differs. Both sides do this
-        (each sees the other's declaration), so both print one line; they never group (the schema check)."""
-        peer = declaration.peer_id
-        if peer in self._foreign:
-            return
-        self._foreign.add(peer)
-        if self.nursery is not None and declaration.address is not None and self.description is not None:
-            self.nursery.start_soon(self._explain_schema, declaration)
-        else:
-            MISMATCHES.report(bytes(peer), f"model schema {declaration.schema.hex()} there, {self.schema.hex()} here",
-                              logger, f"matchmaking: peer {peer.short()}")
-
-    async def _explain_schema(self, declaration: Declaration) -> None:
-        differs = f"model schema {declaration.schema.hex()} there, {self.schema.hex()} here"
-        assert declaration.address is not None  # see _foreign_schema
-        try:
-            answer = await self.rpc.call(declaration.address, SCHEMA_METHOD, {}, timeout=SCHEMA_TIMEOUT,
-                                         peer_id=declaration.peer_id)
-            theirs = answer.get("schema") if isinstance(answer, dict) else None
-            if isinstance(theirs, list) and all(isinstance(t, list) and len(t) == 3 for t in theirs):
-                differs = difference(self.description or [], theirs) or differs
-        except RPCError as error:  # an older peer, or gone: the hashes are all there is to say
-            logger.debug("matchmaking: asking %s for its schema failed: %s", declaration.peer_id.short(), error)
-        MISMATCHES.report(bytes(declaration.peer_id), differs, logger,
-                          f"matchmaking: peer {declaration.peer_id.short()}")
+    async def _handle_ping(self, ctx: CallContext, args: Any) -> dict[str, Any]:
+        return self.prober.answer(self._round, ctx, args)
 
     @property
     def address(self) -> Address | None:
         return None if self.client_mode else self.rpc.announced_address
 
-    # ------------------------------------------------------------------------------------------- adaptivity
-
     @property
     def quiet_period(self) -> float:
-        """How long a view must stay unchanged before acting on it: a few measured DHT reads and about one
-        measured store, so a declaration stored at the same time as mine has landed. (Waiting for peers that are
-        late is `straggler_wait`'s job.)"""
-        upper = max(self.min_quiet, self.matchmaking_time / 4)
-        return min(upper, max(self.min_quiet, 3 * self.dht_latency.value, 1.5 * self.store_latency.value))
-
-    @property
-    def straggler_wait(self) -> float:
-        """How long to hold out for peers seen in recent rounds but not here yet (peers leave their previous
-        round at different times). Adapted from outcomes: it doubles after a round in which it ran out with peers
-        still missing, and shrinks toward twice the wait that was actually needed when everyone arrived in time;
-        bounded by a quarter of the window, so a dead peer costs at most that, and only for a round or two."""
-        return min(self.matchmaking_time / 4, max(4 * self.quiet_period, self._patience))
+        """How long a view must stay unchanged before acting on it (`Pacing.quiet_period`)."""
+        return self.pacing.quiet_period
 
     def forget(self, peer_ids: Iterable[bytes]) -> None:
         """Peers known dead (e.g. lost during the all-reduce): stop expecting them in the next rounds."""
-        self._forgotten.update(PeerID(bytes(p)) for p in peer_ids)
-        for history in self._recent.values():
-            for seen in history:
-                seen.difference_update(self._forgotten)
+        self.patience.forget(peer_ids)
 
     def ban(self, peer_ids: Iterable[bytes]) -> None:
         """Never group with these peers again (see "Bans" above); they stop being expected at once."""
         self.banned.update(PeerID(bytes(p)) for p in peer_ids)
         self.banned.discard(self.peer_id)
 
-    def _expected_population(self, key: str) -> int:
-        history = self._recent.get(key, [])
-        return len(set().union(*history) - self._forgotten - self.banned | {self.peer_id}) if history else 0
-
-    def _remember_population(self, state: _Round) -> None:
-        seen = (state.seen | set(state.view)) - set(state.failed) - {self.peer_id}
-        history = self._recent.setdefault(state.key, [])
-        history.append(seen)
-        del history[:-2]  # a peer not seen for 2 rounds under this key is no longer expected
-        if len(self._recent) > 64:
-            self._recent.pop(next(iter(self._recent)))
-        if state.patience_ran_out:
-            self._patience = min(self.matchmaking_time / 4, 2 * max(self._patience, 4 * self.quiet_period))
-        elif state.population_reached_after is not None:
-            self._patience = max(0.8 * self._patience, 2 * state.population_reached_after)
-
-    def _patient(self, state: _Round) -> bool:
-        """True while peers seen in recent rounds are missing and the straggler wait has not run out."""
-        visible = 1 + sum(1 for p in state.view if p not in state.excluded)
-        waited = trio.current_time() - state.started
-        if visible >= state.expected:
-            if state.population_reached_after is None and state.expected > 1:
-                state.population_reached_after = waited
-            return False
-        if waited < self.straggler_wait:
-            return True
-        if waited < self.matchmaking_time / 4 and any(p not in state.view for p in state.returning):
-            return True  # a peer told us it is still averaging its previous round: it is on its way
-        if visible < state.promised and waited < self.matchmaking_time / 2:
-            return True  # the caller knows these peers are on their way (`find_group`'s `expected`)
-        state.patience_ran_out = True
-        return False
-
-    @property
-    def probe_timeout(self) -> float:
-        """A live peer answers a probe in one RTT, but a loaded one may take many: a probe that times out is only
-        a suspicion; two in a row (or a refused connection) drop the peer."""
-        return min(1.0, max(0.2, 10 * self.rtt.value))
-
-    @property
-    def follow_wait(self) -> float:
-        """How long a collector with room keeps waiting for a member of its chunk that follows another collector:
-        long enough for that collector to answer it (seal, or turn it away) and for it to come here, i.e. a few
-        quiet periods and round trips; bounded, because two collectors could each wait for the other's
-        followers."""
-        return min(self.matchmaking_time / 4, max(8 * self.quiet_period, 2 * self.probe_timeout))
-
-    def _grace(self) -> float:
-        return self.quiet_period + 4 * self.rtt.value + 0.05
-
     # ------------------------------------------------------------------------------------------- planning
 
-    def _plan(self, state: _Round) -> list[list[Declaration]]:
+    def _plan(self, state: MatchRound) -> list[list[Declaration]]:
         visible = [d for p, d in state.view.items() if p not in state.excluded] + [state.me]
-        return plan_groups(visible, self.target, salt=round_salt(state.key, visible), full_only=self._patient(state))
+        return plan_groups(visible, self.target, salt=round_salt(state.key, visible),
+                           full_only=self.patience.patient(state))
 
-    def _my_collector(self, state: _Round) -> Declaration | None:
+    def _my_collector(self, state: MatchRound) -> Declaration | None:
         return collector_of(chunk_of(self._plan(state), self.peer_id))
-
-    async def _refresh_view(self, state: _Round) -> bool:
-        """Read the key once and merge it into the view; True when the set of compatible peers changed.
-
-        Merge, not replace: one read may reach only some replicas and miss a declaration another read saw, and a
-        view that flickers never becomes quiet. A peer leaves the view only when its withdrawal (or a newer
-        entry) is read, or when its declaration expires."""
-        entries: list[tuple[Any, Any]] = []
-        for shard in range(MAX_SHARDS):
-            t0 = trio.current_time()
-            try:
-                # A frugal read of the DHT's usual three replicas (my own copy counts as one, dht/node.py `get`):
-                # no query beyond those it still lacks, where a default get keeps alpha in flight and a fourth
-                # started before the third answered. These reads are most of a round's DHT traffic. Two replicas
-                # (quorum=2) were cheaper still, but with views built from them 7 of 12 runs (trio scheduler
-                # seeded) of test_back_to_back_rounds_with_jitter_form_full_groups had a round with a group short.
-                record = await self.dht.get(shard_key(state.key, shard), latest=False, frugal=True)
-            except Exception as error:  # a DHT hiccup is one stale view, not a failed round
-                logger.debug("matchmaking: reading %s failed: %s", shard_key(state.key, shard), error)
-                return False
-            # one read stalled by a dead replica must not inflate every later quiet period
-            self.dht_latency.update(min(trio.current_time() - t0, 2 * self.dht_latency.value + 0.01))
-            subkeys = getattr(record, "subkeys", None) or {}
-            entries.extend(subkeys.items())
-            crowded = self._note_shard(state, shard, subkeys)
-            if not crowded and shard >= state.shard:
-                break
-        now = self.dht.now()
-        view = {p: d for p, d in state.view.items() if d.deadline + 1.0 >= now}
-        readmitted = False
-        for subkey, entry in entries:
-            if not isinstance(subkey, (bytes, bytearray)) or len(subkey) != 20:
-                continue
-            declaration = Declaration.from_wire(bytes(subkey), entry.value)
-            if declaration is not None and declaration.peer_id in self.banned:
-                view.pop(declaration.peer_id, None)
-                continue
-            if declaration is None or entry.expiration_time < now or declaration.deadline < state.me.declared_at:
-                view.pop(PeerID(bytes(subkey)), None)  # withdrawn, or only an old round's entry is left
-            elif declaration.declared_at <= state.stale.get(declaration.peer_id, -math.inf):
-                view.pop(declaration.peer_id, None)  # its owner said it is not matching: see _probe
-            elif declaration.schema != self.schema:
-                self._foreign_schema(declaration)
-            else:
-                view[declaration.peer_id] = declaration
-                if declaration.declared_at > state.busy_as_of.get(declaration.peer_id, math.inf):
-                    del state.busy_as_of[declaration.peer_id]  # back from its group's averaging: matching again
-                    state.excluded.discard(declaration.peer_id)
-                    readmitted = True
-                if state.stale.pop(declaration.peer_id, None) is not None and state.assembly is not None:
-                    # back from averaging with a new declaration: it is matching now, worth waiting for again
-                    state.assembly.readmit(declaration.peer_id)
-        view.pop(self.peer_id, None)
-        state.seen.update(view)
-        if state.assembly is not None:  # peers that joined me count even if their declaration isn't visible
-            for peer_id, declaration in state.assembly.joined.items():
-                view.setdefault(peer_id, declaration)
-        changed = set(view) != set(state.view) or readmitted
-        state.view = view
-        return changed
 
     # ------------------------------------------------------------------------------------------- a round
 
@@ -463,7 +216,7 @@ class Matchmaker:
         """Declare under `key`, assemble a group, return it (or `group=None` with a reason). Peers that fail are
         reported in `failed_peers`, never raised. `expected`: how many peers (me included) the caller knows are
         on their way (e.g. DiLoCo trainers that said they are ready): expected like peers of recent rounds, even
-        in a first round under the key, and waited for up to half the window (not only `straggler_wait`).
+        in a first round under the key, and waited for up to half the window (not only the straggler wait).
         `left_behind`: asked every tenth of the window while nobody else is in view, whether the peers the
         caller came for went on without it (the collaborative optimizer: all of them are in a later epoch); a
         True ends such a round at once without a group, instead of blocking the caller for the rest of the
@@ -475,44 +228,44 @@ class Matchmaker:
         now = self.dht.now()
         me = Declaration(self.peer_id, self.address, self.bandwidth, self.client_mode, self.schema, round,
                          now + window, now)
-        state = self._round = _Round(key, me, now - started, max(self._expected_population(key), expected))
+        state = self._round = MatchRound(key, me, now - started, max(self.patience.expected(key), expected))
         state.promised = expected
         self.stats["attempts"] += 1
         expiration = state.expiration = now + window + 1.0
         try:
-            with trio.move_on_at(started + window + self._grace()):
+            with trio.move_on_at(started + window + self.pacing.grace):
                 result: MatchResult | None = None
                 async with trio.open_nursery() as nursery:
                     # Declaring runs beside gathering: live replicas have the declaration after one round trip,
                     # while the store call itself may wait out a dead replica's timeout.
                     state.declaring = 0
-                    nursery.start_soon(self._declare, state, 0)
-                    await self._refresh_view(state)
+                    nursery.start_soon(self.board.declare, state, 0)
+                    await self.board.refresh_view(state)
                     if left_behind is not None:  # judged on a view read at least once
                         nursery.start_soon(self._abandon_if_alone, left_behind, state, nursery.cancel_scope)
-                    nursery.start_soon(self._poll, state)
+                    nursery.start_soon(self.board.poll, state)
                     result = await self._assemble(state, started + window)
                     nursery.cancel_scope.cancel()
                 if result is None:  # `_abandon_if_alone` ended the round
                     self.stats["abandoned"] += 1
                     return MatchResult(None, reason="the peers it came for went on without it",
                                        failed_peers=state.failed, seconds=trio.current_time() - started)
-                self._last_group = (key, result.group) if result.group is not None else None
+                self.joins.last_group = (key, result.group) if result.group is not None else None
                 result.seconds = trio.current_time() - started
                 return result
             return MatchResult(None, reason="matchmaking window passed", failed_peers=state.failed,
                                seconds=trio.current_time() - started)
         finally:
             self._round = None
-            self._remember_population(state)
+            self.patience.remember(state)
             if state.assembly is not None and not state.assembly.closed:
                 state.assembly.abandon()
             state.poke()  # every held join gets its final answer
             shards = state.declared_in | ({state.declaring} if state.declaring is not None else set())
             for shard in sorted(shards):
-                await self._withdraw(shard_key(key, shard), expiration)
+                await self.board.withdraw(shard_key(key, shard), expiration)
 
-    async def _abandon_if_alone(self, left_behind: Callable[[], Awaitable[bool]], state: _Round,
+    async def _abandon_if_alone(self, left_behind: Callable[[], Awaitable[bool]], state: MatchRound,
                                 scope: trio.CancelScope) -> None:
         """`find_group`'s `left_behind`: while nobody else is in view, no group is being collected here and none
         joined, ask it every tenth of the window; end the round when it says so (anyone who shows up later finds
@@ -529,73 +282,7 @@ class Matchmaker:
                 scope.cancel()
                 return
 
-    async def _declare(self, state: _Round, shard: int) -> None:
-        key = shard_key(state.key, shard)
-        t0 = trio.current_time()
-        try:
-            if not await self.dht.store(key, state.me.to_wire(), state.expiration, subkey=bytes(self.peer_id),
-                                        signed=True):
-                logger.debug("matchmaking: no replica acknowledged my declaration under %s", key)
-            self.store_latency.update(min(trio.current_time() - t0, 2 * self.store_latency.value + 0.01))
-        except Exception as error:  # joins still work: peers that see me find me; others I join myself
-            logger.debug("matchmaking: declaring under %s failed: %s", key, error)
-        finally:
-            state.declared_in.add(shard)
-            if state.declaring == shard:
-                state.declaring = None
-        if state.crowded and state.declaring is None and shard == state.shard:
-            # under a crowded key the holders may have dropped it: check now, not at the next poll, so that the
-            # peers planning with the others see me the sooner (uncrowded keys skip this read)
-            try:
-                record = await self.dht.get(key, latest=False, frugal=True)
-            except Exception as error:
-                logger.debug("matchmaking: reading %s failed: %s", key, error)
-                return
-            self._note_shard(state, shard, getattr(record, "subkeys", None) or {})
-
-    def _note_shard(self, state: _Round, shard: int, subkeys: dict[Any, Any]) -> bool:
-        """What a read of `shard` says: whether it is crowded; and when it is my shard, my declaration has landed
-        and the holders kept others' instead, declare in the next shard. The one place that decides to move."""
-        crowded = len(subkeys) >= SHARD_CROWDED
-        state.crowded = state.crowded or crowded
-        if crowded and shard == state.shard and shard + 1 < MAX_SHARDS and state.declaring is None \
-                and shard in state.declared_in and bytes(self.peer_id) not in subkeys:
-            self._overflow(state, shard + 1)
-        return crowded
-
-    def _overflow(self, state: _Round, shard: int) -> None:
-        """Declare again in `shard`: the previous one is full and its holders kept others' declarations."""
-        logger.debug("matchmaking %s: %s is crowded, declaring in shard %d", self.peer_id.short(), state.key, shard)
-        state.shard = state.declaring = shard
-        if self.nursery is not None:
-            try:
-                self.nursery.start_soon(self._declare, state, shard)
-                return
-            except RuntimeError:  # the owner is shutting down
-                pass
-        state.declaring = None
-
-    async def _withdraw(self, key: str, expiration: float) -> None:
-        """Overwrite my declaration so latecomers don't plan with me. 1 ms later expiration wins the merge
-        against this declaration but loses against my next one."""
-
-        async def withdraw() -> None:
-            with trio.move_on_after(2.0):
-                try:
-                    await self.dht.store(key, WITHDRAWN, expiration + 1e-3, subkey=bytes(self.peer_id), signed=True)
-                except Exception as error:  # costs latecomers one rejected join at most
-                    logger.debug("matchmaking: withdrawing from %s failed: %s", key, error)
-
-        if self.nursery is not None:
-            try:
-                self.nursery.start_soon(withdraw)
-            except RuntimeError:  # the owner is shutting down: nobody will plan with a dead peer for long
-                pass
-        else:
-            with trio.CancelScope(shield=True):
-                await withdraw()
-
-    def _result(self, state: _Round, decision_or_assembly: Decision | Assembly, collector: PeerID) -> MatchResult:
+    def _result(self, state: MatchRound, decision_or_assembly: Decision | Assembly, collector: PeerID) -> MatchResult:
         if isinstance(decision_or_assembly, Assembly):
             group, group_round = decision_or_assembly.group, decision_or_assembly.round
             times = [d.declared_at for d in decision_or_assembly.joined.values()]
@@ -609,19 +296,7 @@ class Matchmaker:
         self.stats["groups"] += 1
         return MatchResult(group, round=group_round, failed_peers=list(state.failed), collector=collector)
 
-    async def _poll(self, state: _Round) -> None:
-        """Keep the view fresh in the background: a slow read (a dead replica answering nothing) delays only the
-        view, never a join or a seal."""
-        while True:
-            await trio.sleep(max(self.min_quiet, self.quiet_period / 2))
-            # Also while my join is held by its collector: skipping those reads (most of matchmaking's DHT
-            # traffic) left followers planning their next rounds on stale views: in 9 of 16 runs of
-            # test_back_to_back_rounds_with_jitter_form_full_groups some peer's round then ended without a group.
-            if await self._refresh_view(state):
-                state.last_change = trio.current_time()
-                state.poke()
-
-    async def _assemble(self, state: _Round, deadline: float) -> MatchResult:
+    async def _assemble(self, state: MatchRound, deadline: float) -> MatchResult:
         redirects = 0
         redirected: Declaration | None = None  # where the last redirect pointed: join it next, skip planning
         while True:
@@ -652,7 +327,7 @@ class Matchmaker:
                 continue
             quiet_for = now - state.last_change
             full = len(chunk_of(self._plan(state), self.peer_id)) >= self.target
-            patient = self._patient(state)
+            patient = self.patience.patient(state)
             # under a crowded key, declarations trimmed from a full shard reappear in the next one a few quiet
             # periods late: a full chunk waits as long as a partial one, or the latecomers end in partial groups
             quiet_enough = (3 if state.crowded else 1) * self.quiet_period
@@ -683,36 +358,11 @@ class Matchmaker:
             self.stats["rejects"] += 1
             state.exclude_busy([*decision.busy, collector.peer_id], self.peer_id)
 
-    async def _join(self, state: _Round, collector: Declaration, deadline: float) -> Decision | None:
-        """One long-poll join; None when the collector is unreachable (it is then excluded and reported)."""
-        if collector.address is None or collector.peer_id in self.banned:  # client mode: nobody can join it
-            state.excluded.add(collector.peer_id)
-            return None
-        state.following = collector  # (set before the return above, it stayed set for the rest of the round)
-        args = {"key": state.key, "declaration": state.me.to_wire()}
-        timeout = max(0.0, deadline - trio.current_time()) + self._grace()
-        t0 = trio.current_time()
-        try:
-            answer = await self.rpc.call(collector.address, JOIN_METHOD, args, timeout=timeout,
-                                         peer_id=collector.peer_id)
-            decision = Decision.from_wire(answer)
-            if decision.kind != "group":
-                self.rtt.update(trio.current_time() - t0)
-            return decision
-        except RemoteError as error:  # it runs no averaging, or refused us: not dead, just not a collector
-            logger.debug("matchmaking: %s refused the join: %s", collector.peer_id.short(), error)
-        except RPCError as error:  # dead, frozen or unreachable
-            logger.debug("matchmaking: collector %s failed: %s", collector.peer_id.short(), error)
-            state.failed.append(collector.peer_id)
-            self.stats["dead_peers"] += 1
-        except (ValueError, KeyError, TypeError) as error:
-            logger.debug("matchmaking: bad answer from %s: %s", collector.peer_id.short(), error)
-        finally:
-            state.following = None
-        state.excluded.add(collector.peer_id)
-        return None
+    async def _join(self, state: MatchRound, collector: Declaration, deadline: float) -> Decision | None:
+        """One long-poll join (`Joins.join`); None when the collector is unreachable."""
+        return await self.joins.join(state, collector, deadline)
 
-    async def _collect(self, state: _Round) -> MatchResult | None:
+    async def _collect(self, state: MatchRound) -> MatchResult | None:
         """Collector role: accept joins until `Assembly.should_seal`. Returns None if I step down (nobody joined
         yet and a lower peer appeared in my chunk)."""
         if state.assembly is None:
@@ -725,14 +375,14 @@ class Matchmaker:
                 assembly.set_expected(chunk_of(self._plan(state), self.peer_id), state.merging)
                 now = trio.current_time()
                 quiet_for = now - state.last_change
-                patient = state.patient = self._patient(state)
+                patient = state.patient = self.patience.patient(state)
                 # a peer dropped because it followed another collector may be turned away there (full) and come
                 # here next: leave it a moment before sealing a group that still has room
                 grace = self.quiet_period + 2 * self.rtt.value
                 settled = quiet_for >= self.quiet_period and now - state.last_drop >= grace
                 if assembly.should_seal(now + state.offset, settled and not patient):
                     if assembly.full or now + state.offset >= assembly.seal_deadline \
-                            or not await self._recheck_followers(state, assembly):
+                            or not await self.prober.recheck_followers(state, assembly):
                         break
                     continue
                 if quiet_for >= self.quiet_period:
@@ -744,7 +394,7 @@ class Matchmaker:
                         elif declaration.can_collect:
                             if now - probed.get(peer_id, -math.inf) >= self.quiet_period:
                                 probed[peer_id] = now
-                                nursery.start_soon(self._probe, state, declaration, assembly)
+                                nursery.start_soon(self.prober.probe, state, declaration, assembly)
                         elif quiet_for >= 3 * self.quiet_period:
                             assembly.drop(peer_id)  # a client-mode peer cannot be probed: don't wait forever
                 wake = min(assembly.seal_deadline - state.offset, now + self.quiet_period / 2)
@@ -764,14 +414,10 @@ class Matchmaker:
                         state.assembly = None  # step down; joins arriving from now on get redirected
                         nursery.cancel_scope.cancel()
                         return None
-                    if self._nobody_left(state) and trio.current_time() - state.last_change >= 3 * self.quiet_period:
+                    if state.nobody_left() and trio.current_time() - state.last_change >= 3 * self.quiet_period:
                         break  # everyone I can see is dead or taken: waiting out the window helps nobody
             nursery.cancel_scope.cancel()
-        # unique (my declaration time differs every round) and reproducible in simulations, unlike random bytes
-        group_id = hashlib.sha256(b"swarmd-group|" + state.key.encode() + bytes(self.peer_id)
-                                  + repr(state.me.declared_at).encode()
-                                  + b"".join(sorted(bytes(p) for p in assembly.joined))).digest()[:16]
-        group = assembly.seal(group_id)
+        group = assembly.seal(assembly.group_id())
         state.poke()
         logger.debug("matchmaking %s: sealed %d member(s) (waiting for %d, dropped %d, view %d)", self.peer_id.short(),
                      len(assembly.joined), len(assembly.waiting_for), len(assembly.dropped), len(state.view))
@@ -781,169 +427,3 @@ class Matchmaker:
                                collector=self.peer_id)
         self.stats["collected"] += 1
         return self._result(state, assembly, self.peer_id)
-
-    async def _recheck_followers(self, state: _Round, assembly: Assembly) -> bool:
-        """Before sealing a group with room left: ask the peers that followed other collectors once more. True
-        (keep waiting) when one of them is free again, e.g. turned away by a full collector."""
-        followers = sorted(p for p in state.following_others if p not in assembly.joined)
-        if not followers:
-            return False
-        freed = []
-
-        async def ask(peer_id: PeerID) -> None:
-            declaration = state.view.get(peer_id)
-            if declaration is None or declaration.address is None:
-                return
-            try:
-                answer = await self.rpc.call(declaration.address, PING_METHOD, {"key": state.key, "joined": 0},
-                                             timeout=self.probe_timeout, peer_id=peer_id)
-            except RPCError:
-                return
-            following = answer.get("following") if isinstance(answer, dict) else None
-            if isinstance(answer, dict) and answer.get("matching") and not answer.get("collecting") \
-                    and (following is None or bytes(following) == bytes(self.peer_id)):
-                freed.append(peer_id)
-
-        state.following_others.clear()
-        async with trio.open_nursery() as nursery:
-            for peer_id in followers:
-                nursery.start_soon(ask, peer_id)
-        for peer_id in freed:
-            assembly.dropped.discard(peer_id)
-        return bool(freed)
-
-    @staticmethod
-    def _nobody_left(state: _Round) -> bool:
-        """True when every other peer in view is excluded (dead, or in a sealed group) and there is at least one:
-        I came late to a round that has already assembled."""
-        return bool(state.view) and all(p in state.excluded for p in state.view)
-
-    async def _probe(self, state: _Round, declaration: Declaration, assembly: Assembly) -> None:
-        if declaration.address is None:  # a client-mode peer cannot be called: it answers nobody's probes
-            return
-        t0 = trio.current_time()
-        try:
-            answer = await self.rpc.call(declaration.address, PING_METHOD,
-                                         {"key": state.key, "joined": len(assembly.joined),
-                                          "patient": state.patient},
-                                         timeout=self.probe_timeout, peer_id=declaration.peer_id)
-            self.rtt.update(trio.current_time() - t0)
-            if logger.isEnabledFor(logging.DEBUG):
-                logger.debug("matchmaking %s: probed %s: %s", self.peer_id.short(), declaration.peer_id.short(),
-                             {k: (bytes(v).hex()[:12] if isinstance(v, bytes) else v) for k, v in answer.items()}
-                             if isinstance(answer, dict) else answer)
-            verdict = read_probe_answer(answer, self.peer_id)
-            if verdict.kind == "handover":  # a rival collector passes some of its joiners to me: wait for them
-                assembly.expect(verdict.members)
-                state.merging.update(verdict.members)
-                assembly.drop(declaration.peer_id)
-            elif verdict.kind == "merging":  # it steps down into my group: wait for it and for its joiners
-                assembly.expect(verdict.members)
-                state.merging.update(verdict.members)
-            elif verdict.kind in ("stale", "busy"):
-                if verdict.kind == "stale":
-                    # a declaration left over from its previous round (it is averaging, its withdrawal not read
-                    # yet): out of the plan until it declares again, and still expected (it will come back)
-                    state.stale[declaration.peer_id] = declaration.declared_at
-                    if verdict.between_rounds:
-                        state.returning.add(declaration.peer_id)
-                    if state.view.get(declaration.peer_id) is declaration:
-                        del state.view[declaration.peer_id]
-                        state.last_change = trio.current_time()
-                assembly.drop(declaration.peer_id)
-            elif verdict.kind == "follows_other":
-                # It follows another collector, which may be full and turn it away (views differ for a moment):
-                # then it comes here, and sealing without it would strand it (a 4 + 3 + 1 round). Keep waiting
-                # for it (it is probed again every quiet period) until it has followed others for `follow_wait`.
-                now = trio.current_time()
-                since = state.following_since.setdefault(declaration.peer_id, now)
-                if now - since >= self.follow_wait:
-                    assembly.drop(declaration.peer_id)
-                    state.last_drop = now
-                    state.following_others.add(declaration.peer_id)
-        except RemoteError:
-            assembly.drop(declaration.peer_id)
-        except CallTimeout as error:
-            count = state.probe_timeouts[declaration.peer_id] = state.probe_timeouts.get(declaration.peer_id, 0) + 1
-            logger.debug("matchmaking: %s timed out a probe (%d): %s", declaration.peer_id.short(), count, error)
-            if count >= 2:
-                assembly.drop(declaration.peer_id)
-        except RPCError as error:
-            logger.debug("matchmaking: %s failed a probe: %s", declaration.peer_id.short(), error)
-            state.excluded.add(declaration.peer_id)  # dead: plan without it from now on
-            if declaration.peer_id not in state.failed:
-                state.failed.append(declaration.peer_id)
-                self.stats["dead_peers"] += 1
-            assembly.drop(declaration.peer_id)
-        state.poke()
-
-    # ------------------------------------------------------------------------------------------- handlers
-
-    async def _handle_ping(self, ctx: CallContext, args: Any) -> dict[str, Any]:
-        state = self._round
-        if ctx.peer_id in self.banned:  # not a collector to merge into, nor one to wait for
-            return {"matching": False, "following": None, "between_rounds": False, "collecting": False}
-        key = args.get("key") if isinstance(args, dict) else None
-        matching = state is not None and key == state.key
-        their_size = args.get("joined", 1) if isinstance(args, dict) else 1
-        patient = bool(args.get("patient", False)) if isinstance(args, dict) else False
-        assembly = state.assembly if state is not None and matching else None
-        verdict = assembly.probed_by(ctx.peer_id, their_size, reachable=ctx.address is not None,
-                                     prober_patient=patient) \
-            if assembly is not None else None
-        if verdict is not None and state is not None and assembly is not None:
-            prober = state.view.get(ctx.peer_id)
-            if prober is None:  # not in my view yet: the authenticated caller is enough to join it
-                me = state.me
-                prober = Declaration(ctx.peer_id, ctx.address, 1.0, False, me.schema, me.round, me.deadline,
-                                     me.declared_at)
-            if verdict == "merge":  # I step down into it (my loop notices), taking my joiners along
-                state.invited_by = prober
-                state.poke()
-                return {"matching": True, "following": bytes(ctx.peer_id), "collecting": False,
-                        "merging": [bytes(p) for p in assembly.joined]}
-            moved = assembly.hand_over(prober, self.target - their_size)
-            state.poke()
-            logger.debug("matchmaking %s: handing %d joiner(s) over to %s", self.peer_id.short(), len(moved),
-                         ctx.peer_id.short())
-            return {"matching": True, "following": None, "collecting": True, "handover": [bytes(p) for p in moved]}
-        following = state.following.peer_id if state is not None and matching and state.following is not None \
-            else None
-        return {"matching": matching, "following": bytes(following) if following is not None else None,
-                "between_rounds": state is None,  # averaging or training: it will declare again
-                # a collector nobody joined yet steps down as soon as it sees a lower peer: not a rival yet
-                "collecting": matching and assembly is not None and not assembly.closed and len(assembly.joined) > 1}
-
-    async def _handle_join(self, ctx: CallContext, args: Any) -> dict[str, Any]:
-        state = self._round
-        claimed = Declaration.from_wire(ctx.peer_id, args.get("declaration")) if isinstance(args, dict) else None
-        if claimed is None:
-            return Decision("reject", reason="malformed join").to_wire()
-        if ctx.peer_id in self.banned:
-            return Decision("reject", reason="banned").to_wire()
-        key = args.get("key")
-        if state is None or key != state.key:
-            if self._last_group is not None and self._last_group[0] == key:
-                # my group for this key is sealed and gone: name its members so the joiner skips them all
-                return Decision("reject", reason="sealed", busy=tuple(self._last_group[1].peer_ids)).to_wire()
-            return Decision("reject", reason="not matching").to_wire()
-        # who is calling and where it listens come from the authenticated connection, not from the claim
-        client_mode = claimed.client_mode or ctx.address is None
-        joiner = Declaration(ctx.peer_id, None if client_mode else ctx.address, claimed.bandwidth, client_mode,
-                             claimed.schema, claimed.round, claimed.deadline, claimed.declared_at)
-        self.stats["joins_served"] += 1
-        if state.assembly is None:
-            following = state.following or self._my_collector(state)
-            if following is not None and following.peer_id < self.peer_id:
-                return Decision("redirect", redirect=following).to_wire()
-            # nobody lower in my view: the joiner saw me as its collector, so collect (my loop notices)
-            state.assembly = Assembly(state.me, key=state.key, target_group_size=self.target,
-                                      min_group_size=self.min_size)
-        assembly = state.assembly
-        decision = assembly.offer(joiner, key)
-        if decision is not None:
-            return decision.to_wire()
-        state.view.setdefault(joiner.peer_id, joiner)
-        state.join_arrived = True
-        state.poke()
-        return (await state.answer_of(assembly, joiner.peer_id)).to_wire()

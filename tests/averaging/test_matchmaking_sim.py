@@ -8,7 +8,8 @@ import pytest
 import trio
 
 from averaging.assembly import Declaration
-from averaging.matchmaking import JOIN_METHOD, Matchmaker, _Round
+from averaging.match_round import MatchRound as _Round
+from averaging.matchmaking import JOIN_METHOD, Matchmaker
 from peer.p2p.net import MemoryNetwork
 from tests.sim_peers import start_peers
 
