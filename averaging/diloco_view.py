@@ -1,0 +1,131 @@
+"""`SwarmView`: where a DiLoCo trainer's outer state stands among the run's trainers, and whom its rounds concern.
+
+Why its own object: the rounds (`averaging.rounds`) ask what this trainer holds and whom to expect, the offers
+ask whether others hold a newer outer step, the downloads ask who holds a given one, and the final agreement asks
+who is still training. All of it is read from the same two sources, the members of the rounds that produced the
+recent outer steps and the run's progress records (`averaging.progress`); one owner of both answers alike.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Sequence
+
+from averaging.outer_state import OuterState
+from averaging.progress import PeerProgress, ProgressTracker, SwarmProgress
+from averaging.rounds import Holding, RoundService
+from peer.p2p.net import Address
+
+__all__ = ["Members", "SwarmView"]
+
+Members = tuple[tuple[bytes, Address | None], ...]
+
+
+class SwarmView:
+    """What this trainer holds (`holding`, the `chain` of hashes of the recent outer steps it held, the members
+    of the rounds that produced them) and what it knows of the others (the progress records, the rounds' roster).
+    `address`: where this trainer is reached (None until it serves, or when it serves nothing). `last_progress`:
+    the progress records as last fetched."""
+
+    def __init__(self, outer: OuterState, tracker: ProgressTracker, rounds: RoundService, max_staleness: int):
+        self.outer = outer
+        self.tracker = tracker
+        self.rounds = rounds
+        self.max_staleness = max_staleness
+        self.members_of: dict[int, Members] = {}  # outer step -> members of the round that produced it
+        self.chain: dict[int, str] = {}  # outer step -> hash, of the recent outer states I held (RoundService)
+        self.address: Address | None = None
+        self.last_progress: SwarmProgress | None = None
+
+    # ------------------------------------------------------------------------------------------ what I hold
+
+    def holding(self) -> Holding:
+        return Holding(self.outer.step, self.outer.hash, self.members_of.get(self.outer.step, ()))
+
+    def chain_items(self) -> tuple[tuple[int, str], ...]:
+        """The (outer step, hash) pairs my offers carry (`quorum.Offer.chain`)."""
+        return tuple(sorted(self.chain.items()))
+
+    def publish(self) -> None:
+        """The outer state changed: say so in my progress record, and add it to the chain."""
+        self.tracker.new_epoch(self.outer.step)
+        self.tracker.info.update({"hash": self.outer.hash})
+        self.chain[self.outer.step] = self.outer.hash
+        for step in [s for s in self.chain if s < self.outer.step - self.max_staleness]:
+            del self.chain[step]
+
+    def forget_old_members(self) -> None:
+        for step in [s for s in self.members_of if s < self.outer.step - self.max_staleness - 2]:
+            del self.members_of[step]
+
+    # ------------------------------------------------------------------------------------------ the others
+
+    def at_step(self, step: int) -> Members:
+        """Trainers of the run at outer step `step` in the progress records (and me, when I am there)."""
+        me = self.tracker.peer_id
+        progress = self.tracker.progress()
+        members = [(bytes(p.peer_id), p.address) for p in progress.peers
+                   if p.info.get("alg") and not p.left and p.epoch == step and p.peer_id != me]
+        if self.outer.step == step:
+            members.append((bytes(me), self.address))
+        return tuple(members)
+
+    def candidates(self, step: int) -> Members:
+        """Who may coordinate round `step`: the members of the round that produced outer step `step`, and the
+        trainers at that step in the progress records (so that trainers whose rounds split, or that started
+        apart, meet again under one coordinator)."""
+        merged = dict(self.at_step(step))
+        merged.update((p, a) for p, a in self.members_of.get(step, ()) if a is not None or p not in merged)
+        return tuple(merged.items())
+
+    def expected(self, step: int) -> dict[bytes, Address | None]:
+        """Whom I expect in a round I coordinate: the members of the round that produced outer step `step`, and the
+        trainers at that step in the progress records; for a round of
+        an outer step I know nothing of (the first of a run), every trainer of the roster (those busy elsewhere
+        say so when the window opens)."""
+        if step not in self.members_of:
+            return {**dict(self.rounds.roster()), **dict(self.at_step(step))}
+        # not minus the peers my last all-reduce saw fail: a timeout on a loaded machine is no proof of death, and
+        # the window's opening probes every expected trainer anyway (a dead one refuses it at once)
+        return dict(self.candidates(step))
+
+    def note_roster(self) -> None:
+        """The trainers the progress records show, into the rounds' roster."""
+        now = self.tracker.dht.now()
+        for peer in self.tracker.progress().peers:
+            if peer.left:
+                self.rounds.forget(bytes(peer.peer_id))
+            elif peer.info.get("alg") and now - peer.time <= self.tracker.ttl:  # a record refreshed in time
+                self.rounds.note(bytes(peer.peer_id), peer.address)
+
+    def other_trainers(self, peers: Sequence[PeerProgress]) -> list[PeerProgress]:
+        """The other trainers of the run among these progress records, live (not said goodbye)."""
+        me = self.tracker.peer_id
+        return [p for p in peers if p.peer_id != me and p.info.get("alg") and not p.left]
+
+    def others_finished(self) -> bool:
+        """Whether the progress records show other live trainers of the run, all of them finished."""
+        others = self.other_trainers(self.tracker.progress().peers)
+        return bool(others) and all(p.info.get("fin") for p in others)
+
+    def canonical(self, peers: list[PeerProgress]) -> tuple[int, str | None, list[PeerProgress]]:
+        """The newest outer step among `peers` (and me), the hash most trainers at it hold (ties: mine, then the
+        smaller), and the others holding that hash."""
+        others = self.other_trainers(peers)
+        mine, my_hash = self.outer.step, self.outer.hash
+        step = max([p.epoch for p in others] + [mine])
+        counts = collections.Counter(p.info.get("hash") for p in others
+                                     if p.epoch == step and isinstance(p.info.get("hash"), str))
+        if step == mine:
+            counts[my_hash] += 1
+        if not counts:
+            return step, None, []
+        top = max(counts.values())
+        tied = sorted(str(h) for h, n in counts.items() if n == top)
+        best = my_hash if my_hash in tied and step == mine else tied[0]
+        return step, best, [p for p in others if p.epoch == step and p.info.get("hash") == best]
+
+    def ahead(self, progress: SwarmProgress) -> bool:
+        """Whether the progress records show trainers holding a newer outer step than mine."""
+        step, best, holders = self.canonical(list(progress.peers))
+        return best is not None and step > self.outer.step and bool(holders)
