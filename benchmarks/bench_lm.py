@@ -15,6 +15,9 @@ held-out text (`gzip_bpb`: compressed bits per byte). With `--long-steps N` a lo
 `--long-batch-size`) is compared with gzip: `long_bpb` < `gzip_bpb` is the target. The model sees at most
 `--seq-len` bytes of context and the held-out windows start cold; gzip sees each file's whole history.
 
+With `--in-flight N` (default 4) the swarm run is repeated with N `--steps-in-flight` (`peer.steps`): its held-out
+figure and its training time against the sequential swarm run's (`in_flight_bpb`, `in_flight_time_ratio`).
+
 Ends with one JSON line: `swarm_bpb`, `local_bpb`, `bpb_gap`, `time_ratio` (swarm / local training seconds),
 `gzip_bpb`, `long_bpb`, the profile and the settings. Targets: bpb within 2%, time ratio <= 1.5, long_bpb below
 gzip_bpb.
@@ -137,6 +140,9 @@ def main() -> None:
     parser.add_argument("--long-steps", type=int, default=0,
                         help="steps of a longer local run compared with gzip (0: skip it)")
     parser.add_argument("--long-batch-size", type=int, default=32)
+    parser.add_argument("--in-flight", type=int, default=4,
+                        help="a second swarm run with this many --steps-in-flight, beside the sequential one "
+                             "(1: skip it)")
     options = parser.parse_args()
 
     grid = f"{options.layers}x{options.experts_per_layer}"
@@ -162,8 +168,11 @@ def main() -> None:
     daemons, bootstrap = start_daemons(options.daemons, options.layers, options.experts_per_layer,
                                        options.hidden_dim)
     try:
-        swarm = run(common + ["--initial-peers", bootstrap, "--average", "parameters", "--target-batch-size",
-                              str(options.target_batch_size)])
+        on_swarm = ["--initial-peers", bootstrap, "--average", "parameters", "--target-batch-size",
+                    str(options.target_batch_size)]
+        swarm = run(common + on_swarm + ["--steps-in-flight", "1"])
+        in_flight = (run(common + on_swarm + ["--steps-in-flight", str(options.in_flight)])
+                     if options.in_flight > 1 else None)
         profile = (profile_swarm_steps(common, bootstrap, options.profile_steps)
                    if options.profile_steps > 0 else None)
     finally:
@@ -171,6 +180,10 @@ def main() -> None:
     print(f"swarm : held-out {swarm['bpb']:.3f} bits per byte (from {swarm['bpb_start']:.3f}), "
           f"training {swarm['train_seconds']:.2f} s on {options.daemons} daemons, "
           f"{swarm.get('failed_expert_calls', 0)} failed expert calls, {swarm['failed_steps']} failed steps")
+    if in_flight is not None:
+        print(f"swarm with {options.in_flight} steps in flight: held-out {in_flight['bpb']:.3f} bits per byte, "
+              f"training {in_flight['train_seconds']:.2f} s ({in_flight['train_seconds'] / swarm['train_seconds']:.2f}"
+              f" of the sequential swarm run's), {in_flight['failed_steps']} failed steps")
     ratio = swarm["train_seconds"] / local["train_seconds"]
     gap = (swarm["bpb"] - local["bpb"]) / local["bpb"]
     print(f"time ratio swarm/local {ratio:.2f} (target <= 1.5); bpb gap {100 * gap:+.2f}% (target within 2%)")
@@ -203,6 +216,11 @@ def main() -> None:
         "swarm_bpb_start": round(swarm["bpb_start"], 4), "local_bpb_start": round(local["bpb_start"], 4),
         "swarm_train_s": round(swarm["train_seconds"], 3), "local_train_s": round(local["train_seconds"], 3),
         "swarm_failed_steps": swarm["failed_steps"], "profile": profile,
+        "in_flight": options.in_flight if in_flight else 1,
+        "in_flight_bpb": None if in_flight is None else round(in_flight["bpb"], 4),
+        "in_flight_time_ratio": None if in_flight is None else round(
+            in_flight["train_seconds"] / swarm["train_seconds"], 3),
+        "in_flight_failed_steps": None if in_flight is None else in_flight["failed_steps"],
         "steps": options.steps, "batch_size": options.batch_size, "seq_len": options.seq_len,
         "hidden_dim": options.hidden_dim, "layers": options.layers, "experts_per_layer": options.experts_per_layer,
         "k_best": options.k_best, "daemons": options.daemons, "target_batch_size": options.target_batch_size,

@@ -17,7 +17,9 @@ hivemind and SWARM, and its price is staleness, bounded here:
 - the remote experts see the steps' calls interleaved, as they see several trainers', and step once per backward
   call they serve.
 
-The model stays an ordinary `nn.Module`, the loss an ordinary function, the optimizer any torch optimizer. Each
+The model stays an ordinary `nn.Module`, the loss an ordinary function, the optimizer any torch optimizer (or, with
+`apply=`, any update such as a swarm optimizer's `step(batch_size=...)`; with `compute=`, any function that runs
+the model and returns its loss and a metric, as `peer train`'s tasks do). Each
 step's thread sees its own snapshot of the parameters: the modules' classes are given a parameter lookup that
 reads a thread-local table first (`torch.func.functional_call` cannot do this: it swaps the module's attributes
 for the duration of the call, which steps running side by side would see).
@@ -25,6 +27,7 @@ for the duration of the call, which steps running side by side would see).
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -33,6 +36,9 @@ import torch
 from torch import nn
 
 LossFunction = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# compute(inputs, targets) -> (loss, metric): runs the model itself (a task's loss: e.g. logits and accuracy)
+ComputeFunction = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, float]]
+ApplyFunction = Callable[[int], None]  # apply(batch_size): the update, gradients in the parameters' .grad
 _SNAPSHOT = threading.local()  # .params: {(id(module), name): tensor} of the step running in this thread
 _VIEWED: dict[type, type] = {}
 
@@ -58,24 +64,41 @@ def _snapshot_view(cls: type[nn.Module]) -> type[nn.Module]:
 @dataclass(frozen=True)
 class StepResult:
     """One finished step: its index (in submission order), its loss (None when it failed), the error that failed
-    it, and how many updates newer the parameters it was applied to were than those it computed on."""
+    it, and how many updates newer the parameters it was applied to were than those it computed on; `metric` (what
+    `compute=` returned beside the loss, else nan), `samples` (its batch size) and `applied` (False when
+    `drain(apply=False)` dropped its update, or it failed)."""
 
     index: int
     loss: float | None
     error: BaseException | None
     staleness: int
+    metric: float = math.nan
+    samples: int = 0
+    applied: bool = False
 
 
 class StepsInFlight:
     """Submit steps with `submit(inputs, targets)`: it returns at once while fewer than `depth` steps are in
     flight, else waits for the oldest to finish. `drain()` waits for all and returns the results not yet returned.
     A failed step (e.g. `moe.errors.NotEnoughExperts`) applies no update and is reported in its result; the steps
-    after it go on."""
+    after it go on. `finished()` returns the results so far without waiting.
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFunction, depth: int = 2):
+    `compute(inputs, targets) -> (loss, metric)` replaces `loss_fn(model(inputs), targets)`, and `apply(batch_size)`
+    replaces `optimizer.step(); optimizer.zero_grad()` (it finds the step's gradients in the parameters' `.grad`
+    and must clear them). Both run in the step's thread: the update under the trainer's lock, one at a time, in
+    submission order."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, loss_fn: LossFunction | None,
+                 depth: int = 2, *, compute: ComputeFunction | None = None, apply: ApplyFunction | None = None):
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
+        if (loss_fn is None) == (compute is None):
+            raise ValueError("give exactly one of loss_fn and compute")
+        if (optimizer is None) == (apply is None):
+            raise ValueError("give exactly one of optimizer and apply")
         self.model, self.optimizer, self.loss_fn, self.depth = model, optimizer, loss_fn, depth
+        self._compute, self._apply = compute, apply
+        self._dropping = False  # drain(apply=False): updates not applied yet are dropped
         self._keys: list[tuple[int, str]] = []
         self._params: list[nn.Parameter] = []
         for module in model.modules():
@@ -92,6 +115,12 @@ class StepsInFlight:
         self._results: list[StepResult] = []
         self.max_staleness = 0
 
+    @property
+    def in_flight(self) -> int:
+        """Steps submitted whose update (or failure) is not applied yet."""
+        with self._lock:
+            return self._submitted - self._applied
+
     def submit(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         with self._lock:
             while self._submitted - self._applied >= self.depth:
@@ -107,21 +136,41 @@ class StepsInFlight:
         self._threads.append(thread)
         thread.start()
 
-    def drain(self) -> list[StepResult]:
-        for thread in list(self._threads):
-            thread.join()
-        self._threads = []
+    def finished(self) -> list[StepResult]:
+        """The results of the steps finished since the last call (or `drain`), in order, without waiting."""
         with self._lock:
             results, self._results = self._results, []
         return results
 
+    def drain(self, apply: bool = True) -> list[StepResult]:
+        """Wait for every step in flight and return the results not returned yet. `apply=False` drops the updates
+        of the steps not applied yet (their results say `applied=False`): for a loop that must end on an exact
+        update, e.g. a DiLoCo trainer whose swarm has taken its last outer step."""
+        if not apply:
+            with self._lock:
+                self._dropping = True
+        try:
+            for thread in list(self._threads):
+                thread.join()
+        finally:
+            with self._lock:
+                self._dropping = False
+        self._threads = []
+        return self.finished()
+
     def _step(self, index: int, started_at: int, snapshot: dict[tuple[int, str], torch.Tensor], inputs: torch.Tensor,
               targets: torch.Tensor) -> None:
         loss_value: float | None = None
+        metric = math.nan
         error: BaseException | None = None
+        applied = False
         _SNAPSHOT.params = snapshot
         try:
-            loss = self.loss_fn(self.model(inputs), targets)
+            if self._compute is not None:
+                loss, metric = self._compute(inputs, targets)
+            else:
+                assert self.loss_fn is not None
+                loss = self.loss_fn(self.model(inputs), targets)
             torch.autograd.backward(loss)  # into the snapshot; every remote layer's backward runs
             loss_value = float(loss.detach())
         except Exception as caught:  # reported in the step's result; later steps go on
@@ -132,20 +181,25 @@ class StepsInFlight:
             while self._applied != index:  # updates in submission order
                 self._lock.wait()
             try:
-                if error is None:
+                if error is None and not self._dropping:
                     for param, key in zip(self._params, self._keys):
                         grad = snapshot[key].grad
                         param.grad = None if grad is None else grad.to(param.dtype)
-                    self.optimizer.step()
-                    self.optimizer.zero_grad(set_to_none=True)
+                    if self._apply is not None:
+                        self._apply(len(inputs))
+                    else:
+                        assert self.optimizer is not None
+                        self.optimizer.step()
+                        self.optimizer.zero_grad(set_to_none=True)
+                    applied = True
             except Exception as caught:
                 error, loss_value = caught, None
             finally:
                 staleness = self._applied - started_at
                 self.max_staleness = max(self.max_staleness, staleness)
-                self._results.append(StepResult(index, loss_value, error, staleness))
+                self._results.append(StepResult(index, loss_value, error, staleness, metric, len(inputs), applied))
                 self._applied += 1
                 self._lock.notify_all()
 
 
-__all__ = ["LossFunction", "StepResult", "StepsInFlight"]
+__all__ = ["ApplyFunction", "ComputeFunction", "LossFunction", "StepResult", "StepsInFlight"]

@@ -699,6 +699,10 @@ TRAIN = OptionSet("peer train", [
     Option("expert-lr", POSITIVE, 1e-3, "with --local-experts: the experts' learning rate (as `peer join --lr`)"),
     Option("threads", POSITIVE_INT, 1, "torch threads (the model is small: more threads mostly spin on a busy "
            "machine)"),
+    Option("steps-in-flight", POSITIVE_INT, None, "training steps kept going through the swarm at once, so "
+           "waiting on the experts' round trips never idles the trainer: each computes on the parameters as they "
+           "were when it started, and updates are applied in order, at most N-1 updates stale; 1: one step after "
+           "the other", shown_default="2 with remote experts, else 1", metavar="N"),
     Option("max-failed-steps", POSITIVE_INT, 50, "give up after this many consecutive attempts without enough "
            "experts (retried with a growing pause, up to 1 s: about 45 s in all with the default)"),
     INSECURE_TRANSPORT,

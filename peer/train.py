@@ -502,6 +502,8 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
     the DiLoCo optimizer (`averaging.diloco.DiLoCoHooks`; tests pass them, the command line cannot)."""
     from averaging.schema import MISMATCHES
     from moe.errors import NotEnoughExperts
+    from moe.pipeline import StepResult
+    from peer.steps import step_runner
 
     mismatch_mark = MISMATCHES.mark()
     torch.set_num_threads(args.threads)
@@ -562,66 +564,93 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
         train_started = last_line_at = time.monotonic()
         step = last_line_step = 0
 
+        def apply_update(batch: int) -> None:
+            if optimizer is not None:
+                optimizer.step(batch_size=batch)
+            else:
+                base.step()
+                base.zero_grad(set_to_none=True)
+
+        steps = step_runner(model, lambda x, y: task.loss(model, x, y), apply_update,
+                            steps_in_flight(args, remote_experts))
+
         def training_continues() -> bool:
             if stop.requested:
                 return False
             if optimizer is not None:  # DiLoCo counts the swarm's outer steps (see its more_steps)
-                return optimizer.more_steps(step, args.steps)
-            return bool(step < args.steps)
+                return optimizer.more_steps(step + steps.in_flight, args.steps)
+            return bool(step + steps.in_flight < args.steps)
 
-        while training_continues():
-            x, y = batches.next()
-            try:
-                loss, accuracy = task.loss(model, x, y)
-                loss.backward()  # type: ignore[no-untyped-call]  # torch declares Tensor.backward untyped
-            except NotEnoughExperts as error:
+        def finished(outcome: StepResult) -> None:
+            """Count one finished step: a failure (retried with the next batch after a pause that grows), or a
+            step done, with its progress line every --log-every steps."""
+            nonlocal failed_steps, consecutive_failures, step, samples
+            if isinstance(outcome.error, NotEnoughExperts):
                 # experts not declared yet (a swarm starting up) or all failing at once: retry after a pause
                 # that grows, so a swarm that comes back is used again and one that never does ends the run
                 failed_steps += 1
                 consecutive_failures += 1
-                failure = {"event": "failed_step", "step": step + 1, "stage": error.stage, "time": _utc_now(),
-                           "error": str(error)[:300]}
+                failure = {"event": "failed_step", "step": step + 1, "stage": outcome.error.stage,
+                           "time": _utc_now(), "error": str(outcome.error)[:300]}
                 failures.append(failure)
                 out.emit(failure)
-                model.zero_grad(set_to_none=True)
                 if consecutive_failures >= args.max_failed_steps:
                     raise TrainingFailed(
-                        f"{consecutive_failures} steps in a row without enough experts: {error}") from None
+                        f"{consecutive_failures} steps in a row without enough experts: {outcome.error}") from None
                 time.sleep(min(1.0, 0.02 * 2 ** consecutive_failures))
-                continue
+                return
+            if outcome.error is not None:
+                raise outcome.error
+            if not outcome.applied:  # dropped by drain(apply=False): past the swarm's last outer step
+                return
             consecutive_failures = 0
             step += 1
+            samples += outcome.samples
+            assert outcome.loss is not None
+            meter.update(outcome.loss, outcome.metric)
+            if step % args.log_every == 0 or step == args.steps:
+                progress_line()
+
+        def progress_line() -> None:
+            nonlocal last_line_at, last_line_step
+            now = time.monotonic()
+            elapsed = now - train_started
+            line = {
+                "event": "progress", "step": step, "steps": args.steps,
+                "time": _utc_now(),
+                "elapsed_s": round(now - started, 3),
+                "step_s": round((now - last_line_at) / (step - last_line_step), 4),  # mean since last line
+                "loss": round(meter.loss, 4),
+                "accuracy": None if math.isnan(meter.accuracy) else round(meter.accuracy, 4),
+                "samples_per_s": round(samples / max(elapsed, 1e-9), 1),
+                "experts_alive": len(uids) if experts_swarm is None else _experts_alive(experts_swarm, model, uids),
+                "failed_calls": _failed_expert_calls(model, experts_swarm),
+            }
+            last_line_at, last_line_step = now, step
             if optimizer is not None:
-                optimizer.step(batch_size=len(x))
-            else:
-                base.step()
-                base.zero_grad(set_to_none=True)
-            samples += len(x)
-            meter.update(loss.item(), accuracy)
-            if step % args.log_every == 0 or step == args.steps or not training_continues():
-                now = time.monotonic()
-                elapsed = now - train_started
-                line = {
-                    "event": "progress", "step": step, "steps": args.steps,
-                    "time": _utc_now(),
-                    "elapsed_s": round(now - started, 3),
-                    "step_s": round((now - last_line_at) / (step - last_line_step), 4),  # mean since last line
-                    "loss": round(meter.loss, 4),
-                    "accuracy": None if math.isnan(meter.accuracy) else round(meter.accuracy, 4),
-                    "samples_per_s": round(samples / max(elapsed, 1e-9), 1),
-                    "experts_alive": len(uids) if experts_swarm is None else _experts_alive(experts_swarm, model, uids),
-                    "failed_calls": _failed_expert_calls(model, experts_swarm),
-                }
-                last_line_at, last_line_step = now, step
-                if optimizer is not None:
-                    line.update(optimizer.report())
-                out.emit(line)
-                out.draw_bar(line)
-                training.update(line, samples=samples)
-                if swarm is not None:
-                    _publish_point(swarm, args.run_id, line, optimizer.stats() if optimizer is not None else None)
-                if on_progress is not None:
-                    on_progress(line)
+                line.update(optimizer.report())
+            out.emit(line)
+            out.draw_bar(line)
+            training.update(line, samples=samples)
+            if swarm is not None:
+                _publish_point(swarm, args.run_id, line, optimizer.stats() if optimizer is not None else None)
+            if on_progress is not None:
+                on_progress(line)
+
+        try:
+            while training_continues():
+                x, y = batches.next()
+                for done in steps.submit(x, y):
+                    finished(done)
+        except BaseException:
+            steps.drain(apply=False)  # no step thread outlives the run
+            raise
+        # the steps still in flight: a collaborative loop never submits past --steps, but DiLoCo's swarm may have
+        # taken its last outer step meanwhile, and an update after it would leave this trainer's model apart
+        for done in steps.drain(apply=not diloco):
+            finished(done)
+        if step != last_line_step:  # the last step's line (a stop request, DiLoCo's last outer step)
+            progress_line()
         out.end_bar()
         train_seconds = time.monotonic() - train_started
         if optimizer is not None:
@@ -675,6 +704,17 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
             optimizer.close()
         if swarm is not None:
             swarm.close()
+
+
+DEFAULT_STEPS_IN_FLIGHT = 2  # with remote experts (see peer.steps); measured in benchmarks/README.md
+
+
+def steps_in_flight(args: argparse.Namespace, remote_experts: bool) -> int:
+    """--steps-in-flight, or its default: several where steps wait on remote experts, else one."""
+    given: int | None = getattr(args, "steps_in_flight", None)
+    if given is not None:
+        return given
+    return DEFAULT_STEPS_IN_FLIGHT if remote_experts else 1
 
 
 def _make_optimizer(args: argparse.Namespace, base: torch.optim.Optimizer, swarm: Any, hooks: DiLoCoHooks | None,

@@ -44,6 +44,22 @@ def test_local_training_reaches_90_percent_and_saves_a_loadable_checkpoint(tmp_p
     assert saved["accuracy"] == pytest.approx(accuracy)
 
 
+def test_steps_in_flight_train_to_the_same_accuracy_and_end_on_the_planned_step(capsys):
+    """--steps-in-flight 2 (peer.steps.PipelinedSteps): every planned step is applied once, no step past
+    --steps is submitted, the progress lines come at the same steps, and the model trains as the sequential loop
+    does (up to the bounded staleness: a few points of held-out accuracy at most)."""
+    sequential = train.run_training(_args("--local-experts", "--steps", "150", "--log-every", "50"))
+    capsys.readouterr()
+    pipelined = train.run_training(_args("--local-experts", "--steps", "150", "--log-every", "50",
+                                         "--steps-in-flight", "2"))
+    lines = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert [line["step"] for line in lines if line["event"] == "progress"] == [50, 100, 150]
+    assert pipelined["steps"] == 150 and pipelined["failed_steps"] == 0
+    assert pipelined["accuracy"] >= 0.9 and abs(pipelined["accuracy"] - sequential["accuracy"]) <= 0.05
+    assert train.steps_in_flight(_args("--local-experts"), remote_experts=False) == 1
+    assert train.steps_in_flight(_args("--steps-in-flight", "2"), remote_experts=True) == 2
+
+
 def test_the_held_out_split_is_fixed_and_disjoint_from_training():
     first, second = train.load_digits_split(), train.load_digits_split()
     assert all(torch.equal(a, b) for a, b in zip(first, second))

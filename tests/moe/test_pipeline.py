@@ -108,3 +108,45 @@ def test_a_failed_step_applies_nothing_and_the_others_go_on():
     assert results[1].loss is None and "not enough" in str(results[1].error)
     with pytest.raises(ValueError):
         StepsInFlight(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, depth=0)
+
+
+def test_compute_and_apply_replace_the_loss_and_the_optimizer_and_drain_can_drop_updates():
+    """`compute=` runs the model itself and returns a metric beside the loss (as `peer train`'s tasks do);
+    `apply=` is handed each step's batch size with the gradients in `.grad` (a swarm optimizer's step);
+    `drain(apply=False)` ends a loop on an exact update: the steps still in flight apply nothing."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    applied: list[int] = []
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    hold = threading.Event()
+
+    def compute(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
+        if len(x) == 5:  # the last step: still in flight when the loop drains without applying
+            hold.wait(30)
+        return _loss(model(x), y), float(len(x))
+
+    def apply(batch: int) -> None:
+        assert all(p.grad is not None for p in model.parameters())
+        applied.append(batch)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    trainer = StepsInFlight(model, None, None, depth=2, compute=compute, apply=apply)
+    for size in (2, 3, 4):
+        trainer.submit(torch.randn(size, 3), torch.randn(size, 1))
+    done = trainer.drain()
+    assert [(r.samples, r.metric, r.applied) for r in done] == [(2, 2.0, True), (3, 3.0, True), (4, 4.0, True)]
+    assert applied == [2, 3, 4] and trainer.finished() == []
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer.submit(torch.randn(5, 3), torch.randn(5, 1))
+    assert trainer.in_flight == 1
+    threading.Timer(0.05, hold.set).start()
+    dropped = trainer.drain(apply=False)
+    assert [(r.samples, r.applied, r.error) for r in dropped] == [(5, False, None)] and applied == [2, 3, 4]
+    for got, want in zip(model.parameters(), before):
+        assert torch.equal(got.detach(), want)
+    assert trainer.in_flight == 0
+    with pytest.raises(ValueError):
+        StepsInFlight(model, optimizer, None, compute=compute, apply=apply)
+    with pytest.raises(ValueError):
+        StepsInFlight(model, None, _loss, compute=compute, apply=apply)
