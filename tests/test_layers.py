@@ -323,3 +323,33 @@ def test_the_test_import_check_sees_every_form_of_import(tmp_path, monkeypatch):
         "tests/sub/test_c.py:10: from tests.test_a import x",
         "benchmarks/bench.py:1: from tests.sub.test_b import x",
     ]
+
+
+# ------------------------------------------------------------------------------------------------ room sizes
+
+MAX_CLASS_LINES = 500  # issue 37: a class past this holds several jobs; split it into collaborators it owns
+
+
+def oversized_classes(limit: int = MAX_CLASS_LINES) -> list[str]:
+    """Every class of the product packages longer than `limit` lines (docstring included), as path:line name."""
+    found = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+                    length = node.end_lineno - node.lineno + 1
+                    if length > limit:
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({length} lines)")
+    return found
+
+
+def test_no_class_is_over_500_lines():
+    assert oversized_classes() == []
+
+
+def test_the_size_check_counts_a_class_from_its_header_to_its_last_line(tmp_path, monkeypatch):
+    (tmp_path / "peer").mkdir()
+    body = "\n".join(f"    x{i} = {i}" for i in range(9))
+    (tmp_path / "peer" / "big.py").write_text(f'class Big:\n    """doc"""\n{body}\n\n\nclass Small:\n    y = 1\n')
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert oversized_classes(limit=10) == ["peer/big.py:1 Big (11 lines)"]
