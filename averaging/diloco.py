@@ -73,7 +73,7 @@ from averaging.gather import GatherService
 from averaging.optimizer import SwarmOptimizerBase
 from averaging.outer_state import ErrorFeedback, OuterState, default_outer, nesterov_sgd
 from averaging.polled import unless
-from averaging.progress import ProgressTracker, SwarmProgress
+from averaging.progress import PeerProgress, ProgressTracker, SwarmProgress
 from averaging.quorum import QuorumPolicy
 from averaging.rounds import RoundService
 from averaging.state_hash import state_digest
@@ -232,7 +232,7 @@ class DiLoCoOptimizer(SwarmOptimizerBase):
         self.tracker = ProgressTracker(
             swarm.dht, run_id, self.phase_steps * self.batch_size_per_step, ttl=progress_ttl,
             min_refresh=min_refresh, max_refresh=max_refresh, client_mode=not listen,
-            publish_interval=publish_interval,
+            publish_interval=publish_interval, foreign=self._of_another_model,
         )
         self.view = SwarmView(self.outer, self.tracker, self.rounds, self.policy.max_staleness)
         self.sync = StateSync(swarm.rpc, self.outer, self.view, self.tracker, self.rounds, self.ledger,
@@ -249,10 +249,23 @@ class DiLoCoOptimizer(SwarmOptimizerBase):
             load_state_timeout=load_state_timeout,
         )
         self.background = BackgroundContribution(self.contributor)  # overlap: the contribution in flight
-        self.tracker.info.update({"alg": ALGORITHM, "hash": self.hash, "bytes": 0, "util": None})
+        self.tracker.info.update({"alg": ALGORITHM, "hash": self.hash, "bytes": 0, "util": None,
+                                  "schema": self.averager.schema.hex()})
         self._scope = self._start_serving(listen, listen_host)
         self.swarm.run(self._join)  # a newcomer holds the swarm's outer state before its first inner step
         self.ledger.joined_at_step = self.outer_step
+
+    def _of_another_model(self, record: PeerProgress) -> bool:
+        """A trainer of this run whose progress record declares another model (names, shapes or dtypes): never a
+        round member, a state source or a trainer to wait for. Named once, with what differs (the averager's
+        `avg.mm.schema` answers say it), as matchmaking names such peers."""
+        theirs = record.info.get("schema")
+        if not isinstance(theirs, str) or theirs == self.averager.schema.hex():
+            return False  # the same model, or a trainer that does not say
+        matchmaker = self.averager.matchmaker
+        if matchmaker is not None:
+            matchmaker.schemas.notice_peer(record.peer_id, record.address, theirs, where="diloco")
+        return True
 
     # ------------------------------------------------------------------------------------------ trio side
 

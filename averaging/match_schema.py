@@ -16,6 +16,7 @@ import trio
 from averaging.assembly import Declaration
 from averaging.schema import MISMATCHES, difference
 from peer.p2p.identity import PeerID
+from peer.p2p.net import Address
 from peer.p2p.rpc import CallContext, RPCError, RPCNode
 
 logger = logging.getLogger("averaging.matchmaking")  # all of matchmaking logs under the driver's name
@@ -43,26 +44,28 @@ class ForeignSchemas:
     def notice(self, declaration: Declaration) -> None:
         """A peer under my key declares another model: say so once, naming what differs. Both sides do this
         (each sees the other's declaration), so both print one line; they never group (the schema check)."""
-        peer = declaration.peer_id
+        self.notice_peer(declaration.peer_id, declaration.address, declaration.schema.hex())
+
+    def notice_peer(self, peer: PeerID, address: Address | None, schema: str, where: str = "matchmaking") -> None:
+        """The same for a peer known some other way (`schema`: its hash as hex, e.g. from a DiLoCo trainer's
+        progress record); `where` names the operation that met it in the line."""
         if peer in self._foreign:
             return
         self._foreign.add(peer)
-        if self.nursery is not None and declaration.address is not None and self.description is not None:
-            self.nursery.start_soon(self._explain, declaration)
+        if self.nursery is not None and address is not None and self.description is not None:
+            self.nursery.start_soon(self._explain, peer, address, schema, where)
         else:
-            MISMATCHES.report(bytes(peer), f"model schema {declaration.schema.hex()} there, {self.schema.hex()} here",
-                              logger, f"matchmaking: peer {peer.short()}")
+            MISMATCHES.report(bytes(peer), f"model schema {schema} there, {self.schema.hex()} here",
+                              logger, f"{where}: peer {peer.short()}")
 
-    async def _explain(self, declaration: Declaration) -> None:
-        differs = f"model schema {declaration.schema.hex()} there, {self.schema.hex()} here"
-        assert declaration.address is not None  # see notice
+    async def _explain(self, peer: PeerID, address: Address, schema: str, where: str) -> None:
+        differs = f"model schema {schema} there, {self.schema.hex()} here"
         try:
-            answer = await self.rpc.call(declaration.address, SCHEMA_METHOD, {}, timeout=SCHEMA_TIMEOUT,
-                                         peer_id=declaration.peer_id)
+            answer = await self.rpc.call(address, SCHEMA_METHOD, {}, timeout=SCHEMA_TIMEOUT, peer_id=peer)
             theirs = answer.get("schema") if isinstance(answer, dict) else None
             if isinstance(theirs, list) and all(isinstance(t, list) and len(t) == 3 for t in theirs):
                 differs = difference(self.description or [], theirs) or differs
         except RPCError as error:  # an older peer, or gone: the hashes are all there is to say
-            logger.debug("matchmaking: asking %s for its schema failed: %s", declaration.peer_id.short(), error)
-        MISMATCHES.report(bytes(declaration.peer_id), differs, logger,
-                          f"matchmaking: peer {declaration.peer_id.short()}")
+            logger.debug("%s: asking %s for its schema failed: %s", where, peer.short(), error)
+        finally:  # also when the owner closes meanwhile: the mismatch is known, and a run's end must find it
+            MISMATCHES.report(bytes(peer), differs, logger, f"{where}: peer {peer.short()}")

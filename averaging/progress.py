@@ -25,7 +25,7 @@ import logging
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import trio
 
@@ -234,6 +234,7 @@ class ProgressTracker:
         min_refresh: float = 0.1,
         max_refresh: float = 2.0,
         rate_horizon: float = 5.0,
+        foreign: Callable[[PeerProgress], bool] | None = None,
     ):
         if target_batch_size < 1:
             raise ValueError("target_batch_size must be positive")
@@ -258,6 +259,9 @@ class ProgressTracker:
         self.info: dict[str, Any] = {}  # published with every record (PeerProgress.info)
         self._rate = _Rate(rate_horizon)
         self._others: dict[PeerID, PeerProgress] = {}
+        # True for a record of another kind of trainer under this run (e.g. another model): left out of the view,
+        # so nothing counts it, waits for it or downloads from it; the callable says so to the operator, once
+        self.foreign = foreign
         self._published: PeerProgress | None = None
         self._published_at = -math.inf  # trio time
         self._fetched_at = -math.inf  # trio time
@@ -357,6 +361,8 @@ class ProgressTracker:
         self.stats["fetches"] += 1
         others = parse_records(record, self.dht.now())
         others.pop(self.peer_id, None)
+        if self.foreign is not None:
+            others = {peer: report for peer, report in others.items() if not self.foreign(report)}
         self._others = others
         self._fetched_at = trio.current_time()
         return self.progress()
