@@ -34,7 +34,7 @@ per-expert form `{"experts": [{"uid", "inputs", ...}]}` of earlier versions.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence, Union
+from typing import Any, Required, Sequence, TypedDict, Union, Unpack
 
 import torch
 
@@ -121,23 +121,22 @@ async def info(
     return reply
 
 
-async def forward(
-    rpc: RPCNode,
-    address: Address,
-    peer_id: PeerID | None,
-    uid: str,
-    inputs: Sequence[torch.Tensor],
-    *,
-    timeout: float,
-    compression: wire.Compression = wire.Compression.NONE,
-    count: int | None = None,
-    shapes: Sequence[tuple[int, ...]] | None = None,
-    floating: bool = False,
-) -> list[torch.Tensor]:
+class ForwardOptions(TypedDict, total=False):
+    """The keywords `forward` passes on to `forward_keeping` (defaults and meaning there): named once, so the
+    two calls cannot drift apart as `forward` grows a check."""
+
+    timeout: Required[float]
+    compression: wire.Compression
+    count: int | None
+    shapes: Sequence[tuple[int, ...]] | None
+    floating: bool
+
+
+async def forward(rpc: RPCNode, address: Address, peer_id: PeerID | None, uid: str, inputs: Sequence[torch.Tensor],
+                  **options: Unpack[ForwardOptions]) -> list[torch.Tensor]:
     """The expert's outputs for a batch, checked (`reply_tensors`: one row per input row, finite; `count`,
     `shapes` and `floating` when the caller knows more)."""
-    return (await forward_keeping(rpc, address, peer_id, uid, inputs, timeout=timeout, compression=compression,
-                                  count=count, shapes=shapes, floating=floating, keep=False))[0]
+    return (await forward_keeping(rpc, address, peer_id, uid, inputs, keep=False, **options))[0]
 
 
 async def forward_keeping(
