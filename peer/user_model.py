@@ -6,9 +6,18 @@ PYTHONPATH), calls it with the keyword arguments of a `[model]` table of --confi
 from the run id, so every trainer of the run starts from the same weights, and trains it with the algorithm
 chosen (`--algorithm diloco` or `collaborative`): the swarm carries only the averaging, every parameter is local.
 
-`--data` is a local file or folder:
+`--model hf:FOLDER` is a Hugging Face causal LM from a local folder: the weights of a `save_pretrained` folder
+(safetensors), or a fresh model from the folder's `config.json` alone; nothing is fetched from the hub. It sees
+bytes as tokens (its vocabulary must hold 256) and is trained on text `--data` like any byte-level LM.
+
+`--data` is a local file or folder, or a factory:
 - a `.pt` file (loaded with `weights_only=True`) or a `.safetensors` file holding tensors `x` and `y` (one sample
   per row): integer `y` is classified (cross-entropy, accuracy reported), float `y` regressed (mean squared error);
+- a `.jsonl` file, one sample per line: `{"x": [numbers...], "y": label or number(s)}`, or
+  `{"text": "...", "label": N}` (the text's UTF-8 bytes, cut or zero-padded to `--seq-len`, are the input); then
+  as for tensors;
+- `PACKAGE.MODULE:FACTORY`, a function returning a map-style torch `Dataset` of `(x, y)` pairs (stacked into
+  tensors once, then as for tensors);
 - a text file, or a folder of `.txt` files: byte-level language modelling on random windows of `--seq-len` bytes
   (the model maps bytes `[B, T]` to logits `[B, T, V]`; cross-entropy on the next byte).
 A fixed 10% of the samples (of the bytes, for text) is held out, the same for every trainer of every run, so the
@@ -21,9 +30,12 @@ held-out evaluation); the digits and LM tasks have experts on the swarm, this on
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
+import json
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +53,7 @@ EVAL_WINDOWS = 128
 EVAL_BATCH = 256
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+HF_PREFIX = "hf:"  # --model hf:FOLDER: a Hugging Face causal LM from a local folder
 
 
 class UserModelError(ValueError):
@@ -56,6 +69,11 @@ class ModelSpec:
 
     @classmethod
     def parse(cls, text: str, kwargs: dict[str, Any] | None = None) -> "ModelSpec":
+        if text.startswith(HF_PREFIX):
+            if not text[len(HF_PREFIX):]:
+                raise ValueError(f"{text!r} names no folder (hf:FOLDER, a save_pretrained folder or one holding "
+                                 f"config.json)")
+            return cls(text, dict(kwargs or {}))
         module, sep, name = text.partition(":")
         if not sep or not name.isidentifier() or not all(part.isidentifier() for part in module.split(".")):
             raise ValueError(f"{text!r} is not PACKAGE.MODULE:FACTORY (e.g. mymodel:build)")
@@ -67,20 +85,33 @@ class ModelSpec:
 
 def load_factory(spec: ModelSpec) -> Callable[..., Any]:
     """Import the factory; UserModelError (one line) when the module or the name is missing or broken."""
-    module_name, _, name = spec.factory.partition(":")
+    if spec.factory.startswith(HF_PREFIX):
+        folder = Path(spec.factory[len(HF_PREFIX):])
+        if not (folder / "config.json").is_file():
+            raise UserModelError(f"--model {spec}: {folder} holds no config.json (a save_pretrained folder, or "
+                                 f"one with a config.json to build a fresh model from)")
+        return functools.partial(hf_causal_lm, folder)
+    return import_function(spec.factory, "--model")
+
+
+def import_function(text: str, option: str) -> Callable[..., Any]:
+    """The function PACKAGE.MODULE:NAME, imported from the current directory first, then PYTHONPATH; a
+    UserModelError naming `option` when the module or the name is missing or broken."""
+    module_name, _, name = text.partition(":")
+    spec = text
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())  # `peer` is a console script: its sys.path does not hold the cwd
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as error:
-        raise UserModelError(f"--model {spec}: no module named {error.name!r} (searched the current directory "
+        raise UserModelError(f"{option} {spec}: no module named {error.name!r} (searched the current directory "
                              f"and PYTHONPATH)") from None
     except Exception as error:
-        raise UserModelError(f"--model {spec}: importing {module_name} failed: "
+        raise UserModelError(f"{option} {spec}: importing {module_name} failed: "
                              f"{type(error).__name__}: {error}") from None
     factory = getattr(module, name, None)
     if not callable(factory):
-        raise UserModelError(f"--model {spec}: {module_name} has no function {name!r}")
+        raise UserModelError(f"{option} {spec}: {module_name} has no function {name!r}")
     return factory  # type: ignore[no-any-return]
 
 
@@ -106,6 +137,43 @@ def build_user_model(spec: ModelSpec, seed: int) -> tuple[nn.Module, LossFn | No
     return made, loss_fn
 
 
+class CausalLMLogits(nn.Module):
+    """A Hugging Face causal LM as `peer train` drives a model: token ids `[B, T]` in, logits `[B, T, V]` out
+    (its `forward` returns a ModelOutput). `model` is the HF model, whose `save_pretrained` exports it."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=x).logits  # type: ignore[no-any-return]
+
+
+def hf_causal_lm(folder: Path, **overrides: Any) -> CausalLMLogits:
+    """A causal LM from a local folder (see the module doc): weights only from safetensors, never a pickle."""
+    try:
+        import transformers
+    except ImportError:
+        raise UserModelError(f"--model hf:{folder}: needs the transformers package (the 'hf' extra)") from None
+    if (folder / "pytorch_model.bin").exists() and not any(folder.glob("*.safetensors")):
+        raise UserModelError(f"--model hf:{folder}: its weights are a pickle (pytorch_model.bin); save them with "
+                             f"save_pretrained(..., safe_serialization=True)")
+    try:
+        if any(folder.glob("*.safetensors")):
+            model = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, **overrides)
+        else:
+            config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True, **overrides)
+            model = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    except Exception as error:  # an unknown architecture, a broken config: one line naming the folder
+        raise UserModelError(f"--model hf:{folder}: {type(error).__name__}: "
+                             f"{str(error).splitlines()[0] if str(error) else ''}") from None
+    vocabulary = getattr(model.config, "vocab_size", 0) or 0
+    if vocabulary < 256:
+        raise UserModelError(f"--model hf:{folder}: a vocabulary of {vocabulary} cannot hold the 256 byte values "
+                             f"peer train feeds it")
+    return CausalLMLogits(model)
+
+
 # ------------------------------------------------------------------------------------------------ data
 
 
@@ -127,10 +195,12 @@ class TextData:
     held_out: torch.Tensor
 
 
-def load_data(path: Path) -> TensorData | TextData:
+def load_data(path: Path, seq_len: int = 64) -> TensorData | TextData:
     """The training and held-out data of --data (see the module doc); UserModelError for anything unusable."""
     if not path.exists():
-        raise UserModelError(f"--data {path}: no such file or folder")
+        if _FACTORY.fullmatch(str(path)):
+            return _tensors(path, _dataset(str(path)))
+        raise UserModelError(f"--data {path}: no such file or folder (nor PACKAGE.MODULE:FACTORY)")
     if path.is_dir():
         files = sorted(p for p in path.rglob("*.txt") if p.is_file())
         if not files:
@@ -139,7 +209,58 @@ def load_data(path: Path) -> TensorData | TextData:
     suffix = path.suffix.lower()
     if suffix in (".pt", ".pth", ".safetensors"):
         return _tensors(path, _read_tensors(path, suffix))
+    if suffix == ".jsonl":
+        return _tensors(path, _read_jsonl(path, seq_len))
     return _text(path, path.read_bytes())
+
+
+_FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+
+
+def _dataset(text: str) -> dict[str, Any]:
+    """x and y stacked from the (x, y) pairs of the map-style Dataset a `--data` factory returns."""
+    factory = import_function(text, "--data")
+    try:
+        dataset = factory()
+        count = len(dataset)
+        pairs = [dataset[i] for i in range(count)]
+        xs = [torch.as_tensor(pair[0]) for pair in pairs]
+        ys = [torch.as_tensor(pair[1]) for pair in pairs]
+        return {"x": torch.stack(xs), "y": torch.stack(ys)}
+    except Exception as error:  # not a Dataset, items that are not (x, y), shapes that do not stack
+        raise UserModelError(f"--data {text}: its dataset cannot be used: {type(error).__name__}: "
+                             f"{str(error).splitlines()[0] if str(error) else ''} (a map-style Dataset of (x, y) "
+                             f"pairs of one shape is needed)") from None
+
+
+def _read_jsonl(path: Path, seq_len: int) -> dict[str, Any]:
+    """x and y from the lines of a JSONL file (see the module doc); a bad line is named by its number."""
+    xs: list[Any] = []
+    ys: list[Any] = []
+    with path.open("rb") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                if isinstance(row, dict) and "text" in row and "label" in row:
+                    encoded = str(row["text"]).encode()[:seq_len]
+                    xs.append(list(encoded) + [0] * (seq_len - len(encoded)))
+                    ys.append(int(row["label"]))
+                elif isinstance(row, dict) and "x" in row and "y" in row:
+                    xs.append(row["x"])
+                    ys.append(row["y"])
+                else:
+                    raise ValueError('needs "x" and "y", or "text" and "label"')
+            except (ValueError, TypeError) as error:
+                raise UserModelError(f"--data {path}: line {number}: {error}") from None
+    try:
+        texts = bool(xs) and all(isinstance(v, int) for v in xs[0]) and all(isinstance(y, int) for y in ys)
+        x = torch.tensor(xs, dtype=torch.long if texts else torch.float32)
+        y = torch.tensor(ys, dtype=torch.long if all(isinstance(v, int) for v in ys) else torch.float32)
+    except (ValueError, TypeError) as error:  # ragged rows, strings among numbers
+        raise UserModelError(f"--data {path}: the rows do not make one tensor: {error}") from None
+    return {"x": x, "y": y}
 
 
 def _read_tensors(path: Path, suffix: str) -> dict[str, Any]:
@@ -191,7 +312,7 @@ class UserTask:
             raise UserModelError("--model needs --data (a .pt/.safetensors file of x and y, or text)")
         self.spec: ModelSpec = args.model
         load_factory(self.spec)  # a bad --model fails before the data is read
-        self.data = load_data(Path(args.data))
+        self.data = load_data(Path(args.data), args.seq_len)
         self.loss_fn: LossFn | None = None
         if isinstance(self.data, TextData):
             self.eval_x, self.eval_y = evaluation_windows(self.data.held_out, args.seq_len,
