@@ -47,12 +47,13 @@ turns the core's verdicts into wire errors. The split keeps the protocol testabl
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypedDict, Unpack
 
 import torch
 import trio
@@ -157,6 +158,20 @@ class _Round:
         self.update()
 
 
+@contextlib.contextmanager
+def _answering(round_: _Round) -> Iterator[None]:
+    """What a handler tells the sender of a message its round's core refused (the typed error the caller
+    raises), and the round updated whatever happened: the push and the commit handlers answer alike."""
+    try:
+        yield
+    except Excluded:
+        raise SenderExcluded("you are counted as failed in this round") from None
+    except RemoteViolation as error:
+        raise BadChunk(str(error)) from None
+    finally:
+        round_.update()
+
+
 class AllReduceServer:
     """The all-reduce side of one peer: RPC handlers for the rounds this peer reduces in, and `run` to take part
     in a round. One per RPCNode (`install_allreduce`); rounds are told apart by their group id.
@@ -242,16 +257,10 @@ class AllReduceServer:
 
     async def _on_push(self, context: CallContext, args: Any) -> None:
         round_, sender = await self._lookup(context, args)
-        try:
+        with _answering(round_):
             data = args.get("data") or []
             round_.core.receive_push(sender, args.get("part"), args.get("chunk"), args.get("weight"), data,
                                      trio.current_time(), wire_nbytes=_wire_nbytes(data, round_.compression))
-        except Excluded:
-            raise SenderExcluded("you are counted as failed in this round") from None
-        except RemoteViolation as error:
-            raise BadChunk(str(error)) from None
-        finally:
-            round_.update()
 
     async def _on_check_push(self, context: CallContext, args: Any) -> None:
         round_, sender = await self._lookup(context, args)
@@ -277,14 +286,8 @@ class AllReduceServer:
 
     async def _on_finish(self, context: CallContext, args: Any) -> dict[str, Any]:
         round_, sender = await self._lookup(context, args)
-        try:
+        with _answering(round_):
             round_.core.receive_commit(sender, args.get("part"), args.get("weight", 0.0), args.get("suspects"))
-        except Excluded:
-            raise SenderExcluded("you are counted as failed in this round") from None
-        except RemoteViolation as error:
-            raise BadChunk(str(error)) from None
-        finally:
-            round_.update()
         try:
             await round_.released.wait()
         except trio.Cancelled:
@@ -720,16 +723,18 @@ def install_allreduce(rpc: RPCNode, *, config: AllReduceConfig | None = None, ho
     return AllReduceServer(rpc, config=config, hook=hook).install()
 
 
-async def run_allreduce(
-    rpc: RPCNode,
-    group: GroupInfo,
-    tensors: Sequence[torch.Tensor],
-    *,
-    weight: float = 1.0,
-    compression: wire.Compression = wire.Compression.NONE,
-    timeout: float = 60.0,
-    lock: TensorLock = None,
-) -> AllReduceResult:
+class RoundOptions(TypedDict, total=False):
+    """The keywords `run_allreduce` passes on to `AllReduceServer.run` (defaults there): one list, so that the
+    entry point and the method cannot drift apart."""
+
+    weight: float
+    compression: wire.Compression
+    timeout: float
+    lock: TensorLock
+
+
+async def run_allreduce(rpc: RPCNode, group: GroupInfo, tensors: Sequence[torch.Tensor],
+                        **options: Unpack[RoundOptions]) -> AllReduceResult:
     """Average `tensors` in place with the other members of `group` (each running the same call).
 
     Every member must pass tensors of the same shapes and dtypes in the same order. `weight` is this member's
@@ -741,4 +746,4 @@ async def run_allreduce(
     server = _SERVERS.get(rpc)
     if server is None:
         raise RuntimeError("install_allreduce(rpc) first: this RPCNode has no all-reduce handlers")
-    return await server.run(group, tensors, weight=weight, compression=compression, timeout=timeout, lock=lock)
+    return await server.run(group, tensors, **options)

@@ -41,7 +41,7 @@ import collections
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypedDict, Unpack
 
 import torch
 import trio
@@ -636,23 +636,25 @@ async def load_state(
         blocks_fetched=download.blocks_fetched, failures=download.failures)
 
 
-async def load_state_from_peers(
-    rpc: RPCNode,
-    candidates: Sequence[tuple[PeerID, Address]],
-    *,
-    into: Sequence[torch.Tensor] | None = None,
-    lock: TensorLock = None,
-    timeout: float = 60.0,
-    compression: wire.Compression = wire.Compression.NONE,
-    config: StateConfig | None = None,
-    estimator: ThroughputEstimator | None = None,
-) -> DownloadedState:
+class LoadOptions(TypedDict, total=False):
+    """The keywords `load_state_from_peers` passes on to `load_state` (defaults there): one list, so that the
+    older entry point follows the newer one."""
+
+    into: Sequence[torch.Tensor] | None
+    lock: TensorLock
+    timeout: float
+    config: StateConfig | None
+    estimator: ThroughputEstimator | None
+
+
+async def load_state_from_peers(rpc: RPCNode, candidates: Sequence[tuple[PeerID, Address]], *,
+                                compression: wire.Compression = wire.Compression.NONE,
+                                **options: Unpack[LoadOptions]) -> DownloadedState:
     """`load_state` without an agreed hash (the root of the first candidate that answers, candidates ordered most
     advanced first), for existing callers. `compression` is ignored: blocks travel exact, so that they can be
     checked against their digests."""
     del compression
-    return await load_state(rpc, candidates, into=into, lock=lock, timeout=timeout, config=config,
-                            estimator=estimator)
+    return await load_state(rpc, candidates, **options)
 
 
 async def _close_quietly(rpc: RPCNode, address: Address, peer_id: PeerID, snapshot_id: int) -> None:
