@@ -89,7 +89,7 @@ from peer.p2p.relay import RelayLimitReached, ResponseReader  # noqa: E402
 from peer.p2p.relay_service import POLL_METHOD, RESERVE_METHOD  # noqa: E402
 from peer.p2p.rpc import BudgetExceeded, CallContext, RPCError, RPCNode  # noqa: E402
 from peer.status import STATUS_METHOD  # noqa: E402
-from tests import hand_rolled  # noqa: E402
+from peer.testing import hand_rolled  # noqa: E402
 
 MIB = 1 << 20
 GIB = 1 << 30

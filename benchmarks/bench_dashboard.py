@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from peer.daemon import Daemon, DaemonConfig  # noqa: E402
 from peer.p2p.net import parse_address  # noqa: E402
-from tests.peer_processes import PEER, ChildProcess  # noqa: E402
+from peer.testing.peer_processes import PEER, ChildProcess  # noqa: E402
 
 
 def rss_mb(pid: int) -> float:

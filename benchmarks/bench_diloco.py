@@ -12,7 +12,7 @@ start together (a line on stdin), so a machine that brings processes up seconds 
 
 Part 1, on 127.0.0.1: held-out accuracy (`sync_metric`, `diloco_metric`) and bytes sent per trainer (the
 all-reduce's encoded payloads: `bytes_ratio` = sync / diloco). Part 2, only where network namespaces can be
-made (root + iproute2; `tests/netns.py`): each process on its own host with a 20 Mbit/s `tc tbf` uplink;
+made (root + iproute2; `peer/testing/netns.py`): each process on its own host with a 20 Mbit/s `tc tbf` uplink;
 `wan_speedup` = sync seconds per step / diloco seconds per step (each over whole rounds: the baseline's per-step
 time is constant, so it runs fewer steps than DiLoCo), `utilization` = compute time / wall time of DiLoCo with
 `--overlap` (the optimizer's own clocks, mean over trainers).
@@ -47,7 +47,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.peer_processes import ChildProcess, PeerProcess, start_daemon  # noqa: E402
+from peer.testing.peer_processes import ChildProcess, PeerProcess, start_daemon  # noqa: E402
 
 TRAINERS = 4
 CODECS = ["none", "float16", "int8", "int4", "int2", "topk2", "topk8"]
@@ -247,7 +247,7 @@ def summary(results: list[dict[str, Any]], steps: int) -> dict[str, Any]:
 
 
 def wan_part(options: argparse.Namespace) -> dict[str, Any]:
-    from tests.netns import HostNetwork, netns_available
+    from peer.testing.netns import HostNetwork, netns_available
 
     available, why_not = netns_available()
     if not available:

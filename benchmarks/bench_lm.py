@@ -48,7 +48,7 @@ import torch  # noqa: E402
 
 from peer import train  # noqa: E402
 from peer.corpus import WindowStream, load_corpus  # noqa: E402
-from tests.peer_processes import PeerProcess, start_daemon_chain, stop_all  # noqa: E402
+from peer.testing.peer_processes import PeerProcess, start_daemon_chain, stop_all  # noqa: E402
 
 PREFIX = "lm"
 

@@ -1,6 +1,6 @@
 """MoE benchmark: remote experts vs local, throughput, small-call latency, and training through a SIGKILL.
 
-Expert servers run in separate processes (tests/moe/expert_server_process.py: RPC + DHT + ExpertServer), the
+Expert servers run in separate processes (peer/testing/expert_server_process.py: RPC + DHT + ExpertServer), the
 client (`peer.client.Swarm`, `RemoteExpert`, `RemoteMixtureOfExperts`) in this one.
 (a) ratio: 4 ffn experts, hidden 1024, batch 256, 4 client threads doing forward+backward through RemoteExpert,
     vs the same 4 experts in this process (4 threads: forward, backward, optimizer step).
@@ -36,7 +36,7 @@ from moe.experts import OptimizerConfig, make_expert  # noqa: E402
 from moe.mixture import RemoteMixtureOfExperts  # noqa: E402
 from moe.remote_expert import RemoteExpert  # noqa: E402
 from peer.client import Swarm  # noqa: E402
-from tests.peer_processes import ExpertServerProcess  # noqa: E402
+from peer.testing.peer_processes import ExpertServerProcess  # noqa: E402
 
 SERVER_FLAGS = ["--torch-threads", "1"]
 CORES = len(os.sched_getaffinity(0))  # the cores this process may use (taskset-aware, unlike os.cpu_count)

@@ -1,7 +1,7 @@
 """MoE that hides latency: a two-layer remote MoE trainer's samples/s, synchronous and with several steps in flight
 (`moe.pipeline.StepsInFlight`), on loopback and with a round-trip delay.
 
-Two expert servers in separate processes (tests/moe/expert_server_process.py), each with 4 ffn experts of each
+Two expert servers in separate processes (peer/testing/expert_server_process.py), each with 4 ffn experts of each
 layer (grid (8,), prefixes `la` and `lb`); the trainer is this process (`peer.client.Swarm`, two
 `RemoteMixtureOfExperts` with k_best 2 over a fixed expert table, a local linear head, Adam). The delay is a
 user-space RPC stage in the trainer: every expert call waits `--rtt` seconds before it goes out (a round trip's
@@ -39,7 +39,7 @@ from moe.declare import ExpertLocation  # noqa: E402
 from moe.mixture import RemoteMixtureOfExperts  # noqa: E402
 from moe.pipeline import StepsInFlight  # noqa: E402
 from peer.client import Swarm  # noqa: E402
-from tests.peer_processes import ExpertServerProcess  # noqa: E402
+from peer.testing.peer_processes import ExpertServerProcess  # noqa: E402
 
 LAYERS = ("la", "lb")
 

@@ -133,7 +133,7 @@ def bench_simulated(mb: float, link_mb_s: float) -> dict:
     from averaging.state import StateConfig, install_state_server, load_state
     from averaging.state_hash import state_digest
     from peer.p2p.net import MemoryNetwork
-    from tests.sim_peers import start_peers
+    from peer.testing.sim_peers import start_peers
 
     reference = make_state(mb)
     expected = state_digest(reference)

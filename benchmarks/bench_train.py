@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from peer import train  # noqa: E402
-from tests.peer_processes import PeerProcess, start_daemon_chain, stop_all  # noqa: E402
+from peer.testing.peer_processes import PeerProcess, start_daemon_chain, stop_all  # noqa: E402
 
 
 def start_daemons(count: int, grid: int, hidden_dim: int, threads: int | None = None

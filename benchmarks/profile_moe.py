@@ -1,6 +1,6 @@
 """Profile of the expert call path: where a batch-1 remote forward and the 4-client throughput run spend their CPU.
 
-The server runs in its own process (tests/moe/expert_server_process.py), the client (`peer.client.Swarm`,
+The server runs in its own process (peer/testing/expert_server_process.py), the client (`peer.client.Swarm`,
 `RemoteExpert`) in this one. Both are sampled with py-spy (`--py-spy PATH`, sampling every thread, idle frames
 left out) when it is given, otherwise only the client is profiled with cProfile (its calling thread). Printed:
 the top functions by own time on each side, and the share of samples spent in each of our modules.
@@ -34,7 +34,7 @@ import torch  # noqa: E402
 
 from moe.remote_expert import RemoteExpert  # noqa: E402
 from peer.client import Swarm  # noqa: E402
-from tests.peer_processes import ExpertServerProcess  # noqa: E402
+from peer.testing.peer_processes import ExpertServerProcess  # noqa: E402
 
 
 def _summarise_raw(path: str, top: int) -> dict:

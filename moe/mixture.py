@@ -81,7 +81,7 @@ class ExpertBlacklist:
     opposite treatment: a hung peer must stop costing every step a grace period (after a handful of doublings it
     is avoided as long as a failed one), while a live expert that was late once must be back within a few steps.
     Banning it for the full `ban_time` kept it out of a third of a short run on a loaded machine (live experts
-    were cut this way a few times per run of tests/test_netns.py with both cores busy): the rest of the model
+    were cut this way a few times per run of tests/scenarios/test_netns.py with both cores busy): the rest of the model
     learned without it, and its return moved the routing of its samples at once."""
 
     def __init__(self, ban_time: float = 30.0, first_late_ban: float = 1.0):

@@ -150,7 +150,7 @@ def render_compose(topology: Topology) -> str:
     bootstrap = f"{topology.volunteer_name(0)}:{COMPOSE_PORT}"
     private = topology.private_indices
     lines = [
-        "# Generated from peer/topology.py by `peer swarm compose`; tests/test_swarm.py checks it is current.",
+        "# Generated from peer/topology.py by `peer swarm compose`; tests/peer/test_swarm.py checks it is current.",
         "# Run: docker compose -p swarmd -f docker/compose.yaml up --build   (README: Docker; docker-compose 1.29 too)",
         "x-peer: &peer",
         "  build:",

@@ -41,8 +41,8 @@ def memory_network() -> MemoryNetwork:
 
 @pytest.fixture
 def processes():
-    """A `tests.peer_processes.ProcessGroup` for the test's child processes, all stopped when the test ends."""
-    from tests.peer_processes import ProcessGroup  # only the tests that start processes pay for the import
+    """A `peer.testing.peer_processes.ProcessGroup` for the test's child processes, all stopped when the test ends."""
+    from peer.testing.peer_processes import ProcessGroup  # only the tests that start processes pay for the import
 
     group = ProcessGroup()
     yield group

@@ -1,4 +1,4 @@
-"""Child processes of the network-namespace punch test (tests/test_nat_netns.py), run inside test hosts:
+"""Child processes of the network-namespace punch test (tests/scenarios/test_nat_netns.py), run inside test hosts:
 
 - `relay PORT`: a public byte relay. Tells each connection the address it came from (`u16 length | msgpack
   [host, port]`: what its NAT mapping looks like from outside), then splices the first two connections together.
@@ -33,7 +33,7 @@ async def _splice(source: trio.abc.Stream, sink: trio.abc.Stream) -> None:
 
 
 async def splice_in_pairs(waiting: list[tuple[trio.abc.Stream, trio.Event]], stream: trio.abc.Stream) -> None:
-    """A test byte relay's core, shared with tests/test_punch.py: the first connection waits in `waiting` for the
+    """A test byte relay's core, shared with tests/p2p/test_punch.py: the first connection waits in `waiting` for the
     second, then the two are spliced both ways until either ends."""
     if not waiting:
         done = trio.Event()

@@ -13,6 +13,6 @@
 - `bridge`: a background trio thread that synchronous (PyTorch) code calls into.
 - `lifetime`: the nursery an object owns its background tasks in.
 
-Rule (tests/test_layers.py enforces it): nothing here imports `dht`, `moe`, `averaging` or the application
+Rule (tests/peer/test_layers.py enforces it): nothing here imports `dht`, `moe`, `averaging` or the application
 modules of `peer`.
 """

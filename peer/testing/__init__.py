@@ -10,5 +10,18 @@
   `peer.testing.lines` are its interface-counter meter and JSON-line reader; `peer.testing.trainer` is
   `peer train` with test hooks.
 
+The harnesses of the test suite that the benchmarks use too:
+
+- `peer.testing.peer_processes`: peers in child processes (`ChildProcess`, `PeerProcess`, `start_daemon`,
+  `ExpertServerProcess`, `ProcessGroup`...), started from the repository root and always cleaned up;
+  `peer.testing.expert_server_process` is the minimal expert server that `ExpertServerProcess` runs;
+- `peer.testing.sim_peers`: simulated peers (an RPC node and a DHT node each) in one trio run, on the in-memory
+  network or on 127.0.0.1, each killable at an exact moment;
+- `peer.testing.netns`: separate hosts in network namespaces (`HostNetwork`) and NAT routers (`NatInternet`);
+- `peer.testing.hand_rolled`: a hand-rolled RPC client that breaks the protocol on purpose after a real handshake.
+
+The tests themselves mirror the code: tests/p2p, tests/dht, tests/moe, tests/averaging, tests/peer, and
+tests/scenarios for runs of several processes, network namespaces or containers.
+
 See docs/testbed.md for how the testbed is built and how accurate it is.
 """

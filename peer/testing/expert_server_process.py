@@ -1,6 +1,6 @@
 """A minimal expert-server peer in its own process, for tests and benchmarks that SIGKILL servers.
 
-    python tests/moe/expert_server_process.py --uids ffn.0 ffn.1 --hidden 256 [--dht-peer 127.0.0.1:PORT]
+    python -m peer.testing.expert_server_process --uids ffn.0 ffn.1 --hidden 256 [--dht-peer 127.0.0.1:PORT]
 
 Runs an RPC node on 127.0.0.1 (a free port), a DHT node on the same port (a new DHT, or joining --dht-peer) and
 an ExpertServer declaring its experts there. Prints one JSON line once it serves:
@@ -17,21 +17,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import threading
+from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import torch
+import trio
 
-import torch  # noqa: E402
-import trio  # noqa: E402
-
-from dht import DHTNode  # noqa: E402
-from moe.experts import OptimizerConfig, make_expert  # noqa: E402
-from moe.server import ExpertServer  # noqa: E402
-from peer.p2p.identity import Identity  # noqa: E402
-from peer.p2p.net import RealNetwork  # noqa: E402
-from peer.p2p.rpc import RPCNode  # noqa: E402
+from dht import DHTNode
+from moe.experts import OptimizerConfig, make_expert
+from moe.server import ExpertServer
+from peer.p2p.identity import Identity
+from peer.p2p.net import Address, RealNetwork
+from peer.p2p.rpc import RPCNode
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -77,21 +75,21 @@ class PhaseHooks:
                     self._armed.add(words[1])
                 print(json.dumps({"armed": words[1]}), flush=True)
 
-    def wrap(self, expert) -> None:
+    def wrap(self, expert: Any) -> None:
         # forward: with or without a graph kept for the backward; backward: getting the graph to backpropagate
         # through (the kept one or a recomputed one), which both the single-expert backward and a batched call's
         # `Expert.backward_many` go through for each expert
         forward, keeping, graph = expert.forward, expert.forward_keeping, expert._graph
 
-        def held_forward(inputs):
+        def held_forward(inputs: Any) -> Any:
             self._maybe_hold("forward", expert.uid)
             return forward(inputs)
 
-        def held_keeping(inputs):
+        def held_keeping(inputs: Any) -> Any:
             self._maybe_hold("forward", expert.uid)
             return keeping(inputs)
 
-        def held_graph(inputs, kept):
+        def held_graph(inputs: Any, kept: Any) -> Any:
             self._maybe_hold("backward", expert.uid)
             return graph(inputs, kept)
 
@@ -135,7 +133,7 @@ async def serve(args: argparse.Namespace) -> None:
             await run_server(server, rpc, None, address)
 
 
-async def run_server(server: ExpertServer, rpc: RPCNode, dht, address) -> None:
+async def run_server(server: ExpertServer, rpc: RPCNode, dht: DHTNode | None, address: Address) -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(server.run, rpc, dht)
         print(json.dumps({"address": list(address), "peer_id": rpc.peer_id.hex()}), flush=True)

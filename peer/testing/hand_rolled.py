@@ -8,6 +8,7 @@ authenticated peer reaches the framing and the RPC core, not just the sealing la
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 
@@ -49,12 +50,12 @@ class RawChannel:
     async def send(self, data: bytes) -> None:
         await self.stream.send_all(self.seal(data))
 
-    async def send_frames(self, stream_id: int, parts: list) -> None:
+    async def send_frames(self, stream_id: int, parts: list[Any]) -> None:
         outbox = framing.Outbox()
         outbox.add(stream_id, parts)
         await self.send(b"".join(bytes(f) for f in outbox.next_frames(budget=1 << 30)))
 
-    def feed(self, data: bytes) -> list[framing.Event]:
+    def feed(self, data: bytes | bytearray) -> list[framing.Event]:
         plaintexts = [data] if self.opener is None else self.opener.receive_data(data)
         return [event for plaintext in plaintexts for event in self.parser.receive(plaintext)]
 

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 SUBNET = "10.213.0"
 
@@ -179,7 +180,7 @@ class NatInternet:
             boot = net.add_public("boot")
             home = net.add_router("home1", uplink_mbit=20)
             volunteer = net.add_behind(home, "volunteer")
-            process = net.spawn(volunteer, ["python", ...])   # or tests.peer_processes with prefix=host.command()
+            process = net.spawn(volunteer, ["python", ...])   # or peer_processes with prefix=host.command()
             home.counters()
     """
 
@@ -189,7 +190,7 @@ class NatInternet:
         self.public: list[Host] = []
         self.routers: list[Router] = []
         self._created: list[str] = []
-        self._processes: list[subprocess.Popen] = []
+        self._processes: list[subprocess.Popen[Any]] = []
         self._index = 0
 
     def __enter__(self) -> "NatInternet":
@@ -317,13 +318,14 @@ class NatInternet:
         router.hosts.append(host)
         return host
 
-    def spawn(self, host: Host | Router, command: list[str], **popen: object) -> subprocess.Popen:
+    def spawn(self, host: Host | Router, command: list[str], **popen: object) -> subprocess.Popen[Any]:
         """Run `command` in `host`'s namespace as a child process (killed when the network is torn down)."""
-        process = subprocess.Popen(host.command(*command), **popen)  # type: ignore[call-overload]
+        process: subprocess.Popen[Any] = subprocess.Popen(host.command(*command), **popen)  # type: ignore[call-overload]
         self._processes.append(process)
         return process
 
-    def run(self, host: Host | Router, command: list[str], *, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    def run(self, host: Host | Router, command: list[str], *,
+            timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
         """Run `command` in `host`'s namespace to completion (bounded by `timeout`)."""
         return subprocess.run(host.command(*command), capture_output=True, text=True, timeout=timeout)
 

@@ -4,8 +4,8 @@ print, signal or kill them, and always clean them up.
 - `ChildProcess`: any command of ours, run from the repository root; its stdout is pumped into a queue by a
   thread (a chatty child never blocks on a full pipe, and reads are bounded by a timeout).
 - `PeerProcess`: `python -m peer.cli ARGS`; `start_daemon` starts `peer join` and waits until it is reachable.
-- `ExpertServerProcess`: tests/moe/expert_server_process.py, a minimal expert server that prints one JSON line
-  once it serves; `ProcessGroup` kills every process it started at the end (the `server_processes` fixture).
+- `ExpertServerProcess`: `python -m peer.testing.expert_server_process`, a minimal expert server that prints one
+  JSON line once it serves; `ProcessGroup` kills every process it started at the end (the `server_processes` fixture).
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from typing import Any, Sequence
 from peer.events import Joined, JoinWatcher
 
 PEER = [sys.executable, "-m", "peer.cli"]
-ROOT = Path(__file__).resolve().parent.parent
-EXPERT_SERVER = ROOT / "tests" / "moe" / "expert_server_process.py"
+ROOT = Path(__file__).resolve().parents[2]
+EXPERT_SERVER = [sys.executable, "-m", "peer.testing.expert_server_process"]
 
 
 class ChildProcess:
-    def __init__(self, command: Sequence[str], *, env: dict | None = None, prefix: Sequence[str] | None = None,
-                 capture_stderr: bool = True, stdin: bool = False):
+    def __init__(self, command: Sequence[str], *, env: dict[str, str] | None = None,
+                 prefix: Sequence[str] | None = None, capture_stderr: bool = True, stdin: bool = False):
         """`prefix` runs the command through another one, e.g. `ip netns exec NAME` for a test host. Without
         `capture_stderr` the child writes its stderr to ours (for children that log a lot and are never asked
         why they failed). `stdin`: the test talks to the child with `send_line`."""
@@ -73,7 +73,7 @@ class ChildProcess:
             self.lines.append(line)
         return line
 
-    def read_until(self, pattern: str, timeout: float = 60.0) -> re.Match:
+    def read_until(self, pattern: str, timeout: float = 60.0) -> re.Match[str]:
         """Read stdout lines until one matches `pattern` (bounded by `timeout`)."""
         deadline = time.monotonic() + timeout
         regex = re.compile(pattern)
@@ -87,7 +87,8 @@ class ChildProcess:
     def read_json(self, timeout: float = 60.0) -> dict[str, Any]:
         """The first stdout line that is a JSON object (bounded by `timeout`)."""
         match = self.read_until(r"^\{.*\}$", timeout)
-        return json.loads(match.group(0))
+        found: dict[str, Any] = json.loads(match.group(0))
+        return found
 
     def stderr_tail(self) -> str:
         if self.process.stderr is None:
@@ -127,7 +128,7 @@ class ChildProcess:
 class PeerProcess(ChildProcess):
     """`python -m peer.cli ARGS`."""
 
-    def __init__(self, args: list[str], *, env: dict | None = None, prefix: list[str] | None = None,
+    def __init__(self, args: list[str], *, env: dict[str, str] | None = None, prefix: list[str] | None = None,
                  capture_stderr: bool = True):
         self.args = args
         super().__init__([*PEER, *args], env=env, prefix=prefix, capture_stderr=capture_stderr)
@@ -135,7 +136,7 @@ class PeerProcess(ChildProcess):
 
 def loopback_join(args: tuple[str, ...] | list[str]) -> list[str]:
     """`peer join` arguments that listen on 127.0.0.1 unless they say where: without --host a new swarm's daemon
-    listens on all interfaces, and tests never bind the machine's real interfaces (tests/test_defaults.py tests
+    listens on all interfaces, and tests never bind the machine's real interfaces (tests/peer/test_defaults.py tests
     that default inside a network namespace)."""
     return [*args] if "--host" in args else [*args, "--host", "127.0.0.1"]
 
@@ -191,7 +192,7 @@ def stop_all(processes: Sequence[ChildProcess], timeout: float = 15.0) -> None:
         process.stop(timeout=timeout)
 
 
-def run_peer(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+def run_peer(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
     """`peer ARGS`; a `join` listens on 127.0.0.1 unless ARGS say --host (see `loopback_join`)."""
     if args and args[0] == "join":
         args = ("join", *loopback_join(args[1:]))
@@ -199,8 +200,8 @@ def run_peer(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
 
 
 class ExpertServerProcess(ChildProcess):
-    """An expert server in its own process (tests/moe/expert_server_process.py UIDS ARGS). `wait_ready` reads its
-    JSON line: then `address` and `peer_id` (hex) say where it serves."""
+    """An expert server in its own process (`python -m peer.testing.expert_server_process --uids UIDS ARGS`).
+    `wait_ready` reads its JSON line: then `address` and `peer_id` (hex) say where it serves."""
 
     def __init__(self, uids: Sequence[str], *args: str, phase_hooks: bool = False):
         """`phase_hooks`: the process takes `hold forward|backward` lines on stdin (see `PhaseKill`)."""
@@ -208,8 +209,7 @@ class ExpertServerProcess(ChildProcess):
         self.address: tuple[str, int] | None = None
         self.peer_id: str | None = None
         extra = ["--phase-hooks"] if phase_hooks else []
-        super().__init__([sys.executable, str(EXPERT_SERVER), "--uids", *uids, *args, *extra], capture_stderr=False,
-                         stdin=phase_hooks)
+        super().__init__([*EXPERT_SERVER, "--uids", *uids, *args, *extra], capture_stderr=False, stdin=phase_hooks)
 
     def wait_ready(self, timeout: float = 120.0) -> "ExpertServerProcess":
         try:
@@ -223,7 +223,7 @@ class ExpertServerProcess(ChildProcess):
 
 class PhaseKill:
     """An expert server process (started with `phase_hooks=True`, ready) armed to be SIGKILLed inside its next
-    computation of `phase` ("forward" or "backward"; see tests/moe/expert_server_process.py --phase-hooks).
+    computation of `phase` ("forward" or "backward"; see peer/testing/expert_server_process.py --phase-hooks).
     Returns once the process confirmed the arming, so whatever the test does next meets the armed server.
     `entered` is set (and `uid` names the expert) just before the SIGKILL, so a caller that saw the server die sees
     it set; `killed` once the process is reaped. The kill comes from a watcher thread, so it lands while the

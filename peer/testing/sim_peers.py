@@ -41,7 +41,7 @@ class SimPeer:
     address: Address | None = None  # where its RPC node listens (None: a client, it listens nowhere)
     service: Any = None  # what `setup(rpc)` returned
     killed: bool = False
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def peer_id(self) -> PeerID:

@@ -1,7 +1,7 @@
 """The harness for DiLoCo trainers on the in-memory network: each trainer a thread around one shared bridge (its trio
-thread runs every simulated peer, tests/sim_peers.py), as tests/averaging/test_diloco.py,
+thread runs every simulated peer, peer/testing/sim_peers.py), as tests/averaging/test_diloco.py,
 test_diloco_junk.py and test_sparse_byzantine.py run them; and the check of an outer step against a reference
-Nesterov step that tests/test_train_diloco.py also applies to trainer processes' traces.
+Nesterov step that tests/peer/test_train_diloco.py also applies to trainer processes' traces.
 
 - `SimSwarm`: a `SwarmHandle` over one simulated peer; `start_swarm`: simulated peers started on a bridge.
 - `make_trainer`, `make_together`, `start_trainers`: DiLoCo optimizers of `tiny_model()` (built together, each
@@ -26,7 +26,7 @@ from averaging.diloco import DiLoCoOptimizer
 from averaging.quorum import QuorumPolicy
 from peer.p2p.bridge import Bridge
 from peer.p2p.net import MemoryNetwork
-from tests.sim_peers import SimPeer, start_peers
+from peer.testing.sim_peers import SimPeer, start_peers
 
 
 class SimSwarm:

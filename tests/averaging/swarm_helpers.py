@@ -1,5 +1,5 @@
 """A few all-reduce peers in one trio run, on real sockets (127.0.0.1) or the in-memory network: the shared
-simulated peers (tests/sim_peers.py), each serving the all-reduce, so a test can kill one at an exact protocol
+simulated peers (peer/testing/sim_peers.py), each serving the all-reduce, so a test can kill one at an exact protocol
 moment (through the all-reduce hook)."""
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from averaging.group import GroupInfo, Member
 from peer.p2p.identity import Identity
 from peer.p2p.net import MemoryNetwork
 from peer.p2p.rpc import RPCNode
-from tests.sim_peers import SimPeer, start_peers
+from peer.testing.sim_peers import SimPeer, start_peers
 
 
 class AllReducePeer:
-    """A simulated peer (tests.sim_peers.SimPeer, no DHT) serving the all-reduce, with the outcome of its round."""
+    """A simulated peer (peer.testing.sim_peers.SimPeer, no DHT) serving the all-reduce, with its round's outcome."""
 
     def __init__(self, swarm: "Swarm", peer: SimPeer):
         self.swarm = swarm

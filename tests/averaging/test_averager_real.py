@@ -4,7 +4,7 @@ import torch
 import trio
 from swarm_helpers import start_averagers, step_all
 
-from tests.sim_peers import start_peers
+from peer.testing.sim_peers import start_peers
 
 
 def _tensors(seed: int) -> list[torch.Tensor]:

@@ -5,7 +5,7 @@ import trio
 from swarm_helpers import start_averagers, step_all
 
 from peer.p2p.net import MemoryNetwork
-from tests.sim_peers import start_peers
+from peer.testing.sim_peers import start_peers
 
 
 def _tensors(seed: int) -> list[torch.Tensor]:

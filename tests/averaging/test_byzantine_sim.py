@@ -20,7 +20,7 @@ from swarm_helpers import flat, start_averagers, step_all
 
 from averaging.averager import Averager
 from peer.p2p.net import MemoryNetwork
-from tests.sim_peers import start_peers
+from peer.testing.sim_peers import start_peers
 
 PEERS, ROUNDS, MALICIOUS = 8, 20, (2, 5)
 

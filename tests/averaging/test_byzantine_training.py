@@ -14,8 +14,8 @@ from swarm_helpers import start_averagers, step_all
 from torch import nn
 
 from peer.p2p.net import MemoryNetwork
+from peer.testing.sim_peers import start_peers
 from peer.train import load_digits_split
-from tests.sim_peers import start_peers
 
 TRAINERS, STEPS, BATCH, LR = 4, 40, 64, 0.4
 

@@ -23,9 +23,9 @@ from averaging.assembly import Declaration
 from averaging.progress import progress_key
 from peer.p2p.bridge import Bridge
 from peer.p2p.identity import Identity
+from peer.testing.sim_peers import start_peers
 from tests.averaging.diloco_sim import close_all, run_threads, start_trainers, train_steps
 from tests.dht.dht_swarm import forge_store
-from tests.sim_peers import start_peers
 
 RUN = "sim"  # the run id `make_trainer` gives its trainers
 TEN_YEARS = 10 * 365 * 86400.0

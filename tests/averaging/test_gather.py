@@ -13,7 +13,7 @@ from averaging.robust import Aggregation
 from peer.p2p import wire
 from peer.p2p.identity import Identity
 from peer.p2p.net import MemoryNetwork
-from tests.sim_peers import start_peers
+from peer.testing.sim_peers import start_peers
 
 
 def test_decide_keeps_what_every_reporter_holds_in_member_order():

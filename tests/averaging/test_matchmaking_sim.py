@@ -11,7 +11,7 @@ from averaging.assembly import Declaration
 from averaging.match_round import MatchRound as _Round
 from averaging.matchmaking import JOIN_METHOD, Matchmaker
 from peer.p2p.net import MemoryNetwork
-from tests.sim_peers import start_peers
+from peer.testing.sim_peers import start_peers
 
 SCHEMA = b"schema01"
 

@@ -12,7 +12,7 @@ from averaging.rounds import Holding, RoundService
 from peer.p2p.identity import Identity
 from peer.p2p.net import MemoryNetwork
 from peer.p2p.rpc import BadRequest
-from tests.sim_peers import start_peers
+from peer.testing.sim_peers import start_peers
 
 RUN = "rounds-test"
 

@@ -16,7 +16,7 @@ import trio
 
 from averaging.averager import Averager
 from peer.p2p.net import MemoryNetwork
-from tests.sim_peers import start_peers
+from peer.testing.sim_peers import start_peers
 
 PEERS = 64
 

@@ -20,7 +20,7 @@ banned by all six; mean 0.245 (range), 0.106 (scales), 0.716 (pile), 0.092 (flip
 bounds what it moves to about the honest spread.
 
 The baseline is the honest trainers alone (the attackers' lost data is not what the attack costs; see
-tests/test_train_byzantine.py)."""
+tests/peer/test_train_byzantine.py)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from peer.p2p.bridge import Bridge
 from peer.p2p.identity import Identity, PeerID
 from peer.p2p.net import MemoryNetwork, Network, RealNetwork
 from peer.p2p.rpc import RPCNode
-from tests.peer_processes import ExpertServerProcess, PhaseKill, ProcessGroup
+from peer.testing.peer_processes import ExpertServerProcess, PhaseKill, ProcessGroup
 
 
 @dataclass
@@ -184,7 +184,7 @@ def memory_harness(bridge) -> Harness:
 
 
 class ServerProcesses(ProcessGroup):
-    """Expert servers in child processes (tests/moe/expert_server_process.py); all killed at teardown."""
+    """Expert servers in child processes (peer/testing/expert_server_process.py); all killed at teardown."""
 
     def start(self, uids: Sequence[str], *args: str, timeout: float = 120.0) -> tuple[ExpertServerProcess, dict]:
         process = self.launch(uids, *args)

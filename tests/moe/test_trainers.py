@@ -125,7 +125,7 @@ async def test_a_missing_allow_list_stops_the_start(tmp_path):
 def test_peer_join_trainers_in_a_separate_process(tmp_path):
     """The same through the CLI: `peer join --trainers FILE` in its own process; the weights are watched from
     outside through forward outputs (unchanged after the refused backward, changed after the allowed one)."""
-    from tests.peer_processes import run_peer, start_daemon, stop_all
+    from peer.testing.peer_processes import run_peer, start_daemon, stop_all
 
     trainer, outsider = Identity.generate(), Identity.generate()
     allow = tmp_path / "trainers"

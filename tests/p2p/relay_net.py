@@ -1,5 +1,5 @@
 """Relays, private peers and dialers as separate RPC nodes on one network, in memory (named hosts) or on 127.0.0.1
-(tests/test_relay.py, test_relay_budgets.py): `Net.relay` runs a `RelayService`, `Net.private` a peer that never
+(tests/p2p/test_relay.py, test_relay_budgets.py): `Net.relay` runs a `RelayService`, `Net.private` a peer that never
 listens and is reached only through the relays it reserves with (serving `register_echo`'s echo, which records
 its callers in `served`), `Net.dialer` a plain node.
 """

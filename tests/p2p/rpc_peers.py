@@ -1,11 +1,11 @@
-"""RPC peers for tests, and raw connections to them (tests/test_rpc.py, test_wire_codecs.py, test_budgets.py).
+"""RPC peers for tests, and raw connections to them (tests/p2p/test_rpc.py, test_wire_codecs.py, test_budgets.py).
 
 - `Swarmlet`: a few RPC peers on one network (in memory, or real sockets on 127.0.0.1), each serving the test
   handlers of `register_test_handlers`: echo, whoami, fail (`QuotaExceeded`, a typed remote error registered
   here, or an untyped failure), sleep (setting `node_cancelled_events[id(node)]`, if a test put one there, when
   the handler is cancelled) and double.
 - `raw_connect`: a plain stream to a peer, no handshake (hostile input starts here); `send_raw_request`: one
-  request's frames over a hand-rolled channel (tests/hand_rolled.py) and the decoded reply on its stream;
+  request's frames over a hand-rolled channel (peer/testing/hand_rolled.py) and the decoded reply on its stream;
   `expect_closed`: waits for the peer to close such a stream.
 """
 
@@ -19,7 +19,7 @@ from peer.p2p import framing, wire
 from peer.p2p.identity import Identity
 from peer.p2p.net import MemoryNetwork, RealNetwork
 from peer.p2p.rpc import RemoteError, RPCNode, register_error_code
-from tests import hand_rolled
+from peer.testing import hand_rolled
 
 
 class QuotaExceeded(RemoteError):

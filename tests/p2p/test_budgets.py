@@ -19,8 +19,8 @@ from peer.p2p.budget import Accountant, BudgetLimits, LimitReached, OldestFirst
 from peer.p2p.identity import Identity
 from peer.p2p.net import RealNetwork
 from peer.p2p.rpc import BudgetExceeded, CallContext, RPCNode
-from tests import hand_rolled
-from tests.rpc_peers import expect_closed
+from peer.testing import hand_rolled
+from tests.p2p.rpc_peers import expect_closed
 
 GIB = 1 << 30
 MIB = 1 << 20

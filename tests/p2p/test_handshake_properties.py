@@ -40,7 +40,7 @@ from peer.p2p.identity import Identity
 from peer.p2p.net import MemoryNetwork
 from peer.p2p.rpc import HandshakeError, RemoteError, ResponseRejected, RPCNode
 from peer.p2p.rpc_protocol import CallCompleted, CallFailed, RPCConnection
-from tests import hand_rolled
+from peer.testing import hand_rolled
 
 EPHEMERAL = bytes.fromhex("de9edb7d7b7dc1b4d35b61c2ece435373f8343c85b78674dadfc7e146f882b4f")  # RFC 7748, 6.1
 SERVER = Identity.from_seed(b"server")

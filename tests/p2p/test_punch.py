@@ -197,7 +197,7 @@ async def _loopback_relay(nursery: trio.Nursery):
 
 async def _real_punch():
     """Two punchers on 127.0.0.1 (no NAT: a successful simultaneous open needs routers that drop rather than
-    reset early SYNs, tests/test_nat_netns.py has them), their side channels through `_loopback_relay`."""
+    reset early SYNs, tests/scenarios/test_nat_netns.py has them), their side channels through `_loopback_relay`."""
     from peer.p2p.net import RealNetwork
 
     network = RealNetwork()

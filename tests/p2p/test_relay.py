@@ -30,7 +30,7 @@ from peer.p2p.relay import (
 )
 from peer.p2p.relay_service import RelayService
 from peer.p2p.rpc import CallTimeout, ConnectionFailed, HandshakeError, RPCError
-from tests.relay_net import Net
+from tests.p2p.relay_net import Net
 
 A, B, C = (PeerID(bytes([n]) * 20) for n in (1, 2, 3))
 

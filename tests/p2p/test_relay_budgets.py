@@ -16,7 +16,7 @@ from peer.p2p.identity import Identity, PeerID
 from peer.p2p.relay import ConnectRequest, RelayCore, RelayLimitReached, ResponseReader
 from peer.p2p.relay_service import POLL_METHOD, RESERVE_METHOD
 from peer.p2p.rpc import RPCNode
-from tests.relay_net import Net
+from tests.p2p.relay_net import Net
 
 H, A1, A2, A3, A4, D = (PeerID(bytes([n]) * 20) for n in range(10, 16))
 RELAY = PeerID(bytes([1]) * 20)

@@ -23,8 +23,8 @@ from peer.p2p.rpc import (
     HandshakeError,
     UnknownMethod,
 )
-from tests import hand_rolled
-from tests.rpc_peers import (
+from peer.testing import hand_rolled
+from tests.p2p.rpc_peers import (
     QuotaExceeded,
     Swarmlet,
     expect_closed,

@@ -27,11 +27,11 @@ from averaging.outer_state import ErrorFeedback
 from peer.p2p import wire
 from peer.p2p.rpc import BadRequest
 from peer.p2p.wire import ALIGNMENT, Compression, MalformedTensor, WireError
-from tests import hand_rolled
-from tests.rpc_peers import Swarmlet, raw_connect, send_raw_request
-from tests.wire_inputs import determinism_inputs
+from peer.testing import hand_rolled
+from tests.p2p.rpc_peers import Swarmlet, raw_connect, send_raw_request
+from tests.p2p.wire_inputs import determinism_inputs
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NEW = [Compression.INT4, Compression.INT2, Compression.TOPK2, Compression.TOPK8]
 TOPK = [Compression.TOPK2, Compression.TOPK8]
 HALF_EPS = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}  # relative rounding to the dtype
@@ -379,7 +379,7 @@ import sys, torch
 torch.set_num_threads(int(sys.argv[1]))
 sys.path.insert(0, sys.argv[2])
 from peer.p2p import wire
-from tests.wire_inputs import determinism_inputs
+from tests.p2p.wire_inputs import determinism_inputs
 for codec in ("INT4", "INT2", "TOPK2", "TOPK8"):
     for x in determinism_inputs():
         message = wire.encode_bytes(wire.compressed(x, wire.Compression[codec], density=0.03))

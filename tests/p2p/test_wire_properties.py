@@ -349,7 +349,7 @@ def mutations(draw, header):
 def mutated_messages(draw):
     batch = draw(st.lists(tensors(shape=st.lists(st.integers(0, 4), max_size=3)), min_size=1, max_size=3))
     # the blockwise codecs' header rules (scales inside the buffer) are checked in tests/averaging/test_diloco.py
-    # (INT8) and tests/test_wire_codecs.py (INT4, INT2, TOPK2, TOPK8)
+    # (INT8) and tests/p2p/test_wire_codecs.py (INT4, INT2, TOPK2, TOPK8)
     codec = draw(st.sampled_from([Compression.NONE, Compression.FLOAT16, Compression.UINT8]))
     message = wire.encode_bytes([draw(scalars), batch], compression=codec)
     body, headers, data = split_message(message)

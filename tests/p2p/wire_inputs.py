@@ -1,4 +1,4 @@
-"""Tensors that tests/test_wire_codecs.py encodes both in its own process and in child processes (with 1 and 2
+"""Tensors that tests/p2p/test_wire_codecs.py encodes both in its own process and in child processes (with 1 and 2
 torch threads) to show the codecs' bytes do not depend on the process: a module of its own so the child imports
 these inputs alone, not a test module."""
 

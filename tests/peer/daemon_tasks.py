@@ -1,6 +1,6 @@
 """In-process daemons for tests: `run_daemon` runs one `peer.daemon.Daemon` as a trio task in its own cancel scope,
 on 127.0.0.1 (real sockets) or on a host of an in-memory network, so a test starts several separate peers in one
-trio run and kills any of them at an exact moment (tests/test_relay_daemon.py, test_nat_trainers.py,
+trio run and kills any of them at an exact moment (tests/peer/test_relay_daemon.py, test_nat_trainers.py,
 test_nat_upgrade.py); `average_together` runs one replica-averaging round on several daemons at once (test_daemon.py,
 test_relay_daemon.py)."""
 

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from tests.peer_processes import run_peer, start_daemon
+from peer.testing.peer_processes import run_peer, start_daemon
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import trio
 
 from peer.daemon import Daemon, DaemonConfig
 from peer.status import gather_status
-from tests.daemon_tasks import average_together
+from tests.peer.daemon_tasks import average_together
 
 
 async def start(nursery, config: DaemonConfig) -> Daemon:

@@ -261,7 +261,7 @@ def test_the_command_serves_on_loopback_and_stops_on_sigterm():
     import re
     import signal
 
-    from tests.peer_processes import PeerProcess
+    from peer.testing.peer_processes import PeerProcess
 
     process = PeerProcess(["dashboard", "--initial-peers", "127.0.0.1:9", "--port", "0", "--refresh", "0.5"])
     try:

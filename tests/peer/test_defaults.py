@@ -31,8 +31,8 @@ from peer.discover import (
     summary_fields,
 )
 from peer.p2p.net import MemoryNetwork
-from tests.netns import HostNetwork, netns_available
-from tests.peer_processes import PEER, ROOT, PeerProcess, run_peer, start_daemon
+from peer.testing.netns import HostNetwork, netns_available
+from peer.testing.peer_processes import PEER, ROOT, PeerProcess, run_peer, start_daemon
 
 
 def entry(peer: int, summary: dict) -> PeerEntry:

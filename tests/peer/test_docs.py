@@ -19,7 +19,7 @@ import pytest
 from peer.cli import build_parser
 from peer.options import UsageError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.rglob("*.md"))
 README = ROOT / "README.md"

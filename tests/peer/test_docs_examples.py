@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "python" / "index.md"
 _EXAMPLE = re.compile(r"<!-- example: (\w+) -->\n```python\n(.*?)```", re.S)
 _ADDRESS = re.compile(r"^swarm at (\S+:\d+)$", re.M)
@@ -160,3 +160,43 @@ def test_the_export_example_gets_the_swarm_loss_back_from_a_plain_volunteer(tmp_
     assert float(losses.group(2)) == pytest.approx(float(losses.group(1)), rel=1e-4)
     assert (tmp_path / "model.safetensors").stat().st_size > 0
     assert "gpt2_ffn@128" in volunteer.output
+
+
+def _outer_step(address: str, tmp_path: Path) -> int:
+    """The run's outer step as `peer status --json` reads it from the swarm's progress records (-1: not yet)."""
+    import json
+
+    status = Script([sys.executable, "-m", "peer.cli", "status", "--initial-peers", address, "--json"], tmp_path)
+    try:
+        output = status.finish()
+    except AssertionError:  # the trainers are starting or leaving: ask again
+        return -1
+    runs = json.loads(output[output.index("{"):]).get("runs") or []
+    return max((int(run.get("outer_step") or 0) for run in runs if run.get("run_id") == "quickstart"), default=-1)
+
+
+@pytest.mark.slow
+def test_the_diloco_example_started_30_s_apart_and_joined_midway_ends_with_one_hash(tmp_path):
+    """Issue 38: a friend starts the same script 30 s after the first (who waits: start_with=2), and a third joins
+    once the run is at outer step 2; all three end with the swarm's hash. The 30 s are the scenario itself (a
+    person starting late), not a wait for something to happen."""
+    script = tmp_path / "diloco.py"
+    script.write_text(examples()["diloco"])
+    first = Script([sys.executable, str(script)], tmp_path)
+    others: list[Script] = []
+    try:
+        address = first.wait_for(_ADDRESS).group(1)
+        time.sleep(30)
+        others.append(Script([sys.executable, str(script), address], tmp_path))
+        deadline = time.monotonic() + TIMEOUT
+        while _outer_step(address, tmp_path) < 2:  # midway: the run has taken 2 of its 5 outer steps
+            assert time.monotonic() < deadline and first.process.poll() is None, first.output[-3000:]
+            time.sleep(0.2)
+        others.append(Script([sys.executable, str(script), address], tmp_path))
+        outputs = [first.finish()] + [other.finish() for other in others]
+    finally:
+        for process in [first, *others]:
+            process.stop()
+    hashes = [re.search(r"hash (\S+)", output) for output in outputs]
+    assert all(hashes), outputs
+    assert len({match.group(1) for match in hashes}) == 1, outputs

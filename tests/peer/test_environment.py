@@ -14,7 +14,7 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("peer", "dht", "moe", "averaging")
 TEST_TOOLS = ("peer/testing/",)  # harnesses for tests and benchmarks, never imported by the product
 READS = re.compile(r"\b(environb?|getenv|getenvb|putenv|unsetenv)\b")

@@ -13,9 +13,10 @@ from Python at import time, not from the reader: the two modules still cannot be
 Imports under `if TYPE_CHECKING:` are left out of the cycle check (they never run); the layering check sees them.
 
 No file under tests/ or benchmarks/ imports a test module (one named test_*): helpers and fixtures that several
-test modules share live in harness modules (tests/sim_peers.py, tests/averaging/diloco_sim.py...) or a conftest.py,
-so a test module can be run, read and changed alone, and pytest never imports one test module under two names. Code
-in string constants (scripts run with `python -c`) counts too.
+test modules share live in harness modules (peer.testing for those the benchmarks use too, e.g.
+peer/testing/sim_peers.py; tests/averaging/diloco_sim.py...) or a conftest.py, so a test module can be run, read and
+changed alone, and pytest never imports one test module under two names. Code in string constants (scripts run with
+`python -c`) counts too.
 
 Why a test: the rule is what lets the foundation and the features be read, tested and replaced on their own; it
 erodes one convenient import at a time unless something fails when it is broken.
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("peer", "dht", "moe", "averaging")
 
 
@@ -189,7 +190,7 @@ def test_no_new_import_cycles():
     new = [cycle for cycle in cycles if not any(set(cycle) <= known for known in KNOWN_CYCLES)]
     assert new == [], f"import cycles (function-level imports included): {new}"
     gone = [sorted(known) for known in KNOWN_CYCLES if not any(set(cycle) <= known for cycle in cycles)]
-    assert gone == [], f"these cycles are gone: remove them from KNOWN_CYCLES in tests/test_layers.py: {gone}"
+    assert gone == [], f"these cycles are gone: remove them from KNOWN_CYCLES in tests/peer/test_layers.py: {gone}"
 
 
 def test_the_cycle_check_sees_function_level_imports_and_skips_type_checking_ones(tmp_path, monkeypatch):

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from peer.corpus import corpus_files, is_held_out, load_corpus
+from peer.testing.peer_processes import ROOT
 from peer.topology import Topology
-from tests.peer_processes import ROOT
 
 
 def _split_in_a_fresh_process() -> dict:

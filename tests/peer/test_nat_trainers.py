@@ -18,7 +18,7 @@ from peer.daemon import DaemonConfig
 from peer.p2p import relay
 from peer.p2p.net import MemoryNetwork
 from peer.relays import Reached, serve_reachable
-from tests.daemon_tasks import run_daemon
+from tests.peer.daemon_tasks import run_daemon
 
 
 def two_homes(seed: int) -> MemoryNetwork:

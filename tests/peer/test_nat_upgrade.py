@@ -21,7 +21,7 @@ from peer.p2p.net import MemoryNetwork
 from peer.p2p.rpc import RPCNode
 from peer.relays import enable_punching
 from peer.status import format_status, gather_status
-from tests.daemon_tasks import run_daemon
+from tests.peer.daemon_tasks import run_daemon
 
 
 async def upgrade_scenario(trainer_nat: str, seed: int, circuits_left: int, after_idle: bool = False):

@@ -16,7 +16,7 @@ from peer.cli import build_parser, main
 from peer.options import COMMANDS, EXPERT_KINDS, JOIN, TRAIN
 from peer.user_model import ModelSpec
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # family: (bad flag values, bad TOML values, (good flag value, good TOML value, parsed value))
 # A bad flag value of None means the option is a switch: `--NAME=yes` is the bad flag.
@@ -47,7 +47,7 @@ TABLE: dict[str, dict[str, tuple]] = {
     "join": {
         "host": STRING, "port": PORT, "announce": ONE_ADDRESS, "initial-peers": ADDRESS, "identity": PATH,
         "experts": (["ffn.[0:x]", "ffn"], ['"ffn.[0:x]"', "12"], ("ffn.[0:4]", '"ffn.[0:4]"', "ffn.[0:4]")),
-        "num-experts": POSITIVE_INT,
+        "num-experts": POSITIVE_INT, "no-experts": SWITCH,
         "expert-kind": (["nonexistent"], ['"nonexistent"', "1"], ("deep_ffn", '"deep_ffn"', "deep_ffn")),
         "hidden-dim": POSITIVE_INT, "max-batch-size": POSITIVE_INT, "optimizer": choice("sgd", "adam", "adamw"),
         "lr": POSITIVE, "checkpoint-dir": PATH, "checkpoint-interval": POSITIVE, "device": STRING,
@@ -197,6 +197,17 @@ def test_config_keys_may_be_spelled_with_underscores(tmp_path):
     assert (args.max_batch_size, args.checkpoint_interval) == (16, 5.0)
 
 
+def test_no_experts_with_experts_or_num_experts_is_one_line_from_flags_or_the_config(tmp_path, capsys):
+    for extra in (["--experts", "ffn.[0:2]"], ["--num-experts", "2"]):
+        line = _one_error_line(capsys, main(["join", "--no-experts", *extra]))
+        assert "--no-experts" in line and extra[0] in line
+    config = tmp_path / "peer.toml"
+    config.write_text("no-experts = true\nnum-experts = 3\n")
+    assert "--num-experts" in _one_error_line(capsys, main(["join", "--config", str(config)]))
+    args = build_parser().parse_args(["join", "--no-experts", "--hidden-dim", "8"])  # the others are left alone
+    assert args.no_experts and (args.experts, args.num_experts) == (None, None)
+
+
 def test_status_needs_initial_peers_from_a_flag_or_the_config(tmp_path, capsys):
     assert "--initial-peers is required" in _one_error_line(capsys, main(["status"]))
     config = tmp_path / "peer.toml"
@@ -246,7 +257,7 @@ def test_expert_kind_help_lists_the_registered_kinds():
 
     code = "from moe.experts import registered_kinds; print(*registered_kinds())"
     fresh = subprocess.run([sys.executable, "-c", code],
-                           capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parent.parent)
+                           capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[2])
     assert sorted(EXPERT_KINDS) == sorted(fresh.stdout.split())
     assert all(kind in JOIN["expert-kind"].help_text() for kind in EXPERT_KINDS)
 

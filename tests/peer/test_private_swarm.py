@@ -24,7 +24,7 @@ from peer.client import open_client_peer
 from peer.daemon import Daemon, DaemonConfig
 from peer.p2p.identity import Identity, SwarmKey
 from peer.p2p.rpc import HandshakeError, NotInSwarm
-from tests.peer_processes import run_peer, start_daemon, stop_all
+from peer.testing.peer_processes import run_peer, start_daemon, stop_all
 
 TEST_DEADLINE = 120.0
 

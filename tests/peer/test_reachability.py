@@ -3,7 +3,7 @@ stays a DHT client (never in anyone's routing table), one they can becomes a ser
 
 On the in-memory network under MockClock. A peer "behind a NAT" is modelled by announcing an address where
 nothing listens: its own outbound traffic works, a dial-back does not -- what a NAT that drops unsolicited
-packets does to a dial-back; tests/test_nat_sim.py runs the same check behind the simulator's NAT routers.
+packets does to a dial-back; tests/p2p/test_nat_sim.py runs the same check behind the simulator's NAT routers.
 """
 
 from __future__ import annotations

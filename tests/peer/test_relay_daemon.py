@@ -16,7 +16,7 @@ from peer.p2p import relay
 from peer.p2p.identity import Identity, PeerID
 from peer.p2p.net import MemoryNetwork, RealNetwork
 from peer.p2p.rpc import RPCNode
-from tests.daemon_tasks import average_together, run_daemon
+from tests.peer.daemon_tasks import average_together, run_daemon
 
 
 async def use_expert(network, bootstrap, uid: str, *, host: str = "127.0.0.1",

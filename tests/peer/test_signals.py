@@ -26,8 +26,8 @@ import trio
 
 from peer import train
 from peer.swarm import SwarmLauncher
+from peer.testing.peer_processes import PEER, ROOT, start_daemon
 from peer.topology import Topology
-from tests.peer_processes import PEER, ROOT, start_daemon
 
 # ------------------------------------------------------------------------------------ scripted stand-ins
 

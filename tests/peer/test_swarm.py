@@ -18,8 +18,8 @@ from peer.daemon import Daemon, DaemonConfig
 from peer.p2p import wire
 from peer.p2p.rpc import UnknownMethod
 from peer.status import format_status, gather_status
+from peer.testing.peer_processes import ROOT, run_peer
 from peer.topology import Topology, render_compose
-from tests.peer_processes import ROOT, run_peer
 
 
 def test_compose_file_is_rendered_from_the_launcher_topology():

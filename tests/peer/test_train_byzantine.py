@@ -1,4 +1,4 @@
-"""`peer train --algorithm diloco` as processes (tests/peer_processes.py) with a Byzantine trainer: 4 trainers of
+"""`peer train --algorithm diloco` as processes (peer/testing/peer_processes.py) with a Byzantine trainer: 4 trainers of
 the digits classifier, one of which scales its pseudo-gradient x1000 before every outer all-reduce (the test hook
 `--scale` of peer.testing.trainer). With `--aggregation centered_clip` the three honest
 trainers reach the held-out accuracy of the same three trainers without the attacker (not more than 1 point
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.peer_processes import PeerProcess, ProcessGroup
-from tests.train_processes import diloco_daemon, diloco_trainer, train_result
+from peer.testing.peer_processes import PeerProcess, ProcessGroup
+from tests.peer.train_processes import diloco_daemon, diloco_trainer, train_result
 
 HONEST = 3  # trainers --seed 0..2; the attacker is --seed 3
 # 12 outer steps of 20 inner steps: the digits classifier is near its plateau, so the 1-point comparison

@@ -1,4 +1,4 @@
-"""`peer train --algorithm diloco` as processes (tests/peer_processes.py): four trainers agree on the outer state
+"""`peer train --algorithm diloco` as processes (peer/testing/peer_processes.py): four trainers agree on the outer state
 after every outer step and match a reference Nesterov step; one SIGKILLed while its part is being sent does not
 stop the others; SIGINT during an outer step ends a trainer within 10 s with exit status 0."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.averaging.diloco_sim import reference_check
-from tests.train_processes import diloco_daemon, diloco_trainer, train_result
+from tests.peer.train_processes import diloco_daemon, diloco_trainer, train_result
 
 
 @pytest.mark.slow

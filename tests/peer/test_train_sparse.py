@@ -1,4 +1,4 @@
-"""`peer train --algorithm diloco --compression topk2` as processes (tests/peer_processes.py, real sockets): four
+"""`peer train --algorithm diloco --compression topk2` as processes (peer/testing/peer_processes.py, real sockets): four
 trainers of the digits classifier sending only the largest 2% of each chunk of their pseudo-gradients at 2 bits
 (with error feedback, combined by the all-gather that `--exchange auto` picks for a sparse codec) reach the held-out
 accuracy of the same four trainers sending dense int8 pseudo-gradients (within 3 points asserted; the issue's 1 point
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.train_processes import diloco_daemon, diloco_trainer, train_result
+from tests.peer.train_processes import diloco_daemon, diloco_trainer, train_result
 
 TRAINERS = 4
 # 30 outer steps of 20 inner steps: near the plateau, so the 1-point comparison measures the codec rather than

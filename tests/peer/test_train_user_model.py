@@ -11,9 +11,9 @@ import textwrap
 import pytest
 import torch
 
+from peer.testing.peer_processes import ChildProcess, PeerProcess, start_daemon
 from peer.train import main
 from peer.user_model import ModelSpec, UserModelError, build_user_model, load_data
-from tests.peer_processes import ChildProcess, PeerProcess, start_daemon
 
 MODULE = textwrap.dedent("""
     import torch

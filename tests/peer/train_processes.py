@@ -1,6 +1,6 @@
 """`peer train --algorithm diloco` trainer processes and the daemon they bootstrap from, for the tests that run
-DiLoCo as separate processes (tests/test_train_diloco.py, test_train_byzantine.py, test_train_sparse.py); built on
-tests/peer_processes.py, every process added to the test's `ProcessGroup` (which kills it at the end).
+DiLoCo as separate processes (tests/peer/test_train_diloco.py, test_train_byzantine.py, test_train_sparse.py); built on
+peer/testing/peer_processes.py, every process added to the test's `ProcessGroup` (which kills it at the end).
 
 - `diloco_daemon`: a small `peer join` daemon; returns its address.
 - `diloco_trainer`: a `peer train` process of the tiny model (`TRAINER`'s options) with `--start-with`; with
@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from tests.peer_processes import ChildProcess, PeerProcess, ProcessGroup, start_daemon
+from peer.testing.peer_processes import ChildProcess, PeerProcess, ProcessGroup, start_daemon
 
 TRAINER = ["--algorithm", "diloco", "--local-experts", "--hidden-dim", "16", "--grid-size", "2", "--batch-size",
            "16", "--threads", "1"]

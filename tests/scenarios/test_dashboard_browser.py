@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.peer_processes import ROOT, PeerProcess, start_daemon
+from peer.testing.peer_processes import ROOT, PeerProcess, start_daemon
 
 CHROMIUM = shutil.which("chromium")
 DRIVER = shutil.which("chromedriver")

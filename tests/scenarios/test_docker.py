@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
+from peer.testing.peer_processes import ROOT
 from peer.topology import HOME_SUBNET, NAT_NAME, Topology
-from tests.peer_processes import ROOT
 
 pytestmark = pytest.mark.slow
 

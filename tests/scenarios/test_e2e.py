@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from tests.peer_processes import PEER, ROOT
+from peer.testing.peer_processes import PEER, ROOT
 
 
 def processes_in_session(session_id: int) -> list[str]:

@@ -18,7 +18,7 @@ import pytest
 
 from moe.declare import get_experts
 from peer.client import Swarm
-from tests.peer_processes import PeerProcess, run_peer, start_daemon
+from peer.testing.peer_processes import PeerProcess, run_peer, start_daemon
 
 FREEZE_SECONDS = 9.0
 GAP_SECONDS = 2.0  # between one daemon's SIGCONT and the next one's SIGSTOP

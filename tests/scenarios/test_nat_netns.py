@@ -1,4 +1,4 @@
-"""Peers behind real NAT routers (tests/netns.py `NatInternet`: network namespaces, iptables MASQUERADE, a DROP
+"""Peers behind real NAT routers (peer/testing/netns.py `NatInternet`: network namespaces, iptables MASQUERADE, a DROP
 policy for everything unsolicited from outside, conntrack ESTABLISHED,RELATED only, capped uplinks).
 
 `peer join --reachability auto` with default flags behind a router finds itself private and joins the swarm
@@ -17,8 +17,8 @@ import sys
 import pytest
 
 from peer.p2p.identity import Identity
-from tests.netns import NatInternet, nat_available
-from tests.peer_processes import ChildProcess, PeerProcess
+from peer.testing.netns import NatInternet, nat_available
+from peer.testing.peer_processes import ChildProcess, PeerProcess
 
 AVAILABLE, WHY_NOT = nat_available()
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(not AVAILABLE, reason=WHY_NOT)]

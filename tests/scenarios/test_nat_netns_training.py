@@ -1,4 +1,4 @@
-"""The issue's must-hold NAT scenario on real routers (tests/netns.py `NatInternet`): two public hosts (the
+"""The issue's must-hold NAT scenario on real routers (peer/testing/netns.py `NatInternet`): two public hosts (the
 bootstrap and a second volunteer, both offering relays); two home routers (MASQUERADE, every unsolicited inbound
 packet dropped, a `tc tbf` uplink cap) with one volunteer and one trainer behind each, all with default flags.
 
@@ -19,8 +19,8 @@ import time
 
 import pytest
 
-from tests.netns import NatInternet, nat_available
-from tests.peer_processes import PEER, ChildProcess, PeerProcess
+from peer.testing.netns import NatInternet, nat_available
+from peer.testing.peer_processes import PEER, ChildProcess, PeerProcess
 
 AVAILABLE, WHY_NOT = nat_available()
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.skipif(not AVAILABLE, reason=WHY_NOT)]

@@ -10,9 +10,9 @@ import signal
 
 import pytest
 
+from peer.testing.netns import HostNetwork, netns_available
+from peer.testing.peer_processes import PeerProcess
 from peer.topology import Topology
-from tests.netns import HostNetwork, netns_available
-from tests.peer_processes import PeerProcess
 
 AVAILABLE, WHY_NOT = netns_available()
 pytestmark = [pytest.mark.slow, pytest.mark.netns, pytest.mark.skipif(not AVAILABLE, reason=WHY_NOT)]
