@@ -40,7 +40,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any, Callable, Sequence, TypedDict, Unpack
 
 import torch
@@ -246,19 +246,26 @@ class DownloadedState:
     failures: list[StateSourceError] = field(default_factory=list)
 
 
+@dataclass(eq=False)
 class _Source:
-    def __init__(self, order: int, peer: PeerID, address: Address, snapshot_id: int, metadata: Any,
-                 manifest: Manifest, rate: float):
-        self.order = order
-        self.peer = peer
-        self.address = address
-        self.snapshot_id = snapshot_id
-        self.metadata = metadata
-        self.manifest = manifest
+    """A candidate that opened a snapshot: what it serves, how fast it delivers (`estimator`, started at `rate`),
+    the scope its worker runs in, and why it stopped (`failure`). eq=False: a source is one worker's, told apart by
+    identity (two candidates may serve equal snapshots)."""
+
+    order: int
+    peer: PeerID
+    address: Address
+    snapshot_id: int
+    metadata: Any
+    manifest: Manifest
+    rate: InitVar[float]
+    estimator: ThroughputEstimator = field(init=False)
+    scope: trio.CancelScope = field(init=False, default_factory=trio.CancelScope)
+    failure: StateSourceError | None = field(init=False, default=None)
+    delivered: int = field(init=False, default=0)
+
+    def __post_init__(self, rate: float) -> None:
         self.estimator = ThroughputEstimator(rate)
-        self.scope = trio.CancelScope()
-        self.failure: StateSourceError | None = None
-        self.delivered = 0
 
 
 class _Download:
