@@ -14,6 +14,10 @@ Which experts a daemon serves, so that `peer join --initial-peers X` alone is us
 Either way checkpointed uids come back first, then the uids this PeerID still declares (a daemon restarted
 with the same `--identity` takes back what it served), then free ones. The directory summary publishes the
 pattern, the count and the hidden size, which is how trainers and later volunteers find the family.
+
+`--no-experts` serves none and never imports torch (issue 38): a light daemon (DHT, relay, reachability, status,
+metrics) for an always-on bootstrap. So everything that needs torch (moe.experts, moe.server, moe.specs,
+moe.upcycle, peer.replicas) is imported inside the methods that only run with experts, not at module level.
 """
 
 from __future__ import annotations
@@ -31,18 +35,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 import trio
 
 from dht import records
 from dht.node import DHTConfig, DHTNode
 from dht.routing import has_work, identity_with_work
 from moe.declare import find_free_uids
-from moe.experts import OptimizerConfig, make_expert
 from moe.grid import GridPattern, InvalidUID, expand_pattern
-from moe.server import CallerPolicy, ExpertServer, choose_uids, read_peer_list
-from moe.specs import ExpertSpec, read_specs
-from moe.upcycle import WeightReader, WeightWriter
 from peer import __version__
 from peer.directory import PeerDirectory
 from peer.discover import SwarmMismatch, choose_family, discover_families, summary_fields
@@ -54,11 +53,13 @@ from peer.p2p.net import Address, Network, RealNetwork
 from peer.p2p.rpc import CallContext, RPCNode
 from peer.reachability import DialBackService, Reachability, check_reachability, fixed
 from peer.relays import Relaying, run_relaying
-from peer.replicas import ReplicaAverager
 from peer.status import MAX_REPLICA_KEYS, STATUS_METHOD
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # these bring torch: at run time only the expert-serving path imports them
+    from moe.server import CallerPolicy, ExpertServer
+    from moe.specs import ExpertSpec
     from peer.metrics import PeerMetrics
+    from peer.replicas import ReplicaAverager
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class DaemonConfig:
     identity: Path | None = _JOIN["identity"]
     experts: str | None = _JOIN["experts"]
     num_experts: int | None = _JOIN["num_experts"]
+    no_experts: bool = _JOIN["no_experts"]  # serve none, import no torch (a light bootstrap)
     expert_kind: str = _JOIN["expert_kind"]
     hidden_dim: int = _JOIN["hidden_dim"]
     max_batch_size: int = _JOIN["max_batch_size"]
@@ -144,6 +146,8 @@ class StartupError(Exception):
 
 def caller_policy(path: Path | None, flag: str) -> CallerPolicy:
     """The allow list of `flag` (None: anyone); a list that cannot be read stops the start with one line."""
+    from moe.server import CallerPolicy, read_peer_list  # brings torch: keeps a --no-experts daemon free of it
+
     if path is None:
         return CallerPolicy()
     try:
@@ -211,8 +215,8 @@ class Daemon:
         config = self.config
         if config.checkpoint_dir is not None:
             check_checkpoint_dir(Path(config.checkpoint_dir))
-        if config.threads is not None:
-            torch.set_num_threads(config.threads)
+        if config.no_experts and (config.experts or config.num_experts is not None):
+            raise StartupError("--no-experts serves no experts: drop --experts and --num-experts, or --no-experts")
         if config.announce is not None and config.announce[0] in WILDCARDS:
             raise StartupError(f"--announce {config.announce[0] or '*'}:{config.announce[1]} is no address others "
                                f"can connect to: give this machine's public address, or leave --announce out "
@@ -265,7 +269,10 @@ class Daemon:
                 rpc.register(STATUS_METHOD, self._handle_status)
                 # made before the services start, so their first DHT operations are timed too
                 metrics = self._metrics() if config.metrics_port is not None else None
-                self.expert_server = await self._make_expert_server(dht)  # before the nursery: plain errors
+                if config.no_experts:
+                    self.notes.append("serving no experts (--no-experts): DHT, relay and status only")
+                else:  # before the nursery: plain errors
+                    self.expert_server = await self._make_expert_server(dht)
                 async with trio.open_nursery() as nursery:
                     # a relay service (public), or reservations and a relayed announced address (private): before
                     # anything publishes where this peer is reached
@@ -273,29 +280,40 @@ class Daemon:
                         run_relaying, rpc, dht, self.reachability, limit=config.relay_limit,
                         rate_mb_s=config.relay_rate, total_rate_mb_s=config.relay_total_rate,
                         offer=not config.no_relay))
-                    uids = sorted(self.expert_server.experts)
-                    await nursery.start(self.expert_server.run, rpc, dht)
-                    # always registered: a peer outside the allow list gets a typed refusal, not "no such method"
-                    WeightWriter(self.expert_server, config.accept_weights_from).register(rpc)
-                    WeightReader(self.expert_server, config.accept_weights_from).register(rpc)
-                    if config.replicate:
-                        self.replicas = ReplicaAverager(rpc, dht, self.expert_server.experts,
-                                                        self.expert_server.runtime.exclusive,
-                                                        interval=config.average_every)
-                        await nursery.start(self.replicas.run)
+                    uids: list[str] = []
+                    if self.expert_server is not None:
+                        uids = sorted(self.expert_server.experts)
+                        await self._serve_experts(nursery, self.expert_server, rpc, dht)
                     self.directory = PeerDirectory(dht)
                     await nursery.start(self.directory.run, lambda: rpc.announced_address or announced,
                                         self.identity.peer_id, self._summary)
                     metrics_address = None
                     if metrics is not None and config.metrics_port is not None:
                         metrics_address = await nursery.start(metrics.serve, host, config.metrics_port)
+                    serving = self.expert_server is not None  # a --no-experts daemon has no size or kind
                     task_status.started(DaemonInfo(str(self.identity.peer_id), announced, uids, self.pattern,
-                                                   self.hidden_dim, self.reachability.describe(),
-                                                   metrics_address,
+                                                   self.hidden_dim if serving else None,
+                                                   self.reachability.describe(), metrics_address,
                                                    str(config.swarm_key) if config.swarm_key else None,
-                                                   self.expert_kind, list(self.notes),
+                                                   self.expert_kind if serving else None, list(self.notes),
                                                    self.reachability.status, self.reachability.how))
                     await trio.sleep_forever()
+
+    async def _serve_experts(self, nursery: trio.Nursery, server: ExpertServer, rpc: RPCNode,
+                             dht: DHTNode) -> None:
+        """Start the expert server, the weight upcycling methods and (--replicate) the replica averager."""
+        from moe.upcycle import WeightReader, WeightWriter  # brings torch: keeps a --no-experts daemon free of it
+
+        await nursery.start(server.run, rpc, dht)
+        # always registered: a peer outside the allow list gets a typed refusal, not "no such method"
+        WeightWriter(server, self.config.accept_weights_from).register(rpc)
+        WeightReader(server, self.config.accept_weights_from).register(rpc)
+        if self.config.replicate:
+            from peer.replicas import ReplicaAverager  # brings torch: keeps a --no-experts daemon free of it
+
+            self.replicas = ReplicaAverager(rpc, dht, server.experts, server.runtime.exclusive,
+                                            interval=self.config.average_every)
+            await nursery.start(self.replicas.run)
 
     async def _swarm_pattern(self, dht: DHTNode, count: int) -> str:
         """With no --experts: the grid of the swarm's largest family of this daemon's hidden size, grown when it
@@ -319,6 +337,8 @@ class Daemon:
     async def _advertised_spec(self, dht: DHTNode) -> tuple[ExpertSpec | None, list[ExpertSpec]]:
         """The first model spec trainers advertise (`moe.specs`) that still has free uids, and every advertised
         spec (empty in a swarm with no swarmified model)."""
+        from moe.specs import read_specs  # brings torch: keeps a --no-experts daemon free of it
+
         specs: list[ExpertSpec] = []
         with trio.move_on_after(DISCOVERY_TIMEOUT):
             specs = await read_specs(dht)
@@ -329,7 +349,15 @@ class Daemon:
         return None, specs
 
     async def _make_expert_server(self, dht: DHTNode) -> ExpertServer:
+        # torch and the expert stack, only for a daemon that serves experts: keeps a --no-experts daemon free of it
+        import torch
+
+        from moe.experts import OptimizerConfig, make_expert
+        from moe.server import ExpertServer, choose_uids
+
         config = self.config
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
         if config.experts:
             pattern = config.experts
             count = config.num_experts if config.num_experts is not None else GridPattern.parse(pattern).size
@@ -416,8 +444,8 @@ class Daemon:
             "experts": self.expert_server.stats() if self.expert_server else None,
             "expert_uids": sorted(self.expert_server.experts) if self.expert_server else [],
             "expert_pattern": self.pattern,
-            "hidden_dim": self.hidden_dim,
-            "expert_kind": self.expert_kind,
+            "hidden_dim": self.hidden_dim if self.expert_server else None,
+            "expert_kind": self.expert_kind if self.expert_server else None,
             "averaging": self.replicas.stats() if self.replicas else None,
             "reachability": self.reachability.stats() if self.reachability else None,
             "relay": self.relaying.stats() if self.relaying else None,

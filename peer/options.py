@@ -517,6 +517,18 @@ ALLOW_PEERS = Option(
     "allow-peers", PATH, None, "file of PeerIDs (hex, one per line, # comments): RPC handshakes with any other peer "
     "are refused", shown_default="any peer", metavar="FILE")
 
+def check_no_experts(args: argparse.Namespace) -> None:
+    """--no-experts with --experts or --num-experts (from flags or the config file) is a contradiction: one line,
+    instead of silently dropping either."""
+    if not getattr(args, "no_experts", False):
+        return
+    given = [flag for flag, value in (("--experts", args.experts), ("--num-experts", args.num_experts))
+             if value is not None]
+    if given:
+        raise UsageError(f"peer join: --no-experts serves no experts, so {' and '.join(given)} cannot be given "
+                         f"with it (drop one or the other)")
+
+
 JOIN = OptionSet("peer join", [
     Option("host", TEXT, None, "address to listen on, TCP and UDP (127.0.0.1 for a swarm on this machine only)",
            shown_default="the interface toward the initial peers; all interfaces in a new swarm"),
@@ -532,6 +544,9 @@ JOIN = OptionSet("peer join", [
            metavar="PATTERN"),
     Option("num-experts", POSITIVE_INT, None, "serve this many free uids of the pattern",
            shown_default="all of it; 4 without --experts"),
+    Option("no-experts", SWITCH, False, "serve no experts and never import torch: a light peer (tens of MB) for "
+           "the DHT, relaying and bootstrapping others, e.g. a swarm's always-on bootstrap; --experts and "
+           "--num-experts contradict it"),
     Option("expert-kind", ExpertKindName(), "ffn", f"{', '.join(EXPERT_KINDS)} (KIND@N: inner width N), or "
            "package.module:factory",
            metavar="KIND"),
@@ -585,7 +600,7 @@ JOIN = OptionSet("peer join", [
            "own identity carry them (about 2^BITS key generations, once; an --identity file without them is "
            "refused), so Sybil identities cost work; every server of the swarm should use the same value; 0: off",
            metavar="BITS"),
-])
+], finish=check_no_experts)
 
 # ------------------------------------------------------------------------------------------------------- status
 
