@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import trio
@@ -33,25 +34,28 @@ from peer.p2p.rpc import RPCError, RPCNode
 logger = logging.getLogger("averaging.rounds")  # the round service's log, as before this part had a module
 
 
+@dataclass(eq=False)
 class RoundClient:
     """The trainer role of one trainer's round service (see the module doc). `known`: the roster it ranks
     candidates from and notes the trainers it hears of in; `grace`: the service's grace estimator, fed with
     the arrival offsets of every start it sees; `local(method, args)`: the service's own answer to a call
     addressed to this trainer; `stats`: the service's counters (it counts `candidates_skipped`)."""
 
-    def __init__(self, rpc: RPCNode, run_id: str, known: Roster, grace: GraceEstimator, *,
-                 local: Callable[[str, dict[str, Any]], Awaitable[Any]], stats: dict[str, int],
-                 ack_floor: float, poll_limit: float) -> None:
-        self.rpc = rpc
-        self.run_id = run_id
-        self.me = bytes(rpc.peer_id)
-        self.known = known
-        self.grace = grace
-        self._local = local
-        self.stats = stats
-        self.ack_floor = ack_floor
-        self.poll_limit = poll_limit
-        self.rtt = 0.0  # seconds, an exponential average of measured round trips (0: none measured yet)
+    rpc: RPCNode
+    run_id: str
+    known: Roster
+    grace: GraceEstimator
+    _: KW_ONLY
+    local: Callable[[str, dict[str, Any]], Awaitable[Any]]
+    stats: dict[str, int]
+    ack_floor: float
+    poll_limit: float
+    me: bytes = field(init=False)
+    # seconds, an exponential average of measured round trips (0: none measured yet)
+    rtt: float = field(init=False, default=0.0)
+
+    def __post_init__(self) -> None:
+        self.me = bytes(self.rpc.peer_id)
 
     @property
     def ack_timeout(self) -> float:
@@ -177,7 +181,7 @@ class RoundClient:
                     timeout: float, deadline: float) -> Any:
         timeout = max(0.0, min(timeout, deadline - trio.current_time()))
         if peer == self.me:  # local: no network (`wait` returns by its poll limit)
-            return await self._local(method, args)
+            return await self.local(method, args)
         if address is None:
             raise ValueError("a candidate without an address")
         return await self.rpc.call(address, method, args, timeout=timeout, peer_id=PeerID(peer))
