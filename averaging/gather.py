@@ -40,7 +40,7 @@ import math
 import statistics
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 from typing import Any
 
 import torch
@@ -228,26 +228,32 @@ class _Decision:
             self.done.set()
 
 
+@dataclass(eq=False)
 class GatherService:
     """One trainer's side of the all-gather (module doc). `members_of(group_id)`: the members of a round this
     trainer coordinates (None when it does not), for deciding its set."""
 
-    def __init__(self, rpc: RPCNode, *, members_of: Callable[[bytes], Sequence[bytes] | None],
-                 report_wait: float = 10.0, timeout_floor: float = 2.0, timeout_factor: float = 4.0,
-                 initial_rate: float = 1e6, keep_early: int = 64):
-        self.rpc = rpc
-        self.me = bytes(rpc.peer_id)
-        self._members_of = members_of
-        self.report_wait = report_wait
-        self.timeout_floor = timeout_floor
-        self.timeout_factor = timeout_factor
+    rpc: RPCNode
+    _: KW_ONLY
+    members_of: Callable[[bytes], Sequence[bytes] | None]
+    report_wait: float = 10.0
+    timeout_floor: float = 2.0
+    timeout_factor: float = 4.0
+    initial_rate: InitVar[float] = 1e6
+    keep_early: int = 64
+    me: bytes = field(init=False)
+    estimator: ThroughputEstimator = field(init=False)
+    _rounds: dict[bytes, GatherRound] = field(init=False, default_factory=dict)
+    _arrived: dict[bytes, trio.Event] = field(init=False, default_factory=dict)
+    # pushes before the round started here
+    _early: OrderedDict[bytes, dict[bytes, Any]] = field(init=False, default_factory=OrderedDict)
+    _decisions: OrderedDict[bytes, _Decision] = field(init=False, default_factory=OrderedDict)
+    stats: dict[str, int] = field(init=False, default_factory=lambda: {
+        "rounds": 0, "pushes": 0, "rejected": 0, "decided": 0})
+
+    def __post_init__(self, initial_rate: float) -> None:
+        self.me = bytes(self.rpc.peer_id)
         self.estimator = ThroughputEstimator(initial_rate)
-        self.keep_early = keep_early
-        self._rounds: dict[bytes, GatherRound] = {}
-        self._arrived: dict[bytes, trio.Event] = {}
-        self._early: OrderedDict[bytes, dict[bytes, Any]] = OrderedDict()  # pushes before the round started here
-        self._decisions: OrderedDict[bytes, _Decision] = OrderedDict()
-        self.stats = {"rounds": 0, "pushes": 0, "rejected": 0, "decided": 0}
 
     def install(self) -> "GatherService":
         self.rpc.register(PUSH, self._on_push)
@@ -300,7 +306,7 @@ class GatherService:
     def _decision(self, group: bytes) -> _Decision | None:
         decision = self._decisions.get(group)
         if decision is None:
-            members = self._members_of(group)
+            members = self.members_of(group)
             if members is None:
                 return None
             decision = self._decisions[group] = _Decision(members, trio.current_time() + self.report_wait)
