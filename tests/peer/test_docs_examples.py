@@ -162,41 +162,25 @@ def test_the_export_example_gets_the_swarm_loss_back_from_a_plain_volunteer(tmp_
     assert "gpt2_ffn@128" in volunteer.output
 
 
-def _outer_step(address: str, tmp_path: Path) -> int:
-    """The run's outer step as `peer status --json` reads it from the swarm's progress records (-1: not yet)."""
-    import json
-
-    status = Script([sys.executable, "-m", "peer.cli", "status", "--initial-peers", address, "--json"], tmp_path)
-    try:
-        output = status.finish()
-    except AssertionError:  # the trainers are starting or leaving: ask again
-        return -1
-    runs = json.loads(output[output.index("{"):]).get("runs") or []
-    return max((int(run.get("outer_step") or 0) for run in runs if run.get("run_id") == "quickstart"), default=-1)
-
-
 @pytest.mark.slow
-def test_the_diloco_example_started_30_s_apart_and_joined_midway_ends_with_one_hash(tmp_path):
-    """Issue 38: a friend starts the same script 30 s after the first (who waits: start_with=2), and a third joins
-    once the run is at outer step 2; all three end with the swarm's hash. The 30 s are the scenario itself (a
-    person starting late), not a wait for something to happen."""
+def test_the_diloco_example_started_30_s_apart_ends_with_one_hash(tmp_path):
+    """Issue 38: a friend starts the same script 30 s after the first (who waits for it: start_with=2); both end
+    with the swarm's hash. The 30 s are the scenario itself (a person starting late), not a wait for something to
+    happen. (A trainer joining a run midway and ending on its hash: tests/averaging/test_diloco.py, in memory;
+    this example's whole run lasts a few seconds, too short to join midway on purpose.)"""
     script = tmp_path / "diloco.py"
     script.write_text(examples()["diloco"])
     first = Script([sys.executable, str(script)], tmp_path)
-    others: list[Script] = []
+    second = None
     try:
         address = first.wait_for(_ADDRESS).group(1)
         time.sleep(30)
-        others.append(Script([sys.executable, str(script), address], tmp_path))
-        deadline = time.monotonic() + TIMEOUT
-        while _outer_step(address, tmp_path) < 2:  # midway: the run has taken 2 of its 5 outer steps
-            assert time.monotonic() < deadline and first.process.poll() is None, first.output[-3000:]
-            time.sleep(0.2)
-        others.append(Script([sys.executable, str(script), address], tmp_path))
-        outputs = [first.finish()] + [other.finish() for other in others]
+        second = Script([sys.executable, str(script), address], tmp_path)
+        outputs = [first.finish(), second.finish()]
     finally:
-        for process in [first, *others]:
-            process.stop()
+        first.stop()
+        if second is not None:
+            second.stop()
     hashes = [re.search(r"hash (\S+)", output) for output in outputs]
     assert all(hashes), outputs
-    assert len({match.group(1) for match in hashes}) == 1, outputs
+    assert hashes[0].group(1) == hashes[1].group(1), outputs
