@@ -10,23 +10,23 @@ until the answer is final, and redirects a joiner when this peer follows another
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import trio
 
 from averaging.assembly import Assembly, Decision, Declaration
 from averaging.group import GroupInfo
-from averaging.match_round import MatchRound
-from averaging.match_waits import Pacing
-from peer.p2p.identity import PeerID
-from peer.p2p.rpc import CallContext, RemoteError, RPCError, RPCNode
+from averaging.match_round import MatchCalls, MatchRound
+from peer.p2p.rpc import CallContext, RemoteError, RPCError
 
 logger = logging.getLogger("averaging.matchmaking")  # all of matchmaking logs under the driver's name
 
 JOIN_METHOD = "avg.mm.join"
 
 
-class Joins:
+@dataclass(eq=False, kw_only=True)
+class Joins(MatchCalls):
     """Joins collectors for a follower, and answers joins for a collector.
 
     `my_collector` is the matchmaker's plan for a round (whom I would join, possibly myself): a join that reaches
@@ -34,18 +34,9 @@ class Joins:
     own set (shared, not copied); `stats` its counters. `last_group` is (key, group) of my last round: a late
     joiner under that key is told the group's members, so it skips them all at once."""
 
-    def __init__(self, rpc: RPCNode, *, pacing: Pacing, target_group_size: int, min_group_size: int,
-                 banned: set[PeerID], stats: dict[str, int],
-                 my_collector: Callable[[MatchRound], Declaration | None]):
-        self.rpc = rpc
-        self.peer_id: PeerID = rpc.peer_id
-        self.pacing = pacing
-        self.target = target_group_size
-        self.min_size = min_group_size
-        self.banned = banned
-        self.stats = stats
-        self.my_collector = my_collector
-        self.last_group: tuple[str, GroupInfo] | None = None
+    min_size: int
+    my_collector: Callable[[MatchRound], Declaration | None]
+    last_group: tuple[str, GroupInfo] | None = field(init=False, default=None)
 
     async def join(self, state: MatchRound, collector: Declaration, deadline: float) -> Decision | None:
         """One long-poll join; None when the collector is unreachable (it is then excluded and reported)."""

@@ -11,35 +11,27 @@ verdicts to the round.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import trio
 
 from averaging.assembly import Assembly, Declaration, read_probe_answer
-from averaging.match_round import MatchRound
-from averaging.match_waits import Pacing
+from averaging.match_round import MatchCalls, MatchRound
 from peer.p2p.identity import PeerID
-from peer.p2p.rpc import CallContext, CallTimeout, RemoteError, RPCError, RPCNode
+from peer.p2p.rpc import CallContext, CallTimeout, RemoteError, RPCError
 
 logger = logging.getLogger("averaging.matchmaking")  # all of matchmaking logs under the driver's name
 
 PING_METHOD = "avg.mm.ping"
 
 
-class Prober:
+@dataclass(eq=False)
+class Prober(MatchCalls):
     """Probes chunk members for a collector, and answers other collectors' probes.
 
     `banned` is the matchmaker's own set (shared, not copied): a banned prober is told "not matching", so it
     cannot talk me into merging into it. `stats` is the matchmaker's counters (dead peers are counted here)."""
-
-    def __init__(self, rpc: RPCNode, *, pacing: Pacing, target_group_size: int, banned: set[PeerID],
-                 stats: dict[str, int]):
-        self.rpc = rpc
-        self.peer_id: PeerID = rpc.peer_id
-        self.pacing = pacing
-        self.target = target_group_size
-        self.banned = banned
-        self.stats = stats
 
     async def probe(self, state: MatchRound, declaration: Declaration, assembly: Assembly) -> None:
         """Ask one chunk member I wait for where it stands, and apply the answer to my assembly."""

@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import KW_ONLY, dataclass, field
+from typing import TYPE_CHECKING
 
 import trio
 
 from averaging.assembly import Assembly, Decision, Declaration
 from peer.p2p.identity import PeerID
+from peer.p2p.rpc import RPCNode
+
+if TYPE_CHECKING:  # averaging.match_waits reads MatchRound: imported for the annotation only
+    from averaging.match_waits import Pacing
 
 
 class MatchRound:
@@ -96,3 +102,21 @@ class MatchRound:
         self.changed = trio.Event()
         with trio.move_on_at(until_trio_time):
             await self.changed.wait()
+
+
+@dataclass(eq=False)
+class MatchCalls:
+    """What both calling sides of matchmaking (`Prober`, `Joins`) hold of the matchmaker: its RPC node, its pacing,
+    the group size it aims for (`target`), its ban set and its counters, the last two shared, not copied (a ban or
+    a count either side makes is the matchmaker's). One base, so that the bundle is declared and built once."""
+
+    rpc: RPCNode
+    _: KW_ONLY
+    pacing: Pacing
+    target: int
+    banned: set[PeerID]
+    stats: dict[str, int]
+    peer_id: PeerID = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.peer_id = self.rpc.peer_id

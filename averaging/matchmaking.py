@@ -159,11 +159,9 @@ class Matchmaker:
         self.schemas = ForeignSchemas(rpc, self.schema, description, nursery)
         self.board = DeclarationBoard(dht, self.peer_id, self.schema, pacing=self.pacing, banned=self.banned,
                                       on_foreign=self.schemas.notice, nursery=nursery)
-        self.prober = Prober(rpc, pacing=self.pacing, target_group_size=target_group_size, banned=self.banned,
-                             stats=self.stats)
-        self.joins = Joins(rpc, pacing=self.pacing, target_group_size=target_group_size,
-                           min_group_size=min_group_size, banned=self.banned, stats=self.stats,
-                           my_collector=self._my_collector)
+        self.prober = Prober(rpc, pacing=self.pacing, target=target_group_size, banned=self.banned, stats=self.stats)
+        self.joins = Joins(rpc, pacing=self.pacing, target=target_group_size, banned=self.banned, stats=self.stats,
+                           min_size=min_group_size, my_collector=self._my_collector)
 
     def register(self) -> None:
         self.rpc.register(JOIN_METHOD, self._handle_join)
