@@ -31,6 +31,7 @@ from moe.errors import NotEnoughExperts
 from moe.experts import make_expert
 from moe.mixture import RemoteMixtureOfExperts
 from peer.corpus import Corpus, WindowStream, evaluation_windows, load_corpus
+from peer.train import GridTask
 
 LOCAL_DEFAULTS = {"hidden_dim": 64, "expert_prefix": "lm", "grid_size": "2x12"}
 EVAL_WINDOWS = 128  # held-out windows of --seq-len bytes: 8192 predicted bytes at the default length
@@ -175,7 +176,7 @@ def _printable(data: bytes) -> str:
     return data.decode("utf-8", "replace")
 
 
-class LMTask:
+class LMTask(GridTask):
     """The `--task lm` hooks `peer.train.run_training` calls (see `peer.train.DigitsTask` for the other task)."""
 
     name = "lm"
@@ -200,12 +201,6 @@ class LMTask:
 
     def build_model(self, args: argparse.Namespace, swarm: SwarmHandle | None) -> ByteLM:
         return build_lm(args, swarm)
-
-    def expert_uids(self, args: argparse.Namespace) -> list[str]:
-        from peer.train import expert_settings, grid_uids
-
-        _, prefix, grid = expert_settings(args)
-        return grid_uids(prefix, grid)
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
         logits = model(x)

@@ -249,7 +249,16 @@ def build_model(args: argparse.Namespace, swarm: SwarmHandle | None) -> DigitsMo
         return DigitsModel(hidden_dim, mixture)
 
 
-class DigitsTask:
+class GridTask:
+    """The hook the tasks whose model holds a grid of experts (`DigitsTask`, `peer.lm.LMTask`) share: their
+    experts are the grid that --expert-prefix and --grid-size name (once the swarm filled them in)."""
+
+    def expert_uids(self, args: argparse.Namespace) -> list[str]:
+        _, prefix, grid = expert_settings(args)
+        return grid_uids(prefix, grid)
+
+
+class DigitsTask(GridTask):
     """The hooks `run_training` calls for one task: data, model, loss, held-out evaluation. `--task lm` has the
     same hooks in `peer.lm.LMTask`; the loop, the swarm, the optimizer and the output are shared."""
 
@@ -266,10 +275,6 @@ class DigitsTask:
 
     def build_model(self, args: argparse.Namespace, swarm: SwarmHandle | None) -> DigitsModel:
         return build_model(args, swarm)
-
-    def expert_uids(self, args: argparse.Namespace) -> list[str]:
-        _, prefix, grid = expert_settings(args)
-        return grid_uids(prefix, grid)
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
         logits = model(x)
