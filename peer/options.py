@@ -637,12 +637,14 @@ TRAIN = OptionSet("peer train", [
     Option("model", ModelSpecKind(), None, "your model instead of --task's: a function returning a torch Module, "
            "or (module, loss_fn); imported from the current directory or PYTHONPATH, called with the keyword "
            "arguments of a [model] table in --config (factory = \"PACKAGE.MODULE:FACTORY\", then the arguments); "
+           "or hf:FOLDER, a Hugging Face causal LM from a local save_pretrained folder or config.json (no hub); "
            "every parameter is trained here, the swarm only averages", shown_default="none: the --task model",
            metavar="PACKAGE.MODULE:FACTORY"),
     Option("data", PATH, None, "with --model: a .pt or .safetensors file of tensors x and y (integer y: "
-           "cross-entropy, float y: mean squared error, unless the factory gives a loss), or a text file or folder "
-           "of .txt files (byte windows of --seq-len: the model maps bytes [B, T] to logits [B, T, V]); 10% held "
-           "out", shown_default="none", metavar="PATH"),
+           "cross-entropy, float y: mean squared error, unless the factory gives a loss); a .jsonl file of "
+           "{\"x\": [...], \"y\": ...} or {\"text\": ..., \"label\": N} lines; PACKAGE.MODULE:FACTORY returning "
+           "a torch Dataset of (x, y); or a text file or folder of .txt files (byte windows of --seq-len: the model "
+           "maps bytes [B, T] to logits [B, T, V]); 10% held out", shown_default="none", metavar="PATH"),
     Option("seq-len", POSITIVE_INT, 64, "with --task lm or text --data: bytes of context per training window"),
     Option("initial-peers", ADDRESS, [], "any running peers of the swarm", many=True,
            shown_default="none: required unless --local-experts"),
