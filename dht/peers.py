@@ -50,30 +50,31 @@ class PeerInfo:
     refilled_at: float | None = None
 
 
+@dataclass(eq=False, kw_only=True)
 class PeerBook:
-    def __init__(self, *, min_timeout: float, max_timeout: float, initial_timeout: float, unknown_factor: float = 3.0,
-                 rate: float, burst: float, max_peers: int = 100_000, failures_to_evict: int = 3,
-                 retry_backoff: float = 1.0, retry_backoff_max: float = 6.0, max_remembered: int = 1024):
-        self.min_timeout = min_timeout
-        self.max_timeout = max_timeout
-        self.initial_timeout = initial_timeout
-        self.unknown_factor = unknown_factor
-        self.rate = rate
-        self.burst = burst
-        self.max_peers = max_peers
-        self.failures_to_evict = failures_to_evict
-        self.retry_backoff = retry_backoff
-        self.retry_backoff_max = retry_backoff_max
-        self.max_remembered = max_remembered
-        self.overall = RTTEstimator()
-        self._peers: dict[Address, PeerInfo] = {}
-        # servers that answered one of our requests, most recent last: (address -> node id). Kept apart from
-        # `_peers`, which a flood of spoofed source addresses may trim, and bounded itself.
-        self._remembered: OrderedDict[Address, bytes] = OrderedDict()
-        # addresses whose failures reached `failures_to_evict` (insertion-ordered, so iteration is deterministic):
-        # the healing task looks at these every round, and scanning every remembered server for them was a
-        # fifth of a 500-node churn simulation's time
-        self._failing: dict[Address, None] = {}
+    """What this node knows of the addresses it talks to: round trips, failures, request tokens, answering servers.
+    A dataclass: its settings are its fields (DHTNode passes its DHTConfig's), the bookkeeping below them."""
+
+    min_timeout: float
+    max_timeout: float
+    initial_timeout: float
+    unknown_factor: float = 3.0
+    rate: float
+    burst: float
+    max_peers: int = 100_000
+    failures_to_evict: int = 3
+    retry_backoff: float = 1.0
+    retry_backoff_max: float = 6.0
+    max_remembered: int = 1024
+    overall: RTTEstimator = field(init=False, default_factory=RTTEstimator)
+    _peers: dict[Address, PeerInfo] = field(init=False, repr=False, default_factory=dict)
+    # servers that answered one of our requests, most recent last: (address -> node id). Kept apart from
+    # `_peers`, which a flood of spoofed source addresses may trim, and bounded itself.
+    _remembered: OrderedDict[Address, bytes] = field(init=False, repr=False, default_factory=OrderedDict)
+    # addresses whose failures reached `failures_to_evict` (insertion-ordered, so iteration is deterministic):
+    # the healing task looks at these every round, and scanning every remembered server for them was a
+    # fifth of a 500-node churn simulation's time
+    _failing: dict[Address, None] = field(init=False, repr=False, default_factory=dict)
 
     def get(self, address: Address) -> PeerInfo:
         info = self._peers.get(address)
