@@ -11,6 +11,7 @@ before it may enter it (policy.Contacts.heard_request): an id nobody answers for
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 from typing import Callable
 
 import trio
@@ -26,29 +27,32 @@ from dht.server import NO_REPLY, Server
 from peer.p2p.net import Address, UDPEndpoint
 
 
+@dataclass(eq=False)
 class Receiver:
     """Reads datagrams until the endpoint closes (or the node's nursery is cancelled) and dispatches them."""
 
-    def __init__(self, peer_id: bytes, endpoint: UDPEndpoint, protocol: proto.DatagramProtocol, *,
-                 config: DHTConfig, clock: Callable[[], float], peers: PeerBook, contacts: Contacts,
-                 server: Server, requester: Requester, tasks: BackgroundTasks, dropped: Counter[str]):
-        self.peer_id = peer_id
-        self._endpoint = endpoint
-        self._protocol = protocol
-        self._clock = clock  # the DHT clock, for the expirations of stored records
-        self._peers = peers
-        self._contacts = contacts
-        self._server = server
-        self._requester = requester
-        self._tasks = tasks
-        self._dropped = dropped
+    peer_id: bytes
+    endpoint: UDPEndpoint
+    protocol: proto.DatagramProtocol
+    _: KW_ONLY
+    config: InitVar[DHTConfig]
+    clock: Callable[[], float]  # the DHT clock, for the expirations of stored records
+    peers: PeerBook
+    contacts: Contacts
+    server: Server
+    requester: Requester
+    tasks: BackgroundTasks
+    dropped: Counter[str]
+    _ip_limit: IPRequestLimit = field(init=False)
+
+    def __post_init__(self, config: DHTConfig) -> None:
         self._ip_limit = IPRequestLimit(config.ip_requests_per_second, config.ip_request_burst)
 
     async def run(self) -> None:
         """The receive loop; returns when the endpoint is closed."""
         while True:
             try:
-                data, address = await self._endpoint.recvfrom()
+                data, address = await self.endpoint.recvfrom()
             except (trio.ClosedResourceError, OSError):
                 return
             try:
@@ -57,37 +61,37 @@ class Receiver:
                 return
             except Exception:
                 # Whatever a datagram triggers, the node keeps serving; the bug shows up as a counter.
-                self._dropped["handler_error"] += 1
+                self.dropped["handler_error"] += 1
 
     async def _handle_datagram(self, data: bytes, address: Address) -> None:
         if data[:1] == b"\x00" and not self._ip_limit.allow(address[0], trio.current_time()):
-            self._dropped["ip_rate_limited"] += 1  # refused before decoding: see policy.IPRequestLimit
+            self.dropped["ip_rate_limited"] += 1  # refused before decoding: see policy.IPRequestLimit
             return
-        event = self._protocol.receive(data, address)
+        event = self.protocol.receive(data, address)
         if isinstance(event, proto.Dropped):
-            self._dropped[event.reason] += 1
+            self.dropped[event.reason] += 1
             return
         if isinstance(event, proto.Reply):
-            self._requester.deliver(event)
+            self.requester.deliver(event)
             return
-        if not self._peers.allow_request(address, trio.current_time()):
-            self._dropped["rate_limited"] += 1
+        if not self.peers.allow_request(address, trio.current_time()):
+            self.dropped["rate_limited"] += 1
             return
-        outcome = self._server.handle(event, self._clock(), trio.current_time())
+        outcome = self.server.handle(event, self.clock(), trio.current_time())
         if outcome.verify is not None:
-            self._tasks.spawn(self._verify, outcome.verify)
+            self.tasks.spawn(self._verify, outcome.verify)
         if outcome.reply is NO_REPLY:
             return
-        await self._endpoint.sendto(self._protocol.reply(event, outcome.reply), address)
+        await self.endpoint.sendto(self.protocol.reply(event, outcome.reply), address)
 
     async def _verify(self, address: Address) -> None:
         """Ping back a sender the table does not hold (policy.Contacts.heard_request): if it answers, the id in
         its answer enters the table (in `Requester.request`)."""
         answered = False
         try:
-            await self._requester.request(address, "ping", [self.peer_id])
+            await self.requester.request(address, "ping", [self.peer_id])
             answered = True
         except RequestTimeout:
             pass
         finally:
-            self._contacts.verification_done(address, answered, trio.current_time())
+            self.contacts.verification_done(address, answered, trio.current_time())
