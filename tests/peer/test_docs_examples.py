@@ -79,13 +79,15 @@ class Script:
                 self.process.wait()
 
 
-def _two_trainers(name: str, tmp_path: Path) -> tuple[str, str]:
+def _two_trainers(name: str, tmp_path: Path, apart: float = 0.0) -> tuple[str, str]:
+    """The example run twice, the second joining the first `apart` seconds after it printed its address."""
     script = tmp_path / f"{name}.py"
     script.write_text(examples()[name])
     first = Script([sys.executable, str(script)], tmp_path)
     second = None
     try:
         address = first.wait_for(_ADDRESS).group(1)
+        time.sleep(apart)  # the scenario's own delay (a person starting late), not a wait for a condition
         second = Script([sys.executable, str(script), address], tmp_path)
         return first.finish(), second.finish()
     finally:
@@ -101,8 +103,12 @@ def test_the_page_has_every_example():
 
 
 @pytest.mark.slow
-def test_the_diloco_example_ends_with_one_hash_on_both_trainers(tmp_path):
-    outputs = _two_trainers("diloco", tmp_path)
+@pytest.mark.parametrize("apart", [0.0, 30.0])
+def test_the_diloco_example_ends_with_one_hash_on_both_trainers(tmp_path, apart):
+    """Also when a friend starts the same script 30 s after the first (who waits for it: start_with=2; issue 38).
+    A trainer joining a run midway and ending on its hash: tests/averaging/test_diloco.py, in memory (this
+    example's whole run lasts a few seconds, too short to join midway on purpose)."""
+    outputs = _two_trainers("diloco", tmp_path, apart)
     hashes = [re.search(r"hash (\S+)", output) for output in outputs]
     assert all(hashes), outputs
     assert hashes[0].group(1) == hashes[1].group(1)
@@ -161,26 +167,3 @@ def test_the_export_example_gets_the_swarm_loss_back_from_a_plain_volunteer(tmp_
     assert (tmp_path / "model.safetensors").stat().st_size > 0
     assert "gpt2_ffn@128" in volunteer.output
 
-
-@pytest.mark.slow
-def test_the_diloco_example_started_30_s_apart_ends_with_one_hash(tmp_path):
-    """Issue 38: a friend starts the same script 30 s after the first (who waits for it: start_with=2); both end
-    with the swarm's hash. The 30 s are the scenario itself (a person starting late), not a wait for something to
-    happen. (A trainer joining a run midway and ending on its hash: tests/averaging/test_diloco.py, in memory;
-    this example's whole run lasts a few seconds, too short to join midway on purpose.)"""
-    script = tmp_path / "diloco.py"
-    script.write_text(examples()["diloco"])
-    first = Script([sys.executable, str(script)], tmp_path)
-    second = None
-    try:
-        address = first.wait_for(_ADDRESS).group(1)
-        time.sleep(30)
-        second = Script([sys.executable, str(script), address], tmp_path)
-        outputs = [first.finish(), second.finish()]
-    finally:
-        first.stop()
-        if second is not None:
-            second.stop()
-    hashes = [re.search(r"hash (\S+)", output) for output in outputs]
-    assert all(hashes), outputs
-    assert hashes[0].group(1) == hashes[1].group(1), outputs

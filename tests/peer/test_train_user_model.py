@@ -43,11 +43,8 @@ MODULE = textwrap.dedent("""
 
 
 @pytest.fixture
-def user_module(tmp_path, monkeypatch):
-    (tmp_path / "usermodels.py").write_text(MODULE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    sys.modules.pop("usermodels", None)
-    return tmp_path
+def user_module(importable):
+    return importable("usermodels", MODULE)
 
 
 def _classification(path, rows=600):

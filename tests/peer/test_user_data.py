@@ -6,7 +6,6 @@ line naming the option, the file and the line."""
 from __future__ import annotations
 
 import json
-import sys
 import textwrap
 from pathlib import Path
 
@@ -56,11 +55,8 @@ MODULE = textwrap.dedent("""
 
 
 @pytest.fixture
-def user_module(tmp_path, monkeypatch):
-    (tmp_path / "userdata.py").write_text(MODULE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    sys.modules.pop("userdata", None)
-    return tmp_path
+def user_module(importable):
+    return importable("userdata", MODULE)
 
 
 def _result(capsys) -> dict:
