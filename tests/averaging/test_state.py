@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import asynccontextmanager
 
 import pytest
 import torch
@@ -174,6 +175,16 @@ async def test_download_over_real_sockets_while_a_thread_trains():
 # ------------------------------------------------------------------------------- parallel, verified downloads
 
 BLOCK = 16384  # ~260 KB of state (`model`): 16 blocks
+CONFIG = StateConfig(block_bytes=BLOCK)
+
+
+@asynccontextmanager
+async def memory_swarm(count):
+    """`count` peers of a fresh simulated swarm, in a nursery cancelled when the block ends: (swarm, nursery, peers)."""
+    swarm = Swarm("memory")
+    async with trio.open_nursery() as nursery:
+        yield swarm, nursery, await swarm.start(nursery, count)
+        nursery.cancel_scope.cancel()
 
 
 class LyingServer(StateServer):
@@ -210,28 +221,30 @@ def where(peers):
     return [(p.peer_id, p.address) for p in peers]
 
 
+def serve_over_links(swarm, holders, newcomer, tensors, *, bandwidth):
+    """Every holder serves `tensors` over a link of `bandwidth` bytes/s to the newcomer: their servers."""
+    servers = [serve(h, tensors) for h in holders]
+    for holder in holders:
+        swarm.memory.set_link(holder.name, newcomer.name, bandwidth=bandwidth)
+    return servers
+
+
 async def test_parallel_download_from_three_holders_is_bit_exact_and_faster(autojump_clock):
-    swarm = Swarm("memory")
     tensors = model(10)
     expected = state_manifest(tensors, BLOCK).root
-    config = StateConfig(block_bytes=BLOCK)
-    async with trio.open_nursery() as nursery:
-        *holders, newcomer = await swarm.start(nursery, 4)
-        servers = [serve(h, tensors) for h in holders]
-        for holder in holders:
-            swarm.memory.set_link(holder.name, newcomer.name, bandwidth=1_000_000)
+    async with memory_swarm(4) as (swarm, nursery, (*holders, newcomer)):
+        servers = serve_over_links(swarm, holders, newcomer, tensors, bandwidth=1_000_000)
 
         started = trio.current_time()
         alone = await load_state(newcomer.node, where(holders[:1]), expected_hash=expected, timeout=30,
-                                 config=config)
+                                 config=CONFIG)
         one_source = trio.current_time() - started
 
         into = [torch.zeros_like(t) for t in tensors]
         started = trio.current_time()
         state = await load_state(newcomer.node, where(holders), into=into, expected_hash=expected, timeout=30,
-                                 config=config)
+                                 config=CONFIG)
         three_sources = trio.current_time() - started
-        nursery.cancel_scope.cancel()
 
     blocks = state_manifest(tensors, BLOCK).num_blocks
     assert blocks == 16
@@ -251,14 +264,10 @@ async def test_parallel_download_from_three_holders_is_bit_exact_and_faster(auto
 
 
 async def test_a_source_killed_mid_download_leaves_its_blocks_to_the_others(autojump_clock):
-    swarm = Swarm("memory")
     tensors = model(11)
     expected = state_manifest(tensors, BLOCK).root
-    async with trio.open_nursery() as nursery:
-        *holders, newcomer = await swarm.start(nursery, 4)
-        servers = [serve(h, tensors) for h in holders]
-        for holder in holders:
-            swarm.memory.set_link(holder.name, newcomer.name, bandwidth=500_000)
+    async with memory_swarm(4) as (swarm, nursery, (*holders, newcomer)):
+        servers = serve_over_links(swarm, holders, newcomer, tensors, bandwidth=500_000)
         victim, victim_server = holders[0], servers[0]
 
         async def kill_after_three_blocks():
@@ -268,8 +277,7 @@ async def test_a_source_killed_mid_download_leaves_its_blocks_to_the_others(auto
 
         nursery.start_soon(kill_after_three_blocks)
         state = await load_state(newcomer.node, where(holders), expected_hash=expected, timeout=30,
-                                 config=StateConfig(block_bytes=BLOCK))
-        nursery.cancel_scope.cancel()
+                                 config=CONFIG)
 
     blocks = state_manifest(tensors, BLOCK).num_blocks
     assert victim.killed and 3 <= victim_server.blocks_served < blocks
@@ -283,12 +291,9 @@ async def test_a_source_killed_mid_download_leaves_its_blocks_to_the_others(auto
 
 
 async def test_a_lying_source_is_dropped_and_named_and_the_honest_ones_finish(autojump_clock):
-    swarm = Swarm("memory")
     tensors = model(12)
     expected = state_manifest(tensors, BLOCK).root
-    config = StateConfig(block_bytes=BLOCK)
-    async with trio.open_nursery() as nursery:
-        liar, manifest_liar, honest, other_liar, newcomer = await swarm.start(nursery, 5)
+    async with memory_swarm(5) as (swarm, nursery, (liar, manifest_liar, honest, other_liar, newcomer)):
         serve(liar, tensors, LyingServer, honest_blocks=1)
         serve(manifest_liar, tensors, LyingManifestServer)
         serve(honest, tensors)
@@ -296,7 +301,7 @@ async def test_a_lying_source_is_dropped_and_named_and_the_honest_ones_finish(au
 
         into = [torch.zeros_like(t) for t in tensors]
         state = await load_state(newcomer.node, where([liar, manifest_liar, honest]), into=into,
-                                 expected_hash=expected, timeout=30, config=config)
+                                 expected_hash=expected, timeout=30, config=CONFIG)
         assert state.root == expected
         for copied, original in zip(into, tensors):
             assert torch.equal(copied, original)
@@ -310,25 +315,22 @@ async def test_a_lying_source_is_dropped_and_named_and_the_honest_ones_finish(au
         assert state.blocks_from[honest.peer_id] >= state_manifest(tensors, BLOCK).num_blocks - 1
 
         # without an agreed hash the liar's (honest) manifest wins the root, and still its bytes are refused
-        state = await load_state(newcomer.node, where([other_liar, honest]), timeout=30, config=config)
+        state = await load_state(newcomer.node, where([other_liar, honest]), timeout=30, config=CONFIG)
         assert state.root == expected and [f.peer for f in state.failures] == [other_liar.peer_id]
 
         into = [torch.zeros_like(t) for t in tensors]
         with pytest.raises(StateDownloadFailed) as caught:
             await load_state(newcomer.node, where([other_liar, manifest_liar]), into=into, expected_hash=expected,
-                             timeout=30, config=config)
+                             timeout=30, config=CONFIG)
         assert all(isinstance(f, StateSourceCorrupt) for f in caught.value.failures)
         assert {f.peer for f in caught.value.failures} == {other_liar.peer_id, manifest_liar.peer_id}
         assert "does not match its digest" in str(caught.value)
         assert all(not t.any() for t in into)  # nothing written
-        nursery.cancel_scope.cancel()
 
 
 async def test_no_holder_of_the_expected_hash_fails_fast_and_writes_nothing(autojump_clock):
-    swarm = Swarm("memory")
     tensors, others = model(13), model(14)
-    async with trio.open_nursery() as nursery:
-        a, b, newcomer = await swarm.start(nursery, 3)
+    async with memory_swarm(3) as (swarm, nursery, (a, b, newcomer)):
         serve(a, tensors)
         serve(b, others)
         into = [torch.zeros_like(t) for t in tensors]
@@ -341,22 +343,17 @@ async def test_no_holder_of_the_expected_hash_fails_fast_and_writes_nothing(auto
         assert {f.peer for f in caught.value.failures} == {a.peer_id, b.peer_id}
         assert all(isinstance(f, StateHashMismatch) for f in caught.value.failures)
         assert all(not t.any() for t in into)
-        nursery.cancel_scope.cancel()
 
 
 async def test_without_a_hash_the_first_answering_candidates_root_is_fetched_from_all_its_holders(autojump_clock):
-    swarm = Swarm("memory")
     newest, older = model(16), model(17)
-    config = StateConfig(block_bytes=BLOCK)
-    async with trio.open_nursery() as nursery:
-        dead, a1, b1, a2, b2, newcomer = await swarm.start(nursery, 6)
+    async with memory_swarm(6) as (swarm, nursery, (dead, a1, b1, a2, b2, newcomer)):
         serve(a1, newest, metadata={"epoch": 5})
         serve(a2, newest, metadata={"epoch": 5, "note": "second"})
         serve(b1, older, metadata={"epoch": 4})
         serve(b2, older, metadata={"epoch": 4})
         dead.kill()
-        state = await load_state(newcomer.node, where([dead, a1, b1, a2, b2]), timeout=30, config=config)
-        nursery.cancel_scope.cancel()
+        state = await load_state(newcomer.node, where([dead, a1, b1, a2, b2]), timeout=30, config=CONFIG)
 
     assert state.root == state_manifest(newest, BLOCK).root
     assert state.metadata == {"epoch": 5} and state.peer == a1.peer_id  # the first in order among the holders
@@ -369,10 +366,8 @@ async def test_without_a_hash_the_first_answering_candidates_root_is_fetched_fro
 
 
 async def test_malformed_state_requests_get_typed_errors(autojump_clock):
-    swarm = Swarm("memory")
     tensors = model(18)
-    async with trio.open_nursery() as nursery:
-        holder, caller = await swarm.start(nursery, 2)
+    async with memory_swarm(2) as (swarm, nursery, (holder, caller)):
         server = serve(holder, tensors)
 
         async def call(method, args):
@@ -395,15 +390,11 @@ async def test_malformed_state_requests_get_typed_errors(autojump_clock):
         await call(state_wire.CLOSE, {"id": header["id"]})
         await call(state_wire.CLOSE, "garbage")
         assert not server._snapshots
-        nursery.cancel_scope.cancel()
 
 
 async def test_without_a_hash_the_next_state_is_fetched_when_every_holder_of_the_first_one_dies(autojump_clock):
-    swarm = Swarm("memory")
     newest, older = model(19), model(20)
-    config = StateConfig(block_bytes=BLOCK)
-    async with trio.open_nursery() as nursery:
-        best, second, newcomer = await swarm.start(nursery, 3)
+    async with memory_swarm(3) as (swarm, nursery, (best, second, newcomer)):
         best_server = serve(best, newest, metadata={"epoch": 5})
         serve(second, older, metadata={"epoch": 5, "samples": "fewer"})
         swarm.memory.set_link(best.name, newcomer.name, bandwidth=500_000)
@@ -414,8 +405,7 @@ async def test_without_a_hash_the_next_state_is_fetched_when_every_holder_of_the
             best.kill()
 
         nursery.start_soon(kill_after_two_blocks)
-        state = await load_state(newcomer.node, where([best, second]), timeout=30, config=config)
-        nursery.cancel_scope.cancel()
+        state = await load_state(newcomer.node, where([best, second]), timeout=30, config=CONFIG)
 
     assert best.killed
     assert state.root == state_manifest(older, BLOCK).root and state.peer == second.peer_id
