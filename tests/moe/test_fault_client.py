@@ -104,6 +104,18 @@ MIXED = ([1.0, 1.05, -5.0], [3.0, 2.0, 1.0, 0.0])
 ALL_ON_S1 = ([-5.0, 10.0, -20.0], [3.0, 2.0, 1.0, 0.0])
 
 
+async def timed(awaitable):
+    """What `awaitable` returns, and the seconds (of the virtual clock) it took."""
+    start = trio.current_time()
+    return await awaitable, trio.current_time() - start
+
+
+async def forward_mixed(s, x, *, k_min, k_best=4):
+    """The client's forward of `x` (2 samples: MIXED, then ALL_ON_S1) with a 30 s deadline and a 2 s grace period."""
+    return await s.client.forward(x, scores(MIXED, ALL_ON_S1), k_best=k_best, k_min=k_min, forward_timeout=30.0,
+                                  timeout_after_k_min=2.0)
+
+
 def answered(result, sample):
     return sorted(
         f"ffn.{int(result.coords[sample, slot, 0])}.{int(result.coords[sample, slot, 1])}"
@@ -127,12 +139,10 @@ async def test_hung_peer_costs_k_min_plus_grace_and_its_samples_are_hedged(autoj
     async with three_servers() as s:
         s.network.freeze("s1")
         x = torch.randn(2, HIDDEN)
-        start = trio.current_time()
-        result = await s.client.forward(x, scores(MIXED, ALL_ON_S1), k_best=4, k_min=1, forward_timeout=30.0,
-                                        timeout_after_k_min=2.0)
+        result, took = await timed(forward_mixed(s, x, k_min=1))
         # s0 answers at once; sample 1 (all on s1) gets the next best expert after one grace period; then one
         # more grace period for the stragglers, which never come
-        assert trio.current_time() - start == pytest.approx(4.0)
+        assert took == pytest.approx(4.0)
         assert answered(result, 0) == ["ffn.0.0", "ffn.0.1"]
         assert answered(result, 1) == ["ffn.0.0"]
         assert s.client.stats["hedged_samples"] == 1
@@ -140,10 +150,8 @@ async def test_hung_peer_costs_k_min_plus_grace_and_its_samples_are_hedged(autoj
         assert all(s.blacklist.is_banned(uid, s.table[uid]) for uid in ("ffn.1.0", "ffn.1.1", "ffn.1.2", "ffn.1.3"))
 
         # the next step avoids the banned experts and does not wait at all
-        start = trio.current_time()
-        result = await s.client.forward(x, scores(MIXED, ALL_ON_S1), k_best=4, k_min=1, forward_timeout=30.0,
-                                        timeout_after_k_min=2.0)
-        assert trio.current_time() == start
+        result, took = await timed(forward_mixed(s, x, k_min=1))
+        assert took == 0
         assert answered(result, 0) == ["ffn.0.0", "ffn.0.1", "ffn.0.2", "ffn.0.3"]
         assert answered(result, 1) == ["ffn.0.0", "ffn.0.1", "ffn.0.2", "ffn.0.3"]
 
@@ -152,10 +160,8 @@ async def test_crashed_peer_fails_fast_and_its_samples_get_the_next_best_experts
     async with three_servers() as s:
         s.network.crash("s1")
         x = torch.randn(2, HIDDEN)
-        start = trio.current_time()
-        result = await s.client.forward(x, scores(MIXED, ALL_ON_S1), k_best=4, k_min=2, forward_timeout=30.0,
-                                        timeout_after_k_min=2.0)
-        assert trio.current_time() == start  # nothing to wait for: failures arrive at once
+        result, took = await timed(forward_mixed(s, x, k_min=2))
+        assert took == 0  # nothing to wait for: failures arrive at once
         # every sample is refilled to k_best with the best experts not on s1, not only to k_min: sample 0 had
         # two of its four on s1, sample 1 all four
         assert answered(result, 0) == ["ffn.0.0", "ffn.0.1", "ffn.0.2", "ffn.0.3"]
@@ -167,8 +173,7 @@ async def test_crashed_peer_fails_fast_and_its_samples_get_the_next_best_experts
         assert sorted(result.failures) == ["ffn.1.0", "ffn.1.1", "ffn.1.2", "ffn.1.3"]
 
         # the whole peer is banned: the next forward does not even try it
-        await s.client.forward(x, scores(MIXED, ALL_ON_S1), k_best=4, k_min=2, forward_timeout=30.0,
-                               timeout_after_k_min=2.0)
+        await forward_mixed(s, x, k_min=2)
         assert s.client.stats["forward_failures"] == failures
 
 
@@ -184,11 +189,10 @@ async def test_peer_dying_mid_backward_gives_zero_gradient_and_survivors_match_l
         assert s.client.stats["forward_failures"] == 0  # s1 answered its forwards
         grad_outputs = torch.randn_like(result.outputs)
         CRASH_HOOKS["backward"] = lambda: s.network.crash("s1")  # s1 dies inside its first backward batch
-        start = trio.current_time()
-        grad = await s.client.backward(result, grad_outputs, backward_k_min=1, backward_timeout=30.0,
-                                       timeout_after_k_min=2.0)
+        grad, took = await timed(s.client.backward(result, grad_outputs, backward_k_min=1, backward_timeout=30.0,
+                                                   timeout_after_k_min=2.0))
         assert "backward" not in CRASH_HOOKS  # the crash did happen during the backward
-        assert trio.current_time() == start  # the reset was seen at once: no deadline or grace period waited out
+        assert took == 0  # the reset was seen at once: no deadline or grace period waited out
         s1_calls = {call.uid for call in result.calls if call.uid.startswith("ffn.1.")}
         assert s.client.stats["backward_failures"] == len(s1_calls)  # exactly the dead host's experts failed
         assert s.client.stats["forward_failures"] == 0
@@ -217,11 +221,9 @@ async def test_peer_dying_mid_forward_is_replaced_by_the_next_best_experts(autoj
     async with three_servers(kinds=("ffn", "test_crashing", "ffn")) as s:
         x = torch.randn(2, HIDDEN)
         CRASH_HOOKS["forward"] = lambda: s.network.crash("s1")  # s1 dies inside its first forward batch
-        start = trio.current_time()
-        result = await s.client.forward(x, scores(MIXED, ALL_ON_S1), k_best=4, k_min=2, forward_timeout=30.0,
-                                        timeout_after_k_min=2.0)
+        result, took = await timed(forward_mixed(s, x, k_min=2))
         assert "forward" not in CRASH_HOOKS  # the crash did happen during the forward
-        assert trio.current_time() == start  # a reset, not a hang: nothing to wait for
+        assert took == 0  # a reset, not a hang: nothing to wait for
         # the samples got the best experts not on s1 in place of the dead ones, up to k_best
         assert answered(result, 0) == ["ffn.0.0", "ffn.0.1", "ffn.0.2", "ffn.0.3"]
         assert answered(result, 1) == ["ffn.0.0", "ffn.0.1", "ffn.0.2", "ffn.0.3"]
@@ -241,8 +243,7 @@ async def test_not_enough_experts_says_who_failed(autojump_clock, three_servers)
         for host in ("s0", "s1", "s2"):
             s.network.crash(host)
         with pytest.raises(NotEnoughExperts) as caught:
-            await s.client.forward(torch.randn(2, HIDDEN), scores(MIXED, ALL_ON_S1), k_best=2, k_min=1,
-                                   forward_timeout=30.0, timeout_after_k_min=2.0)
+            await forward_mixed(s, torch.randn(2, HIDDEN), k_min=1, k_best=2)
         error = caught.value
         assert error.stage == "forward" and error.needed == 1 and error.answered == 0 and error.samples_short == 2
         assert error.failures and all("ConnectionFailed" in why for why in error.failures.values())
@@ -263,8 +264,7 @@ async def test_k_min_above_alive_experts_fails_at_once(autojump_clock, three_ser
 async def test_backward_needs_backward_k_min_answers_per_sample(autojump_clock, three_servers):
     async with three_servers() as s:
         x = torch.randn(2, HIDDEN)
-        result = await s.client.forward(x, scores(MIXED, ALL_ON_S1), k_best=4, k_min=1, forward_timeout=30.0,
-                                        timeout_after_k_min=2.0)
+        result = await forward_mixed(s, x, k_min=1)
         s.network.crash("s1")
         with pytest.raises(NotEnoughExperts) as caught:
             await s.client.backward(result, torch.ones_like(result.outputs), backward_k_min=1,
@@ -274,8 +274,7 @@ async def test_backward_needs_backward_k_min_answers_per_sample(autojump_clock, 
 
 async def test_garbage_answers_are_masked_and_banned(autojump_clock, three_servers):
     async with three_servers(kinds=("ffn", "test_nan", "ffn")) as s:
-        result = await s.client.forward(torch.randn(2, HIDDEN), scores(MIXED, ALL_ON_S1), k_best=4, k_min=1,
-                                        forward_timeout=30.0, timeout_after_k_min=2.0)
+        result = await forward_mixed(s, torch.randn(2, HIDDEN), k_min=1)
         # s1's garbage is replaced by s0's next best experts
         assert answered(result, 0) == ["ffn.0.0", "ffn.0.1", "ffn.0.2", "ffn.0.3"]
         assert answered(result, 1) == ["ffn.0.0", "ffn.0.1", "ffn.0.2", "ffn.0.3"]
