@@ -4,6 +4,7 @@ trainers drop out; nobody can report for somebody else. Simulated: MemoryNetwork
 from __future__ import annotations
 
 import math
+from contextlib import asynccontextmanager
 
 import pytest
 import trio
@@ -106,29 +107,44 @@ async def _loop(tracker: ProgressTracker, *, task_status=trio.TASK_STATUS_IGNORE
             task_status.started(scope)
 
 
-async def _tracker(nursery, network, servers, name, run_id="run", target=600, **options):
-    return await nursery.start(_run_tracker, name, network, servers, run_id, target, options)
+class _DHT:
+    """DHT servers on a fresh in-memory network, in a nursery: trainers (their trackers) and client nodes join them."""
+
+    def __init__(self, nursery, network, servers):
+        self.nursery = nursery
+        self.network = network
+        self.servers = servers
+
+    async def tracker(self, name, run_id="run", target=600, **options):
+        """A trainer's tracker, and the cancel scope of the trainer (cancelling it is the trainer dying)."""
+        return await self.nursery.start(_run_tracker, name, self.network, self.servers, run_id, target, options)
+
+    async def client(self, name):
+        node, _ = await self.nursery.start(_dht_node, name, self.network, self.servers, True)
+        return node
 
 
-async def _servers(nursery, seed, count=3):
-    """A fresh in-memory network seeded with `seed` and `count` DHT servers on it; returns (network, their
-    addresses)."""
+@asynccontextmanager
+async def _dht(seed, count=3):
+    """`count` DHT servers on a fresh in-memory network seeded with `seed`, in a nursery cancelled when the block
+    ends."""
     network = MemoryNetwork(latency=0.003, seed=seed)
-    addresses: list = []
-    for i in range(count):
-        node, _ = await nursery.start(_dht_node, f"s{i}", network, list(addresses), False)
-        addresses.append(node.address)
-    return network, addresses
+    async with trio.open_nursery() as nursery:
+        addresses: list = []
+        for i in range(count):
+            node, _ = await nursery.start(_dht_node, f"s{i}", network, list(addresses), False)
+            addresses.append(node.address)
+        yield _DHT(nursery, network, addresses)
+        nursery.cancel_scope.cancel()
 
 
 async def test_every_trainer_sees_the_epoch_end_when_the_swarm_reaches_the_target(autojump_clock):
     detected: dict[str, float] = {}
     totals: dict[str, int] = {}
     trackers: list[ProgressTracker] = []
-    async with trio.open_nursery() as nursery:
-        network, servers = await _servers(nursery, 5)
+    async with _dht(5) as dht:
         for i in range(3):
-            trackers.append((await _tracker(nursery, network, servers, f"t{i}", target=600))[0])
+            trackers.append((await dht.tracker(f"t{i}", target=600))[0])
         start = trio.current_time()
 
         async def train(name: str, tracker: ProgressTracker) -> None:
@@ -144,7 +160,6 @@ async def test_every_trainer_sees_the_epoch_end_when_the_swarm_reaches_the_targe
         async with trio.open_nursery() as workers:
             for i, tracker in enumerate(trackers):
                 workers.start_soon(train, f"t{i}", tracker)
-        nursery.cancel_scope.cancel()
     assert set(detected) == {"t0", "t1", "t2"}
     for name, when in detected.items():
         assert 1.8 <= when <= 2.3, (name, when)
@@ -152,10 +167,9 @@ async def test_every_trainer_sees_the_epoch_end_when_the_swarm_reaches_the_targe
 
 
 async def test_a_new_epoch_resets_the_count_and_laggards_no_longer_count(autojump_clock):
-    async with trio.open_nursery() as nursery:
-        network, servers = await _servers(nursery, 6)
-        a, _ = await _tracker(nursery, network, servers, "a", target=1000)
-        b, _ = await _tracker(nursery, network, servers, "b", target=1000)
+    async with _dht(6) as dht:
+        a, _ = await dht.tracker("a", target=1000)
+        b, _ = await dht.tracker("b", target=1000)
         a.report(300)
         b.report(200)
         await a.publish()
@@ -170,14 +184,12 @@ async def test_a_new_epoch_resets_the_count_and_laggards_no_longer_count(autojum
         assert seen.epoch == 1  # a learns the swarm moved on: only b counts now
         assert seen.num_peers == 1
         assert 50 <= seen.samples < 300
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_dead_trainer_drops_out_after_its_record_expires(autojump_clock):
-    async with trio.open_nursery() as nursery:
-        network, servers = await _servers(nursery, 7)
-        alive, _ = await _tracker(nursery, network, servers, "alive")
-        dying, dying_scope = await _tracker(nursery, network, servers, "dying")
+    async with _dht(7) as dht:
+        alive, _ = await dht.tracker("alive")
+        dying, dying_scope = await dht.tracker("dying")
         dying.report(10)
         await dying.publish()
         assert (await alive.fetch()).num_peers == 2
@@ -187,21 +199,19 @@ async def test_a_dead_trainer_drops_out_after_its_record_expires(autojump_clock)
             await trio.sleep(0.5)
         assert trio.current_time() - killed_at <= dying.ttl + 1.0
         # a trainer that finishes says goodbye and stops counting at once, without waiting for expiry
-        leaving, _ = await _tracker(nursery, network, servers, "leaving")
+        leaving, _ = await dht.tracker("leaving")
         leaving.report(10)
         await leaving.publish()
         assert (await alive.fetch()).num_peers == 2
         _LOOPS[id(leaving)].cancel()  # the trainer stops its loop, then says goodbye through its DHT node
         assert await leaving.leave()
         assert (await alive.fetch()).num_peers == 1
-        nursery.cancel_scope.cancel()
 
 
 async def test_records_not_signed_by_their_subkey_peer_are_ignored(autojump_clock):
-    async with trio.open_nursery() as nursery:
-        network, servers = await _servers(nursery, 8)
-        honest, _ = await _tracker(nursery, network, servers, "honest", target=1000)
-        liar, _ = await nursery.start(_dht_node, "liar", network, servers, True)
+    async with _dht(8) as dht:
+        honest, _ = await dht.tracker("honest", target=1000)
+        liar = await dht.client("liar")
         victim = Identity.from_seed(b"victim" * 6)
         fake = PeerProgress(victim.peer_id, epoch=9, samples=10_000, samples_per_second=1e6, time=liar.now())
         key = progress_key("run")
@@ -218,14 +228,12 @@ async def test_records_not_signed_by_their_subkey_peer_are_ignored(autojump_cloc
         forged = Record(None, {**record.subkeys, bytes(victim.peer_id): make_entry(
             key_id_of(key), bytes(victim.peer_id), fake.to_wire(), liar.now() + 30, liar.identity)})
         assert set(parse_records(forged, liar.now())) == {honest.peer_id}
-        nursery.cancel_scope.cancel()
 
 
 async def test_the_tracker_republishes_before_expiry_and_reports_a_rate(autojump_clock):
-    async with trio.open_nursery() as nursery:
-        network, servers = await _servers(nursery, 9)
-        watcher, _ = await _tracker(nursery, network, servers, "watcher")
-        worker, _ = await _tracker(nursery, network, servers, "worker")
+    async with _dht(9) as dht:
+        watcher, _ = await dht.tracker("watcher")
+        worker, _ = await dht.tracker("worker")
         for _ in range(20):
             await trio.sleep(0.1)
             worker.report(5)  # 50 samples/s
@@ -236,22 +244,20 @@ async def test_the_tracker_republishes_before_expiry_and_reports_a_rate(autojump
         assert peers[worker.peer_id].samples == 100
         assert peers[worker.peer_id].samples_per_second == pytest.approx(50.0, rel=0.2)
         assert isinstance(seen, SwarmProgress)
-        nursery.cancel_scope.cancel()
 
 
 async def test_status_lists_the_live_runs_and_their_progress(autojump_clock):
-    async with trio.open_nursery() as nursery:
-        network, servers = await _servers(nursery, 10)
-        a, _ = await _tracker(nursery, network, servers, "a", run_id="digits", target=512)
-        b, b_scope = await _tracker(nursery, network, servers, "b", run_id="digits", target=512)
-        c, _ = await _tracker(nursery, network, servers, "c", run_id="cifar", target=4096)
+    async with _dht(10) as dht:
+        a, _ = await dht.tracker("a", run_id="digits", target=512)
+        b, b_scope = await dht.tracker("b", run_id="digits", target=512)
+        c, _ = await dht.tracker("c", run_id="cifar", target=4096)
         a.report(100)
         b.report(28)
         c.report(7)
         a.note_group([a.peer_id, b.peer_id])  # a and b averaged together
         for tracker in (a, b, c):
             await tracker.publish()
-        observer, _ = await nursery.start(_dht_node, "observer", network, servers, True)
+        observer = await dht.client("observer")
         runs = {run["run_id"]: run for run in await list_runs(observer)}
         assert set(runs) == {"digits", "cifar"}
         assert runs["digits"]["recent_groups"] == [[a.peer_id.hex()[:12], b.peer_id.hex()[:12]]]
@@ -263,7 +269,6 @@ async def test_status_lists_the_live_runs_and_their_progress(autojump_clock):
         await trio.sleep(b.ttl + 1.0)
         runs = {run["run_id"]: run for run in await list_runs(observer)}
         assert runs["digits"]["trainers"] == 1  # the dead trainer is gone from the listing
-        nursery.cancel_scope.cancel()
 
 
 def test_algorithm_summary_shows_dilocos_rounds_under_churn():
@@ -288,16 +293,14 @@ def test_algorithm_summary_shows_dilocos_rounds_under_churn():
 async def test_samples_added_directly_are_published_as_throughput(autojump_clock):
     """A driver that adds to `tracker.samples` from its training thread instead of calling `report` (DiLoCo
     does) still publishes its samples/s, and `peer status`'s listing shows it (it showed 0.0)."""
-    async with trio.open_nursery() as nursery:
-        network, servers = await _servers(nursery, 11)
-        worker, _ = await _tracker(nursery, network, servers, "worker", run_id="plain-loop")
+    async with _dht(11) as dht:
+        worker, _ = await dht.tracker("worker", run_id="plain-loop")
         for _ in range(20):
             await trio.sleep(0.1)
             worker.samples += 5  # 50 samples/s
         await worker.publish()
         worker.new_epoch(1)
         assert worker.local().samples_per_second == pytest.approx(50.0, rel=0.2)  # a reset is no negative rate
-        observer, _ = await nursery.start(_dht_node, "observer", network, servers, True)
+        observer = await dht.client("observer")
         (run,) = await list_runs(observer)
         assert run["samples_per_s"] == pytest.approx(50.0, rel=0.2)
-        nursery.cancel_scope.cancel()
