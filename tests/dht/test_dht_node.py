@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from contextlib import asynccontextmanager
 
 import pytest
 import trio
@@ -53,11 +54,15 @@ async def test_user_exception_leaves_the_block_unwrapped():
             raise KeyError("mine")
 
 
-async def _memory_swarm(nursery, count, seed=1, **kwargs):
+@asynccontextmanager
+async def _memory_swarm(count, seed=1, **kwargs):
+    """`count` nodes (n0, n1, ...) on a fresh in-memory network, in a nursery cancelled when the block ends:
+    (the nursery, the network, the nodes)."""
     network = MemoryNetwork(latency=0.002, seed=seed)
     hosts = [f"n{i}" for i in range(count)]
-    swarm = await start_swarm(nursery, hosts, network.host, random.Random(seed), **kwargs)
-    return network, swarm
+    async with trio.open_nursery() as nursery:
+        yield nursery, network, await start_swarm(nursery, hosts, network.host, random.Random(seed), **kwargs)
+        nursery.cancel_scope.cancel()
 
 
 async def test_a_frugal_get_asks_only_the_replicas_its_quorum_lacks(autojump_clock):
@@ -70,8 +75,7 @@ async def test_a_frugal_get_asks_only_the_replicas_its_quorum_lacks(autojump_clo
     def served(swarm) -> int:
         return sum(r.node.stats()["requests_served"].get("find_value", 0) for r in swarm)
 
-    async with trio.open_nursery() as nursery:
-        _, swarm = await _memory_swarm(nursery, 6)
+    async with _memory_swarm(6) as (nursery, _, swarm):
         reader = swarm[0].node
         assert await reader.store("k", "v", reader.now() + 60, subkey=b"a")
         assert await swarm[3].node.store("k", "w", reader.now() + 60, subkey=b"b")
@@ -90,12 +94,10 @@ async def test_a_frugal_get_asks_only_the_replicas_its_quorum_lacks(autojump_clo
             await reader.get("k", quorum=0)
         with pytest.raises(ValueError, match="cannot be frugal"):
             await reader.get("k", latest=True, frugal=True)
-        nursery.cancel_scope.cancel()
 
 
 async def test_signed_record_survives_its_owner_leaving(autojump_clock):
-    async with trio.open_nursery() as nursery:
-        network, swarm = await _memory_swarm(nursery, 12)
+    async with _memory_swarm(12) as (nursery, network, swarm):
         owner = swarm[3]
         assert await owner.node.store("my-key", "owner's value", owner.node.now() + 300, signed=True)
         assert await owner.node.store("group", "owner's entry", owner.node.now() + 300, subkey="slot", signed=True)
@@ -113,12 +115,10 @@ async def test_signed_record_survives_its_owner_leaving(autojump_clock):
         group = await reader.get("group", latest=True)
         assert group.subkeys["slot"].value == "owner's entry"
         assert group.subkeys["other"].value == "intruder's own"
-        nursery.cancel_scope.cancel()
 
 
 async def test_newer_value_wins_and_expired_value_disappears(autojump_clock):
-    async with trio.open_nursery() as nursery:
-        _, swarm = await _memory_swarm(nursery, 10)
+    async with _memory_swarm(10) as (nursery, _, swarm):
         a, b, c = swarm[1].node, swarm[4].node, swarm[8].node
         now = a.now()
         assert await a.store("k", "first", now + 100)
@@ -126,7 +126,6 @@ async def test_newer_value_wins_and_expired_value_disappears(autojump_clock):
         assert not await a.store("k", "stale", now + 150)  # every replica holds a newer value
         assert (await c.get("k", latest=True)).value == "second"
         assert not await a.store("gone", "x", now - 1)
-        nursery.cancel_scope.cancel()
 
 
 async def test_expiration_uses_the_dht_clock():
@@ -141,13 +140,11 @@ async def test_expiration_uses_the_dht_clock():
 
 
 async def test_plain_values_round_trip_as_stock_values(autojump_clock):
-    async with trio.open_nursery() as nursery:
-        _, swarm = await _memory_swarm(nursery, 6)
+    async with _memory_swarm(6) as (nursery, _, swarm):
         writer, reader = swarm[0].node, swarm[5].node
         assert await writer.store("plain", 42, math.inf)
         record = await reader.get("plain")
         assert record.value == 42 and record.expiration_time == math.inf
-        nursery.cancel_scope.cancel()
 
 
 async def test_value_too_large_is_refused_before_sending():
@@ -157,8 +154,7 @@ async def test_value_too_large_is_refused_before_sending():
 
 
 async def test_get_many_and_store_many_use_one_request_per_swarmd_peer(autojump_clock):
-    async with trio.open_nursery() as nursery:
-        _, swarm = await _memory_swarm(nursery, 8)
+    async with _memory_swarm(8) as (nursery, _, swarm):
         writer, reader = swarm[2].node, swarm[6].node
         keys = [f"batch-{i}" for i in range(30)]
         assert all(await writer.store_many([(key, i, writer.now() + 60) for i, key in enumerate(keys)]))
@@ -172,12 +168,10 @@ async def test_get_many_and_store_many_use_one_request_per_swarmd_peer(autojump_
         # with 8 nodes and k=20 every node is a replica of every key: batching means far fewer than
         # 31 keys x 7 peers single requests
         assert sum(s.get("find_value", 0) for s in served) < 31
-        nursery.cancel_scope.cancel()
 
 
 async def test_client_mode_node_reads_and_writes_but_is_never_routed_to(autojump_clock):
-    async with trio.open_nursery() as nursery:
-        network, swarm = await _memory_swarm(nursery, 8)
+    async with _memory_swarm(8) as (nursery, network, swarm):
         client = await start_node(nursery, "client", [swarm[0].node.address], network=network.host("client"),
                                   client_mode=True)
         assert await client.node.store("from-client", "hello", client.node.now() + 60)
@@ -188,7 +182,6 @@ async def test_client_mode_node_reads_and_writes_but_is_never_routed_to(autojump
         for running in swarm:
             assert client.node.peer_id not in running.node.routing_table_ids()
         assert client.node.stats()["records_held"] == 0
-        nursery.cancel_scope.cancel()
 
 
 class _StockLikePeer:
@@ -335,8 +328,7 @@ async def test_four_nodes_with_the_same_initial_peer_form_one_dht(autojump_clock
 
 async def test_newcomer_closest_to_a_key_is_handed_its_record(autojump_clock):
     config = DHTConfig(k=3)
-    async with trio.open_nursery() as nursery:
-        network, swarm = await _memory_swarm(nursery, 10, config=config)
+    async with _memory_swarm(10, config=config) as (nursery, network, swarm):
         assert await swarm[0].node.store("wanted", "payload", swarm[0].node.now() + 600)
         key = int.from_bytes(key_id_of("wanted"), "big")
         closest_existing = min(int.from_bytes(r.node.peer_id, "big") ^ key for r in swarm)
@@ -349,12 +341,10 @@ async def test_newcomer_closest_to_a_key_is_handed_its_record(autojump_clock):
             while newcomer.node.local_record("wanted") is None:
                 await trio.sleep(0.05)
         assert newcomer.node.local_record("wanted").value == "payload"
-        nursery.cancel_scope.cancel()
 
 
 async def test_get_latest_finds_the_newest_value_even_when_most_replicas_are_stale(autojump_clock):
-    async with trio.open_nursery() as nursery:
-        network, swarm = await _memory_swarm(nursery, 12)
+    async with _memory_swarm(12) as (nursery, network, swarm):
         hosts = [r.node.address[0] for r in swarm]
         writer, reader = swarm[0].node, swarm[11].node
         assert await writer.store("k", "old", writer.now() + 100)
@@ -362,7 +352,6 @@ async def test_get_latest_finds_the_newest_value_even_when_most_replicas_are_sta
         assert await writer.store("k", "new", writer.now() + 200)
         network.heal()
         assert (await reader.get("k", latest=True)).value == "new"
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_restarted_peer_with_a_new_identity_replaces_its_old_contact(autojump_clock):
@@ -388,20 +377,17 @@ async def _run_on_port(network, host, port, initial, *, task_status):
 
 
 async def test_many_keys_in_one_call(autojump_clock):
-    async with trio.open_nursery() as nursery:
-        _, swarm = await _memory_swarm(nursery, 6)
+    async with _memory_swarm(6) as (nursery, _, swarm):
         writer, reader = swarm[1].node, swarm[4].node
         keys = [f"bulk-{i}" for i in range(300)]
         assert all(await writer.store_many([(key, i, writer.now() + 60, "sub") for i, key in enumerate(keys)]))
         found = await reader.get_many(keys)
         assert [found[key].subkeys["sub"].value for key in keys] == list(range(300))
-        nursery.cancel_scope.cancel()
 
 
 async def test_reading_a_key_refills_its_thinned_replica_set(autojump_clock):
     config = DHTConfig(k=3)
-    async with trio.open_nursery() as nursery:
-        network, swarm = await _memory_swarm(nursery, 12, config=config)
+    async with _memory_swarm(12, config=config) as (nursery, network, swarm):
         assert await swarm[0].node.store("thin", "v", swarm[0].node.now() + 600)
         holders = [r for r in swarm if r.node.local_record("thin") is not None]
         assert len(holders) >= 3
@@ -413,7 +399,6 @@ async def test_reading_a_key_refills_its_thinned_replica_set(autojump_clock):
         assert (await reader.get("thin", latest=True)).value == "v"
         await trio.sleep(1)  # virtual: repairs are sent in the background
         assert sum(r.node.local_record("thin") is not None for r in alive) >= 3
-        nursery.cancel_scope.cancel()
 
 
 async def test_forged_reply_from_another_address_is_dropped_and_the_real_one_accepted(autojump_clock):
@@ -444,8 +429,7 @@ async def test_forged_reply_from_another_address_is_dropped_and_the_real_one_acc
 
 
 async def test_largest_records_travel_through_batched_and_stock_paths(autojump_clock):
-    async with trio.open_nursery() as nursery:
-        _, swarm = await _memory_swarm(nursery, 6)
+    async with _memory_swarm(6) as (nursery, _, swarm):
         writer, reader = swarm[1].node, swarm[3].node
         expiration = writer.now() + 60
         biggest = b"x" * 8109  # the largest bytes value whose record fits a stock store request
@@ -455,7 +439,6 @@ async def test_largest_records_travel_through_batched_and_stock_paths(autojump_c
         assert all(record.value == biggest for record in found.values())
         with pytest.raises(ValueTooLarge):
             await writer.store("too-big", biggest + b"x", expiration)
-        nursery.cancel_scope.cancel()
 
 
 def _junk(rng: random.Random, depth: int = 0):
@@ -530,8 +513,7 @@ async def test_store_reports_failure_when_no_replica_answers(autojump_clock):
 
 
 async def test_republishing_a_stale_plain_value_does_not_undo_a_newer_write(autojump_clock):
-    async with trio.open_nursery() as nursery:
-        network, swarm = await _memory_swarm(nursery, 8)
+    async with _memory_swarm(8) as (nursery, network, swarm):
         stale_holder = swarm[7]
         assert await swarm[0].node.store("plain", "v1", math.inf)
         network.isolate(stale_holder.node.address[0])
@@ -542,4 +524,3 @@ async def test_republishing_a_stale_plain_value_does_not_undo_a_newer_write(auto
         await trio.sleep(1)  # virtual
         others = [r.node for r in swarm[:7]]
         assert all(node.local_record("plain").value == "v2" for node in others)
-        nursery.cancel_scope.cancel()
