@@ -9,8 +9,6 @@ the insecure/secure transport mismatch, and misuse raising LocalProtocolError.
 
 from __future__ import annotations
 
-import random
-
 import msgpack
 import pytest
 from cryptography.hazmat.primitives import serialization
@@ -37,15 +35,9 @@ from peer.p2p.handshake import (
 )
 from peer.p2p.identity import Identity
 from peer.p2p.rpc_protocol import LocalProtocolError, RemoteProtocolError
+from tests.p2p.handshake_peers import ALICE, BOB, nonces
 
-ALICE = Identity.from_seed(b"alice")
-BOB = Identity.from_seed(b"bob")
 MALLORY = Identity.from_seed(b"mallory")
-
-
-def nonces(seed: int):
-    rng = random.Random(seed)
-    return lambda n: bytes(rng.getrandbits(8) for _ in range(n))
 
 
 def ephemeral_public(private: bytes) -> bytes:

@@ -15,7 +15,6 @@ on the listening side and a refusal on the caller's.
 from __future__ import annotations
 
 import os
-import random
 
 import msgpack
 import pytest
@@ -38,16 +37,10 @@ from peer.p2p.handshake import (
 from peer.p2p.identity import SIGNATURE_BYTES, Identity, SwarmKey
 from peer.p2p.net import RealNetwork
 from peer.p2p.rpc import HandshakeError, NotInSwarm, RPCNode
+from tests.p2p.handshake_peers import ALICE, BOB, nonces
 
-ALICE = Identity.from_seed(b"alice")
-BOB = Identity.from_seed(b"bob")
 KEY = SwarmKey(bytes(range(32)))
 OTHER_KEY = SwarmKey(bytes(range(1, 33)))
-
-
-def nonces(seed: int):
-    rng = random.Random(seed)
-    return lambda n: bytes(rng.getrandbits(8) for _ in range(n))
 
 
 def pair(alice_key: SwarmKey | None, bob_key: SwarmKey | None, **bob_options) -> tuple[Handshake, Handshake]:
