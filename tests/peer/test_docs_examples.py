@@ -4,96 +4,24 @@ starts the swarm and prints its address, the others join it)."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.peer import docs_scripts
+from tests.peer.docs_scripts import ADDRESS, ROOT, Script, two_trainers
+
 PAGE = ROOT / "docs" / "python" / "index.md"
-_EXAMPLE = re.compile(r"<!-- example: (\w+) -->\n```python\n(.*?)```", re.S)
-_ADDRESS = re.compile(r"^swarm at (\S+:\d+)$", re.M)
-TIMEOUT = 240.0
 
 
 def examples() -> dict[str, str]:
-    return dict(_EXAMPLE.findall(PAGE.read_text()))
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return env
-
-
-class Script:
-    """One example (or `peer` command) in its own process; its output collected by a reader thread."""
-
-    def __init__(self, argv: list[str], cwd: Path):
-        self.process = subprocess.Popen(argv, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True)
-        self.output = ""
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.output += line
-
-    def wait_for(self, pattern: re.Pattern[str]) -> re.Match[str]:
-        deadline = time.monotonic() + TIMEOUT
-        while time.monotonic() < deadline:
-            match = pattern.search(self.output)
-            if match:
-                return match
-            if self.process.poll() is not None:
-                self.reader.join(5)
-                break
-            time.sleep(0.1)
-        raise AssertionError(f"no {pattern.pattern!r} in the output:\n{self.output[-3000:]}")
-
-    def finish(self) -> str:
-        try:
-            self.process.wait(TIMEOUT)
-        finally:
-            if self.process.poll() is None:
-                self.process.kill()
-                self.process.wait()
-        self.reader.join(5)
-        assert self.process.returncode == 0, self.output[-3000:]
-        return self.output
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+    return docs_scripts.examples(PAGE)
 
 
 def _two_trainers(name: str, tmp_path: Path, apart: float = 0.0) -> tuple[str, str]:
-    """The example run twice, the second joining the first `apart` seconds after it printed its address."""
-    script = tmp_path / f"{name}.py"
-    script.write_text(examples()[name])
-    first = Script([sys.executable, str(script)], tmp_path)
-    second = None
-    try:
-        address = first.wait_for(_ADDRESS).group(1)
-        time.sleep(apart)  # the scenario's own delay (a person starting late), not a wait for a condition
-        second = Script([sys.executable, str(script), address], tmp_path)
-        return first.finish(), second.finish()
-    finally:
-        first.stop()
-        if second is not None:
-            second.stop()
+    return two_trainers(examples()[name], tmp_path, apart)
 
 
 def test_the_page_has_every_example():
@@ -152,7 +80,7 @@ def test_the_export_example_gets_the_swarm_loss_back_from_a_plain_volunteer(tmp_
     trainer = Script([sys.executable, str(script)], tmp_path)
     volunteer = None
     try:
-        address = trainer.wait_for(_ADDRESS).group(1)
+        address = trainer.wait_for(ADDRESS).group(1)
         # nothing but --initial-peers: the daemon serves what the swarmified model advertised
         volunteer = Script([sys.executable, "-m", "peer.cli", "join", "--initial-peers", address, "--host",
                             "127.0.0.1"], tmp_path)

@@ -8,7 +8,6 @@ how-to page's example runs as written, as two processes."""
 from __future__ import annotations
 
 import re
-import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable
@@ -24,7 +23,7 @@ from averaging.optimizer import SwarmOptimizer  # noqa: E402
 from averaging.state_hash import state_digest  # noqa: E402
 from peer.client import Swarm  # noqa: E402
 from peer.lightning import SwarmStrategy  # noqa: E402
-from tests.peer.test_docs_examples import _ADDRESS, Script  # noqa: E402
+from tests.peer.docs_scripts import examples, two_trainers  # noqa: E402
 from tests.threaded import run_in_threads  # noqa: E402
 
 # Lightning 2.6's pytree helper (batch transfer) makes an isinstance test that torch 2.13 deprecated
@@ -198,20 +197,9 @@ def test_two_collaborative_trainers_average_their_epoch_and_hold_one_model():
 def test_the_how_to_example_ends_with_one_hash_on_both_trainers(tmp_path):
     """docs/how-to/lightning.md's example, saved as a script and run as two processes (the convention of
     tests/peer/test_docs_examples.py)."""
-    example = re.search(r"<!-- example: lightning -->\n```python\n(.*?)```", PAGE.read_text(), re.S)
-    assert example, "the page lost its example"
-    script = tmp_path / "train.py"
-    script.write_text(example.group(1))
-    first = Script([sys.executable, str(script)], tmp_path)
-    second = None
-    try:
-        address = first.wait_for(_ADDRESS).group(1)
-        second = Script([sys.executable, str(script), address], tmp_path)
-        outputs = [first.finish(), second.finish()]
-    finally:
-        first.stop()
-        if second is not None:
-            second.stop()
+    source = examples(PAGE).get("lightning")
+    assert source, "the page lost its example"
+    outputs = two_trainers(source, tmp_path)
     ends = [re.search(r"outer step (\d+) hash (\S+)", output) for output in outputs]
     assert all(ends), outputs
     assert ends[0].group(2) == ends[1].group(2), outputs
