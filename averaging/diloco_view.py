@@ -109,8 +109,9 @@ class SwarmView:
         return bool(others) and all(p.info.get("fin") for p in others)
 
     def canonical(self, peers: list[PeerProgress]) -> tuple[int, str | None, list[PeerProgress]]:
-        """The newest outer step among `peers` (and me), the hash most trainers at it hold (ties: mine, then the
-        smaller), and the others holding that hash."""
+        """The newest outer step among `peers` (and me), the hash most trainers at it hold (ties: the smaller), and
+        the others holding that hash. Why no preference for my own hash in a tie: every trainer must pick the same
+        one; two trainers that started from different weights each kept their own and never averaged."""
         others = self.other_trainers(peers)
         mine, my_hash = self.outer.step, self.outer.hash
         step = max([p.epoch for p in others] + [mine])
@@ -122,7 +123,7 @@ class SwarmView:
             return step, None, []
         top = max(counts.values())
         tied = sorted(str(h) for h, n in counts.items() if n == top)
-        best = my_hash if my_hash in tied and step == mine else tied[0]
+        best = tied[0]
         return step, best, [p for p in others if p.epoch == step and p.info.get("hash") == best]
 
     def ahead(self, progress: SwarmProgress) -> bool:

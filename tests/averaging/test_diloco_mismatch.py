@@ -46,3 +46,27 @@ def test_mismatched_diloco_models_are_named_once_on_both_sides(caplog):
         assert stat["state_loads"] == 0
         assert _never_averaged_for_mismatch(stat, mark) is not None
     MISMATCHES.seen.clear()
+
+
+def test_trainers_that_start_from_different_weights_converge_on_one_state():
+    """Same model, different initial weights (each seeded its own, as threads sharing torch's global seed do by
+    accident): the first trainers agree on one state before their first step (a tie of one hash each is broken the
+    same way on every side, never 'mine'), so they average from the first round and end with one hash."""
+    with Bridge.start() as bridge:
+        peers = start_swarm(bridge, MemoryNetwork(latency=0.002), 2)
+        models = []
+        for seed in (1, 2):
+            torch.manual_seed(seed)
+            models.append(nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2)))
+        swarms = [SimSwarm(bridge, peer) for peer in peers]
+        made: dict[int, tuple] = {}
+        run_threads([lambda i=i: made.__setitem__(i, make_trainer(swarms[i], models[i], start_with=2))
+                     for i in range(2)])
+        pairs = [made[0], made[1]]
+        try:
+            run_threads([lambda m=m, o=o, i=i: train_steps(m, o, 15, seed=i) for i, (m, o) in enumerate(pairs)])
+            assert {opt.outer_step for _, opt in pairs} == {3}
+            assert len({opt.hash for _, opt in pairs}) == 1
+            assert all(opt.stats()["group_sizes"].get(2, 0) >= 2 for _, opt in pairs)
+        finally:
+            close_all(pairs)
