@@ -85,8 +85,11 @@ class Contributor:
     async def contribute(self, contribution: Contribution) -> str:
         """`_offer_until_taken`, bounded as a whole. Each of its waits has its own deadline; the bound is the net
         under them: four trainers of a topk2 run once sat in this call for ten minutes with their trio thread
-        idle (2 of about 13 runs of tests/peer/test_train_sparse.py, cause not found yet), and a trainer must go on
-        training rather than wait forever on its partners. Past the bound nothing is applied ("lost")."""
+        idle (2 of about 13 runs of tests/peer/test_train_sparse.py: two pairs of trainers, each late for the
+        other's round, started the next rounds with members from behind alone, whose members waited a
+        `load_state_timeout` each time for a result nobody could apply; `quorum.OuterRound` no longer starts such
+        a round), and a trainer must go on training rather than wait forever on its partners. Past the bound
+        nothing is applied ("lost")."""
         if not contribution.started:
             contribution.started = trio.current_time()  # first offered now (in overlap, from the background)
         bound = 2 * (self.averaging_timeout + self.load_state_timeout)

@@ -3,8 +3,9 @@
 The contract is docs/outer-rounds.md. In short: the coordinator of round N collects offers (a trainer's ready
 message: its contribution's base round, samples, the hash of the outer state it holds); the round starts when
 every expected trainer is ready, or once the grace window has passed with a quorum ready, or, past the window,
-as soon as a quorum is; `max_wait` after the window opened it starts with whoever is ready. Offers that come
-after the start are late: they are told so, with the start, and go to the next round, stale.
+as soon as a quorum is; `max_wait` after the window opened it starts with whoever is ready. Never with offers
+from behind alone (stale: nobody among them holds the round's state). Offers that come after the start are late:
+they are told so, with the start, and go to the next round, stale.
 
 Why a core: the rule decides whether a volunteer's work counts and whether the swarm waits, so it must be exact
 and testable at scale. Here it is plain objects: offers and `now` in, verdicts, deadlines and a `Start` out; no
@@ -357,7 +358,7 @@ class OuterRound:
 
     def deadline(self) -> float | None:
         """When a start may next fire by time alone (None: only an event can start it)."""
-        if self.start is not None or self.opened_at is None or not self.offers:
+        if self.start is not None or self.opened_at is None or not self._holds_state():
             return None
         if len(self.offers) >= self._quorum():
             return self.opened_at + self.window
@@ -367,7 +368,7 @@ class OuterRound:
         """The start, once a rule of the module doc fires (then for good)."""
         if self.start is not None:
             return self.start
-        if not self.offers:
+        if not self._holds_state():
             return None
         ready = set(self.offers)
         reason = ""
@@ -384,6 +385,16 @@ class OuterRound:
         self.start = self._make_start(reason, now)
         return self.start
 
+    def _holds_state(self) -> bool:
+        """Whether a ready offer holds this round's outer step (staleness 0). Offers from behind (stale) count
+        towards opening the window and the quorum, but cannot start a round alone: every member of such a round
+        waits to download the result from a member holding the round's state, and there would be none (two pairs
+        of trainers, each late for the other's round, once wedged a run that way: each pair started the next
+        round alone, stale, and waited a `load_state_timeout` for an outer step nobody produced, again and
+        again). The round waits for a trainer holding its state instead (`max_wait` still bounds the wait once
+        one is ready)."""
+        return any(offer.base == self.step for offer, _ in self.offers.values())
+
     def _quorum_since(self) -> float:
         """When the quorum was reached (arrival time of its last offer)."""
         times = sorted(t for _, t in self.offers.values())
@@ -393,9 +404,8 @@ class OuterRound:
         # trainers behind on someone's chain do not vote on the round's state, and need a member holding it
         offers = {peer: offer for peer, (offer, _) in self.offers.items()}
         vouched = self._vouched(offers.values(), mine=self.own_hash is not None)
+        # never every offer: one holds the round's step (`_holds_state`), and no chain vouches for that step
         behind = {peer for peer, offer in offers.items() if (offer.base, offer.hash) in vouched}
-        if len(behind) == len(offers):
-            behind = set()
         counts = Counter(offer.hash for peer, offer in offers.items() if peer not in behind)
         top = max(counts.values())
         tied = sorted(h for h, n in counts.items() if n == top)

@@ -29,7 +29,7 @@ from averaging.roster import Roster
 from averaging.round_wire import JOIN, STATUS, WAIT, Final, Holding, as_address, as_peer, verdict_from_wire
 from peer.p2p.identity import PeerID
 from peer.p2p.net import Address
-from peer.p2p.rpc import RPCError, RPCNode
+from peer.p2p.rpc import CallTimeout, RPCError, RPCNode
 
 logger = logging.getLogger("averaging.rounds")  # the round service's log, as before this part had a module
 
@@ -180,8 +180,12 @@ class RoundClient:
     async def _call(self, peer: bytes, address: Address | None, method: str, args: dict[str, Any],
                     timeout: float, deadline: float) -> Any:
         timeout = max(0.0, min(timeout, deadline - trio.current_time()))
-        if peer == self.me:  # local: no network (`wait` returns by its poll limit)
-            return await self.local(method, args)
+        if peer == self.me:  # local: no network, and no RPC deadline, so bounded here
+            # (`wait` returns by its poll limit, queued again while the round has not started: `_ask` polled its
+            # own round past `deadline` for as long as the round did not start, which can be forever)
+            with trio.move_on_at(deadline):
+                return await self.local(method, args)
+            raise CallTimeout(f"no verdict of my own round by the deadline ({method})", method=method)
         if address is None:
             raise ValueError("a candidate without an address")
         return await self.rpc.call(address, method, args, timeout=timeout, peer_id=PeerID(peer))

@@ -159,12 +159,11 @@ def test_behind_offers_need_a_coordinator_holding_the_round_and_one_member_that_
     early.hold("h3", {2: "h2"})  # it applied round 2 meanwhile (the driver says so before each poll)
     start = early.poll(0.0)
     assert start is not None and start.peers == [peer(1), peer(2)] and start.resync == ()
-    # nobody holds the round's state: the behind offers are not members of a round nobody can apply
+    # nobody ready holds the round's state: no round starts that nobody can apply (test below)
     alone = OuterRound(3, [peer(1), peer(2)], POLICY, window=0.5, own_hash="h3", chain={2: "h2"})
     alone.offer(offer(1, base=2, hash_="h2"), 0.0)
     alone.offer(offer(2, base=2, hash_="h2"), 0.0)
-    start = alone.poll(0.0)
-    assert start is not None and start.hash == "h2"  # as before: the hash they hold (all of them resync later)
+    assert alone.poll(0.0) is None and alone.poll(100.0) is None and alone.deadline() is None
     # a coordinator that is behind itself: the chains of the offers holding the round's state vouch
     behind_me = OuterRound(3, [peer(1), peer(2), peer(3)], POLICY, window=0.5, own_hash=None, chain={1: "h1"})
     behind_me.offer(Offer(peer(1), 3, 10, "h3", None, chain=((1, "h1"), (2, "h2"), (3, "h3"))), 0.0)
@@ -179,6 +178,26 @@ def test_behind_offers_need_a_coordinator_holding_the_round_and_one_member_that_
         plain.offer(offer(index, base=base, hash_=hash_), 0.0)
     start = plain.poll(0.0)
     assert start is not None and start.resync == (peer(3),)
+
+
+def test_offers_from_behind_alone_never_start_a_round_they_could_only_wait_on():
+    """What wedged tests/peer/test_train_sparse.py: round 4 started with two of four trainers; the two late for it
+    offered to round 5 from outer step 4 (behind, stale by one) and made its quorum, so round 5 started with the
+    two of them alone, before its coordinator (at outer step 5) offered. Members from behind apply nothing and
+    download the round's result from a member holding its state: there was none, so both waited a whole
+    `load_state_timeout` for outer step 6 (and the two that were late for round 5 did the same in round 6). The
+    round waits for an offer holding its step; then the ones from behind are members of it."""
+    core = OuterRound(5, [peer(i) for i in range(1, 5)], POLICY, window=0.1, own_hash="h5", chain={4: "h4", 5: "h5"})
+    for index in (1, 2):
+        core.offer(Offer(peer(index), 4, 10, "h4", None, chain=((3, "h3"), (4, "h4"))), 0.0)
+    assert core.opened_at == 0.0  # they told the others to end their phase: the quorum is there
+    assert core.to_notify() == [peer(3), peer(4)]
+    assert core.deadline() is None and core.poll(0.1) is None and core.poll(30.0) is None
+    assert isinstance(core.verdict(peer(1)), Queued)
+    core.offer(offer(3, base=5, hash_="h5"), 30.5)  # the coordinator's own, holding outer step 5
+    start = core.poll(30.5)
+    assert start is not None and start.hash == "h5" and start.peers == [peer(1), peer(2), peer(3)]
+    assert [m.staleness for m in start.members] == [1, 1, 0]
 
 
 def test_group_ids_name_the_round_and_its_members():

@@ -206,3 +206,23 @@ async def test_an_offers_chain_reaches_the_core_and_a_malformed_one_is_refused(a
         offer, _ = service.rounds[3].core.offers[service.me]
         assert offer.chain == ((2, "g" * 8), (3, "h" * 8))
         nursery.cancel_scope.cancel()
+
+
+async def test_an_offer_to_my_own_round_gives_up_at_its_deadline(autojump_clock):
+    """`enter` bounds its offers to other coordinators by their RPC deadlines; an offer to its own round is
+    answered without the network, and its long poll returns queued again at each poll limit: it polled past the
+    deadline for as long as the round did not start (a round only offers from behind are ready for never starts;
+    here, one that waits for a trainer that intends to come, up to `max_wait`)."""
+    memory = MemoryNetwork(latency=0.01, seed=1)
+    async with trio.open_nursery() as nursery:
+        peers, services = await _services(2, memory, nursery)
+        c, j = _roles(peers, services)
+        coordinator, joiner = services[c], services[j]
+        joiner.note(coordinator.me, peers[c].address)
+        assert await joiner.intend(3, Offer(joiner.me, 3, 0, "h" * 8, peers[j].address), timeout=10)
+        began = trio.current_time()
+        verdict = await coordinator.enter(3, Offer(coordinator.me, 3, 10, "h" * 8, peers[c].address),
+                                          deadline=began + 5.0)
+        assert verdict is None and trio.current_time() - began <= 5.0 + 0.1
+        assert coordinator.rounds[3].core.start is None  # the round itself still waits (max_wait is 30 s)
+        nursery.cancel_scope.cancel()
