@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from averaging.progress import parse_records, progress_key
+from peer.client import Swarm
 from tests.peer import docs_scripts
-from tests.peer.docs_scripts import ADDRESS, ROOT, Script, two_trainers
+from tests.peer.docs_scripts import ADDRESS, ROOT, TIMEOUT, Script, two_trainers
 
 PAGE = ROOT / "docs" / "python" / "index.md"
 
@@ -33,13 +36,53 @@ def test_the_page_has_every_example():
 @pytest.mark.slow
 @pytest.mark.parametrize("apart", [0.0, 30.0])
 def test_the_diloco_example_ends_with_one_hash_on_both_trainers(tmp_path, apart):
-    """Also when a friend starts the same script 30 s after the first (who waits for it: start_with=2; issue 38).
-    A trainer joining a run midway and ending on its hash: tests/averaging/test_diloco.py, in memory (this
-    example's whole run lasts a few seconds, too short to join midway on purpose)."""
+    """Also when a friend starts the same script 30 s after the first (who waits for it: start_with=2; issue 38)."""
     outputs = _two_trainers("diloco", tmp_path, apart)
     hashes = [re.search(r"hash (\S+)", output) for output in outputs]
     assert all(hashes), outputs
     assert hashes[0].group(1) == hashes[1].group(1)
+
+
+def _outer_step(swarm: Swarm, run_id: str) -> int:
+    """The newest outer step in a run's progress records, read from the DHT as the trainers read them."""
+
+    async def read() -> int:
+        record = await swarm.dht.get(progress_key(run_id), latest=True)
+        reports = parse_records(record, swarm.dht.now()) if record is not None else {}
+        return max((report.epoch for report in reports.values()), default=-1)
+
+    return int(swarm.run(read))
+
+
+@pytest.mark.slow
+def test_a_third_trainer_joining_the_diloco_example_midway_ends_with_the_same_hash(tmp_path):
+    """Issue 38: a third trainer starts the example once the run is past its second outer step, downloads the
+    swarm's state and ends with the others' hash. The run is made 600 outer steps long (the one change to the
+    page's script: a few hundred take seconds, over before a third process has started and joined)."""
+    source = examples()["diloco"]
+    assert "opt.outer_step < 5" in source
+    script = tmp_path / "train.py"
+    script.write_text(source.replace("opt.outer_step < 5", "opt.outer_step < 600"))
+    first = Script([sys.executable, str(script)], tmp_path)
+    others: list[Script] = []
+    try:
+        address = first.wait_for(ADDRESS).group(1)
+        others.append(Script([sys.executable, str(script), address], tmp_path))
+        host, port = address.rsplit(":", 1)
+        with Swarm(initial_peers=[(host, int(port))], host="127.0.0.1") as watcher:
+            deadline = time.monotonic() + TIMEOUT
+            while _outer_step(watcher, "quickstart") < 2:  # midway: past 2 of the 600 outer steps
+                assert time.monotonic() < deadline and first.process.poll() is None, first.output[-3000:]
+                time.sleep(0.05)
+            others.append(Script([sys.executable, str(script), address], tmp_path))
+        outputs = [first.finish()] + [other.finish() for other in others]
+    finally:
+        for process in (first, *others):
+            process.stop()
+
+    hashes = [re.search(r"hash (\S+)", output) for output in outputs]
+    assert all(hashes), outputs
+    assert len({match.group(1) for match in hashes}) == 1, outputs
 
 
 @pytest.mark.slow
