@@ -265,7 +265,12 @@ class GridSearch:
 
 
 class ChildrenOracle(Protocol):
+    """Where the search reads which experts exist under each grid prefix."""
+
     async def children(self, prefixes: Sequence[str]) -> Mapping[str, Children | None]: ...
+
+    def invalidate(self) -> None:
+        """Forget what was read: the next `children` reads the source again (a step ran short of experts)."""
 
 
 async def find_best_experts(
@@ -298,6 +303,9 @@ class StaticGridOracle:
     async def children(self, prefixes: Sequence[str]) -> dict[str, dict[int, Any]]:
         return {key: self.table.get(key, {}) for key in prefixes}
 
+    def invalidate(self) -> None:
+        """Nothing to read again: the table is fixed."""
+
 
 class DHTGridOracle:
     """Children of grid prefixes read from the DHT's prefix entries, cached for `ttl` seconds.
@@ -329,6 +337,7 @@ class DHTGridOracle:
         self.stale_answers = 0  # refreshes that gave up and served the previous answer
 
     def invalidate(self) -> None:
+        """Drop the cached prefixes: the next search reads the DHT again instead of waiting out `ttl`."""
         self._cache.clear()
 
     async def children(self, prefixes: Sequence[str]) -> dict[str, dict[int, Any]]:

@@ -384,6 +384,10 @@ class MixtureClient:
                     progress.answered[sample] -= 1
         await self._publish_bans()
         if any(a < k_min for a in progress.answered):
+            # the experts this step could find were not enough (all banned or failing, or the grid read when only
+            # some servers had declared): the next step reads the grid again, not the same view for up to the
+            # search cache's ttl (a kill then cost every step of those seconds: bench_moe, 70 steps in one run)
+            self.oracle.invalidate()
             raise self._not_enough("forward", progress.answered, k_min, failures)
         return self._assemble(inputs, progress, k_best, failures)
 

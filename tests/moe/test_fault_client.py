@@ -405,3 +405,19 @@ async def test_late_bans_double_up_to_the_ban_time_and_errors_ban_for_all_of_it(
     assert blacklist.is_banned("ffn.2", location) and not blacklist.is_banned("ffn.1", location)
     await trio.sleep(0.02)
     assert not blacklist.is_banned("ffn.2", location)
+
+
+async def test_a_forward_short_of_experts_makes_the_next_search_read_the_grid_again(autojump_clock, three_servers):
+    """A step that ran short (here every server is down) invalidates the search's view, so the next step reads the
+    grid again instead of the cached one: bench_moe once lost 70 steps after a kill because the client's cached
+    grid held only the killed server's experts until the cache expired."""
+    async with three_servers() as s:
+        invalidated: list[float] = []
+        s.client.oracle.invalidate = lambda: invalidated.append(trio.current_time())
+        await forward_mixed(s, torch.randn(2, HIDDEN), k_min=1)
+        assert invalidated == []  # a step with its experts keeps the view
+        for host in ("s0", "s1", "s2"):
+            s.network.crash(host)
+        with pytest.raises(NotEnoughExperts):
+            await forward_mixed(s, torch.randn(2, HIDDEN), k_min=1, k_best=2)
+        assert len(invalidated) == 1
