@@ -140,8 +140,15 @@ def test_compute_and_apply_replace_the_loss_and_the_optimizer_and_drain_can_drop
     before = [p.detach().clone() for p in model.parameters()]
     trainer.submit(torch.randn(5, 3), torch.randn(5, 1))
     assert trainer.in_flight == 1
-    threading.Timer(0.05, hold.set).start()
+    def release_once_dropping() -> None:  # the held step may finish only after drain(apply=False) has begun
+        while not trainer._dropping:
+            threading.Event().wait(0.001)
+        hold.set()
+
+    releaser = threading.Thread(target=release_once_dropping)
+    releaser.start()
     dropped = trainer.drain(apply=False)
+    releaser.join(30)
     assert [(r.samples, r.applied, r.error) for r in dropped] == [(5, False, None)] and applied == [2, 3, 4]
     for got, want in zip(model.parameters(), before):
         assert torch.equal(got.detach(), want)
