@@ -111,15 +111,18 @@ class StepsInFlight:
         self._lock = threading.Condition()
         self._submitted = 0
         self._applied = 0  # steps whose update (or failure) has been applied, in order
+        self._returned = 0  # steps whose result finished() or drain() has handed out
         self._threads: list[threading.Thread] = []
         self._results: list[StepResult] = []
         self.max_staleness = 0
 
     @property
     def in_flight(self) -> int:
-        """Steps submitted whose update (or failure) is not applied yet."""
+        """Steps submitted whose result has not been handed out yet (by `finished` or `drain`). Why not "not
+        applied yet": a loop that counts the results it got plus `in_flight` must never see a step that finished
+        between its two reads as neither, or it submits one step past its end (`peer train --steps 4` ran 5)."""
         with self._lock:
-            return self._submitted - self._applied
+            return self._submitted - self._returned
 
     def submit(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         with self._lock:
@@ -140,6 +143,7 @@ class StepsInFlight:
         """The results of the steps finished since the last call (or `drain`), in order, without waiting."""
         with self._lock:
             results, self._results = self._results, []
+            self._returned += len(results)
         return results
 
     def drain(self, apply: bool = True) -> list[StepResult]:

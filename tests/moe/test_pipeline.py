@@ -157,3 +157,24 @@ def test_compute_and_apply_replace_the_loss_and_the_optimizer_and_drain_can_drop
         StepsInFlight(model, optimizer, None, compute=compute, apply=apply)
     with pytest.raises(ValueError):
         StepsInFlight(model, None, _loss, compute=compute, apply=apply)
+
+
+def test_a_step_finished_but_not_handed_out_is_still_in_flight():
+    """A loop that runs `while done + in_flight < steps` must submit exactly `steps`: a step that finished between
+    its reads of the results and of `in_flight` is counted by one of them (`peer train --steps 4` once ran 5)."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    trainer = StepsInFlight(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss, depth=2)
+    trainer.submit(torch.randn(2, 3), torch.randn(2, 1))
+    for thread in list(trainer._threads):  # the step is applied, its result not handed out
+        thread.join(30)
+    assert trainer.in_flight == 1
+    assert [r.index for r in trainer.finished()] == [0] and trainer.in_flight == 0
+
+    done, submitted = 0, 0
+    while done + trainer.in_flight < 7:
+        trainer.submit(torch.randn(2, 3), torch.randn(2, 1))
+        submitted += 1
+        done += len(trainer.finished())
+    done += len(trainer.drain())
+    assert submitted == done == 7
