@@ -29,6 +29,7 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--trace", default=None)
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--slowdown", type=float, default=1.0)
+    parser.add_argument("--full-phases", action="store_true")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=None)
     return parser.parse_args(argv[:split]), argv[split + 1:]
 
@@ -42,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(level=getattr(logging, options.log_level.upper()), stream=sys.stderr,
                             format="%(asctime)s %(name)s %(levelname)s %(message)s")
     hooks = DiLoCoHooks(hold_at=options.hold_at, trace_dir=options.trace, scale_pseudo_gradient=options.scale,
-                        slowdown=options.slowdown)
+                        slowdown=options.slowdown, full_phases=options.full_phases)
     return train.main(rest, hooks=hooks)
 
 
