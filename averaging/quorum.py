@@ -310,7 +310,10 @@ class OuterRound:
         self.expected.add(peer)
         if not offer.intent:
             self.offers[peer] = (offer, now)
-            if self.opened_at is None and (staleness == 0 or len(self.offers) >= self._quorum()):
+            # the window opens at the first offer holding the round's step: one from behind cannot start the
+            # round (`_holds_state`), so a window opened by such offers could not close, `waited` counted the
+            # whole wait for an on-time trainer, and the others were told to cut a phase for nothing
+            if self.opened_at is None and staleness == 0:
                 self.opened_at = now
         return Queued(self.deadline())
 
@@ -387,7 +390,7 @@ class OuterRound:
 
     def _holds_state(self) -> bool:
         """Whether a ready offer holds this round's outer step (staleness 0). Offers from behind (stale) count
-        towards opening the window and the quorum, but cannot start a round alone: every member of such a round
+        towards the quorum, but neither open the window nor start a round alone: every member of such a round
         waits to download the result from a member holding the round's state, and there would be none (two pairs
         of trainers, each late for the other's round, once wedged a run that way: each pair started the next
         round alone, stale, and waited a `load_state_timeout` for an outer step nobody produced, again and

@@ -190,14 +190,18 @@ def test_offers_from_behind_alone_never_start_a_round_they_could_only_wait_on():
     core = OuterRound(5, [peer(i) for i in range(1, 5)], POLICY, window=0.1, own_hash="h5", chain={4: "h4", 5: "h5"})
     for index in (1, 2):
         core.offer(Offer(peer(index), 4, 10, "h4", None, chain=((3, "h3"), (4, "h4"))), 0.0)
-    assert core.opened_at == 0.0  # they told the others to end their phase: the quorum is there
-    assert core.to_notify() == [peer(3), peer(4)]
+    # a quorum from behind, but no window: it could never close (nobody holds outer step 5), and the others are
+    # not told to cut their phase for a round that waits for them anyway
+    assert core.opened_at is None and core.to_notify() == []
     assert core.deadline() is None and core.poll(0.1) is None and core.poll(30.0) is None
     assert isinstance(core.verdict(peer(1)), Queued)
-    core.offer(offer(3, base=5, hash_="h5"), 30.5)  # the coordinator's own, holding outer step 5
-    start = core.poll(30.5)
+    core.offer(offer(3, base=5, hash_="h5"), 30.5)  # the coordinator's own, holding outer step 5: the window opens
+    assert core.opened_at == 30.5 and core.to_notify() == [peer(4)]
+    assert core.poll(30.55) is None  # the quorum is there, the window is not over
+    start = core.poll(30.6)
     assert start is not None and start.hash == "h5" and start.peers == [peer(1), peer(2), peer(3)]
     assert [m.staleness for m in start.members] == [1, 1, 0]
+    assert start.waited == pytest.approx(0.1)  # one window, not the 30 s spent waiting for an on-time offer
 
 
 def test_group_ids_name_the_round_and_its_members():
