@@ -145,6 +145,20 @@ class Contributor:
                 continue
             self.inflight_round = step
             verdict = await self._enter(step, offer, deadline)
+            if verdict == "passed":
+                # the round I was queued in was held without me (its coordinator was frozen when the others
+                # offered, and they went to the next one): a trainer once waited there `max_wait`, then alone
+                self.ledger.counts["late_contributions"] += 1
+                progress = self.tracker.progress()
+                newest, _, _ = self.view.canonical(list(progress.peers))
+                logger.info("diloco: round %d was held without me (the others are at outer step %d)", step, newest)
+                if self.may_offer_behind(contribution, newest):
+                    step = newest  # to their round from the state I hold, as a member behind
+                    continue
+                if not await self.sync.resync(progress):
+                    return "lost"
+                step = self.outer.step
+                continue
             if isinstance(verdict, str):
                 return await self._take_final_state(step)
             if verdict is None:
@@ -191,8 +205,12 @@ class Contributor:
 
     async def _enter(self, step: int, offer: Offer, deadline: float) -> Final | None | str:
         """`rounds.enter`, or "finished" as soon as every other live trainer of the run has finished: they come to
-        no more rounds (a trainer behind at the end of a run would wait for a round nobody starts)."""
-        return await self._unless_others_finish(functools.partial(self.rounds.enter, deadline=deadline), step, offer)
+        no more rounds (a trainer behind at the end of a run would wait for a round nobody starts); or "passed"
+        as soon as the others hold an outer step past `step`: they held that round without me, and the
+        coordinator I am queued with would start it with nobody else, after `max_wait`."""
+        enter = functools.partial(self._unless_others_finish,
+                                  functools.partial(self.rounds.enter, deadline=deadline), step, offer)
+        return await unless(functools.partial(self.view.moved_past, step), self.tracker.max_refresh, "passed", enter)
 
     async def _unless_others_finish(self, work: Callable[..., Awaitable[T]], *args: Any) -> T | str:
         """`await work(*args)`, or "finished" as soon as every other live trainer of the run has finished (what it

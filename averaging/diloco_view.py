@@ -126,6 +126,12 @@ class SwarmView:
         best = tied[0]
         return step, best, [p for p in others if p.epoch == step and p.info.get("hash") == best]
 
+    def moved_past(self, step: int) -> bool:
+        """Whether the progress records show trainers still training that hold an outer step past `step`: round
+        `step` was held without me (they would not come to it again)."""
+        newest, _, holders = self.canonical(list(self.tracker.progress().peers))
+        return newest > step and any(not p.info.get("fin") for p in holders)
+
     def ahead(self, progress: SwarmProgress) -> bool:
         """Whether the progress records show trainers holding a newer outer step than mine."""
         step, best, holders = self.canonical(list(progress.peers))

@@ -99,10 +99,6 @@ def test_a_kill_every_outer_step_and_a_join_every_two(without_churn):
         pytest.xfail(f"issue 34: {'; '.join(missed)}; {describe(result)}")
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "regression under investigation (2026-12-07): passes at 0a35d4b and 7815de2, fails since b0652f2 (the "
-    "DiLoCoOptimizer split, meant as a pure refactor): rounds waited past their window, and in 2 of 5 runs "
-    "trainers ended with two outer-state hashes; see the issue 37 note"))
 def test_a_trainer_frozen_for_three_outer_steps_costs_one_grace_window_once():
     stop_at, stop_for = 3, 3
     result = scenario("home-stop", stop_at=stop_at, stop_for=stop_for)
