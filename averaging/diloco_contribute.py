@@ -130,14 +130,15 @@ class Contributor:
                 self.view.last_progress = await self.tracker.fetch()
             self.view.note_roster()
             progress = self.tracker.progress()
-            newest, _, holders = self.view.canonical(list(progress.peers))
-            training = any(not p.info.get("fin") for p in holders)  # finished trainers come to no more rounds
-            if newest > step and training and self.may_offer_behind(contribution, newest):
+            past = self.view.moved_past(step, progress)
+            if past is not None and self.may_offer_behind(contribution, past):
                 # others hold a newer outer step (a joiner the swarm outran while it downloaded, a trainer that
-                # fell behind): offer to their round from the state I hold, and download its result after it
-                # (`quorum.OuterRound`: a member behind on the coordinator's chain), not before it
-                step = newest
+                # fell behind, a round held without me): offer to their round from the state I hold, and
+                # download its result after it (`quorum.OuterRound`: a member behind on the coordinator's chain),
+                # not before it
+                step = past
                 continue
+            newest, _, _ = self.view.canonical(list(progress.peers))
             if newest > step and await self.sync.resync(progress):
                 # others hold a newer outer step on another chain (a trainer back from a partition): hold
                 # theirs first, then offer (or drop)
@@ -147,17 +148,10 @@ class Contributor:
             verdict = await self._enter(step, offer, deadline)
             if verdict == "passed":
                 # the round I was queued in was held without me (its coordinator was frozen when the others
-                # offered, and they went to the next one): a trainer once waited there `max_wait`, then alone
+                # offered, and they went to the next one): a trainer once waited there `max_wait`, then alone.
+                # The loop's top offers on to their round from behind, or takes their state
                 self.ledger.counts["late_contributions"] += 1
-                progress = self.tracker.progress()
-                newest, _, _ = self.view.canonical(list(progress.peers))
-                logger.info("diloco: round %d was held without me (the others are at outer step %d)", step, newest)
-                if self.may_offer_behind(contribution, newest):
-                    step = newest  # to their round from the state I hold, as a member behind
-                    continue
-                if not await self.sync.resync(progress):
-                    return "lost"
-                step = self.outer.step
+                logger.info("diloco: round %d was held without me; offering on", step)
                 continue
             if isinstance(verdict, str):
                 return await self._take_final_state(step)
@@ -210,7 +204,7 @@ class Contributor:
         coordinator I am queued with would start it with nobody else, after `max_wait`."""
         enter = functools.partial(self._unless_others_finish,
                                   functools.partial(self.rounds.enter, deadline=deadline), step, offer)
-        return await unless(functools.partial(self.view.moved_past, step), self.tracker.max_refresh, "passed", enter)
+        return await unless(lambda: self.view.moved_past(step) is not None, self.tracker.max_refresh, "passed", enter)
 
     async def _unless_others_finish(self, work: Callable[..., Awaitable[T]], *args: Any) -> T | str:
         """`await work(*args)`, or "finished" as soon as every other live trainer of the run has finished (what it

@@ -126,11 +126,13 @@ class SwarmView:
         best = tied[0]
         return step, best, [p for p in others if p.epoch == step and p.info.get("hash") == best]
 
-    def moved_past(self, step: int) -> bool:
-        """Whether the progress records show trainers still training that hold an outer step past `step`: round
-        `step` was held without me (they would not come to it again)."""
-        newest, _, holders = self.canonical(list(self.tracker.progress().peers))
-        return newest > step and any(not p.info.get("fin") for p in holders)
+    def moved_past(self, step: int, progress: SwarmProgress | None = None) -> int | None:
+        """The newest outer step past `step` that trainers still training hold, per the progress records (the
+        tracker's latest unless given); None when there is none. Round `step` was then held without me, and they
+        will not come to it again (finished trainers come to no more rounds)."""
+        peers = (progress if progress is not None else self.tracker.progress()).peers
+        newest, _, holders = self.canonical(list(peers))
+        return newest if newest > step and any(not p.info.get("fin") for p in holders) else None
 
     def ahead(self, progress: SwarmProgress) -> bool:
         """Whether the progress records show trainers holding a newer outer step than mine."""

@@ -53,7 +53,7 @@ def test_centered_clip_keeps_the_clean_accuracy_and_bans_a_trainer_scaling_its_p
         for r in results:
             print(name, {k: r.get(k) for k in ("accuracy", "loss", "outer_step", "banned", "rejected_parts",
                                                "group_sizes", "resyncs", "cut_short", "late_contributions",
-                                                   "stale_contributions", "wall_seconds")})
+                                               "stale_contributions", "wall_seconds")})
     clean_accuracy = min(r["accuracy"] for r in clean_results)
     # no false bans: an honest part may now and then be rejected (norm check), never in enough rounds for a ban
     assert all(r["banned"] == [] for r in clean_results)
