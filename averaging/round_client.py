@@ -10,6 +10,9 @@ work), which sets `ack_timeout` for every call of the service.
 - `enter` offers a contribution to the candidates of a round, best first, skipping the ones that refuse
   connections or do not answer within `ack_timeout`, until one gives a final verdict (following redirects, and
   the long polls of `diloco.round.wait` while it is queued).
+  An offer still waiting for a candidate's first answer goes to the coordinator that meanwhile told this trainer
+  the round's window opened (`opened`): a frozen candidate holds it for a whole `ack_timeout`, which is longer
+  than a window, while the round opens at the next candidate.
 - `intend` tells a round's coordinator to expect this trainer, without waiting for the round.
 - `await_step` waits (long polls on `diloco.round.status`) until one of a round's members holds an outer step.
 """
@@ -53,9 +56,24 @@ class RoundClient:
     me: bytes = field(init=False)
     # seconds, an exponential average of measured round trips (0: none measured yet)
     rtt: float = field(init=False, default=0.0)
+    # step -> the coordinator (peer, address) that told me its window opened; `_opening` is set at each such news
+    _openers: dict[int, tuple[bytes, Address]] = field(init=False, default_factory=dict)
+    _opening: trio.Event = field(init=False, default_factory=trio.Event)
 
     def __post_init__(self) -> None:
         self.me = bytes(self.rpc.peer_id)
+
+    def opened(self, step: int, peer: bytes, address: Address | None) -> None:
+        """`peer` (the authenticated caller of `diloco.round.open`, listening at `address`) coordinates round
+        `step` and opened its window: an offer of mine for that round that waits on another candidate's first
+        answer goes there instead (`_join`)."""
+        if address is None or peer == self.me:
+            return
+        self._openers[step] = (peer, address)
+        for old in [s for s in self._openers if s < step - 2]:
+            del self._openers[old]
+        self._opening.set()
+        self._opening = trio.Event()
 
     @property
     def ack_timeout(self) -> float:
@@ -159,7 +177,9 @@ class RoundClient:
                    deadline: float) -> Final | tuple[bytes, Address]:
         """Offer to one candidate and follow its answers until final (or a redirect)."""
         asked = trio.current_time()
-        reply = await self._call(peer, address, JOIN, args, self.ack_timeout, deadline)
+        reply = await self._join(peer, address, args, step, deadline)
+        if isinstance(reply, tuple):
+            return reply  # another coordinator opened the round meanwhile: a redirect to it
         if peer != self.me:
             self._measured(trio.current_time() - asked)
         if peer != self.me:
@@ -176,6 +196,40 @@ class RoundClient:
                 limit = min(limit, max(0.0, verdict.deadline - trio.current_time()) + 0.05)
             reply = await self._call(peer, address, WAIT, {"run": self.run_id, "step": step},
                                      limit + self.ack_timeout, deadline)
+
+    async def _join(self, peer: bytes, address: Address | None, args: dict[str, Any], step: int,
+                    deadline: float) -> Any:
+        """The offer's first call to `peer`: its answer, or (peer, address) of another coordinator that told me
+        meanwhile that round `step`'s window opened (the call is then given up)."""
+        outcome: Any = None
+        failure: Exception | None = None
+        async with trio.open_nursery() as nursery:
+            async def call() -> None:
+                nonlocal outcome, failure
+                try:
+                    outcome = await self._call(peer, address, JOIN, args, self.ack_timeout, deadline)
+                except (RPCError, ValueError) as error:  # raised as itself, not in the nursery's group
+                    failure = error
+                nursery.cancel_scope.cancel()
+
+            async def watch() -> None:
+                nonlocal outcome
+                while True:
+                    news = self._opening
+                    opener = self._openers.get(step)
+                    if opener is not None and opener[0] != peer:
+                        logger.info("round %d: %s opened it while %s had not answered; my offer goes there",
+                                    step, PeerID(opener[0]).short(), PeerID(peer).short())
+                        outcome = opener
+                        nursery.cancel_scope.cancel()
+                        return
+                    await news.wait()
+
+            nursery.start_soon(call)
+            nursery.start_soon(watch)
+        if failure is not None:
+            raise failure
+        return outcome
 
     async def _call(self, peer: bytes, address: Address | None, method: str, args: dict[str, Any],
                     timeout: float, deadline: float) -> Any:

@@ -222,7 +222,7 @@ class RoundService:
                 self.stats["behind_answers"] += 1
                 return {"behind": holding.to_wire(), "roster": self.known.gossip()}
             if not insist:
-                redirect = await self._better_candidate(step, skipped)
+                redirect = await self._better_candidate(step, skipped, own=peer == self.me)
                 if redirect is not None:
                     self.stats["redirects"] += 1
                     return {"redirect": [redirect[0], list(redirect[1])]}
@@ -296,9 +296,12 @@ class RoundService:
                 return start.peers
         return None
 
-    async def _better_candidate(self, step: int, skipped: list[bytes]) -> tuple[bytes, Address] | None:
+    async def _better_candidate(self, step: int, skipped: list[bytes], own: bool = False
+                                ) -> tuple[bytes, Address] | None:
         """A candidate ranked before me that I believe alive (probing the ones the trainer could not reach, and
-        the ones I suspect); None when I am the best."""
+        the ones I suspect); None when I am the best. `own`: the offer is mine, so the candidates it skipped are
+        ones I failed to reach moments ago, which is the probe's answer already (probing again cost a frozen
+        candidate's round a second `ack_timeout` before its window could open)."""
         listed = dict(self.roster())
         dead = self._dead.setdefault(step, set())
         for peer in coordinator_order(self.run_id, step, [*listed, self.me]):
@@ -307,7 +310,8 @@ class RoundService:
             if peer in dead:
                 continue
             address = listed[peer]
-            if (peer in skipped or self.suspected(peer)) and not await self._alive(peer, address):
+            if (peer in skipped or self.suspected(peer)) and (
+                    (own and peer in skipped) or not await self._alive(peer, address)):
                 dead.add(peer)
                 self.suspect(peer)
                 continue
@@ -428,6 +432,7 @@ class RoundService:
             raise BadRequest("malformed round opening") from None
         if not is_int(step):
             raise BadRequest("malformed round opening")
+        self.client.opened(step, bytes(context.peer_id), context.address)
         return {"coming": self._on_open(step, closes_in)}
 
     async def _on_status(self, context: CallContext, args: Any) -> dict[str, Any]:

@@ -226,3 +226,46 @@ async def test_an_offer_to_my_own_round_gives_up_at_its_deadline(autojump_clock)
         assert verdict is None and trio.current_time() - began <= 5.0 + 0.1
         assert coordinator.rounds[3].core.start is None  # the round itself still waits (max_wait is 30 s)
         nursery.cancel_scope.cancel()
+
+
+async def test_an_offer_held_by_a_frozen_candidate_goes_to_the_coordinator_that_opened_the_round(autojump_clock):
+    """Round 3's best-ranked candidate is frozen. The second offers at t=0, gives up on it after `ack_timeout`
+    (2 s) and coordinates, its window opening at its own offer; the third offered at t=0.5, to the frozen one
+    first. Told that the window opened, its offer goes there at once, instead of a whole ack timeout later (in the
+    WAN scenario that arrival, 0.9 s after the opening, overran a 0.6 s window)."""
+    memory = MemoryNetwork(latency=0.01, seed=1)
+    async with trio.open_nursery() as nursery:
+        peers = await start_peers(nursery, 3, memory=memory, prefix="r", with_dht=False,
+                                  identity_for=lambda name, seed: Identity.from_seed(name.encode() * 4))
+        ids = [bytes(p.rpc.peer_id) for p in peers]
+        frozen, coordinator, third = (ids.index(p) for p in coordinator_order(RUN, 3, ids))
+        everyone = {ids[i]: peers[i].address for i in range(3)}
+        services = []
+        for index, peer in enumerate(peers):
+            service = RoundService(
+                peer.rpc, RUN, QuorumPolicy(), holding=lambda: Holding(3, "h" * 8, ()),
+                expected=lambda step, me=ids[index]: {p: a for p, a in everyone.items() if p != me},
+                on_open=lambda step, closes_in: True, address=lambda peer=peer: peer.address)
+            services.append(await nursery.start(service.serve))
+            for other, address in everyone.items():
+                if other != ids[index]:
+                    service.note(other, address)
+        memory.freeze(peers[frozen].name)
+        verdicts: dict[int, object] = {}
+
+        async def offer(index: int, at: float) -> None:
+            await trio.sleep(at)
+            verdicts[index] = await services[index].enter(
+                3, Offer(ids[index], 3, 10, "h" * 8, peers[index].address), deadline=trio.current_time() + 20)
+
+        nursery.start_soon(offer, coordinator, 0.0)
+        nursery.start_soon(offer, third, 0.5)
+        with trio.fail_after(20):
+            while len(verdicts) < 2:
+                await trio.sleep(0.1)
+        start = verdicts[third]
+        assert isinstance(start, Start) and start == verdicts[coordinator]
+        assert start.peers == sorted([ids[coordinator], ids[third]])
+        member = start.member(ids[third])
+        assert member is not None and member.offset < 0.2, start  # 0.5 s (its own ack timeout) without the news
+        nursery.cancel_scope.cancel()
