@@ -27,6 +27,7 @@ from typing import Any
 
 import trio
 
+from averaging.polled import unless
 from averaging.quorum import GraceEstimator, Offer, Queued, Start, coordinator_order
 from averaging.roster import Roster
 from averaging.round_wire import JOIN, STATUS, WAIT, Final, Holding, as_address, as_peer, verdict_from_wire
@@ -35,6 +36,8 @@ from peer.p2p.net import Address
 from peer.p2p.rpc import CallTimeout, RPCError, RPCNode
 
 logger = logging.getLogger("averaging.rounds")  # the round service's log, as before this part had a module
+OPENING_POLL = 0.05  # seconds between looks, during an offer's first call, for another coordinator's opening
+_OPENED = object()  # `_join`'s call given up for an opening elsewhere
 
 
 @dataclass(eq=False)
@@ -56,9 +59,8 @@ class RoundClient:
     me: bytes = field(init=False)
     # seconds, an exponential average of measured round trips (0: none measured yet)
     rtt: float = field(init=False, default=0.0)
-    # step -> the coordinator (peer, address) that told me its window opened; `_opening` is set at each such news
+    # step -> the coordinator (peer, address) that told me its window opened
     _openers: dict[int, tuple[bytes, Address]] = field(init=False, default_factory=dict)
-    _opening: trio.Event = field(init=False, default_factory=trio.Event)
 
     def __post_init__(self) -> None:
         self.me = bytes(self.rpc.peer_id)
@@ -72,8 +74,6 @@ class RoundClient:
         self._openers[step] = (peer, address)
         for old in [s for s in self._openers if s < step - 2]:
             del self._openers[old]
-        self._opening.set()
-        self._opening = trio.Event()
 
     @property
     def ack_timeout(self) -> float:
@@ -201,35 +201,18 @@ class RoundClient:
                     deadline: float) -> Any:
         """The offer's first call to `peer`: its answer, or (peer, address) of another coordinator that told me
         meanwhile that round `step`'s window opened (the call is then given up)."""
-        outcome: Any = None
-        failure: Exception | None = None
-        async with trio.open_nursery() as nursery:
-            async def call() -> None:
-                nonlocal outcome, failure
-                try:
-                    outcome = await self._call(peer, address, JOIN, args, self.ack_timeout, deadline)
-                except (RPCError, ValueError) as error:  # raised as itself, not in the nursery's group
-                    failure = error
-                nursery.cancel_scope.cancel()
+        def opened_elsewhere() -> bool:
+            opener = self._openers.get(step)
+            return opener is not None and opener[0] != peer
 
-            async def watch() -> None:
-                nonlocal outcome
-                while True:
-                    news = self._opening
-                    opener = self._openers.get(step)
-                    if opener is not None and opener[0] != peer:
-                        logger.info("round %d: %s opened it while %s had not answered; my offer goes there",
-                                    step, PeerID(opener[0]).short(), PeerID(peer).short())
-                        outcome = opener
-                        nursery.cancel_scope.cancel()
-                        return
-                    await news.wait()
-
-            nursery.start_soon(call)
-            nursery.start_soon(watch)
-        if failure is not None:
-            raise failure
-        return outcome
+        reply = await unless(opened_elsewhere, OPENING_POLL, _OPENED, self._call, peer, address, JOIN, args,
+                             self.ack_timeout, deadline)
+        if reply is _OPENED:
+            opener = self._openers[step]
+            logger.info("round %d: %s opened it while %s had not answered; my offer goes there",
+                        step, PeerID(opener[0]).short(), PeerID(peer).short())
+            return opener
+        return reply
 
     async def _call(self, peer: bytes, address: Address | None, method: str, args: dict[str, Any],
                     timeout: float, deadline: float) -> Any:
