@@ -56,6 +56,13 @@ LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 HF_PREFIX = "hf:"  # --model hf:FOLDER: a Hugging Face causal LM from a local folder
 
 
+def _first_line(error: BaseException) -> str:
+    """`Type: first line of the message`: what a one-line error quotes of an exception raised by the user's code
+    or a library (their messages may run over many lines)."""
+    lines = str(error).splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
 class UserModelError(ValueError):
     """--model or --data cannot be used; the message is one line naming the option and what is wrong."""
 
@@ -165,8 +172,7 @@ def hf_causal_lm(folder: Path, **overrides: Any) -> CausalLMLogits:
             config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True, **overrides)
             model = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
     except Exception as error:  # an unknown architecture, a broken config: one line naming the folder
-        raise UserModelError(f"--model hf:{folder}: {type(error).__name__}: "
-                             f"{str(error).splitlines()[0] if str(error) else ''}") from None
+        raise UserModelError(f"--model hf:{folder}: {_first_line(error)}") from None
     vocabulary = getattr(model.config, "vocab_size", 0) or 0
     if vocabulary < 256:
         raise UserModelError(f"--model hf:{folder}: a vocabulary of {vocabulary} cannot hold the 256 byte values "
@@ -228,9 +234,8 @@ def _dataset(text: str) -> dict[str, Any]:
         ys = [torch.as_tensor(pair[1]) for pair in pairs]
         return {"x": torch.stack(xs), "y": torch.stack(ys)}
     except Exception as error:  # not a Dataset, items that are not (x, y), shapes that do not stack
-        raise UserModelError(f"--data {text}: its dataset cannot be used: {type(error).__name__}: "
-                             f"{str(error).splitlines()[0] if str(error) else ''} (a map-style Dataset of (x, y) "
-                             f"pairs of one shape is needed)") from None
+        raise UserModelError(f"--data {text}: its dataset cannot be used: {_first_line(error)} (a map-style "
+                             f"Dataset of (x, y) pairs of one shape is needed)") from None
 
 
 def _read_jsonl(path: Path, seq_len: int) -> dict[str, Any]:
@@ -271,8 +276,7 @@ def _read_tensors(path: Path, suffix: str) -> dict[str, Any]:
             return dict(load_file(str(path)))
         loaded = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as error:  # pickled code, a truncated file: say which file and why, in one line
-        raise UserModelError(f"--data {path}: cannot read it: {type(error).__name__}: "
-                             f"{str(error).splitlines()[0] if str(error) else ''}") from None
+        raise UserModelError(f"--data {path}: cannot read it: {_first_line(error)}") from None
     if not isinstance(loaded, dict):
         raise UserModelError(f"--data {path}: holds {type(loaded).__name__}, not a dict of tensors x and y")
     return loaded
