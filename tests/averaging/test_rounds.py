@@ -258,11 +258,10 @@ async def test_an_offer_held_by_a_frozen_candidate_goes_to_the_coordinator_that_
             verdicts[index] = await services[index].enter(
                 3, Offer(ids[index], 3, 10, "h" * 8, peers[index].address), deadline=trio.current_time() + 20)
 
-        nursery.start_soon(offer, coordinator, 0.0)
-        nursery.start_soon(offer, third, 0.5)
         with trio.fail_after(20):
-            while len(verdicts) < 2:
-                await trio.sleep(0.1)
+            async with trio.open_nursery() as offers:  # both offers answered
+                offers.start_soon(offer, coordinator, 0.0)
+                offers.start_soon(offer, third, 0.5)
         start = verdicts[third]
         assert isinstance(start, Start) and start == verdicts[coordinator]
         assert start.peers == sorted([ids[coordinator], ids[third]])
