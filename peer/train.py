@@ -642,18 +642,23 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
             if on_progress is not None:
                 on_progress(line)
 
-        try:
-            while training_continues():
-                x, y = batches.next()
-                for done in steps.submit(x, y):
-                    finished(done)
-        except BaseException:
-            steps.drain(apply=False)  # no step thread outlives the run
-            raise
-        # the steps still in flight: a collaborative loop never submits past --steps, but DiLoCo's swarm may have
-        # taken its last outer step meanwhile, and an update after it would leave this trainer's model apart
-        for done in steps.drain(apply=not diloco):
-            finished(done)
+        while True:
+            try:
+                while training_continues():
+                    x, y = batches.next()
+                    for done in steps.submit(x, y):
+                        finished(done)
+            except BaseException:
+                steps.drain(apply=False)  # no step thread outlives the run
+                raise
+            # the steps still in flight: a collaborative loop never submits past --steps, but DiLoCo's swarm may
+            # have taken its last outer step meanwhile, and an update after it would leave this trainer's model apart
+            for done in steps.drain(apply=not diloco):
+                finished(done)
+            # a drained step that failed for want of experts is retried like any other failed step (else the run
+            # ends a step short); DiLoCo's loop ended on the swarm's last outer step, not on a count of steps
+            if diloco or not training_continues():
+                break
         if step != last_line_step:  # the last step's line (a stop request, DiLoCo's last outer step)
             progress_line()
         out.end_bar()

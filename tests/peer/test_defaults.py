@@ -236,7 +236,7 @@ def test_join_and_two_trainers_with_nothing_but_initial_peers_train_together():
         for trainer in trainers:
             match = trainer.read_until(r'^\{"event": "result"', timeout=900)
             results.append(json.loads(match.string))
-            assert trainer.wait(timeout=60) == 0
+            assert trainer.wait(timeout=60) == 0, f"{match.string}\nstderr: {trainer.stderr_tail()}"
         logs = "\n".join(f"trainer {i}: {trainer.lines[-6:]}\nstderr: {trainer.stderr_tail()}"
                          for i, trainer in enumerate(trainers))
     finally:

@@ -60,6 +60,43 @@ def test_steps_in_flight_train_to_the_same_accuracy_and_end_on_the_planned_step(
     assert train.steps_in_flight(_args("--steps-in-flight", "2"), remote_experts=True) == 2
 
 
+def test_a_last_step_that_fails_for_want_of_experts_is_retried_not_reported_as_a_shortfall(monkeypatch, capsys):
+    """The last step submitted, still in flight when the loop stops submitting, fails for want of experts (a
+    daemon busy or gone at the end) and is handed out by `drain`: it is retried like any failed step, so the run
+    ends on the planned step (`peer train --steps N` once ended one step short: "took N-1 of N local steps")."""
+    from peer import steps
+
+    real_runner = steps.step_runner
+    draining = threading.Event()
+    calls = []
+
+    def runner_failing_the_last_step_once_drained(model, compute, apply, depth):
+        def compute_or_fail(x, y):
+            calls.append(len(x))
+            if len(calls) == 40:  # the last planned step: fails only once the loop drains it
+                assert draining.wait(timeout=60)
+                raise NotEnoughExperts(stage="forward", needed=1, answered=0, samples_short=len(x),
+                                       samples=len(x), failures={"ffn.0": "gone"})
+            return compute(x, y)
+
+        runner = real_runner(model, compute_or_fail, apply, depth)
+        drain = runner.drain
+
+        def drain_and_tell(apply: bool = True):
+            draining.set()
+            return drain(apply)
+
+        monkeypatch.setattr(runner, "drain", drain_and_tell)
+        return runner
+
+    monkeypatch.setattr(steps, "step_runner", runner_failing_the_last_step_once_drained)
+    result = train.run_training(_args("--local-experts", "--steps", "40", "--log-every", "20",
+                                      "--steps-in-flight", "2"))
+    capsys.readouterr()
+    assert result["steps"] == 40 and result["failed_steps"] == 1, result
+    assert len(calls) == 41
+
+
 def test_the_held_out_split_is_fixed_and_disjoint_from_training():
     first, second = train.load_digits_split(), train.load_digits_split()
     assert all(torch.equal(a, b) for a, b in zip(first, second))
