@@ -111,8 +111,13 @@ class RoundClient:
                     "hash": offer.hash, "address": list(offer.address) if offer.address is not None else None,
                     "bandwidth": offer.bandwidth, "intent": offer.intent, "skipped": skipped, "insist": insist,
                     "roster": self.known.gossip(), "chain": [list(item) for item in offer.chain]}
+            # a candidate that finds better-ranked ones doubtful (ones I skipped or suspect) probes them before it
+            # answers, for up to its own ack timeout (`RoundService._better_candidate`): wait for that too
+            before = ranked[:ranked.index(peer)] if peer in ranked else []
+            doubted = any(p in failed or self.known.suspected(p) for p in before)
             try:
-                verdict = await self._ask(peer, address, args, step, deadline)
+                verdict = await self._ask(peer, address, args, step, deadline,
+                                          first_timeout=self.ack_timeout * (2 if doubted else 1))
             except (RPCError, ValueError) as error:
                 logger.debug("round %d: candidate %s failed: %s", step, PeerID(peer).short(), error)
                 self.stats["candidates_skipped"] += 1
@@ -174,13 +179,14 @@ class RoundClient:
         return False
 
     async def _ask(self, peer: bytes, address: Address | None, args: dict[str, Any], step: int,
-                   deadline: float) -> Final | tuple[bytes, Address]:
-        """Offer to one candidate and follow its answers until final (or a redirect)."""
+                   deadline: float, first_timeout: float) -> Final | tuple[bytes, Address]:
+        """Offer to one candidate (its first answer within `first_timeout`) and follow its answers until final
+        (or a redirect)."""
         asked = trio.current_time()
-        reply = await self._join(peer, address, args, step, deadline)
+        reply = await self._join(peer, address, args, step, deadline, first_timeout)
         if isinstance(reply, tuple):
             return reply  # another coordinator opened the round meanwhile: a redirect to it
-        if peer != self.me:
+        if peer != self.me and first_timeout <= self.ack_timeout:  # (a probing answer is no round trip)
             self._measured(trio.current_time() - asked)
         if peer != self.me:
             self.known.note(peer, address)
@@ -198,7 +204,7 @@ class RoundClient:
                                      limit + self.ack_timeout, deadline)
 
     async def _join(self, peer: bytes, address: Address | None, args: dict[str, Any], step: int,
-                    deadline: float) -> Any:
+                    deadline: float, timeout: float) -> Any:
         """The offer's first call to `peer`: its answer, or (peer, address) of another coordinator that told me
         meanwhile that round `step`'s window opened (the call is then given up)."""
         def opened_elsewhere() -> bool:
@@ -206,7 +212,7 @@ class RoundClient:
             return opener is not None and opener[0] != peer
 
         reply = await unless(opened_elsewhere, OPENING_POLL, _OPENED, self._call, peer, address, JOIN, args,
-                             self.ack_timeout, deadline)
+                             timeout, deadline)
         if reply is _OPENED:
             opener = self._openers[step]
             logger.info("round %d: %s opened it while %s had not answered; my offer goes there",

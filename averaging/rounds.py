@@ -226,7 +226,8 @@ class RoundService:
                 if redirect is not None:
                     self.stats["redirects"] += 1
                     return {"redirect": [redirect[0], list(redirect[1])]}
-            coordinated = self._coordinate(step)
+            # another offer (my own, say) may have started coordinating it during the probes: one round, not two
+            coordinated = self.rounds.get(step) or self._coordinate(step)
         elif await self._lone_round_void(step, coordinated, peer):
             self.round_failed(step)
             coordinated = self._coordinate(step)
@@ -301,22 +302,38 @@ class RoundService:
         """A candidate ranked before me that I believe alive (probing the ones the trainer could not reach, and
         the ones I suspect); None when I am the best. `own`: the offer is mine, so the candidates it skipped are
         ones I failed to reach moments ago, which is the probe's answer already (probing again cost a frozen
-        candidate's round a second `ack_timeout` before its window could open)."""
+        candidate's round a second `ack_timeout` before its window could open).
+
+        The probes run together, so an answer takes one `ack_timeout` at most, whatever the number of candidates
+        to probe: the trainer waits that long beyond its own ack timeout for it (`RoundClient.enter`), and an
+        answer later than that made it coordinate the round too (two coordinators, each waiting `max_wait` for
+        the other's offer)."""
         listed = dict(self.roster())
         dead = self._dead.setdefault(step, set())
-        for peer in coordinator_order(self.run_id, step, [*listed, self.me]):
-            if peer == self.me:
-                return None
-            if peer in dead:
-                continue
-            address = listed[peer]
-            if (peer in skipped or self.suspected(peer)) and (
-                    (own and peer in skipped) or not await self._alive(peer, address)):
+        order = coordinator_order(self.run_id, step, [*listed, self.me])
+        better = [peer for peer in order[:order.index(self.me)] if peer not in dead]
+        doubted = [peer for peer in better if peer in skipped or self.suspected(peer)]
+        answered = await self._answering([peer for peer in doubted if not (own and peer in skipped)], listed)
+        for peer in better:
+            if peer in doubted and peer not in answered:
                 dead.add(peer)
                 self.suspect(peer)
                 continue
-            return peer, address
+            return peer, listed[peer]
         return None
+
+    async def _answering(self, peers: list[bytes], listed: Mapping[bytes, Address]) -> set[bytes]:
+        """Which of `peers` answer a status call within `ack_timeout` (asked together)."""
+        answered: set[bytes] = set()
+
+        async def probe(peer: bytes) -> None:
+            if await self._alive(peer, listed[peer]):
+                answered.add(peer)
+
+        async with trio.open_nursery() as nursery:
+            for peer in peers:
+                nursery.start_soon(probe, peer)
+        return answered
 
     async def _alive(self, peer: bytes, address: Address) -> bool:
         try:

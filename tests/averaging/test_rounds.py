@@ -268,3 +268,46 @@ async def test_an_offer_held_by_a_frozen_candidate_goes_to_the_coordinator_that_
         member = start.member(ids[third])
         assert member is not None and member.offset < 0.2, start  # 0.5 s (its own ack timeout) without the news
         nursery.cancel_scope.cancel()
+
+
+async def test_an_offer_the_second_candidate_answers_after_probing_the_frozen_first_is_taken_not_split(
+        autojump_clock):
+    """Round 3's best-ranked candidate is frozen. The third-ranked trainer offers first: the frozen one holds it an
+    ack timeout, then the second-ranked one, still computing, gets it naming the frozen one as skipped and probes
+    that one (another ack timeout) before it answers. The offer waits for that answer: in the WAN scenario the
+    caller gave up at its own ack timeout, coordinated the round itself, and the two coordinators each waited
+    `max_wait` (30 s) for the other, then averaged alone (two states for one outer step)."""
+    memory = MemoryNetwork(latency=0.01, seed=1)
+    async with trio.open_nursery() as nursery:
+        peers = await start_peers(nursery, 3, memory=memory, prefix="r", with_dht=False,
+                                  identity_for=lambda name, seed: Identity.from_seed(name.encode() * 4))
+        ids = [bytes(p.rpc.peer_id) for p in peers]
+        frozen, second, third = (ids.index(p) for p in coordinator_order(RUN, 3, ids))
+        everyone = {ids[i]: peers[i].address for i in range(3)}
+        services = []
+        for index, peer in enumerate(peers):
+            service = RoundService(
+                peer.rpc, RUN, QuorumPolicy(), holding=lambda: Holding(3, "h" * 8, ()),
+                expected=lambda step, me=ids[index]: {p: a for p, a in everyone.items() if p != me},
+                on_open=lambda step, closes_in: True, address=lambda peer=peer: peer.address)
+            services.append(await nursery.start(service.serve))
+            for other, address in everyone.items():
+                if other != ids[index]:
+                    service.note(other, address)
+        memory.freeze(peers[frozen].name)
+        verdicts: dict[int, object] = {}
+
+        async def offer(index: int, at: float) -> None:
+            await trio.sleep(at)
+            verdicts[index] = await services[index].enter(
+                3, Offer(ids[index], 3, 10, "h" * 8, peers[index].address), deadline=trio.current_time() + 60)
+
+        began = trio.current_time()
+        async with trio.open_nursery() as offers:
+            offers.start_soon(offer, third, 0.0)
+            offers.start_soon(offer, second, 0.1)  # its own offer reaches it while it probes for the third
+        start = verdicts[third]
+        assert isinstance(start, Start) and start == verdicts[second], verdicts
+        assert start.peers == sorted([ids[second], ids[third]])
+        assert trio.current_time() - began < 10.0  # not max_wait
+        nursery.cancel_scope.cancel()
