@@ -667,11 +667,17 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
             optimizer.finish()  # DiLoCo: agree on the final outer state (skipped after a stop request)
         evaluation_error: NotEnoughExperts | None = None
         held_out: dict[str, Any] = {"accuracy": None, "loss": None}
-        try:
-            held_out = task.evaluate(model)
-            held_out.update(task.finish(model))
-        except NotEnoughExperts as error:  # the swarm is gone: the result line still says what was done
-            evaluation_error = error
+        for attempt in range(_EVALUATION_TRIES):
+            try:
+                held_out = task.evaluate(model)
+                held_out.update(task.finish(model))
+                evaluation_error = None
+                break
+            except NotEnoughExperts as error:  # the swarm is gone: the result line still says what was done
+                # (or busy for a moment, as at the end of a run when the others average: tried again)
+                evaluation_error = error
+                if attempt + 1 < _EVALUATION_TRIES and not stop.requested:
+                    time.sleep(1.0 + attempt)
         result: dict[str, Any] = {
             "event": "result", "task": task.name,
             **{k: round(v, 4) if isinstance(v, float) else v for k, v in held_out.items()}, "steps": step,
@@ -716,6 +722,7 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
             swarm.close()
 
 
+_EVALUATION_TRIES = 3  # a held-out evaluation that found too few experts, tried again after 1 s, then 2 s
 DEFAULT_STEPS_IN_FLIGHT = 2  # with remote experts (see peer.steps); measured in benchmarks/README.md
 
 

@@ -97,6 +97,32 @@ def test_a_last_step_that_fails_for_want_of_experts_is_retried_not_reported_as_a
     assert len(calls) == 41
 
 
+def test_a_held_out_evaluation_that_finds_too_few_experts_once_is_tried_again(monkeypatch, capsys):
+    """The end of a run, when the others average, can leave the experts busy for a moment: the evaluation is tried
+    again (a run that trained well once failed on it), and a swarm that never answers is still reported."""
+    real_evaluate = train.DigitsTask.evaluate
+    failures = []
+
+    def evaluate_failing(self, model):
+        if len(failures) < failing_times:
+            failures.append(1)
+            raise NotEnoughExperts(stage="forward", needed=1, answered=0, samples_short=1, samples=1, failures={})
+        return real_evaluate(self, model)
+
+    monkeypatch.setattr(train.DigitsTask, "evaluate", evaluate_failing)
+    monkeypatch.setattr(train.time, "sleep", lambda seconds: None)
+    failing_times = 1
+    result = train.run_training(_args("--local-experts", "--steps", "20", "--log-every", "20"))
+    assert len(failures) == 1 and result["accuracy"] is not None and "evaluation_error" not in result
+    failures.clear()
+    capsys.readouterr()
+    failing_times = 10
+    with pytest.raises(train.TrainingFailed, match="held-out evaluation failed"):
+        train.run_training(_args("--local-experts", "--steps", "20", "--log-every", "20"))
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(failures) == 3 and result["accuracy"] is None and "evaluation_error" in result
+
+
 def test_the_held_out_split_is_fixed_and_disjoint_from_training():
     first, second = train.load_digits_split(), train.load_digits_split()
     assert all(torch.equal(a, b) for a, b in zip(first, second))
