@@ -220,7 +220,8 @@ class Assembly:
     def hand_over(self, collector: Declaration, count: int) -> list[PeerID]:
         """Pass up to `count` joiners (highest peer ids first) to a lower collector with room: they are answered
         with a redirect to it. Rival collectors whose groups are too big to merge (3 + 3 + 2 out of 8) thus fill
-        the lowest one first, and the rest can merge."""
+        the lowest one first, and the rest can merge. One that joins me again was turned away there: `offer`
+        takes it back."""
         movable = sorted((p for p in self.joined if p != self.me.peer_id), reverse=True)[:max(0, count)]
         for peer_id in movable:
             del self.joined[peer_id]
@@ -245,8 +246,12 @@ class Assembly:
         """A join request: None = accepted (the answer comes at sealing), else an immediate Decision."""
         if self.merged_into is not None:
             return Decision("redirect", redirect=self.merged_into)
-        if joiner.peer_id in self.handed_over:
-            return Decision("redirect", redirect=self.handed_over[joiner.peer_id])
+        if joiner.peer_id in self.handed_over and not self.closed:
+            # A joiner I passed on joins again: the lower collector turned it away (it filled up with others
+            # between its probe and the joiner's arrival). Take it back: sending it there again left it alone for
+            # the rest of the window while this group sealed one short (a first round of 64: 60 in groups of 4,
+            # 3 in a group of 3, one alone).
+            del self.handed_over[joiner.peer_id]
         if self.closed:
             if self.group is not None and joiner.peer_id in self.group:
                 return Decision("group", group=self.group, round=self.round)

@@ -54,10 +54,12 @@ import trio
 from averaging.averager import Averager
 from averaging.optimizer import SwarmOptimizerBase
 from averaging.progress import PeerProgress, ProgressTracker, SwarmProgress, _Rate, estimate
+from averaging.provenance import Anchors, Provenance
 from averaging.schema import MISMATCHES
 from averaging.state import load_state
 from dht.client import SwarmHandle
 from peer.p2p import wire
+from peer.p2p.identity import PeerID
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +109,10 @@ class _SharedProgressTracker(ProgressTracker):
     def __init__(self, counts: Callable[[], tuple[int, int, int]], *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._counts = counts  # () -> (epoch, samples in it, samples ever): the training thread's numbers
+        # whose epoch claims may move this trainer (averaging.provenance): the others' records that claim an
+        # epoch no anchor can have reached are dropped at each fetch, their claimants distrusted for good
+        self.provenance = Provenance(bytes(self.peer_id), recent=self.ttl / 2)
+        self.anchors = Anchors(frozenset(), frozenset())
         self._seen_total = 0
         self._anchor = (self.dht.now(), time.monotonic())
         self.fetched_monotonic = -float("inf")
@@ -131,9 +137,11 @@ class _SharedProgressTracker(ProgressTracker):
         return self._rate.value  # fed by `absorb` from the training thread's total, on the monotonic clock
 
     async def fetch(self) -> SwarmProgress:
-        progress = await super().fetch()
+        await super().fetch()
+        self.anchors, _ = self.provenance.judge(self._others.values(), (self.epoch, None), now=self.dht.now())
+        self._others = {peer: r for peer, r in self._others.items() if bytes(peer) not in self.provenance.distrusted}
         self.fetched_monotonic = time.monotonic()
-        return progress
+        return self.progress()
 
     async def _due_work(self) -> float:
         self.absorb()  # plan the publish on the current numbers, not the ones of the last wake-up
@@ -265,8 +273,10 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         """Called by the state server under the averaging lock: a consistent (epoch, tensors) pair."""
         return {"epoch": self.epoch, "run_id": self.run_id, "mode": self.mode}, self._state
 
-    async def _note_group(self, peer_ids: list[bytes]) -> None:
+    async def _note_group(self, peer_ids: list[bytes], finished: bool) -> None:
         self.tracker.note_group(peer_ids)
+        if finished:  # their records now vouch for epochs (averaging.provenance), read in this thread
+            self.tracker.provenance.saw_contribute(bytes(p) for p in peer_ids)
 
     async def _current(self) -> SwarmProgress:
         return self.tracker.progress()
@@ -303,8 +313,11 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         blocks (`averaging.state.load_state`): there is no agreed hash here, so the state is the one the most
         advanced trainer (most samples) holds, fetched from every candidate holding the same."""
         me = self.averager.peer_id
-        providers = sorted((p for p in progress.peers if p.epoch == progress.epoch and p.address is not None
-                            and p.peer_id != me), key=lambda p: -p.samples)
+        anchors = self.tracker.anchors  # with anchors, only they serve: a liar's state is never the one taken
+        holders = [p for p in progress.peers if p.address is not None and p.peer_id != me
+                   and (not anchors.peers or bytes(p.peer_id) in anchors.peers)]
+        newest = max((p.epoch for p in holders), default=progress.epoch)
+        providers = sorted((p for p in holders if p.epoch == newest), key=lambda p: -p.samples)
         candidates = [(p.peer_id, p.address) for p in providers if p.address is not None]
         if not candidates:
             return None
@@ -390,6 +403,7 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         stats["averaging_seconds"] = round(stats["averaging_seconds"], 3)
         stats["epoch"] = self.epoch
         stats["peer_id"] = str(self.averager.peer_id)
+        stats["distrusted"] = sorted(str(PeerID(p)) for p in self.tracker.provenance.distrusted)
         progress = self.last_progress
         if progress is not None:
             stats["swarm_epoch"] = progress.epoch
@@ -472,7 +486,7 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         me = self.averager.peer_id
         self._stats["peers_averaged_with"].update(str(p) for p in result.group.peer_ids if p != me)
         group = list(result.group.peer_ids)
-        self.swarm.run(self._note_group, group)
+        self.swarm.run(self._note_group, group, result.finished)
         if not result.finished:
             logger.info("averaging round partial: %s", result.reason)
         return True

@@ -79,6 +79,7 @@ from averaging.rounds import RoundService
 from averaging.state_hash import state_digest
 from dht.client import SwarmHandle
 from peer.p2p import wire
+from peer.p2p.identity import PeerID
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ REPORTED = ("algorithm", "outer_step", "hash", "bytes_sent", "bytes_per_outer_st
 REPORTED_FINAL = (*REPORTED, "group_sizes", "state_loads", "resyncs", "final_resyncs", "outer_waits",
                   "bytes_received", "peer_id", "utilization", "rounds", "late_contributions", "stale_contributions",
                   "dropped_contributions", "lost_rounds", "cut_short", "coordinated", "first_contribution",
-                  "compute_seconds", "blocked_seconds", "grace_window", "rtt")
+                  "compute_seconds", "blocked_seconds", "grace_window", "rtt", "distrusted")
 
 
 @dataclasses.dataclass
@@ -228,7 +229,8 @@ class DiLoCoOptimizer(SwarmOptimizerBase):
         self.rounds = RoundService(  # its callbacks read the view, made below (they are called once it serves)
             swarm.rpc, run_id, self.policy, holding=lambda: self.view.holding(),
             expected=lambda step: self.view.expected(step), on_open=self._on_open,
-            address=lambda: self.view.address, banned=lambda: self.averager.strikes.banned, roster_ttl=progress_ttl,
+            address=lambda: self.view.address, roster_ttl=progress_ttl,
+            banned=lambda: {*self.averager.strikes.banned, *self.view.distrusted},  # its all-reduce's and my view's
             chain=lambda: self.view.chain,
         )
         self.exchange = exchange
@@ -544,6 +546,8 @@ class DiLoCoOptimizer(SwarmOptimizerBase):
             "first_contribution": self.first_contribution,
             "grace_window": round(self.rounds.grace.window(self.rounds.rtt), 4),
             "rtt": round(self.rounds.rtt, 4), "coordinated": self.rounds.stats["coordinated"],
+            # provenance: whose progress claims this trainer ignores (claims no credible round reached)
+            "distrusted": sorted(str(PeerID(p)) for p in self.view.distrusted),
         })
         last = self.ledger.last_round()
         if last is not None:

@@ -165,6 +165,11 @@ class Contributor:
             if isinstance(verdict, Behind):
                 self.ledger.counts["late_contributions"] += 1
                 holding = verdict.holding
+                if not self.sync.vouched(holding):  # a candidate's word alone moves nobody: offer on
+                    retries += 1
+                    if retries > 2:
+                        return "lost"
+                    continue
                 logger.info("diloco: round %d is over; catching up to outer step %d", step, holding.step)
                 if not await self.sync.download(holding, [verdict.source, *holding.members], deadline):
                     return "lost"

@@ -27,9 +27,10 @@ class DiLoCoLedger:
     def __init__(self, on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.counts: dict[str, Any] = {
             "outer_steps": 0, "rounds": 0, "group_sizes": {}, "solo_steps": 0, "skipped_rounds": 0,
-            "state_loads": 0, "state_load_failures": 0, "resyncs": 0, "final_resyncs": 0, "outer_waits": 0,
-            "late_contributions": 0, "stale_contributions": 0, "dropped_contributions": 0, "lost_rounds": 0,
-            "cut_short": 0, "bytes_sent": 0, "bytes_received": 0, "compute_seconds": 0.0, "blocked_seconds": 0.0,
+            "state_loads": 0, "state_load_failures": 0, "unvouched_states": 0, "resyncs": 0, "final_resyncs": 0,
+            "outer_waits": 0, "late_contributions": 0, "stale_contributions": 0, "dropped_contributions": 0,
+            "lost_rounds": 0, "cut_short": 0, "bytes_sent": 0, "bytes_received": 0, "compute_seconds": 0.0,
+            "blocked_seconds": 0.0,
         }
         self.round_records: collections.deque[dict[str, Any]] = collections.deque(maxlen=1000)
         self.bytes_per_outer_step = 0

@@ -130,6 +130,8 @@ class RoundMember:
                     sizes = counts["group_sizes"]
                     sizes[len(start.members)] = sizes.get(len(start.members), 0) + 1
                 self.tracker.note_group([m.peer for m in start.members])
+                if outcome == "averaged":
+                    self.view.saw_contribute(m.peer for m in start.members)
                 first = self.ledger.note_first(start.step)
                 if not behind:
                     self.rounds.held_changed()

@@ -42,25 +42,51 @@ class StateSync:
         self.rounds = rounds
         self.ledger = ledger
         self.load_state_timeout = load_state_timeout
+        self._refused: set[tuple[int, str]] = set()  # the states not vouched for, logged once each
 
     async def catch_up(self, step: int, holders: Members, deadline: float) -> bool:
         """Move to outer step `step` or newer: wait until one of `holders` holds it, then download it from the
         holders at that step (checked against the hash they report). True when I hold at least `step`."""
         while self.outer.step < step and trio.current_time() < deadline:
-            holding = await self.rounds.await_step(step, holders, deadline=deadline)
+            holding = await self.rounds.await_step(step, holders, deadline=deadline, enough=self._told_enough)
             if holding is None:
                 logger.warning("diloco: nobody of round %d holds outer step %d yet", step - 1, step)
                 return False
+            if not self.vouched(holding):  # no anchor told it: wait until an anchor's record shows it
+                with trio.move_on_at(deadline):
+                    await trio.sleep(self.tracker.min_refresh)
+                    await self.tracker.fetch()
+                continue
             sources: Sequence[tuple[bytes, Address | None]] = [
                 (p, a) for p, a in holding.members if a is not None] or holders
             if await self.download(holding, sources, deadline):
                 return True
         return self.outer.step >= step
 
+    def _told_enough(self, answers: list[Holding]) -> bool:
+        """Whether the holders that told the last answer's state vouch for it (`SwarmView.vouched`)."""
+        last = answers[-1]
+        tellers = [t for a in answers if (a.step, a.hash) == (last.step, last.hash) for t in a.tellers]
+        return self.view.vouched(last.step, last.hash, tellers)
+
+    def vouched(self, holding: Holding) -> bool:
+        """Whether outer state `holding` may replace mine (`SwarmView.vouched`: anchors hold it, per their records
+        or telling me); counted and logged once per state when not."""
+        if self.view.vouched(holding.step, holding.hash, holding.tellers):
+            return True
+        if (holding.step, holding.hash) not in self._refused:
+            self._refused.add((holding.step, holding.hash))
+            self.ledger.counts["unvouched_states"] += 1
+            logger.info("diloco: not taking outer step %d (%s)%s: nobody I can vouch by holds it (yet)",
+                        holding.step, holding.hash[:12],
+                        f" from {', '.join(PeerID(t).short() for t in holding.tellers)}" if holding.tellers else "")
+        return False
+
     async def download(self, holding: Holding, sources: Sequence[tuple[bytes, Address | None]],
                        deadline: float) -> bool:
         """Download the outer state `holding` describes from `sources`; True when what arrived is outer step
-        `holding.step` or newer and hashes to what its provider claims."""
+        `holding.step` or newer and hashes to what its provider claims. The callers took `holding` from anchors
+        (`resync`: the credible records) or checked it (`vouched`) first."""
         me = bytes(self.tracker.peer_id)
         candidates = list(dict.fromkeys((PeerID(p), a) for p, a in sources if a is not None and p != me))
         staging = [torch.empty_like(t) for t in self.outer.tensors]

@@ -9,10 +9,11 @@ recent outer steps and the run's progress records (`averaging.progress`); one ow
 from __future__ import annotations
 
 import collections
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from averaging.outer_state import OuterState
 from averaging.progress import PeerProgress, ProgressTracker, SwarmProgress
+from averaging.provenance import Anchors, Provenance
 from averaging.rounds import Holding, RoundService
 from peer.p2p.net import Address
 
@@ -36,6 +37,8 @@ class SwarmView:
         self.chain: dict[int, str] = {}  # outer step -> hash, of the recent outer states I held (RoundService)
         self.address: Address | None = None
         self.last_progress: SwarmProgress | None = None
+        # whose claims may move me (docs/integrity.md, "Whose outer state a DiLoCo trainer takes")
+        self.provenance = Provenance(bytes(tracker.peer_id), recent=tracker.ttl / 2)
 
     # ------------------------------------------------------------------------------------------ what I hold
 
@@ -64,8 +67,7 @@ class SwarmView:
         """Trainers of the run at outer step `step` in the progress records (and me, when I am there)."""
         me = self.tracker.peer_id
         progress = self.tracker.progress()
-        members = [(bytes(p.peer_id), p.address) for p in progress.peers
-                   if p.info.get("alg") and not p.left and p.epoch == step and p.peer_id != me]
+        members = [(bytes(p.peer_id), p.address) for p in self.other_trainers(progress.peers) if p.epoch == step]
         if self.outer.step == step:
             members.append((bytes(me), self.address))
         return tuple(members)
@@ -75,7 +77,8 @@ class SwarmView:
         trainers at that step in the progress records (so that trainers whose rounds split, or that started
         apart, meet again under one coordinator)."""
         merged = dict(self.at_step(step))
-        merged.update((p, a) for p, a in self.members_of.get(step, ()) if a is not None or p not in merged)
+        merged.update((p, a) for p, a in self.members_of.get(step, ())
+                      if (a is not None or p not in merged) and p not in self.distrusted)
         return tuple(merged.items())
 
     def expected(self, step: int) -> dict[bytes, Address | None]:
@@ -95,13 +98,15 @@ class SwarmView:
         for peer in self.tracker.progress().peers:
             if peer.left:
                 self.rounds.forget(bytes(peer.peer_id))
-            elif peer.info.get("alg") and now - peer.time <= self.tracker.ttl:  # a record refreshed in time
+            elif (peer.info.get("alg") and now - peer.time <= self.tracker.ttl  # a record refreshed in time
+                  and bytes(peer.peer_id) not in self.distrusted):
                 self.rounds.note(bytes(peer.peer_id), peer.address)
 
     def other_trainers(self, peers: Sequence[PeerProgress]) -> list[PeerProgress]:
         """The other trainers of the run among these progress records, live (not said goodbye)."""
         me = self.tracker.peer_id
-        return [p for p in peers if p.peer_id != me and p.info.get("alg") and not p.left]
+        return [p for p in peers if p.peer_id != me and p.info.get("alg") and not p.left
+                and bytes(p.peer_id) not in self.distrusted]
 
     def others_finished(self) -> bool:
         """Whether the progress records show other live trainers of the run, all of them finished."""
@@ -111,8 +116,9 @@ class SwarmView:
     def canonical(self, peers: list[PeerProgress]) -> tuple[int, str | None, list[PeerProgress]]:
         """The newest outer step among `peers` (and me), the hash most trainers at it hold (ties: the smaller), and
         the others holding that hash. Why no preference for my own hash in a tie: every trainer must pick the same
-        one; two trainers that started from different weights each kept their own and never averaged."""
-        others = self.other_trainers(peers)
+        one; two trainers that started from different weights each kept their own and never averaged. Only
+        credible claims count (`credible`): no progress record alone makes a trainer move."""
+        others = self.credible(self.other_trainers(peers))
         mine, my_hash = self.outer.step, self.outer.hash
         step = max([p.epoch for p in others] + [mine])
         counts = collections.Counter(p.info.get("hash") for p in others
@@ -138,3 +144,40 @@ class SwarmView:
         """Whether the progress records show trainers holding a newer outer step than mine."""
         step, best, holders = self.canonical(list(progress.peers))
         return best is not None and step > self.outer.step and bool(holders)
+
+    # ------------------------------------------------------------------------------------------ provenance
+
+    @property
+    def distrusted(self) -> dict[bytes, str]:
+        return self.provenance.distrusted
+
+    def saw_contribute(self, members: Iterable[bytes]) -> None:
+        """These peers contributed to a round that finished with me: their claims vouch for outer states."""
+        self.provenance.saw_contribute(members)
+
+    def anchors(self, others: Sequence[PeerProgress] = ()) -> Anchors:
+        """Whose word vouches for an outer state (`averaging.provenance`), from every progress record I know and
+        `others` (the final agreement asks about the finished trainers alone: a liar that says it finished must
+        not be all there is to compare with). Claimants of unreachable outer steps are distrusted here, and leave
+        the rounds' roster."""
+        known = {p.peer_id: p for p in [*self.tracker.progress().peers, *others]
+                 if p.info.get("alg") and not p.left}
+        anchors, distrusted = self.provenance.judge(known.values(), (self.outer.step, self.outer.hash),
+                                                    now=self.tracker.dht.now(), banned=self.rounds.banned())
+        self._forget(distrusted)
+        return anchors
+
+    def credible(self, others: list[PeerProgress]) -> list[PeerProgress]:
+        """The claims among `others` that may move me (`Provenance.admitted`)."""
+        return self.provenance.admitted(others, self.anchors(others))
+
+    def vouched(self, step: int, hash_: str, tellers: Iterable[bytes]) -> bool:
+        """Whether I may take outer state (step, hash) that `tellers` said (over authenticated calls) they hold
+        (`Anchors.vouch`); a teller claiming a state no anchor can have reached is distrusted."""
+        vouched, distrusted = self.provenance.vouched(self.anchors(), step, hash_, set(tellers))
+        self._forget(distrusted)
+        return vouched
+
+    def _forget(self, distrusted: Iterable[bytes]) -> None:
+        for peer in distrusted:
+            self.rounds.forget(peer)  # no round of mine waits for it or asks it

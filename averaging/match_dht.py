@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import trio
 
@@ -53,8 +53,11 @@ class DeclarationBoard:
         self.on_foreign = on_foreign
         self.nursery = nursery
 
-    async def refresh_view(self, state: MatchRound) -> bool:
-        """Read the key once and merge it into the view; True when the set of compatible peers changed.
+    async def refresh_view(self, state: MatchRound) -> Literal["arrived", "left"] | None:
+        """Read the key once and merge it into the view. Returns "arrived" when a compatible peer appeared (or came
+        back), "left" when peers only left it, None when the set of peers did not change: an arrival means the
+        view may still be filling, while a departure is a peer taken elsewhere (the driver judges whether it
+        touches its own chunk).
 
         Merge, not replace: one read may reach only some replicas and miss a declaration another read saw, and a
         view that flickers never becomes quiet. A peer leaves the view only when its withdrawal (or a newer
@@ -72,7 +75,7 @@ class DeclarationBoard:
                 record = await self.dht.get(shard_key(state.key, shard), latest=False, frugal=True)
             except Exception as error:  # a DHT hiccup is one stale view, not a failed round
                 logger.debug("matchmaking: reading %s failed: %s", shard_key(state.key, shard), error)
-                return False
+                return None
             # one read stalled by a dead replica must not inflate every later quiet period
             dht_latency.update(min(trio.current_time() - t0, 2 * dht_latency.value + 0.01))
             subkeys = getattr(record, "subkeys", None) or {}
@@ -110,9 +113,10 @@ class DeclarationBoard:
         if state.assembly is not None:  # peers that joined me count even if their declaration isn't visible
             for peer_id, declaration in state.assembly.joined.items():
                 view.setdefault(peer_id, declaration)
-        changed = set(view) != set(state.view) or readmitted
+        arrived = bool(set(view) - set(state.view)) or readmitted
+        left = bool(set(state.view) - set(view))
         state.view = view
-        return changed
+        return "arrived" if arrived else "left" if left else None
 
     async def poll(self, state: MatchRound) -> None:
         """Keep the view fresh in the background: a slow read (a dead replica answering nothing) delays only the
@@ -122,8 +126,10 @@ class DeclarationBoard:
             # Also while my join is held by its collector: skipping those reads (most of matchmaking's DHT
             # traffic) left followers planning their next rounds on stale views: in 9 of 16 runs of
             # test_back_to_back_rounds_with_jitter_form_full_groups some peer's round then ended without a group.
-            if await self.refresh_view(state):
+            change = await self.refresh_view(state)
+            if change == "arrived":
                 state.last_change = trio.current_time()
+            if change is not None:
                 state.poke()
 
     async def declare(self, state: MatchRound, shard: int) -> None:

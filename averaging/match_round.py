@@ -34,7 +34,9 @@ class MatchRound:
         self.expected = expected  # peers (me included) seen under this key in recent rounds
         self.promised = 0  # peers (me included) the caller knows are on their way: waited for up to half the window
         self.seen: set[PeerID] = set()  # every peer seen under the key this round
-        self.last_change = self.started  # when the set of visible peers (or of excluded ones) last changed
+        self.last_change = self.started  # when a peer last appeared in view (or the excluded ones changed)
+        self.chunk: tuple[PeerID, ...] = ()  # my chunk in the driver's latest plan, and since when it is that
+        self.chunk_since = self.started
         self.population_reached_after: float | None = None  # seconds until every expected peer was visible
         self.patience_ran_out = False
         self.probe_timeouts: dict[PeerID, int] = {}

@@ -13,12 +13,14 @@ Protocol (one round, seen from one peer; every peer runs the same code):
    chunks of about `target_group_size`. In each chunk the
    **collector** is the member with the lowest peer id that accepts connections. Nobody is appointed: it is a
    pure function of what everyone sees.
-3. **Join.** A non-collector waits until its view has been quiet for `q` (a few measured DHT reads and stores)
-   and then sends one `avg.mm.join` call to its collector: a long poll answered with the final member list, a
-   redirect, or a rejection.
+3. **Join.** A non-collector waits until its view has been quiet for `q` (a few measured DHT reads and stores;
+   three times that before joining a partial chunk, `Pacing.settle_period`) and then sends one `avg.mm.join`
+   call to its collector: a long poll answered with the final member list, a redirect, or a rejection. Quiet
+   means no peer appeared and my chunk kept its members: peers leaving for groups sealed elsewhere don't count.
 4. **Collect and seal.** The collector accepts joins (same key and schema, room left, not sealed) and seals as
-   soon as the group is full, or once every live member of its chunk has joined and the view is quiet, or at the
-   seal deadline (the earliest deadline of its members, so nobody has given up). Chunk members that haven't
+   soon as the group is full, or once every live member of its chunk has joined and the view has been quiet for
+   three quiet periods (as long as a joiner waits before joining a partial chunk: a partial group is final), or
+   at the seal deadline (the earliest deadline of its members, so nobody has given up). Chunk members that haven't
    joined are probed (`avg.mm.ping`): a refused connection (dead) or two probe timeouts (frozen), a peer that
    follows another collector or collects itself is not waited for; before sealing a group with room left, the
    followers are asked once more (one turned away by a full collector comes here). Sealing answers every pending
@@ -204,6 +206,17 @@ class Matchmaker:
         return plan_groups(visible, self.target, salt=round_salt(state.key, visible),
                            full_only=self.patience.patient(state))
 
+    def _quiet_for(self, state: MatchRound, now: float, chunk: list[Declaration]) -> float:
+        """How long the part of the view that matters to me has been still: no peer appeared (the view may still
+        be filling) and my chunk kept its members. Peers leaving the view for groups sealed elsewhere do not
+        count unless they move my chunk: in a first round of 64 peers every seal withdraws a few declarations,
+        and a peer whose full chunk none of them touched waited out every withdrawal, half a second, while its
+        collector, short of it, handed its joiners over and sealed 2."""
+        members = tuple(d.peer_id for d in chunk)
+        if members != state.chunk:
+            state.chunk, state.chunk_since = members, now
+        return now - max(state.last_change, state.chunk_since)
+
     def _my_collector(self, state: MatchRound) -> Declaration | None:
         return collector_of(chunk_of(self._plan(state), self.peer_id))
 
@@ -301,7 +314,8 @@ class Matchmaker:
             if state.invited_by is not None and state.assembly is None:
                 redirected, state.invited_by = state.invited_by, None
             now = trio.current_time()
-            collector = self._my_collector(state)
+            chunk = chunk_of(self._plan(state), self.peer_id)  # one plan per pass: it sorts the whole view
+            collector = collector_of(chunk)
             if redirected is not None and state.assembly is None:
                 collector, redirected = redirected, None
                 decision = await self._join(state, collector, deadline)
@@ -323,19 +337,19 @@ class Matchmaker:
             if collector is None:  # alone, or only client-mode peers around: wait for a reachable one
                 await state.wait_changed(min(deadline, now + self.quiet_period))
                 continue
-            quiet_for = now - state.last_change
-            full = len(chunk_of(self._plan(state), self.peer_id)) >= self.target
+            quiet_for = self._quiet_for(state, now, chunk)
+            full = len(chunk) >= self.target
             patient = self.patience.patient(state)
             # under a crowded key, declarations trimmed from a full shard reappear in the next one a few quiet
             # periods late: a full chunk waits as long as a partial one, or the latecomers end in partial groups
-            quiet_enough = (3 if state.crowded else 1) * self.quiet_period
+            quiet_enough = self.pacing.settle_period if state.crowded else self.quiet_period
             settled = (full and not patient and quiet_for >= quiet_enough) or state.join_arrived \
-                or (not patient and quiet_for >= 3 * self.quiet_period)
+                or (not patient and quiet_for >= self.pacing.settle_period)
             if not settled:
                 await state.wait_changed(min(deadline, now + self.quiet_period / 2))
                 continue
             logger.debug("matchmaking %s: joining %s (view %d, chunk %d, quiet %.3f/%.3f)", self.peer_id.short(),
-                         collector.peer_id.short(), len(state.view), len(chunk_of(self._plan(state), self.peer_id)),
+                         collector.peer_id.short(), len(state.view), len(chunk),
                          quiet_for, self.quiet_period)
             decision = await self._join(state, collector, deadline)
             logger.debug("matchmaking %s: answer %s %s", self.peer_id.short(),
@@ -370,14 +384,16 @@ class Matchmaker:
         probed: dict[PeerID, float] = {}
         async with trio.open_nursery() as nursery:
             while True:
-                assembly.set_expected(chunk_of(self._plan(state), self.peer_id), state.merging)
+                chunk = chunk_of(self._plan(state), self.peer_id)
+                assembly.set_expected(chunk, state.merging)
                 now = trio.current_time()
-                quiet_for = now - state.last_change
+                quiet_for = self._quiet_for(state, now, chunk)
                 patient = state.patient = self.patience.patient(state)
-                # a peer dropped because it followed another collector may be turned away there (full) and come
-                # here next: leave it a moment before sealing a group that still has room
+                # a group with room left is final only on a view quiet for as long as a joiner waits before
+                # joining a partial chunk (`Pacing.settle_period`); and a peer dropped because it followed another
+                # collector may be turned away there (full) and come here next: leave it a moment too
                 grace = self.quiet_period + 2 * self.rtt.value
-                settled = quiet_for >= self.quiet_period and now - state.last_drop >= grace
+                settled = quiet_for >= self.pacing.settle_period and now - state.last_drop >= grace
                 if assembly.should_seal(now + state.offset, settled and not patient):
                     if assembly.full or now + state.offset >= assembly.seal_deadline \
                             or not await self.prober.recheck_followers(state, assembly):
@@ -393,7 +409,7 @@ class Matchmaker:
                             if now - probed.get(peer_id, -math.inf) >= self.quiet_period:
                                 probed[peer_id] = now
                                 nursery.start_soon(self.prober.probe, state, declaration, assembly)
-                        elif quiet_for >= 3 * self.quiet_period:
+                        elif quiet_for >= self.pacing.settle_period:
                             assembly.drop(peer_id)  # a client-mode peer cannot be probed: don't wait forever
                 wake = min(assembly.seal_deadline - state.offset, now + self.quiet_period / 2)
                 await state.wait_changed(wake)
@@ -412,7 +428,7 @@ class Matchmaker:
                         state.assembly = None  # step down; joins arriving from now on get redirected
                         nursery.cancel_scope.cancel()
                         return None
-                    if state.nobody_left() and trio.current_time() - state.last_change >= 3 * self.quiet_period:
+                    if state.nobody_left() and trio.current_time() - state.last_change >= self.pacing.settle_period:
                         break  # everyone I can see is dead or taken: waiting out the window helps nobody
             nursery.cancel_scope.cancel()
         group = assembly.seal(assembly.group_id())

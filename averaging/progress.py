@@ -51,6 +51,12 @@ def progress_key(run_id: str) -> str:
 _MAX_GROUP_SHOWN = 8  # keeps each trainer's record small: every trainer of a run shares one 8 KiB DHT value
 
 
+def group_name(peer_id: bytes) -> str:
+    """How a record names a member of its trainer's latest averaging group (`PeerProgress.last_group`): the first
+    48 bits of the PeerID, enough to tell members apart and to vouch for them (`averaging.diloco_view`)."""
+    return bytes(peer_id).hex()[:12]
+
+
 @dataclass(frozen=True)
 class PeerProgress:
     """One trainer's progress as published: `samples` accumulated in `epoch` at DHT time `time`."""
@@ -301,7 +307,7 @@ class ProgressTracker:
 
     def note_group(self, peer_ids: list[bytes]) -> None:
         """Remember the latest averaging group; it travels with the next published record."""
-        self.last_group = tuple(bytes(p).hex()[:12] for p in peer_ids[:_MAX_GROUP_SHOWN])
+        self.last_group = tuple(group_name(p) for p in peer_ids[:_MAX_GROUP_SHOWN])
 
     def report(self, samples: int) -> None:
         """Count `samples` more samples accumulated in the current epoch."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import KW_ONLY, dataclass, field
+from dataclasses import KW_ONLY, dataclass, field, replace
 from typing import Any
 
 import trio
@@ -30,7 +30,17 @@ import trio
 from averaging.polled import unless
 from averaging.quorum import GraceEstimator, Offer, Queued, Start, coordinator_order
 from averaging.roster import Roster
-from averaging.round_wire import JOIN, STATUS, WAIT, Final, Holding, as_address, as_peer, verdict_from_wire
+from averaging.round_wire import (
+    JOIN,
+    MAX_ROSTER,
+    STATUS,
+    WAIT,
+    Final,
+    Holding,
+    as_address,
+    as_peer,
+    verdict_from_wire,
+)
 from peer.p2p.identity import PeerID
 from peer.p2p.net import Address
 from peer.p2p.rpc import CallTimeout, RPCError, RPCNode
@@ -193,6 +203,7 @@ class RoundClient:
         while True:
             if isinstance(reply, dict):
                 self.known.merge(reply.pop("roster", None))
+                self._take_suspects(reply.pop("suspects", None), peer, step)
             verdict = verdict_from_wire(reply, trio.current_time(), peer, address)
             if not isinstance(verdict, Queued):
                 return verdict
@@ -202,6 +213,22 @@ class RoundClient:
                 limit = min(limit, max(0.0, verdict.deadline - trio.current_time()) + 0.05)
             reply = await self._call(peer, address, WAIT, {"run": self.run_id, "step": step},
                                      limit + self.ack_timeout, deadline)
+
+    def _take_suspects(self, suspects: Any, coordinator: bytes, step: int) -> None:
+        """The candidates round `step`'s coordinator found dead (`RoundService._suspects`), suspected here too.
+        Only ones ranked before that coordinator count (the only ones it probes): a coordinator cannot push
+        the trainers ranked after it down the order, and suspicion only reorders candidates for
+        `suspect_for`, it excludes nobody."""
+        if not isinstance(suspects, list):
+            return
+        for item in suspects[:MAX_ROSTER]:
+            try:
+                peer = as_peer(item)
+            except (ValueError, TypeError):
+                continue
+            if peer not in (self.known.me, coordinator) \
+                    and coordinator_order(self.run_id, step, [peer, coordinator])[0] == peer:
+                self.known.suspect(peer)
 
     async def _join(self, peer: bytes, address: Address | None, args: dict[str, Any], step: int,
                     deadline: float, timeout: float) -> Any:
@@ -234,10 +261,12 @@ class RoundClient:
         return await self.rpc.call(address, method, args, timeout=timeout, peer_id=PeerID(peer))
 
     async def await_step(self, step: int, holders: Sequence[tuple[bytes, Address | None]], *,
-                         deadline: float) -> Holding | None:
+                         deadline: float, enough: Callable[[list[Holding]], bool] | None = None) -> Holding | None:
         """The first answer of a holder that holds at least outer step `step` (asked in parallel, long polls),
-        or None by `deadline`."""
+        or None by `deadline`. With `enough`, answers are gathered until `enough(answers so far)` holds (the last
+        answer is returned) or every holder answered (the first is returned)."""
         found: list[Holding] = []
+        chosen: list[Holding] = []
         reachable = [(bytes(p), a) for p, a in holders if a is not None and bytes(p) != self.me]
         if not reachable:
             return None
@@ -250,16 +279,20 @@ class RoundClient:
                             reply = await self.rpc.call(
                                 address, STATUS, {"run": self.run_id, "min_step": step, "wait": wait},
                                 timeout=wait + self.ack_timeout, peer_id=PeerID(peer))
-                            holding = Holding.from_wire(reply)
+                            holding = replace(Holding.from_wire(reply), tellers=(peer,))
                         except (RPCError, ValueError):
                             return  # this holder is gone or lies; the others may answer
                         if holding.step < step and isinstance(reply, dict) and reply.get("void"):
                             return  # the round that would produce it failed at this holder: not coming from it
                         if holding.step >= step:
                             found.append(holding)
-                            nursery.cancel_scope.cancel()
+                            if enough is None or enough(found):
+                                chosen.append(replace(holding, tellers=tuple(
+                                    t for a in found if (a.step, a.hash) == (holding.step, holding.hash)
+                                    for t in a.tellers)))
+                                nursery.cancel_scope.cancel()
                             return
 
                 for peer, address in reachable:
                     nursery.start_soon(ask, peer, address)
-        return found[0] if found else None
+        return chosen[0] if chosen else found[0] if found else None

@@ -11,7 +11,7 @@ verdicts, a trainer writes offers and reads verdicts, `averaging.round_client`),
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from averaging.quorum import Admission, Dropped, Late, Offer, Queued, Resync, Start, Verdict
@@ -31,11 +31,13 @@ MAX_ROSTER = 256
 @dataclass(frozen=True)
 class Holding:
     """What a trainer holds: its outer step, the hash of that outer state, and the members (with addresses) of
-    the round that produced it (the candidates of the next round)."""
+    the round that produced it (the candidates of the next round). `tellers`: the peers that said so over
+    authenticated calls (none: read from progress records); never on the wire."""
 
     step: int
     hash: str
     members: tuple[tuple[bytes, Address | None], ...]
+    tellers: tuple[bytes, ...] = field(default=(), compare=False)
 
     def to_wire(self) -> dict[str, Any]:
         return {"step": self.step, "hash": self.hash,
@@ -165,7 +167,7 @@ def verdict_from_wire(obj: Any, now: float, peer: bytes, address: Address | None
         raise ValueError("answer is not a one-key map")
     (kind, value), = obj.items()
     if kind == "behind":
-        return Behind(Holding.from_wire(value), (peer, address))
+        return Behind(replace(Holding.from_wire(value), tellers=(peer,)), (peer, address))
     if kind == "queued":
         return Queued(None if value is None else now + min(as_number(value), 3600.0))
     if kind == "start":

@@ -38,11 +38,13 @@ from typing import Any
 
 import trio
 
+from averaging.polled import unless
 from averaging.quorum import GraceEstimator, Offer, OuterRound, Queued, QuorumPolicy, coordinator_order
 from averaging.roster import Roster
 from averaging.round_client import RoundClient
 from averaging.round_wire import (
     JOIN,
+    MAX_ROSTER,
     OPEN,
     STATUS,
     WAIT,
@@ -61,6 +63,8 @@ from peer.p2p.net import Address
 from peer.p2p.rpc import BadRequest, CallContext, RPCError, RPCNode
 
 logger = logging.getLogger(__name__)
+
+PROBE_POLL = 0.05  # seconds between looks, while an offer's probes run, for the round having started here
 
 __all__ = ["Behind", "Final", "Holding", "JOIN", "OPEN", "RoundService", "STATUS", "WAIT", "start_from_wire",
            "start_to_wire"]
@@ -189,6 +193,10 @@ class RoundService:
         """The trainers of the run heard of lately and not banned, me included when I listen (`Roster.members`)."""
         return self.known.members()
 
+    def banned(self) -> set[bytes]:
+        """The peers this trainer's all-reduce banned (never members, never anchors of its outer state)."""
+        return self._banned()
+
     def suspect(self, peer: bytes) -> None:
         """`peer` refused a connection or did not answer in time: rank it last for a while (`Roster.suspect`)."""
         self.known.suspect(peer)
@@ -222,7 +230,11 @@ class RoundService:
                 self.stats["behind_answers"] += 1
                 return {"behind": holding.to_wire(), "roster": self.known.gossip()}
             if not insist:
-                redirect = await self._better_candidate(step, skipped, own=peer == self.me)
+                # given up as soon as another offer (my own, say) starts the round here: that one found the
+                # better-ranked candidates dead itself, and this offer waiting out its probes (an acknowledgement
+                # timeout) made the round wait past its window for its quorum (issue 34's frozen trainer)
+                redirect = await unless(lambda: step in self.rounds, PROBE_POLL, None, self._better_candidate,
+                                        step, skipped, peer == self.me)
                 if redirect is not None:
                     self.stats["redirects"] += 1
                     return {"redirect": [redirect[0], list(redirect[1])]}
@@ -240,7 +252,16 @@ class RoundService:
         if isinstance(verdict, Queued) and coordinated.core.poll(now) is not None:
             verdict = coordinated.core.verdict(peer)  # this offer completed the round: no long poll needed
         coordinated.wake()
-        return {**verdict_to_wire(verdict, now), "roster": self.known.gossip()}
+        return {**verdict_to_wire(verdict, now), "roster": self.known.gossip(), **self._suspects(step)}
+
+    def _suspects(self, step: int) -> dict[str, Any]:
+        """What a verdict of round `step` adds: the better-ranked candidates this coordinator found dead for it
+        (`_better_candidate`'s probes), so that every member ranks them last in the next rounds. A member whose
+        offer a round's opening took elsewhere while it waited on the frozen first candidate never suspected
+        that one itself, and when it ranked first again two rounds later, that member's offer waited on it a
+        second time (tests/scenarios/test_wan_training.py's frozen trainer, 1 run in 3)."""
+        dead = self._dead.get(step)
+        return {"suspects": sorted(dead)[:MAX_ROSTER]} if dead else {}
 
     async def _lone_round_void(self, step: int, coordinated: _Coordinated, offerer: bytes) -> bool:
         """True when round `step`, which I started, had one member, another than `offerer`, and that member
@@ -435,7 +456,7 @@ class RoundService:
             now = trio.current_time()
             verdict = coordinated.core.verdict(peer)
             if not isinstance(verdict, Queued) or now >= limit:
-                return verdict_to_wire(verdict, now)
+                return {**verdict_to_wire(verdict, now), **self._suspects(step)}
             changed = coordinated.changed
             with trio.move_on_at(limit):
                 await changed.wait()
@@ -482,10 +503,10 @@ class RoundService:
         return await self.client.intend(step, offer, timeout=timeout)
 
     async def await_step(self, step: int, holders: Sequence[tuple[bytes, Address | None]], *,
-                         deadline: float) -> Holding | None:
-        """The first answer of a holder that holds at least outer step `step` (`RoundClient.await_step`), or None
-        by `deadline`."""
-        return await self.client.await_step(step, holders, deadline=deadline)
+                         deadline: float, enough: Callable[[list[Holding]], bool] | None = None) -> Holding | None:
+        """The first answer of a holder that holds at least outer step `step` (`RoundClient.await_step`, which
+        says what `enough` does), or None by `deadline`."""
+        return await self.client.await_step(step, holders, deadline=deadline, enough=enough)
 
     async def _local(self, method: str, args: dict[str, Any]) -> dict[str, Any]:
         """A call of my client to myself as a candidate: answered here, without the network."""

@@ -228,6 +228,43 @@ async def test_an_offer_to_my_own_round_gives_up_at_its_deadline(autojump_clock)
         nursery.cancel_scope.cancel()
 
 
+async def _three_expecting_each_other(memory: MemoryNetwork, nursery: trio.Nursery
+                                     ) -> tuple[list, list[bytes], list[RoundService]]:
+    """Three trainers holding outer step 3, each knowing and expecting the two others: (peers, ids, services)."""
+    peers = await start_peers(nursery, 3, memory=memory, prefix="r", with_dht=False,
+                              identity_for=lambda name, seed: Identity.from_seed(name.encode() * 4))
+    ids = [bytes(p.rpc.peer_id) for p in peers]
+    everyone = {ids[i]: peers[i].address for i in range(3)}
+    services = []
+    for index, peer in enumerate(peers):
+        service = RoundService(
+            peer.rpc, RUN, QuorumPolicy(), holding=lambda: Holding(3, "h" * 8, ()),
+            expected=lambda step, me=ids[index]: {p: a for p, a in everyone.items() if p != me},
+            on_open=lambda step, closes_in: True, address=lambda peer=peer: peer.address)
+        services.append(await nursery.start(service.serve))
+        for other, address in everyone.items():
+            if other != ids[index]:
+                service.note(other, address)
+    return peers, ids, services
+
+
+async def _offers_at(peers: list, ids: list[bytes], services: list[RoundService], at: dict[int, float],
+                     within: float) -> dict[int, object]:
+    """Trainer `i` offers its contribution to round 3 at (virtual) time `at[i]`, each with `within` seconds to get a
+    verdict; returns the verdicts once every offer is answered."""
+    verdicts: dict[int, object] = {}
+
+    async def offer(index: int, when: float) -> None:
+        await trio.sleep(when)
+        verdicts[index] = await services[index].enter(
+            3, Offer(ids[index], 3, 10, "h" * 8, peers[index].address), deadline=trio.current_time() + within)
+
+    async with trio.open_nursery() as offers:
+        for index, when in at.items():
+            offers.start_soon(offer, index, when)
+    return verdicts
+
+
 async def test_an_offer_held_by_a_frozen_candidate_goes_to_the_coordinator_that_opened_the_round(autojump_clock):
     """Round 3's best-ranked candidate is frozen. The second offers at t=0, gives up on it after `ack_timeout`
     (2 s) and coordinates, its window opening at its own offer; the third offered at t=0.5, to the frozen one
@@ -235,38 +272,19 @@ async def test_an_offer_held_by_a_frozen_candidate_goes_to_the_coordinator_that_
     WAN scenario that arrival, 0.9 s after the opening, overran a 0.6 s window)."""
     memory = MemoryNetwork(latency=0.01, seed=1)
     async with trio.open_nursery() as nursery:
-        peers = await start_peers(nursery, 3, memory=memory, prefix="r", with_dht=False,
-                                  identity_for=lambda name, seed: Identity.from_seed(name.encode() * 4))
-        ids = [bytes(p.rpc.peer_id) for p in peers]
+        peers, ids, services = await _three_expecting_each_other(memory, nursery)
         frozen, coordinator, third = (ids.index(p) for p in coordinator_order(RUN, 3, ids))
-        everyone = {ids[i]: peers[i].address for i in range(3)}
-        services = []
-        for index, peer in enumerate(peers):
-            service = RoundService(
-                peer.rpc, RUN, QuorumPolicy(), holding=lambda: Holding(3, "h" * 8, ()),
-                expected=lambda step, me=ids[index]: {p: a for p, a in everyone.items() if p != me},
-                on_open=lambda step, closes_in: True, address=lambda peer=peer: peer.address)
-            services.append(await nursery.start(service.serve))
-            for other, address in everyone.items():
-                if other != ids[index]:
-                    service.note(other, address)
         memory.freeze(peers[frozen].name)
-        verdicts: dict[int, object] = {}
-
-        async def offer(index: int, at: float) -> None:
-            await trio.sleep(at)
-            verdicts[index] = await services[index].enter(
-                3, Offer(ids[index], 3, 10, "h" * 8, peers[index].address), deadline=trio.current_time() + 20)
-
-        with trio.fail_after(20):
-            async with trio.open_nursery() as offers:  # both offers answered
-                offers.start_soon(offer, coordinator, 0.0)
-                offers.start_soon(offer, third, 0.5)
+        with trio.fail_after(20):  # both offers answered
+            verdicts = await _offers_at(peers, ids, services, {coordinator: 0.0, third: 0.5}, within=20)
         start = verdicts[third]
         assert isinstance(start, Start) and start == verdicts[coordinator]
         assert start.peers == sorted([ids[coordinator], ids[third]])
         member = start.member(ids[third])
         assert member is not None and member.offset < 0.2, start  # 0.5 s (its own ack timeout) without the news
+        # its call to the frozen one was given up, not failed: the verdict carried the coordinator's finding, so
+        # its next offers go to the frozen one last (a round whose order puts it first again does not wait on it)
+        assert services[third].suspected(ids[frozen]) and not services[third].suspected(ids[coordinator])
         nursery.cancel_scope.cancel()
 
 
@@ -279,35 +297,51 @@ async def test_an_offer_the_second_candidate_answers_after_probing_the_frozen_fi
     `max_wait` (30 s) for the other, then averaged alone (two states for one outer step)."""
     memory = MemoryNetwork(latency=0.01, seed=1)
     async with trio.open_nursery() as nursery:
-        peers = await start_peers(nursery, 3, memory=memory, prefix="r", with_dht=False,
-                                  identity_for=lambda name, seed: Identity.from_seed(name.encode() * 4))
-        ids = [bytes(p.rpc.peer_id) for p in peers]
+        peers, ids, services = await _three_expecting_each_other(memory, nursery)
         frozen, second, third = (ids.index(p) for p in coordinator_order(RUN, 3, ids))
-        everyone = {ids[i]: peers[i].address for i in range(3)}
-        services = []
-        for index, peer in enumerate(peers):
-            service = RoundService(
-                peer.rpc, RUN, QuorumPolicy(), holding=lambda: Holding(3, "h" * 8, ()),
-                expected=lambda step, me=ids[index]: {p: a for p, a in everyone.items() if p != me},
-                on_open=lambda step, closes_in: True, address=lambda peer=peer: peer.address)
-            services.append(await nursery.start(service.serve))
-            for other, address in everyone.items():
-                if other != ids[index]:
-                    service.note(other, address)
         memory.freeze(peers[frozen].name)
-        verdicts: dict[int, object] = {}
-
-        async def offer(index: int, at: float) -> None:
-            await trio.sleep(at)
-            verdicts[index] = await services[index].enter(
-                3, Offer(ids[index], 3, 10, "h" * 8, peers[index].address), deadline=trio.current_time() + 60)
-
         began = trio.current_time()
-        async with trio.open_nursery() as offers:
-            offers.start_soon(offer, third, 0.0)
-            offers.start_soon(offer, second, 0.1)  # its own offer reaches it while it probes for the third
+        # the second's own offer reaches it while it probes for the third
+        verdicts = await _offers_at(peers, ids, services, {third: 0.0, second: 0.1}, within=60)
         start = verdicts[third]
         assert isinstance(start, Start) and start == verdicts[second], verdicts
         assert start.peers == sorted([ids[second], ids[third]])
         assert trio.current_time() - began < 10.0  # not max_wait
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_verdicts_suspects_count_only_when_ranked_before_its_coordinator(autojump_clock):
+    """A coordinator's suspects (`RoundService._suspects`) reorder the next rounds' candidates, so a member takes
+    only those the coordinator could have probed: ranked before it in that round. A lying coordinator cannot push
+    the trainers ranked after it down the order; malformed entries and the member itself are skipped."""
+    async with trio.open_nursery() as nursery:
+        peers, services = await _services(3, MemoryNetwork(latency=0.01, seed=1), nursery)
+        ids = [bytes(p.rpc.peer_id) for p in peers]
+        first, coordinator, last = (ids.index(p) for p in coordinator_order(RUN, 5, ids))
+        client = services[last].client
+        client._take_suspects([ids[first], ids[last], "not a peer id", 7], ids[coordinator], 5)
+        assert services[last].suspected(ids[first]) and not services[last].suspected(ids[last])
+        client = services[first].client
+        client._take_suspects([ids[last]], ids[coordinator], 5)  # ranked after the coordinator: not taken
+        assert not services[first].suspected(ids[last])
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_offer_waiting_on_probes_joins_at_once_when_the_round_starts_meanwhile(autojump_clock):
+    """Round 3's best-ranked candidate is frozen. The third offers at t=0: the frozen one holds it an ack timeout
+    (2 s), then the second gets it naming the frozen one as skipped and probes that one (2 s more). Meanwhile
+    the second's own offer (t=1) gave up on the frozen one at t=3 and started the round. The probing offer joins
+    that round at once instead of at the end of the probe: in the WAN scenario a round waited 1.6 s past its
+    0.6 s window for that member, its quorum."""
+    memory = MemoryNetwork(latency=0.01, seed=1)
+    async with trio.open_nursery() as nursery:
+        peers, ids, services = await _three_expecting_each_other(memory, nursery)
+        frozen, second, third = (ids.index(p) for p in coordinator_order(RUN, 3, ids))
+        memory.freeze(peers[frozen].name)
+        verdicts = await _offers_at(peers, ids, services, {third: 0.0, second: 1.0}, within=60)
+        start = verdicts[third]
+        assert isinstance(start, Start) and start == verdicts[second], verdicts
+        assert start.peers == sorted([ids[second], ids[third]])
+        member = start.member(ids[third])
+        assert member is not None and member.offset < 0.2, start  # 1 s (the rest of the probe) before
         nursery.cancel_scope.cancel()
