@@ -21,6 +21,7 @@ batched DHT read per cache period, not one per step.
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
@@ -312,11 +313,12 @@ class DHTGridOracle:
 
     Caching is what keeps a training step cheap: a 2-level grid costs two `get_many` calls per `ttl`, not per
     step. Experts that died since are not a problem for correctness: calls to them fail fast and the mixture
-    bans them (see `moe/mixture.py`); new experts appear after at most `ttl` seconds. A refresh of entries that
-    are already known waits at most `refresh_timeout` (and survives DHT errors): if the DHT is slow, e.g. while
-    its routing tables still hold a peer that just died, the step goes on with the previous answer and the
-    refresh is retried `retry_after` seconds later. The record layout and its validation live in `moe.declare`
-    (shared with the servers that write it)."""
+    bans them (see `moe/mixture.py`); new experts appear after at most `ttl` seconds, and an expert that reads stop
+    showing stays in view for `forget_after` (default 2 x ttl), since one read may reach only some replicas. A
+    refresh of entries that are already known waits at most `refresh_timeout` (and survives DHT errors): if the
+    DHT is slow, e.g. while its routing tables still hold a peer that just died, the step goes on with the
+    previous answer and the refresh is retried `retry_after` seconds later. The record layout and its validation
+    live in `moe.declare` (shared with the servers that write it)."""
 
     def __init__(
         self,
@@ -325,10 +327,13 @@ class DHTGridOracle:
         ttl: float = 5.0,
         refresh_timeout: float = 0.5,
         retry_after: float = 1.0,
+        forget_after: float | None = None,
         clock: Callable[[], float] = trio.current_time,
     ):
         self.dht = dht
         self.ttl = ttl
+        self.forget_after = 2 * ttl if forget_after is None else forget_after
+        self._last_read: dict[str, dict[int, float]] = {}  # key -> child -> when a read last showed it
         self.refresh_timeout = refresh_timeout
         self.retry_after = retry_after
         self._clock = clock
@@ -337,8 +342,12 @@ class DHTGridOracle:
         self.stale_answers = 0  # refreshes that gave up and served the previous answer
 
     def invalidate(self) -> None:
-        """Drop the cached prefixes: the next search reads the DHT again instead of waiting out `ttl`."""
-        self._cache.clear()
+        """Age the cached prefixes out: the next search reads the DHT again instead of waiting out `ttl`. The
+        children are kept: that read is a refresh, bounded by `refresh_timeout` with the previous answer as its
+        fallback. Dropped instead, the read after a forward short of experts (a daemon just killed, still in
+        the routing tables) was a first read with no timeout and no fallback: a slow or empty answer left the next
+        step without any expert to ask."""
+        self._cache = {key: (-math.inf, children) for key, (_, children) in self._cache.items()}
 
     async def children(self, prefixes: Sequence[str]) -> dict[str, dict[int, Any]]:
         now = self._clock()
@@ -370,8 +379,27 @@ class DHTGridOracle:
         else:
             fetched = await get_prefixes(self.dht, missing)
         for key in missing:
-            children = dict(fetched.get(key) or {})
-            self._cache[key] = (now + self.ttl, children)
+            read = dict(fetched.get(key) or {})
+            seen = self._last_read.setdefault(key, {})
+            for coord in read:
+                seen[coord] = now
+            children = dict(read)
+            known = self._cache.get(key)
+            if known is not None:
+                # Merged, not replaced: a read that reached only some replicas (a holder just died, a replica not
+                # yet merged) showed one daemon's experts alone, or none at all, and when that daemon was killed
+                # the step's replacement search found nobody else and failed (test_train's dead-daemon
+                # scenario). A child missing from reads is kept `forget_after` since a read last showed it (calls
+                # to one that died fail fast and ban it meanwhile), and such a read is repeated after
+                # `retry_after`, not `ttl`.
+                for coord, child in known[1].items():
+                    if coord not in children and now - seen.get(coord, -math.inf) <= self.forget_after:
+                        children[coord] = child
+            for coord in [c for c in seen if c not in children]:
+                del seen[coord]
+            partial = len(children) > len(read)
+            self.stale_answers += partial
+            self._cache[key] = (now + (self.retry_after if partial else self.ttl), children)
             found[key] = children
         return found
 

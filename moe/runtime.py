@@ -174,14 +174,15 @@ class ExpertRuntime:
         produced: list[KeptForward | None] = [None] * len(requests)
         direct: list[tuple[int, _Slot, Sequence[torch.Tensor], int]] = []
         queued: list[int] = []
+        for _, tensors in requests:  # checked before any lock is taken: a bad request leaves none held
+            if int(tensors[0].shape[0]) > self.max_batch_size:
+                raise ValueError(f"{int(tensors[0].shape[0])} samples exceed max_batch_size {self.max_batch_size}")
         for index, (uid, tensors) in enumerate(requests):
             slot = self._slots[uid]
             rows = int(tensors[0].shape[0])
-            if rows > self.max_batch_size:
-                raise ValueError(f"{rows} samples exceed max_batch_size {self.max_batch_size}")
             if (rows >= self.min_batch_size and not slot.lock.locked() and not slot.queues[FORWARD]
                     and not slot.queues[BACKWARD]):
-                slot.lock.acquire_nowait()  # never blocks, so holding several at once cannot deadlock
+                slot.lock.acquire_nowait()  # never blocks; held only while the direct batches run (below)
                 slot.requests[mode] += 1
                 direct.append((index, slot, tensors, rows))
             else:
@@ -195,17 +196,29 @@ class ExpertRuntime:
             except (ExpertComputeError, RuntimeNotRunning) as error:
                 results[index] = error
 
+        held = [slot for _, slot, _, _ in direct]
+
+        def release() -> None:
+            while held:
+                held.pop().lock.release()
+
         try:
             async with trio.open_nursery() as nursery:
                 for index in queued:
                     nursery.start_soon(through_queue, index)
                 if direct:
-                    outcomes = await self._execute_many(mode, direct, keep, graphs, produced)
+                    try:
+                        outcomes = await self._execute_many(mode, direct, keep, graphs, produced)
+                    finally:
+                        # Released as soon as their own batches are done, not when the queued requests are: two
+                        # calls that each took one expert directly and queued for the other's (one trainer's
+                        # call for ffn.4-6 and ffn.7, another's for ffn.7 and ffn.4-6) each held what the other
+                        # waited for, and a daemon served nothing until the callers' timeouts (5 s) cut them.
+                        release()
                     for (index, _, _, _), outcome in zip(direct, outcomes):
                         results[index] = outcome
         finally:
-            for _, slot, _, _ in direct:
-                slot.lock.release()
+            release()
         if kept_out is not None:
             kept_out[:] = produced
         else:

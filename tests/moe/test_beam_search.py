@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from contextlib import asynccontextmanager
 
 import pytest
 
@@ -249,7 +250,11 @@ async def test_dht_oracle_finds_the_true_top_k_caches_and_forgets_expired_expert
 
 
 
-async def test_dht_oracle_serves_the_previous_answer_when_a_refresh_hangs(autojump_clock):
+@asynccontextmanager
+async def _declared_grid(seed, wrap=lambda client: client):
+    """A 3x3 grid of alive experts declared on DHT node d0, read by a trainer through `DHTGridOracle(wrap(client),
+    ttl=5, refresh_timeout=0.5)` once (checked); yields (network, the wrapped client, the oracle, a search of the
+    top 2 for 4 samples, the uids it must find)."""
     import trio
 
     from moe.beam_search import DHTGridOracle
@@ -257,24 +262,114 @@ async def test_dht_oracle_serves_the_previous_answer_when_a_refresh_hangs(autoju
     from peer.p2p.net import MemoryNetwork
 
     network = MemoryNetwork(seed=6)
-    rng = random.Random(2)
+    rng = random.Random(seed)
     grid_size = (3, 3)
     alive = random_alive(rng, grid_size, 1.0)
     async with trio.open_nursery() as nursery:
         server = await nursery.start(_dht_node, network, "d0", [])
-        client = await nursery.start(_dht_node, network, "trainer", [server.address], True)
+        client = wrap(await nursery.start(_dht_node, network, "trainer", [server.address], True))
         for uid, location in alive.items():
             await server.store_many(declaration_items([uid], location.address, location.peer_id_hex, 1e9))
         oracle = DHTGridOracle(client, ttl=5.0, refresh_timeout=0.5)
         scores = random_scores(rng, grid_size, batch=4)
+
+        async def search():
+            return [[c.uid for c in s] for s in await find_best_experts(oracle, "ffn", grid_size, scores, 2)]
+
         expected = brute_force_top_k("ffn", grid_size, scores, 2, alive)
-        first = await find_best_experts(oracle, "ffn", grid_size, scores, 2)
-        assert [[c.uid for c in s] for s in first] == expected
+        assert await search() == expected
+        yield network, client, oracle, search, expected
+        nursery.cancel_scope.cancel()
+
+
+async def test_dht_oracle_serves_the_previous_answer_when_a_refresh_hangs(autojump_clock):
+    import trio
+
+    async with _declared_grid(2) as (network, _, oracle, search, expected):
         network.freeze("d0")  # the only DHT peer hangs: lookups wait for their timeouts
         await trio.sleep(10.0)  # the cache is stale
         start = trio.current_time()
-        again = await find_best_experts(oracle, "ffn", grid_size, scores, 2)
-        assert [[c.uid for c in s] for s in again] == expected
+        assert await search() == expected
         assert trio.current_time() - start == pytest.approx(1.0)  # two levels, 0.5 s each, then stale answers
         assert oracle.stale_answers == 2
-        nursery.cancel_scope.cancel()
+
+
+async def test_an_invalidated_oracle_refreshes_but_keeps_its_answer_when_the_dht_hangs(autojump_clock):
+    """A forward short of experts invalidates the view (a daemon was just killed); the next search reads the DHT
+    again, and when that read hangs (the dead node still in the routing tables, a loaded machine) it serves the
+    previous children after `refresh_timeout` instead of an empty grid (which failed the next step too)."""
+    import trio
+
+    async with _declared_grid(3) as (network, _, oracle, search, expected):
+        lookups = oracle.lookups
+        network.freeze("d0")
+        oracle.invalidate()  # well within the cache period
+        start = trio.current_time()
+        again = await search()
+        assert oracle.lookups > lookups  # it did read again
+        assert again == expected
+        assert trio.current_time() - start == pytest.approx(1.0) and oracle.stale_answers == 2
+
+
+class _Missing:
+    """A DHT client, except that its reads find no record while `missing`."""
+
+    def __init__(self, inner):
+        self.inner, self.missing = inner, False
+
+    async def get_many(self, keys):
+        return {} if self.missing else await self.inner.get_many(keys)
+
+    def now(self):
+        return self.inner.now()
+
+
+async def test_a_refresh_that_reads_no_children_for_a_known_prefix_keeps_the_known_ones(autojump_clock):
+    """A lookup that misses the grid's record (its holder was just killed, a replica not yet merged) answers
+    "no children": served as such, every sample of the next step would find no expert and the step would fail.
+    The known children are served again, and read anew after `retry_after`."""
+    import trio
+
+    async with _declared_grid(4, wrap=_Missing) as (_, dht, oracle, search, expected):
+        dht.missing = True
+        oracle.invalidate()
+        assert await search() == expected and oracle.stale_answers >= 1
+        dht.missing = False
+        await trio.sleep(1.5)  # past retry_after: read again, and what the DHT says now is taken
+        assert await search() == expected
+
+
+class _Partial:
+    """A DHT client whose reads of the grid's top prefix lack the children in `drop` (a replica that never got
+    their declarations)."""
+
+    def __init__(self, inner):
+        self.inner, self.drop = inner, set()
+
+    async def get_many(self, keys):
+        from types import SimpleNamespace
+
+        records = await self.inner.get_many(keys)
+        record = records.get("ffn.")
+        if record is not None and self.drop:
+            records["ffn."] = SimpleNamespace(subkeys={k: v for k, v in record.subkeys.items() if k not in self.drop})
+        return records
+
+    def now(self):
+        return self.inner.now()
+
+
+async def test_a_refresh_that_reads_only_some_children_keeps_the_others_for_a_while(autojump_clock):
+    """A read that reaches only some replicas shows some experts alone: replacing the view with it left a step
+    whose experts were all on a daemon just killed with nobody to fall back on. Children missing from reads are
+    kept for `forget_after` (2 x ttl), then dropped."""
+    import trio
+
+    async with _declared_grid(5, wrap=_Partial) as (_, dht, oracle, search, expected):
+        dht.drop = {0, 1}
+        oracle.invalidate()
+        assert await search() == expected  # rows 0 and 1 kept
+        await trio.sleep(6.0)  # one ttl later, still within forget_after of the last read that showed them
+        assert await search() == expected
+        await trio.sleep(6.0)  # past forget_after: every read since lacked them
+        assert all(uid.startswith("ffn.2.") for sample in await search() for uid in sample)

@@ -2,10 +2,12 @@
 
 import copy
 import math
+import threading
 
 import pytest
 import torch
 import trio
+import trio.testing
 from torch import nn
 
 from moe.experts import ExpertKind, OptimizerConfig, make_expert, register_expert_kind
@@ -199,3 +201,44 @@ async def test_a_full_batch_is_not_held_back_by_an_older_one_that_cannot_fill(au
         nursery.cancel_scope.cancel()
     assert finished["forward"] - start == pytest.approx(1.0)  # full: served at once, although younger
     assert finished["backward"] - start == pytest.approx(10.0)  # alone: served when its batch_timeout expired
+
+
+async def test_a_batched_call_frees_its_direct_experts_before_its_queued_ones_are_served():
+    """`run_many` computes idle experts at once under their locks and queues the busy ones. Held until the queued
+    ones were served, those locks deadlocked two calls that each took one expert directly and queued for the
+    other's: a daemon of test_train's dead-daemon scenario served nothing until its callers' 5 s timeouts. Here
+    e1 is computed directly while e2 is busy (an exclusive section that waits for the test): another caller of
+    e1 must be served meanwhile."""
+    experts = {uid: make_expert(uid, "ffn", 4, seed=i) for i, uid in enumerate(("e1", "e2"))}
+    runtime = ExpertRuntime(experts, inline_threshold=math.inf)
+    busy, release = threading.Event(), threading.Event()
+
+    def hold(expert):
+        busy.set()
+        release.wait(30)
+
+    x = torch.randn(2, 4)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runtime.run)
+        nursery.start_soon(runtime.exclusive, "e2", hold)
+        await trio.to_thread.run_sync(busy.wait, 30)
+        batched, batched_done = [], trio.Event()
+
+        async def call_both():
+            batched.extend(await runtime.run_many("forward", [("e1", [x]), ("e2", [x])]))
+            batched_done.set()
+
+        nursery.start_soon(call_both)
+        await trio.testing.wait_all_tasks_blocked()  # it computed e1 and waits for e2
+        try:
+            with trio.fail_after(10):  # a deadlock waits for the exclusive section, i.e. forever here
+                (alone,) = await runtime.forward("e1", [x])
+            assert not batched  # the batched call still waits for e2
+        finally:
+            release.set()
+        with trio.fail_after(10):
+            await batched_done.wait()
+        nursery.cancel_scope.cancel()
+    torch.testing.assert_close(alone, experts["e1"].module(x).detach())
+    torch.testing.assert_close(batched[0][0], alone)
+    torch.testing.assert_close(batched[1][0], experts["e2"].module(x).detach())
