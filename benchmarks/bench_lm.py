@@ -18,6 +18,13 @@ held-out text (`gzip_bpb`: compressed bits per byte). With `--long-steps N` a lo
 With `--in-flight N` (default 4) the swarm run is repeated with N `--steps-in-flight` (`peer.steps`): its held-out
 figure and its training time against the sequential swarm run's (`in_flight_bpb`, `in_flight_time_ratio`).
 
+With `--expert-compression CODEC` (default int8; none skips it) the sequential swarm run is repeated with the
+expert calls' activations and gradients in that codec: the expert calls' tensor bytes per token, exact over
+compressed (`expert_bytes_ratio`, target >= 4 with 8 bits), and its held-out figure against the exact run's
+(`compressed_bpb`, `compressed_bpb_gap`: relative, target within 2%), on daemons started afresh with the
+identities of the exact run's (so their experts start from the same weights): the other swarm runs meet experts
+already trained.
+
 Ends with one JSON line: `swarm_bpb`, `local_bpb`, `bpb_gap`, `time_ratio` (swarm / local training seconds),
 `gzip_bpb`, `long_bpb`, the profile and the settings. Targets: bpb within 2%, time ratio <= 1.5, long_bpb below
 gzip_bpb.
@@ -36,7 +43,9 @@ import gzip
 import io
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -53,11 +62,17 @@ from peer.testing.peer_processes import PeerProcess, start_daemon_chain, stop_al
 PREFIX = "lm"
 
 
+IDENTITIES = Path(tempfile.mkdtemp(prefix="bench-lm-"))
+
+
 def start_daemons(count: int, layers: int, per_layer: int, hidden_dim: int) -> tuple[list[PeerProcess], str]:
-    """`peer join` processes each serving its slice of every layer's grid; returns them and the bootstrap."""
+    """`peer join` processes each serving its slice of every layer's grid; returns them and the bootstrap. Each
+    daemon index keeps its identity across calls (a key file in IDENTITIES), so its experts start from the same
+    weights every time (a daemon seeds them from its peer id)."""
     per = -(-per_layer // count)
     slices = [["--experts", f"{PREFIX}.[0:{layers}].[{index * per}:{min(per_layer, (index + 1) * per)}]",
-               "--hidden-dim", str(hidden_dim), "--log-level", "warning"] for index in range(count)]
+               "--hidden-dim", str(hidden_dim), "--log-level", "warning",
+               "--identity", str(IDENTITIES / f"daemon-{index}.key")] for index in range(count)]
     return start_daemon_chain(slices, timeout=120.0)
 
 
@@ -143,6 +158,8 @@ def main() -> None:
     parser.add_argument("--in-flight", type=int, default=4,
                         help="a second swarm run with this many --steps-in-flight, beside the sequential one "
                              "(1: skip it)")
+    parser.add_argument("--expert-compression", default="int8", choices=["none", "float16", "uint8", "int8"],
+                        help="a third swarm run with this codec on the expert calls (none: skip it)")
     options = parser.parse_args()
 
     grid = f"{options.layers}x{options.experts_per_layer}"
@@ -177,6 +194,16 @@ def main() -> None:
                    if options.profile_steps > 0 else None)
     finally:
         stop_all(daemons)
+    compressed = None
+    if options.expert_compression != "none":  # on fresh daemons (seeded experts): as untrained as the exact run's
+        daemons, bootstrap = start_daemons(options.daemons, options.layers, options.experts_per_layer,
+                                           options.hidden_dim)
+        try:
+            on_swarm[on_swarm.index("--initial-peers") + 1] = bootstrap
+            compressed = run(common + on_swarm + ["--steps-in-flight", "1", "--expert-compression",
+                                                  options.expert_compression])
+        finally:
+            stop_all(daemons)
     print(f"swarm : held-out {swarm['bpb']:.3f} bits per byte (from {swarm['bpb_start']:.3f}), "
           f"training {swarm['train_seconds']:.2f} s on {options.daemons} daemons, "
           f"{swarm.get('failed_expert_calls', 0)} failed expert calls, {swarm['failed_steps']} failed steps")
@@ -184,6 +211,16 @@ def main() -> None:
         print(f"swarm with {options.in_flight} steps in flight: held-out {in_flight['bpb']:.3f} bits per byte, "
               f"training {in_flight['train_seconds']:.2f} s ({in_flight['train_seconds'] / swarm['train_seconds']:.2f}"
               f" of the sequential swarm run's), {in_flight['failed_steps']} failed steps")
+    tokens = options.steps * options.batch_size * options.seq_len
+    bytes_ratio = compressed_gap = None
+    if compressed is not None:
+        bytes_ratio = swarm["expert_tensor_bytes"] / compressed["expert_tensor_bytes"]  # same tokens in both
+        compressed_gap = (compressed["bpb"] - swarm["bpb"]) / swarm["bpb"]
+        print(f"swarm with --expert-compression {options.expert_compression}: held-out {compressed['bpb']:.3f} bits "
+              f"per byte ({100 * compressed_gap:+.2f}% of the exact run's, target within 2%), expert-call tensor "
+              f"bytes per token {compressed['expert_tensor_bytes'] / tokens:.0f} against "
+              f"{swarm['expert_tensor_bytes'] / tokens:.0f} exact ({bytes_ratio:.2f}x fewer, target >= 4), "
+              f"training {compressed['train_seconds']:.2f} s, {compressed['failed_steps']} failed steps")
     ratio = swarm["train_seconds"] / local["train_seconds"]
     gap = (swarm["bpb"] - local["bpb"]) / local["bpb"]
     print(f"time ratio swarm/local {ratio:.2f} (target <= 1.5); bpb gap {100 * gap:+.2f}% (target within 2%)")
@@ -221,6 +258,11 @@ def main() -> None:
         "in_flight_time_ratio": None if in_flight is None else round(
             in_flight["train_seconds"] / swarm["train_seconds"], 3),
         "in_flight_failed_steps": None if in_flight is None else in_flight["failed_steps"],
+        "expert_compression": options.expert_compression,
+        "expert_bytes_ratio": None if bytes_ratio is None else round(bytes_ratio, 3),
+        "compressed_bpb": None if compressed is None else round(compressed["bpb"], 4),
+        "compressed_bpb_gap": None if compressed_gap is None else round(compressed_gap, 4),
+        "expert_bytes_per_token": round(swarm["expert_tensor_bytes"] / tokens, 1),
         "steps": options.steps, "batch_size": options.batch_size, "seq_len": options.seq_len,
         "hidden_dim": options.hidden_dim, "layers": options.layers, "experts_per_layer": options.experts_per_layer,
         "k_best": options.k_best, "daemons": options.daemons, "target_batch_size": options.target_batch_size,
@@ -229,4 +271,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        shutil.rmtree(IDENTITIES, ignore_errors=True)

@@ -202,6 +202,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--skip", default="", help="batch1,throughput")
     args = parser.parse_args()
+    if args.py_spy is not None and not (os.path.isfile(args.py_spy) and os.access(args.py_spy, os.X_OK)):
+        parser.error(f"--py-spy {args.py_spy}: no executable there (pip install py-spy; then .venv/bin/py-spy)")
     skip = set(filter(None, args.skip.split(",")))
     result: dict = {}
     with tempfile.TemporaryDirectory() as workdir:

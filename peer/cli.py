@@ -26,6 +26,7 @@ from peer.options import (
     SWARM_COMPOSE,
     SWARM_UP,
     TRAIN,
+    TRAIN_SIGNALS_EPILOG,
     OptionParser,
     UsageError,
 )
@@ -161,12 +162,6 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------------------- train
-
-
-TRAIN_SIGNALS_EPILOG = (
-    "SIGINT (Ctrl-C) or SIGTERM ends the run after the current step: it is evaluated and the result line written "
-    "with \"interrupted\": true; exit status 0 for a finished run, 130 after SIGINT, 143 after SIGTERM, 1 on an "
-    "error. A second signal exits at once.")
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -31,7 +31,8 @@ from moe.errors import NotEnoughExperts
 from moe.experts import make_expert
 from moe.mixture import RemoteMixtureOfExperts
 from peer.corpus import Corpus, WindowStream, evaluation_windows, load_corpus
-from peer.train import GridTask
+from peer.p2p.wire import Compression
+from peer.tasks import GridTask, LocalMixtureOfExperts, discover_swarm_experts, expert_settings, grid_uids, run_seed
 
 LOCAL_DEFAULTS = {"hidden_dim": 64, "expert_prefix": "lm", "grid_size": "2x12"}
 EVAL_WINDOWS = 128  # held-out windows of --seq-len bytes: 8192 predicted bytes at the default length
@@ -96,8 +97,6 @@ class ByteLM(nn.Module):
         return [b.ffn for b in self.blocks if isinstance(b.ffn, RemoteMixtureOfExperts)]
 
     def local_expert_modules(self) -> nn.ModuleList:
-        from peer.train import LocalMixtureOfExperts
-
         experts = nn.ModuleList()
         for block in self.blocks:
             if isinstance(block.ffn, LocalMixtureOfExperts):
@@ -115,8 +114,6 @@ def layer_grid(grid: Sequence[int]) -> tuple[int, tuple[int, ...]]:
 def build_lm(args: argparse.Namespace, swarm: SwarmHandle | None) -> ByteLM:
     """The model of `args` (hidden size, prefix, grid, seq length); the same initial weights for every trainer
     of a run (seeded by the run id)."""
-    from peer.train import LocalMixtureOfExperts, expert_settings, grid_uids, run_seed
-
     hidden_dim, prefix, grid = expert_settings(args)
     layers, per_layer = layer_grid(grid)
     with torch.random.fork_rng(devices=[]):
@@ -137,7 +134,8 @@ def build_lm(args: argparse.Namespace, swarm: SwarmHandle | None) -> ByteLM:
                 ffns.append(RemoteMixtureOfExperts(
                     hidden_dim, per_layer, f"{prefix}.{layer}", k_best=args.k_best, k_min=1,
                     timeout_after_k_min=args.expert_grace, forward_timeout=args.expert_timeout,
-                    backward_timeout=args.expert_timeout, swarm=swarm, blacklist=blacklist))
+                    backward_timeout=args.expert_timeout, swarm=swarm, blacklist=blacklist,
+                    compression=Compression[args.expert_compression.upper()]))
         return ByteLM(hidden_dim, args.seq_len, ffns)
 
 
@@ -189,8 +187,6 @@ class LMTask(GridTask):
 
     def discover(self, args: argparse.Namespace, swarm: SwarmHandle) -> argparse.Namespace:
         """Prefix, grid and hidden size from the swarm (the `lm` family unless --expert-prefix names another)."""
-        from peer.train import discover_swarm_experts
-
         wanted = argparse.Namespace(**vars(args))
         if wanted.expert_prefix is None:
             wanted.expert_prefix = LOCAL_DEFAULTS["expert_prefix"]

@@ -20,7 +20,7 @@ import difflib
 import math
 import sys
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Generic, Iterable, NoReturn, Sequence, TypeVar, overload
 
@@ -184,6 +184,33 @@ class Switch(Kind):
         return value
 
 
+HF_PREFIX = "hf:"  # --model hf:FOLDER: a Hugging Face causal LM from a local folder
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """`PACKAGE.MODULE:FACTORY` and the keyword arguments the factory is called with: the value of --model, kept
+    beside its option (parsing it imports nothing; `peer.user_model` builds the model from it)."""
+
+    factory: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, text: str, kwargs: dict[str, Any] | None = None) -> "ModelSpec":
+        if text.startswith(HF_PREFIX):
+            if not text[len(HF_PREFIX):]:
+                raise ValueError(f"{text!r} names no folder (hf:FOLDER, a save_pretrained folder or one holding "
+                                 f"config.json)")
+            return cls(text, dict(kwargs or {}))
+        module, sep, name = text.partition(":")
+        if not sep or not name.isidentifier() or not all(part.isidentifier() for part in module.split(".")):
+            raise ValueError(f"{text!r} is not PACKAGE.MODULE:FACTORY (e.g. mymodel:build)")
+        return cls(text, dict(kwargs or {}))
+
+    def __str__(self) -> str:
+        return self.factory
+
+
 class ModelSpecKind(Kind):
     """`PACKAGE.MODULE:FACTORY` on the command line; in a config file the same string, or a `[model]` table with
     `factory` and the keyword arguments the factory is called with."""
@@ -206,12 +233,16 @@ class ModelSpecKind(Kind):
 
     @staticmethod
     def _parse(text: str, kwargs: dict[str, Any]) -> Any:
-        from peer.user_model import ModelSpec  # only when a model is given: it brings torch
-
         try:
             return ModelSpec.parse(text, kwargs)
         except ValueError as error:
             raise OptionError(str(error)) from None
+
+
+TRAIN_SIGNALS_EPILOG = (
+    "SIGINT (Ctrl-C) or SIGTERM ends the run after the current step: it is evaluated and the result line written "
+    "with \"interrupted\": true; exit status 0 for a finished run, 130 after SIGINT, 143 after SIGTERM, 1 on an "
+    "error. A second signal exits at once.")
 
 
 def parse_grid_size(text: str | int) -> tuple[int, ...]:
@@ -709,6 +740,9 @@ TRAIN = OptionSet("peer train", [
     Option("expert-timeout", POSITIVE, 5.0, "seconds per expert call", metavar="SECONDS"),
     Option("expert-grace", NOT_NEGATIVE, 0.2, "seconds to wait for more experts once every sample has one answer",
            metavar="SECONDS"),
+    Option("expert-compression", Text(["none", "float16", "uint8", "int8"]), "none", "codec of the activations and "
+           "gradients on expert calls, both ways: int8 (blocks of 256 values with a power-of-two scale each, error at "
+           "most 1/254 of a block's largest value) sends about 3.9x fewer tensor bytes; calls under 1 KB go exact"),
     Option("seed", Integer(), 0, "order of the batches"),
     Option("checkpoint", PATH, None, "save the trained model here", shown_default="none: not saved"),
     Option("log-every", POSITIVE_INT, 20, "steps between progress lines"),

@@ -32,7 +32,6 @@ import collections
 import contextlib
 import dataclasses
 import datetime
-import hashlib
 import json
 import math
 import os
@@ -44,17 +43,42 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TextIO
 
 import torch
+import trio
 from torch import nn
 
+from averaging.collaborative import CollaborativeOptimizer
+from averaging.diloco import DiLoCoHooks, DiLoCoOptimizer
+from averaging.quorum import QuorumPolicy
+from averaging.schema import MISMATCHES
 from dht.client import SwarmHandle
-from peer.options import TRAIN, OptionParser, parse_grid_size
+from moe.declare import get_experts
+from moe.errors import NotEnoughExperts
+from moe.experts import make_expert
+from moe.mixture import RemoteMixtureOfExperts
+from moe.pipeline import StepResult
+from peer.client import Swarm, normalize_peers
+from peer.dashboard.training import publish_point
+from peer.lm import ByteLM, LMTask
+from peer.metrics import PeerMetrics, SwarmCollector, peer_metrics
+from peer.options import TRAIN, TRAIN_SIGNALS_EPILOG, OptionParser, parse_grid_size
+from peer.p2p.addresses import local_host_towards
+from peer.p2p.bridge import Bridge
+from peer.p2p.identity import load_membership
+from peer.p2p.wire import Compression, set_default_density
+from peer.steps import step_runner
+from peer.tasks import (
+    BatchStream,
+    GridTask,
+    LocalMixtureOfExperts,
+    discover_swarm_experts,
+    expert_settings,
+    grid_uids,
+    run_seed,
+)
+from peer.user_model import UserTask
 
 if TYPE_CHECKING:
-    from averaging.diloco import DiLoCoHooks
     from averaging.optimizer import SwarmOptimizer
-    from moe.mixture import RemoteMixtureOfExperts
-    from peer.lm import LMTask
-    from peer.user_model import UserTask
 
 parse_grid = parse_grid_size  # '12' -> (12,), '4x4' -> (4, 4)
 
@@ -85,66 +109,7 @@ def load_digits_split(seed: int = DIGITS_SPLIT_SEED) -> tuple[torch.Tensor, torc
     return x[train], y[train], x[test], y[test]
 
 
-class BatchStream:
-    """Shuffled mini-batches of rows, epoch after epoch, from a seeded generator (a batch is at most every row)."""
-
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int):
-        self.x, self.y, self.batch_size = x, y, min(batch_size, len(x))
-        self.generator = torch.Generator().manual_seed(seed)
-        self._order = torch.empty(0, dtype=torch.long)
-        self._position = 0
-
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._position + self.batch_size > len(self._order):
-            self._order = torch.randperm(len(self.x), generator=self.generator)
-            self._position = 0
-        index = self._order[self._position:self._position + self.batch_size]
-        self._position += self.batch_size
-        return self.x[index], self.y[index]
-
-
 # ------------------------------------------------------------------------------------------------ model
-
-
-def grid_uids(prefix: str, grid: Sequence[int]) -> list[str]:
-    from moe.grid import make_uid
-
-    return [make_uid(prefix, coords) for coords in _coords(grid)]
-
-
-def _coords(grid: Sequence[int]) -> list[tuple[int, ...]]:
-    coords: list[tuple[int, ...]] = [()]
-    for size in grid:
-        coords = [c + (i,) for c in coords for i in range(size)]
-    return coords
-
-
-class LocalMixtureOfExperts(nn.Module):
-    """The same computation as `moe.mixture.RemoteMixtureOfExperts` with the experts in this process: a gate
-    over the grid (one linear score per coordinate, an expert's score is the sum over its coordinates), each
-    sample's `k_best` best experts, their outputs mixed with a softmax over the chosen scores."""
-
-    def __init__(self, in_features: int, grid_size: Sequence[int], experts: Sequence[nn.Module], k_best: int):
-        super().__init__()
-        self.grid_size = tuple(grid_size)
-        self.k_best = min(k_best, len(experts))
-        self.gate = nn.Linear(in_features, sum(self.grid_size))
-        self.experts = nn.ModuleList(experts)
-        coords = torch.tensor(_coords(self.grid_size), dtype=torch.long)  # [E, ndim]
-        offsets = torch.tensor([0, *self.grid_size[:-1]]).cumsum(0)
-        self.register_buffer("score_index", coords + offsets, persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.gate(x)  # [B, sum(grid)]
-        scores = logits[:, self.score_index].sum(-1)  # [B, E]
-        top, chosen = scores.topk(self.k_best, dim=1)  # [B, k]
-        weights = torch.softmax(top, dim=1)
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            rows, slots = (chosen == e).nonzero(as_tuple=True)
-            if len(rows):
-                out = out.index_add(0, rows, weights[rows, slots].unsqueeze(1) * expert(x[rows]))
-        return out
 
 
 class DigitsModel(nn.Module):
@@ -163,8 +128,6 @@ class DigitsModel(nn.Module):
 
     def remote_mixture(self) -> RemoteMixtureOfExperts:
         """The mixture of a model built on a swarm (its experts are remote)."""
-        from moe.mixture import RemoteMixtureOfExperts
-
         if not isinstance(self.moe, RemoteMixtureOfExperts):
             raise TypeError("this model mixes local experts")
         return self.moe
@@ -183,14 +146,6 @@ class DigitsModel(nn.Module):
         return self.local_mixture().experts
 
 
-def run_seed(run_id: str) -> int:
-    """Every trainer of a run starts from the same weights (derived from the run id), so averaging starts from
-    agreement; `--seed` only changes the order of the batches."""
-    return int.from_bytes(hashlib.sha256(run_id.encode()).digest()[:4], "big")
-
-
-LOCAL_EXPERT_DEFAULTS = {"hidden_dim": 64, "expert_prefix": "ffn", "grid_size": "12"}
-SWARM_WAIT = 15.0  # seconds to wait for a swarm whose daemons have not declared experts yet
 _FAILURES_KEPT = 20  # failed steps the result line lists (each also has a `failed_step` line of its own)
 
 
@@ -199,63 +154,23 @@ def _utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
 
 
-def expert_settings(args: argparse.Namespace) -> tuple[int, str, tuple[int, ...]]:
-    """(hidden_dim, expert_prefix, grid) of the model: as given, else `LOCAL_EXPERT_DEFAULTS` (on a swarm,
-    `run_training` fills the missing ones from the swarm before the model is built)."""
-    values: dict[str, Any] = {name: default if getattr(args, name, None) is None else getattr(args, name)
-              for name, default in LOCAL_EXPERT_DEFAULTS.items()}
-    return values["hidden_dim"], values["expert_prefix"], parse_grid(values["grid_size"])
-
-
-def discover_swarm_experts(args: argparse.Namespace, swarm: SwarmHandle) -> argparse.Namespace:
-    """A copy of `args` whose --hidden-dim, --expert-prefix and --grid-size left out (None) are the swarm's,
-    checked against what the daemons declare (see `peer.discover`): a mismatch fails here, in seconds, with
-    one line naming both sides, instead of after the whole retry budget of failed steps."""
-    from peer.discover import discover_experts
-
-    def waiting(waited: float, wait: float) -> None:
-        print(f"peer train: no experts declared in the swarm yet, waiting ({waited:.0f} s of {wait:g} s)",
-              file=sys.stderr, flush=True)
-
-    async def discover() -> Any:
-        return await discover_experts(swarm.dht, hidden_dim=args.hidden_dim, prefix=args.expert_prefix,
-                                      grid_size=args.grid_size, wait=SWARM_WAIT, on_wait=waiting)
-
-    found = swarm.run(discover)
-    resolved = argparse.Namespace(**vars(args))
-    resolved.hidden_dim, resolved.expert_prefix, resolved.grid_size = found.hidden_dim, found.prefix, found.grid_size
-    return resolved
-
-
 def build_model(args: argparse.Namespace, swarm: SwarmHandle | None) -> DigitsModel:
     hidden_dim, prefix, grid = expert_settings(args)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(run_seed(args.run_id))
         if swarm is None:
-            from moe.experts import make_expert
-
             experts = [make_expert(uid, "ffn", hidden_dim, seed=run_seed(uid)).module
                        for uid in grid_uids(prefix, grid)]
             mixture: LocalMixtureOfExperts | RemoteMixtureOfExperts = LocalMixtureOfExperts(
                 hidden_dim, grid, experts, args.k_best)
         else:
-            from moe.mixture import RemoteMixtureOfExperts
-
             mixture = RemoteMixtureOfExperts(
                 hidden_dim, grid, prefix, k_best=args.k_best, k_min=1,
                 timeout_after_k_min=args.expert_grace, forward_timeout=args.expert_timeout,
                 backward_timeout=args.expert_timeout, swarm=swarm,
+                compression=Compression[args.expert_compression.upper()],
             )
         return DigitsModel(hidden_dim, mixture)
-
-
-class GridTask:
-    """The hook the tasks whose model holds a grid of experts (`DigitsTask`, `peer.lm.LMTask`) share: their
-    experts are the grid that --expert-prefix and --grid-size name (once the swarm filled them in)."""
-
-    def expert_uids(self, args: argparse.Namespace) -> list[str]:
-        _, prefix, grid = expert_settings(args)
-        return grid_uids(prefix, grid)
 
 
 class DigitsTask(GridTask):
@@ -295,14 +210,10 @@ def make_task(args: argparse.Namespace) -> DigitsTask | LMTask | UserTask:
     """The task object: peer.user_model.UserTask with --model, else that of `--task` (DigitsTask or
     peer.lm.LMTask)."""
     if getattr(args, "model", None) is not None:
-        from peer.user_model import UserTask
-
         return UserTask(args)
     if getattr(args, "data", None) is not None:
         raise ValueError("--data needs --model (the digits and lm tasks bring their own data)")
     if getattr(args, "task", "digits") == "lm":
-        from peer.lm import LMTask
-
         return LMTask(args)
     return DigitsTask(args)
 
@@ -318,8 +229,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> OptionParser:
     """`python -m peer.train`'s parser: the same options as `peer train`, `--config` included; a usage error
     prints one line and exits 2."""
-    from peer.cli import TRAIN_SIGNALS_EPILOG
-
     parser = OptionParser(prog="peer train", description=__doc__.split("\n")[0], exits=True,
                           epilog=TRAIN_SIGNALS_EPILOG)
     add_arguments(parser)
@@ -347,7 +256,6 @@ class _Meter:
 
 def _experts_alive(swarm: SwarmHandle, model: Any, uids: list[str]) -> int:
     """Experts declared in the DHT right now and not banned by this trainer after a failure."""
-    from moe.declare import get_experts
 
     async def count() -> int:
         found = await get_experts(swarm.dht, uids)
@@ -498,6 +406,13 @@ def _failed_expert_calls(model: Any, swarm: SwarmHandle | None) -> int:
                    for m in model.remote_mixtures()))
 
 
+def _expert_tensor_bytes(model: Any) -> dict[str, int]:
+    """The expert calls' tensor bytes both ways, as sent (`--expert-compression`) and as they would go exact."""
+    mixtures = model.remote_mixtures()
+    return {"expert_tensor_bytes": int(sum(m.client.stats["tensor_bytes"] for m in mixtures)),
+            "expert_tensor_bytes_exact": int(sum(m.client.stats["tensor_bytes_exact"] for m in mixtures))}
+
+
 def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]], None] | None = None,
                  stop: StopSignal | None = None, hooks: DiLoCoHooks | None = None) -> dict[str, Any]:
     """Train as configured by `args` (see `add_arguments`); print progress and the result; return the result.
@@ -505,10 +420,6 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
     requested (`peer train` installs it for SIGINT/SIGTERM) the run ends after the current step: it is
     evaluated and its result (`"interrupted": true`, `"steps"` done) written as usual. `hooks`: test hooks of
     the DiLoCo optimizer (`averaging.diloco.DiLoCoHooks`; tests pass them, the command line cannot)."""
-    from averaging.schema import MISMATCHES
-    from moe.errors import NotEnoughExperts
-    from moe.pipeline import StepResult
-    from peer.steps import step_runner
 
     mismatch_mark = MISMATCHES.mark()
     torch.set_num_threads(args.threads)
@@ -530,9 +441,6 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
         if args.initial_peers and (diloco or remote_experts or not getattr(task, "remote_experts", True)):
             # with --algorithm diloco and --local-experts, the swarm only carries the averaging: every
             # parameter lives in this trainer (the setting DiLoCo is made for)
-            from peer.client import Swarm, normalize_peers
-            from peer.p2p.addresses import local_host_towards
-            from peer.p2p.identity import load_membership
 
             peers = normalize_peers(args.initial_peers)
             swarm_key, allowed_peers = load_membership(getattr(args, "swarm_key", None),
@@ -546,7 +454,6 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
         uids = task.expert_uids(args)
         model = task.build_model(args, experts_swarm)
         if args.local_experts and getattr(task, "remote_experts", True):  # experts learn at the daemons' rate
-            from peer.lm import ByteLM
 
             assert isinstance(model, (DigitsModel, ByteLM))
             local_experts = model.local_expert_modules()
@@ -690,6 +597,8 @@ def run_training(args: argparse.Namespace, on_progress: Callable[[dict[str, Any]
         if optimizer is not None:
             result.update(optimizer.report(final=True))
             result["failed_expert_calls"] = _failed_expert_calls(model, experts_swarm)
+            if experts_swarm is not None:
+                result.update(_expert_tensor_bytes(model))
         if swarm is not None and swarm.reached is not None:  # how others reached this trainer (--reachability)
             result["reachability"] = swarm.reached.reachability.stats()
             result["relay"] = swarm.reached.relaying.stats()
@@ -738,10 +647,6 @@ def _make_optimizer(args: argparse.Namespace, base: torch.optim.Optimizer, swarm
                     out: _Output, stop: StopSignal) -> SwarmOptimizer:
     """The one place that reads `--algorithm`: the loop uses what it returns through `SwarmOptimizer` only."""
     if args.algorithm == "diloco":
-        from averaging.diloco import DiLoCoHooks, DiLoCoOptimizer
-        from averaging.quorum import QuorumPolicy
-        from peer.p2p.wire import Compression, set_default_density
-
         set_default_density(args.density)  # what the top-k codecs keep of what this trainer sends
         diloco_hooks = dataclasses.replace(hooks) if hooks is not None else DiLoCoHooks()
         if diloco_hooks.on_event is None:
@@ -756,7 +661,6 @@ def _make_optimizer(args: argparse.Namespace, base: torch.optim.Optimizer, swarm
             listen=not args.client_mode, should_stop=lambda: stop.requested,
             aggregation=args.aggregation, hooks=diloco_hooks,
         )
-    from averaging.collaborative import CollaborativeOptimizer
 
     return CollaborativeOptimizer(
         base, swarm, args.run_id, target_batch_size=args.target_batch_size,
@@ -769,7 +673,6 @@ def _never_averaged_for_mismatch(result: dict[str, Any], since: int) -> str | No
     """One line when this trainer averaged with nobody and met peers of another model (averaging.schema keeps
     them; `since` is its mark at the start of this run), else None: a run that trained alone because its
     friends have another model must not exit 0."""
-    from averaging.schema import MISMATCHES
 
     groups = result.get("group_sizes") or {}
     if any(int(size) > 1 and count for size, count in groups.items()):
@@ -780,9 +683,7 @@ def _never_averaged_for_mismatch(result: dict[str, Any], since: int) -> str | No
 def _publish_point(swarm: Any, run_id: str, line: dict[str, Any], averaging: dict[str, Any] | None) -> None:
     """Put this progress line's loss and throughput in the DHT for `peer dashboard` (peer/dashboard/training.py);
     bounded to 2 s, and a failure only costs the dashboard one point."""
-    import trio
 
-    from peer.dashboard.training import publish_point
 
     async def publish() -> None:
         with trio.move_on_after(2.0):
@@ -800,8 +701,6 @@ def _start_metrics(args: argparse.Namespace, swarm: Any, model: Any, optimizer: 
     --local-experts); returns the Bridge to close with --local-experts, else None."""
     if args.metrics_port is None:
         return None
-    from peer.metrics import PeerMetrics, SwarmCollector, peer_metrics
-    from peer.p2p.bridge import Bridge
 
     sources: dict[str, Any] = {"training": lambda: dict(training)}
     if swarm is None:

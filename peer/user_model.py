@@ -37,7 +37,7 @@ import math
 import os
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -45,7 +45,8 @@ import torch
 from torch import nn
 
 from peer.corpus import WindowStream, evaluation_windows
-from peer.train import BatchStream
+from peer.options import HF_PREFIX, ModelSpec
+from peer.tasks import BatchStream, run_seed
 
 HELD_OUT_FRACTION = 0.1
 SPLIT_SEED = 20240607  # the held-out rows are the same for every trainer of every run
@@ -53,7 +54,6 @@ EVAL_WINDOWS = 128
 EVAL_BATCH = 256
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
-HF_PREFIX = "hf:"  # --model hf:FOLDER: a Hugging Face causal LM from a local folder
 
 
 def _first_line(error: BaseException) -> str:
@@ -65,29 +65,6 @@ def _first_line(error: BaseException) -> str:
 
 class UserModelError(ValueError):
     """--model or --data cannot be used; the message is one line naming the option and what is wrong."""
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """`PACKAGE.MODULE:FACTORY` and the keyword arguments the factory is called with."""
-
-    factory: str
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def parse(cls, text: str, kwargs: dict[str, Any] | None = None) -> "ModelSpec":
-        if text.startswith(HF_PREFIX):
-            if not text[len(HF_PREFIX):]:
-                raise ValueError(f"{text!r} names no folder (hf:FOLDER, a save_pretrained folder or one holding "
-                                 f"config.json)")
-            return cls(text, dict(kwargs or {}))
-        module, sep, name = text.partition(":")
-        if not sep or not name.isidentifier() or not all(part.isidentifier() for part in module.split(".")):
-            raise ValueError(f"{text!r} is not PACKAGE.MODULE:FACTORY (e.g. mymodel:build)")
-        return cls(text, dict(kwargs or {}))
-
-    def __str__(self) -> str:
-        return self.factory
 
 
 def load_factory(spec: ModelSpec) -> Callable[..., Any]:
@@ -332,8 +309,6 @@ class UserTask:
         return BatchStream(self.data.x_train, self.data.y_train, args.batch_size, seed=args.seed)
 
     def build_model(self, args: argparse.Namespace, swarm: Any) -> nn.Module:
-        from peer.train import run_seed
-
         model, self.loss_fn = build_user_model(self.spec, run_seed(args.run_id))
         return model
 

@@ -209,7 +209,7 @@ class Runner:
         self.log_level = log_level
         self.log = log or (lambda line: None)
         self.workdir = workdir or tempfile.mkdtemp(prefix=f"swarmd-scenario-{scenario.name}-")
-        # the run id seeds the model's initial weights (`peer.train.run_seed`): runs of one seed compare
+        # the run id seeds the model's initial weights (`peer.tasks.run_seed`): runs of one seed compare
         self.run_id = f"wan-{scenario.seed}"
         self.condition = threading.Condition()
         self.trainers: dict[str, Trainer] = {}

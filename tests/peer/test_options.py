@@ -78,6 +78,7 @@ TABLE: dict[str, dict[str, tuple]] = {
         "compression": choice("none", "float16", "int8", "int4", "int2", "topk2", "topk8"),
         "client-mode": SWITCH, "reachability": choice("auto", "public", "private"),
         "expert-timeout": POSITIVE, "expert-grace": NOT_NEGATIVE, "seed": INTEGER,
+        "expert-compression": choice("none", "float16", "uint8", "int8"),
         "checkpoint": PATH, "log-every": POSITIVE_INT, "local-experts": SWITCH, "expert-lr": POSITIVE,
         "threads": POSITIVE_INT, "max-failed-steps": POSITIVE_INT, "steps-in-flight": POSITIVE_INT,
         "task": choice("lm", "digits"),

@@ -12,7 +12,7 @@ import torch
 import trio
 
 from moe.errors import NotEnoughExperts
-from peer import train
+from peer import tasks, train
 from peer.daemon import Daemon, DaemonConfig
 from peer.discover import NoExpertsDeclared
 from peer.p2p.bridge import Bridge
@@ -89,7 +89,7 @@ def test_a_last_step_that_fails_for_want_of_experts_is_retried_not_reported_as_a
         monkeypatch.setattr(runner, "drain", drain_and_tell)
         return runner
 
-    monkeypatch.setattr(steps, "step_runner", runner_failing_the_last_step_once_drained)
+    monkeypatch.setattr(train, "step_runner", runner_failing_the_last_step_once_drained)
     result = train.run_training(_args("--local-experts", "--steps", "40", "--log-every", "20",
                                       "--steps-in-flight", "2"))
     capsys.readouterr()
@@ -237,7 +237,7 @@ async def _bootstrap_dht(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
 
 
 def test_a_swarm_without_the_experts_ends_the_run_with_a_clear_error(monkeypatch):
-    monkeypatch.setattr(train, "SWARM_WAIT", 1.0)  # the bounded wait for daemons still starting up
+    monkeypatch.setattr(tasks, "SWARM_WAIT", 1.0)  # the bounded wait for daemons still starting up
     with Bridge.start() as bridge:
         host, port = bridge.start_and_wait(_bootstrap_dht)
         args = _args("--initial-peers", f"{host}:{port}", "--steps", "5", "--max-failed-steps", "3",
