@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/peer swarm up --task lm --steps 150 --batch-size 8 --target-batch-size 512 --kill-one-at 10
 
-# Everything CI runs: static checks (ruff; mypy, strict on the foundation, the DHT and the averaging cores), the
+# Everything CI runs: static checks (ruff; mypy, strict on every product module), the
 # documentation site (a broken link or a missing page fails it), the default (fast) suite and beside it the
 # simulations in virtual time marked slow, two at a time (what they see does not depend on the load, and the
 # default suite must pass on busy cores: together they take minutes less than one after the other; their output
