@@ -454,24 +454,25 @@ class DiLoCoOptimizer(SwarmOptimizerBase):
         """Overlap: wait for the previous contribution only if it is not done, rebase the fragments whose rounds
         were applied (keeping their fresh progress), hand the due fragment's fresh progress to a background
         contribution, keep training (`averaging.outer_state`)."""
-        blocked = False
         background = self.background
         if background.running:
-            blocked = True
             self.ledger.counts["outer_waits"] += 1
             self.swarm.run(self._until_stop, None, background.wait)
+            logger.info("diloco: an inner step waited for the outer round")
         if background.done is not None:
             self.ledger.count_outcome(background.outcome)
             if background.outcome not in ("averaged", "solo"):
                 self.outer.unapplied()  # its progress goes into this fragment's next contribution
             self._account_round()
+        if self.contributor.ended():  # the run's last outer step is held: this phase's progress goes nowhere
+            self.round_steps = self.round_samples = 0
+            background.done = None  # accounted above, once
+            return
         base = self.outer_step
         self.outer.from_progress(self.outer.fragment(base))
         contribution = self.contributor.prepare(base, self.round_samples)
         self.round_steps = self.round_samples = 0
         self.swarm.run(self._start_background, contribution)
-        if blocked:
-            logger.info("diloco: an inner step waited for the outer round")
 
     def outer_target(self, planned: int) -> int:
         """The swarm outer steps (fragment rounds with Streaming DiLoCo) that `planned` local steps amount to."""
@@ -483,8 +484,11 @@ class DiLoCoOptimizer(SwarmOptimizerBase):
         download instead of averaging) is a round behind and takes one more; one that downloaded an outer step its
         rounds had not reached is ahead and stops there. Counting local steps left such a trainer waiting alone for
         a round nobody else took, or taking a solo outer step past the end. Twice `planned` bounds a trainer whose
-        contributions keep missing."""
-        return self.outer_step < self.outer_target(planned) and step < 2 * planned
+        contributions keep missing. The target is also the contributions' end: none is offered from it
+        (`Contributor.final_step`)."""
+        target = self.outer_target(planned)
+        self.contributor.final_step = target
+        return self.outer_step < target and step < 2 * planned
 
     def shortfall(self, step: int, planned: int) -> str | None:
         target = self.outer_target(planned)

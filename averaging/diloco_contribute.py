@@ -64,6 +64,11 @@ class Contributor:
         self.load_state_timeout = load_state_timeout
         self.fragments = len(outer.fragments)
         self.inflight_round: int | None = None
+        # the run's last outer step, once the training loop told it (`DiLoCoOptimizer.more_steps`): nothing is
+        # offered from it or past it, since nobody would apply such a round. Overlap's eager contribution went one
+        # round past the end in every run, and under churn that round could hang: two trainers at the last outer
+        # step sat a minute in it while a third, finished, gave up waiting to agree with them
+        self.final_step: int | None = None
         self._samples_since = [0] * self.fragments  # samples behind each fragment's next contribution
 
     def prepare(self, base: int, phase_samples: int) -> Contribution:
@@ -75,6 +80,10 @@ class Contributor:
         self._samples_since = [n + phase_samples for n in self._samples_since]
         samples, self._samples_since[fragment] = self._samples_since[fragment], 0
         return Contribution(base, max(1, samples), 0.0, list(self.outer.fragment(base)))
+
+    def ended(self) -> bool:
+        """Whether I hold the run's last outer step (`final_step`): no contribution is due any more."""
+        return self.final_step is not None and self.outer.step >= self.final_step
 
     def next_round(self) -> int:
         """The round the current phase's contribution will be offered to (in overlap, the one after the round
@@ -110,6 +119,10 @@ class Contributor:
         deadline = trio.current_time() + self.averaging_timeout + self.load_state_timeout
         retries = 0
         while trio.current_time() < deadline:
+            if self.ended():  # a download brought me to the run's last outer step: no round is due after it
+                logger.info("diloco: outer step %d is the run's last; the contribution from outer step %d is not "
+                            "offered", self.outer.step, contribution.base)
+                return "skipped"
             step = self.aligned(max(step, self.outer.step), contribution.base)
             staleness = (step - contribution.base) // self.fragments  # in rounds of its own fragment
             if staleness > self.policy.max_staleness:

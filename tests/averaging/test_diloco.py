@@ -323,6 +323,35 @@ def test_finish_says_why_within_its_timeout_when_nobody_is_left_to_agree_with(br
         close_all(made)
 
 
+def test_overlap_offers_nothing_past_the_runs_last_outer_step(bridge):
+    """A loop that asks `more_steps` (as `peer train`, Lightning and HF do) tells the optimizer the run's last outer
+    step: overlap's eager contribution used to go one round past it (outer step 3 of 2 here), a round that under
+    churn could hang the trainers in it while a finished one gave up agreeing with them."""
+    memory, peers, made = start_trainers(bridge, 2, overlap=True, inner_steps=5, compression=INT8, start_with=2)
+    ended: dict[int, tuple[int, int, bool]] = {}
+
+    def loop(index: int, model: nn.Module, opt: DiLoCoOptimizer) -> None:
+        generator = torch.Generator().manual_seed(index)
+        step = 0
+        while opt.more_steps(step, 10):  # 10 local steps of 5 per outer step: outer step 2 ends the run
+            x, y = torch.randn(4, 6, generator=generator), torch.randn(4, 2, generator=generator)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step(batch_size=4)
+            step += 1
+        ended[index] = (step, opt.outer_step, opt.finish(timeout=60.0))
+
+    try:
+        run_threads([lambda i=i, m=m, o=o: loop(i, m, o) for i, (m, o) in enumerate(made)])
+        # the third phase ran (the second round was still in flight when step 10 was asked about), but its
+        # progress went to no round: both end on outer step 2, agreed, after two rounds each
+        assert ended == {0: (15, 2, True), 1: (15, 2, True)}
+        assert made[0][1].hash == made[1][1].hash
+        assert [opt.stats()["rounds"] for _, opt in made] == [2, 2]
+        assert all(torch.equal(p, q) for (model, opt) in made for p, q in zip(model.parameters(), opt.outer_params))
+    finally:
+        close_all(made)
+
+
 def test_overlap_no_inner_step_waits_when_the_round_is_faster_than_inner_steps(bridge):
     memory, peers, made = start_trainers(bridge, 2, latency=0.01, overlap=True, inner_steps=40, compression=INT8,
                                          start_with=2)
