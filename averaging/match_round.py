@@ -26,11 +26,11 @@ if TYPE_CHECKING:  # averaging.match_waits reads MatchRound: imported for the an
 class MatchRound:
     """Everything one `Matchmaker.find_group` call knows; handlers read it to answer joins and probes."""
 
-    def __init__(self, key: str, me: Declaration, offset: float, expected: int):
+    def __init__(self, key: str, me: Declaration, offset: float, expected: int, started: float | None = None):
         self.key = key
         self.me = me
         self.offset = offset  # DHT clock minus trio clock
-        self.started = trio.current_time()
+        self.started = trio.current_time() if started is None else started  # trio time
         self.expected = expected  # peers (me included) seen under this key in recent rounds
         self.promised = 0  # peers (me included) the caller knows are on their way: waited for up to half the window
         self.seen: set[PeerID] = set()  # every peer seen under the key this round

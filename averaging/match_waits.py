@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import trio
-
 from averaging.match_round import MatchRound
 from peer.p2p.identity import PeerID
 
@@ -126,10 +124,11 @@ class Patience:
         elif state.population_reached_after is not None:
             self.value = max(0.8 * self.value, 2 * state.population_reached_after)
 
-    def patient(self, state: MatchRound) -> bool:
-        """True while peers seen in recent rounds are missing and the straggler wait has not run out."""
+    def patient(self, state: MatchRound, now: float) -> bool:
+        """True while peers seen in recent rounds are missing and the straggler wait has not run out (`now`: the
+        driver's clock, the one `state.started` is on)."""
         visible = 1 + sum(1 for p in state.view if p not in state.excluded)
-        waited = trio.current_time() - state.started
+        waited = now - state.started
         if visible >= state.expected:
             if state.population_reached_after is None and state.expected > 1:
                 state.population_reached_after = waited
