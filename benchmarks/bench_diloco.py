@@ -99,6 +99,8 @@ def worker(options: argparse.Namespace) -> None:
         loss, _ = task.loss(model, x, y)
         loss.backward()
         optimizer.step(batch_size=len(x))
+    if options.mode == "diloco":  # the documented end of a DiLoCo run: agree on the final outer state
+        optimizer.finish()
     train_seconds = time.monotonic() - started
     result = {"event": "result", "mode": options.mode, "train_seconds": round(train_seconds, 3),
               **task.evaluate(model),
@@ -163,9 +165,9 @@ class SyncGradients:
     def step(self, batch_size: int) -> None:
         import torch
 
-        with torch.no_grad():
+        with torch.no_grad():  # a parameter this batch did not reach (the LM's) contributes zeros
             for grad, p in zip(self.grads, self.params):
-                grad.copy_(p.grad)
+                grad.copy_(p.grad) if p.grad is not None else grad.zero_()
         for _ in range(self.attempts):
             result = self.swarm.run(self.averager.step, float(batch_size))
             if result.finished and result.group_size == TRAINERS:
@@ -174,7 +176,7 @@ class SyncGradients:
             self.failed_attempts += 1
         with torch.no_grad():
             for grad, p in zip(self.grads, self.params):
-                p.grad.copy_(grad)
+                p.grad = grad.clone()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
