@@ -27,7 +27,7 @@ def test_four_trainers_with_topk2_reach_the_int8_accuracy_and_agree(processes):
     swarms = {}
     for codec in ("int8", "topk2"):
         address = diloco_daemon(processes)
-        swarms[codec] = [diloco_trainer(processes, address, *COMMON, "--compression", codec, "--density", "0.02",
+        swarms[codec] = [diloco_trainer(processes, address, *COMMON, "--compression", codec, "--density", "0.03",
                                         "--seed", str(i), start_with=TRAINERS, hooks=["--full-phases"])
                            for i in range(TRAINERS)]
     results = {codec: [train_result(t, 600) for t in trainers] for codec, trainers in swarms.items()}
@@ -46,9 +46,11 @@ def test_four_trainers_with_topk2_reach_the_int8_accuracy_and_agree(processes):
     assert sparse_accuracy >= dense_accuracy - 0.03, (sparse, dense_accuracy)
     # what the codec saves: fewer bytes per trainer than int8 (all-gather to 3 others included)
     assert max(r["bytes_sent"] for r in sparse) < min(r["bytes_sent"] for r in dense)
-    # issue 35's must-hold, still missed: within 1 point of int8. The held-out set is 360 digits (1 point = 3.6 of
-    # them). Lock-step, both arms are reproducible: int8 0.9526, topk2 0.9387 (-1.4 points) in every run so far,
-    # though topk2's held-out loss is lower (0.31 against 0.57-0.75); free-running they moved ~1 point run to run
+    # issue 35's must-hold: within 1 point of int8. The held-out set is 360 digits (1 point = 3.6 of them). At
+    # density 2% topk2 ended 1.4 points under int8 in every run (0.9387 against 0.9526); at 3%, the top of the
+    # issue's 1-3%, 0.56-0.83 points under in 3 runs (topk2 0.9443 each time, int8 0.9499-0.9526, one run under two
+    # busy cores), with a lower held-out loss (0.22 against 0.45-0.55). Kept as a reported miss, not a failure, in
+    # case a run lands a digit or two lower
     if sparse_accuracy < dense_accuracy - 0.01:
         pytest.xfail(f"issue 35: top-k + 2-bit held-out accuracy {sparse_accuracy:.4f} is more than 1 point under "
                      f"int8's {dense_accuracy:.4f}")
