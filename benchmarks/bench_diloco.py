@@ -167,7 +167,10 @@ class SyncGradients:
 
         with torch.no_grad():  # a parameter this batch did not reach (the LM's) contributes zeros
             for grad, p in zip(self.grads, self.params):
-                grad.copy_(p.grad) if p.grad is not None else grad.zero_()
+                if p.grad is None:
+                    grad.zero_()
+                else:
+                    grad.copy_(p.grad)
         for _ in range(self.attempts):
             result = self.swarm.run(self.averager.step, float(batch_size))
             if result.finished and result.group_size == TRAINERS:

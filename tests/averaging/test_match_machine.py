@@ -64,6 +64,12 @@ class Round:
     def joiner(self) -> RoundMachine:
         return RoundMachine(self.state, self.planner, self.pacing, deadline=WINDOW, stats=self.stats)
 
+    def joining(self) -> tuple[RoundMachine, float]:
+        """A joiner that looked at the view at time 0 (its quiet period starts there), and QUIET."""
+        machine = self.joiner()
+        assert isinstance(machine.next_action(0.0), Wait)
+        return machine, self.timeouts.quiet
+
     def collector(self) -> CollectorMachine:
         return CollectorMachine(self.state, self.planner, self.pacing, min_size=self.min_size)
 
@@ -141,9 +147,7 @@ def test_the_lowest_peer_collects_and_a_collector_that_stepped_down_plans_again(
 
 def test_a_redirect_to_a_lower_peer_is_followed_at_once_and_a_higher_one_is_a_rejection():
     r = Round(4, [2, 3, 5])
-    machine = r.joiner()
-    t = r.timeouts.quiet
-    assert isinstance(machine.next_action(0.0), Wait)
+    machine, t = r.joining()
     assert machine.next_action(t) == Join(declaration(2))
     assert machine.answered(Decision("redirect", redirect=declaration(1)), t) is False
     assert machine.phase is Phase.REDIRECTED and peer(2) in r.state.excluded and r.stats["redirects"] == 1
@@ -184,9 +188,7 @@ def test_redirects_are_followed_at_most_max_redirects_times():
 
 def test_an_unreachable_collector_restarts_the_quiet_period_and_the_window_ends_the_round():
     r = Round(3, [1, 2, 4])
-    machine = r.joiner()
-    t = r.timeouts.quiet
-    assert isinstance(machine.next_action(0.0), Wait)
+    machine, t = r.joining()
     assert machine.next_action(t) == Join(declaration(1))
     r.state.excluded.add(peer(1))  # what the join does when the call fails
     assert machine.answered(None, t) is False and r.state.last_change == t
