@@ -22,6 +22,9 @@ def test_mismatched_models_are_named_once_and_warned_about(bootstrap, caplog):
     errors: list[BaseException] = []
     stats: dict[int, dict] = {}
     ready = threading.Barrier(2, timeout=60)
+    # both stay in the run until both are done: on busy cores one side reached epoch 4 and left while the other was
+    # at its second epoch, which then saw no other live trainer and rightly had nothing to warn about
+    done = threading.Barrier(2, timeout=120)
 
     def train(index: int, width: int) -> None:
         try:
@@ -36,6 +39,7 @@ def test_mismatched_models_are_named_once_and_warned_about(bootstrap, caplog):
                     model(x).pow(2).mean().backward()
                     opt.step()
                 stats[index] = opt.stats()
+                done.wait()
                 opt.close()
         except BaseException as error:
             errors.append(error)
