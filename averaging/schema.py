@@ -58,11 +58,13 @@ def difference(ours: Sequence[Sequence[Any]], theirs: Sequence[Sequence[Any]]) -
 
 
 class MismatchLog:
-    """Peers found holding another model than ours, each logged ONCE per difference.
+    """Peers found holding another model than ours, each logged ONCE.
 
     Why process-wide (`MISMATCHES`): a mismatched peer is met again in every round and every state download,
     by objects that live one round; the user needs one line naming the peer and the difference, and
-    `peer train` needs to know at the end that it never averaged because of it."""
+    `peer train` needs to know at the end that it never averaged because of it. Why once per peer and not per
+    wording: matchmaking names the tensors ("grad.0: shape ...") and a state download numbers them ("tensor 0:
+    shape ..."), so the same mismatch reads differently from each; the later wording is kept for the summary."""
 
     def __init__(self) -> None:
         self.seen: dict[bytes, str] = {}  # peer -> the difference last reported
@@ -70,13 +72,14 @@ class MismatchLog:
         self._meetings = 0
 
     def report(self, peer: bytes, difference: str, log: logging.Logger, what: str) -> bool:
-        """Log `what` (a sentence naming the operation) once per peer and difference; True when logged now."""
+        """Log `what` (a sentence naming the operation) once per peer; True when logged now."""
         self._meetings += 1
         self._met[bytes(peer)] = self._meetings
-        if self.seen.get(bytes(peer)) == difference:
-            log.debug("%s: %s", what, difference)
-            return False
+        known = bytes(peer) in self.seen
         self.seen[bytes(peer)] = difference
+        if known:
+            log.debug("%s: a different model (%s)", what, difference)
+            return False
         log.warning("%s: a different model (%s); not averaging with it", what, difference)
         return True
 
