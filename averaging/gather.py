@@ -5,7 +5,7 @@ Why not the butterfly (`averaging.allreduce`): a reducer averages parts from mem
 and the mean of k-sparse vectors is dense: sending it back costs the dense bytes and loses what sparsity saved.
 With an all-gather a member uploads its compressed update to each of the n-1 others, which is cheaper than the
 butterfly's compressed push and dense (int8) return whenever n < 1 + int8 / compressed: for top-k at 2% with
-2-bit values (1/108 of fp32) up to 27 members (see `prefer_gather`); never for a dense codec beyond 2 members.
+2-bit values (1/154 of fp32) up to 40 members (see `prefer_gather`); never for a dense codec beyond 2 members.
 Nobody reduces for others, so no reducer can lie about an average: each member computes it from the contributions
 themselves.
 

@@ -108,7 +108,8 @@ def worker(options: argparse.Namespace) -> None:
               "bytes_received": sum(a.counters["bytes_received"] for a in averagers)}
     if options.mode == "diloco":
         stats = optimizer.stats()
-        result.update({k: stats[k] for k in ("outer_step", "hash", "utilization", "outer_waits", "group_sizes")})
+        result.update({k: stats[k] for k in ("outer_step", "hash", "utilization", "outer_waits", "group_sizes",
+                                             "cut_short", "skipped_rounds", "state_loads")})
         # the optimizer's counters: the butterfly's (the averager's) and the all-gather's pushes together
         result.update({k: stats[k] for k in ("bytes_sent", "bytes_received")})
     else:

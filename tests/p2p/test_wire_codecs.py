@@ -255,7 +255,12 @@ def test_topk_keeps_the_largest_of_each_chunk_within_the_value_bound_and_zeroes_
             assert scale <= 2 * float(values[keep].abs().max()) / 127 + 2.0**-149
 
 
-def test_topk_with_chunks_over_4096_uses_16_bit_indices():
+def test_topk_indices_cost_about_two_bits_plus_log2_of_one_over_density():
+    """Elias-Fano: 82 of 4096 (2%) take 5 low bits each plus a high bit vector of 82 + 128 bits, 7.6 bits an
+    index against 12 for plain indices; chunks over 4096 need no wider indices; the size is what data_nbytes says."""
+    assert wire._elias_fano(4096, 82) == (5, 82 + 128)
+    assert wire._elias_fano(4096, 4096) == (0, 8192)
+    assert wire._elias_fano(1, 1) == (0, 2)
     x = torch.randn(12_001, generator=torch.Generator().manual_seed(3))
     with chunk_size(5000):
         _message, header, data = sent(x, Compression.TOPK8, 0.01)
@@ -263,7 +268,9 @@ def test_topk_with_chunks_over_4096_uses_16_bit_indices():
         counted = wire.data_nbytes(wire.compressed(x, Compression.TOPK8, density=0.01))
     assert header[5] == [5000, 50]
     kept = 2 * 50 + 21  # the last chunk of 2001 keeps ceil(50 * 2001 / 5000)
-    assert len(data) == 3 * 4 + 2 * kept + kept == counted
+    index_bytes = -(-2 * (50 + 79) // 8) + -(-2 * 50 * 6 // 8) + -(-(21 + 32) // 8) + -(-21 * 6 // 8)
+    assert len(data) == 3 * 4 + index_bytes + kept == counted
+    assert index_bytes * 8 / kept < 9.0  # against 16 bits when chunks over 4096 took uint16 indices
     assert int((y != 0).sum()) == kept
     for index in range(3):
         part = x[index * 5000:(index + 1) * 5000]
@@ -319,8 +326,9 @@ def test_sizes_at_the_defaults():
     ratios = {codec: wire.data_nbytes(x, codec) / (4 * numel) for codec in NEW}
     assert ratios[Compression.INT4] == pytest.approx((0.5 + 4 / 64) / 4)
     assert ratios[Compression.INT2] == pytest.approx((0.25 + 8 / 128) / 4)
-    assert ratios[Compression.TOPK2] < 1 / 100 and ratios[Compression.TOPK8] < 1 / 75
-    assert ratios[Compression.TOPK2] == pytest.approx((8 + 82 * 1.5 + 82 / 4) / (4 * 4096), rel=1e-3)
+    assert ratios[Compression.TOPK2] < 1 / 150 and ratios[Compression.TOPK8] < 1 / 99
+    index_bytes = (82 * 5 + 82 + 128) / 8  # Elias-Fano: 5 low bits each, a high bit vector of 82 + 128 bits
+    assert ratios[Compression.TOPK2] == pytest.approx((8 + index_bytes + 82 / 4) / (4 * 4096), rel=1e-3)
 
 
 # -------------------------------------------------------------------------------------------- error feedback
@@ -462,23 +470,39 @@ def hostile_cases() -> list[tuple[str, bytearray]]:
             variant([name, shape, codec_id, 0, nbytes, [2**17, 1]], data, "chunk beyond 16-bit indices")
             variant([name, shape, codec_id, 0, nbytes, [chunk, k * 10**6]], data, "oversized count")
             scale_bytes = 4 * (2 if codec == Compression.TOPK2 else 1)  # one chunk: the tensor is 161 elements
-            indices = wire._unpack_indices(torch.frombuffer(bytearray(data[scale_bytes:]), dtype=torch.uint8),
-                                           k, chunk).tolist()
-            index_bytes = (3 * k + 1) // 2
+            low, high = wire._elias_fano(chunk, k)
+            index_bytes = wire._indices_nbytes(1, chunk, k)
+            largest = ((((chunk - 1) >> low) + 1) << low) + (1 << low) - 1  # the top of the high vector's range
 
             def with_indices(new: list[int], what: str, chunk=chunk, data=data, start=scale_bytes,
                              end=scale_bytes + index_bytes, variant=variant) -> None:
-                packed = bytes(wire._pack_indices(torch.tensor(new), chunk).tolist())
+                packed = bytes(wire._pack_indices(torch.tensor([new]), chunk).tolist())
                 variant(new_data=data[:start] + packed + data[end:], what=what)
 
-            with_indices(indices[:-1] + [x.numel()], "index past the end")
-            with_indices(indices[:-1] + [4095], "index past the chunk (12-bit maximum)")
-            with_indices([indices[0]] + indices[:-1], "duplicate index")
-            with_indices(list(reversed(indices)), "indices out of order")
-            if k % 2:
+            spaced = [i << low for i in range(k)]  # valid and increasing: one index per high part
+            with_indices(spaced[:-1] + [x.numel()], "index past the end")
+            with_indices(spaced[:-1] + [largest], "index past the chunk (the largest the code can say)")
+            with_indices(spaced[:-1] + [spaced[-2]], "duplicate index")
+            with_indices(spaced[:-2] + [spaced[-2] + 1, spaced[-2]], "indices out of order (in one high part)")
+            high_bytes = -(-high // 8)
+            for position, what in ((high - 1, "a high bit vector with a bit too many"),
+                                   (None, "a high bit vector with a bit too few")):
+                bits = [int(b) for b in wire._unpack_codes(torch.frombuffer(bytearray(data[scale_bytes:][:high_bytes]),
+                                                                            dtype=torch.uint8), 1, high)]
+                if position is None:
+                    bits[bits.index(1)] = 0
+                else:
+                    bits[bits.index(0, bits.index(1))] = 1
+                packed = bytes(wire._pack_codes(torch.tensor(bits, dtype=torch.uint8), 1).tolist())
+                variant(new_data=data[:scale_bytes] + packed + data[scale_bytes + high_bytes:], what=what)
+            if high % 8:
                 broken = bytearray(data)
-                broken[scale_bytes + index_bytes - 1] |= 0xF0
-                variant(new_data=bytes(broken), what="index padding nibble set")
+                broken[scale_bytes + high_bytes - 1] |= 0x80
+                variant(new_data=bytes(broken), what="high bit vector padding set")
+            if (k * low) % 8:
+                broken = bytearray(data)
+                broken[scale_bytes + index_bytes - 1] |= 0x80
+                variant(new_data=bytes(broken), what="low bits padding set")
         if codec == Compression.TOPK8:
             broken = bytearray(data)
             broken[-1] = 0x80  # -128
