@@ -240,9 +240,13 @@ class Contributor:
 
     def may_offer_behind(self, contribution: Contribution, step: int) -> bool:
         """Whether this contribution may go to round `step` from the older outer state I hold: the state it was
-        computed on, within the staleness bound (whole-model rounds only: a fragment's round must match it)."""
+        computed on, within the staleness bound (whole-model rounds only: a fragment's round must match it), and
+        a round that makes an outer step of the run (`final_step`): a trainer late for the run's last round once
+        offered on to the round after it, which nobody holds, and sat there 20 s (goodput 0.14) until the others
+        had finished; it takes the last round's result instead."""
         return (self.fragments == 1 and self.outer.step == contribution.base < step
-                and step - contribution.base <= self.policy.max_staleness)
+                and step - contribution.base <= self.policy.max_staleness
+                and (self.final_step is None or step < self.final_step))
 
     def aligned(self, step: int, base: int) -> int:
         """The first round at or after `step` that synchronises the fragment of round `base`."""

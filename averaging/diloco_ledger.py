@@ -35,6 +35,7 @@ class DiLoCoLedger:
         self.round_records: collections.deque[dict[str, Any]] = collections.deque(maxlen=1000)
         self.bytes_per_outer_step = 0
         self._bytes_at_round: tuple[int, int] = (0, 0)
+        self._bytes_at_record: tuple[int, int] = (0, 0)
         self.first_contribution: dict[str, Any] | None = None
         self.created = time.monotonic()
         self.joined_at_step = 0  # the outer step this trainer held when it joined (set once it has)
@@ -46,8 +47,14 @@ class DiLoCoLedger:
             self._on_event(event)
 
     def record(self, outer: OuterState, record: dict[str, Any]) -> None:
-        """Keep an outer round's record (stamped with the outer state held now) and emit it."""
-        record = {"event": "outer_round", "outer_step": outer.step, "hash": outer.hash, **record}
+        """Keep an outer round's record (stamped with the outer state held now, and the bytes this trainer sent
+        and received since the record before: the round's own traffic, which Streaming DiLoCo's peak per sync is
+        read from) and emit it."""
+        sent, received = self.counts["bytes_sent"], self.counts["bytes_received"]
+        record = {"event": "outer_round", "outer_step": outer.step, "hash": outer.hash,
+                  "bytes_sent": sent - self._bytes_at_record[0], "bytes_received": received - self._bytes_at_record[1],
+                  **record}
+        self._bytes_at_record = (sent, received)
         self.round_records.append(record)
         self.emit(record)
 

@@ -20,9 +20,14 @@ line holding every key:
 - home, one trainer 3x slower (`home-slow`): `goodput_fast_peers`, mean goodput of the others (target >= 0.92;
   `goodput_fast_peers_reference` is theirs in `home-calm`), and the slow one's samples counted in rounds
   (`slow_peer_samples_counted`, `slow_peer_cut_short`: phases it ended early so its work made the window);
-- home with `--fragments 4` (`home-f4`): `peak_bandwidth_ratio_f4` = mean over trainers of the peak bytes/s each
-  sent over 1 s windows, with --fragments 4 over `home-calm`'s. Bytes/s from the interface counters, sampled every
-  100 ms (`peer.testing.bandwidth`).
+- home with `--fragments 4` (`home-f4`): `peak_bandwidth_ratio_f4` = the most a trainer sent in one outer round
+  (mean over trainers; each round's `bytes_sent` in its outer_round events) with --fragments 4 over `home-calm`'s.
+  That is Streaming DiLoCo's peak bandwidth: a sync must be sent within the inner steps it overlaps, the same
+  number with or without fragments, so the bytes/s it needs scale with its bytes per sync.
+  `metric_gap_relative_f4`: its held-out accuracy against `home-calm`'s. `peak_link_ratio_f4` beside it: the same
+  ratio of the peak bytes/s over 1 s windows of the interface counters (sampled every 100 ms,
+  `peer.testing.bandwidth`), which cannot show it on a capped link: both runs send at the 20 Mbit/s cap while they
+  send, and this model's fragment rounds come every 5 inner steps (0.25 s), so a 1 s window holds all four.
 
 `hash_conflicts` counts outer steps at which two trainers held different outer states (any run); `errors` names
 runs that failed (their keys are null). One scenario alone, its own figures on the JSON line:
@@ -93,6 +98,7 @@ def figures(result: ScenarioResult | None) -> dict[str, Any]:
         return {}
     joiners = [t for t in result.trainers.values() if t.joiner and t.first_contribution]
     peaks = [t.peak_sent_bytes_s for t in result.trainers.values() if t.finished]
+    round_peaks = [t.peak_round_bytes_sent for t in result.trainers.values() if t.finished]
     return {
         "goodput": _round(result.goodput), "accuracy": _round(result.accuracy),
         "hash_conflicts": len(result.hash_conflicts()), "seconds": round(result.seconds, 1),
@@ -110,6 +116,7 @@ def figures(result: ScenarioResult | None) -> dict[str, Any]:
         "kills_skipped": len([a for a in result.applied if a["kind"] == "kill" and a["outcome"] == "skipped"]),
         "lost_rounds": sum(t.lost_rounds for t in result.trainers.values()),
         "peak_sent_bytes_s": _round(sum(peaks) / len(peaks), 1) if peaks else None,
+        "peak_round_bytes_sent": round(sum(round_peaks) / len(round_peaks)) if round_peaks else None,
         "round_rtts": result.round_rtts()["median"], "round_rtts_max": result.round_rtts()["max"],
         "trainers": {n: {"goodput": t.goodput, "accuracy": t.accuracy, "outer_step": t.outer_step,
                          "killed": t.killed, "first_contribution": t.first_contribution,
@@ -137,10 +144,15 @@ def all_scenarios(options: argparse.Namespace) -> dict[str, Any]:
     if churned.get("accuracy") is not None and reference.get("accuracy"):
         gap = round(abs(churned["accuracy"] - reference["accuracy"]) / reference["accuracy"], 4)
     others = ["t1", "t2", "t3"]
-    ratio = None
+    ratio = link_ratio = gap_f4 = None
     if f4 is not None and calm is not None:
-        peak_f4, peak_f1 = figures(f4)["peak_sent_bytes_s"], reference["peak_sent_bytes_s"]
+        fragmented = figures(f4)
+        peak_f4, peak_f1 = fragmented["peak_round_bytes_sent"], reference["peak_round_bytes_sent"]
         ratio = round(peak_f4 / peak_f1, 3) if peak_f4 and peak_f1 else None
+        link_f4, link_f1 = fragmented["peak_sent_bytes_s"], reference["peak_sent_bytes_s"]
+        link_ratio = round(link_f4 / link_f1, 3) if link_f4 and link_f1 else None
+        if fragmented.get("accuracy") is not None and reference.get("accuracy"):
+            gap_f4 = round(abs(fragmented["accuracy"] - reference["accuracy"]) / reference["accuracy"], 4)
     return {
         "goodput": churned.get("goodput"),
         "metric_gap_relative": gap,
@@ -156,7 +168,10 @@ def all_scenarios(options: argparse.Namespace) -> dict[str, Any]:
         "goodput_fast_peers_reference": _round(calm.mean("goodput", others)) if calm else None,
         "slow_peer_samples_counted": slow.trainers["t0"].samples_counted if slow else None,
         "slow_peer_cut_short": slow.trainers["t0"].cut_short if slow else None,
-        "peak_bandwidth_ratio_f4": ratio,
+        "peak_bandwidth_ratio_f4": ratio, "metric_gap_relative_f4": gap_f4,
+        "peak_round_bytes_sent_f1": reference.get("peak_round_bytes_sent"),
+        "peak_round_bytes_sent_f4": figures(f4).get("peak_round_bytes_sent"),
+        "peak_link_ratio_f4": link_ratio,
         "peak_sent_bytes_s_f1": reference.get("peak_sent_bytes_s"),
         "peak_sent_bytes_s_f4": figures(f4).get("peak_sent_bytes_s"),
         "hash_conflicts": sum(figures(r).get("hash_conflicts", 0) for r in results.values()),

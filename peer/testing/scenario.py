@@ -490,6 +490,7 @@ class Runner:
             dropped_contributions=result.get("dropped_contributions"),
             first_contribution=first, first_contribution_since_spawn=since_spawn,
             peak_sent_bytes_s=round(meter.peak_sent(device), 1),
+            peak_round_bytes_sent=max((int(e.get("bytes_sent", 0)) for e in applied), default=0),
             peak_received_bytes_s=round(meter.peak_received(device), 1),
             compute_seconds=result.get("compute_seconds"), blocked_seconds=result.get("blocked_seconds"))
 

@@ -52,6 +52,7 @@ class TrainerReport:
     first_contribution: dict[str, Any] | None  # the trainer's own: outer steps from the state it joined at
     first_contribution_since_spawn: dict[str, Any] | None  # seconds and swarm outer steps since its process started
     peak_sent_bytes_s: float  # over 1 s windows, from its interface's counters
+    peak_round_bytes_sent: int  # the most it sent in one outer round (its outer_round events' bytes_sent)
     peak_received_bytes_s: float
     compute_seconds: float | None
     blocked_seconds: float | None

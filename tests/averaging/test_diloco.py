@@ -434,6 +434,11 @@ def test_streaming_fragments_alternate_and_each_round_sends_its_fragment_only(br
         per_round = opt.stats()["bytes_sent"] / len(rounds)
         whole_per_round = whole[0][1].stats()["bytes_sent"] / 4
         assert per_round < 0.75 * whole_per_round, (per_round, whole_per_round)
+        # each round's record carries its own bytes (Streaming DiLoCo's peak per sync is read from them)
+        assert sum(r["bytes_sent"] for r in opt.round_records) == opt.stats()["bytes_sent"]
+        whole_rounds = [r for r in whole[0][1].round_records if r.get("outcome") == "averaged"]
+        peak, whole_peak = max(r["bytes_sent"] for r in rounds), max(r["bytes_sent"] for r in whole_rounds)
+        assert 0 < peak < 0.75 * whole_peak, (peak, whole_peak)
     finally:
         close_all(made + whole)
 
