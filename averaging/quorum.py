@@ -48,7 +48,7 @@ class QuorumPolicy:
     quorum_fraction: float = 0.5
     grace_min: float = 0.05
     grace_max: float = 5.0
-    grace_initial: float = 1.0
+    grace_initial: float = 2.5
     grace_percentile: float = 0.9
     grace_margin: float = 0.25
     max_wait: float = 30.0
@@ -91,7 +91,9 @@ def quantile(values: Iterable[float], q: float) -> float:
 
 class GraceEstimator:
     """The grace window: the `grace_percentile` of recent arrival offsets, times (1 + margin), plus two round
-    trips, within [grace_min, grace_max]; `grace_initial` until a round has been seen.
+    trips, within [grace_min, grace_max]; `grace_initial` until a round has been seen (2.5 s by default: trainers
+    that start together take their first steps seconds apart, and a first window of 1 s left one of four behind
+    in most intercontinental runs of bench_wan.py; docs/outer-rounds.md).
 
     Why offsets from the window's opening: they measure how far apart ready trainers arrive, which is what the
     window must cover; they do not include how long a phase takes, so slow rounds do not inflate it."""
