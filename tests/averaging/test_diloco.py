@@ -15,6 +15,7 @@ import torch
 import trio
 from torch import nn
 
+from averaging import progress
 from averaging.diloco import DiLoCoHooks, DiLoCoOptimizer, ErrorFeedback, NotAgreed, state_hash
 from peer.p2p import wire
 from peer.p2p.bridge import Bridge
@@ -346,6 +347,9 @@ def test_overlap_offers_nothing_past_the_runs_last_outer_step(bridge):
         # progress went to no round: both end on outer step 2, agreed, after two rounds each
         assert ended == {0: (15, 2, True), 1: (15, 2, True)}
         assert made[0][1].hash == made[1][1].hash
+        # a record's info past _MAX_INFO keys is dropped whole by its readers (no "alg", no "fin"): after finish()
+        # every key a trainer publishes is there, and they fit
+        assert all(0 < len(opt.tracker.info) <= progress._MAX_INFO and opt.tracker.info.get("fin") for _, opt in made)
         assert [opt.stats()["rounds"] for _, opt in made] == [2, 2]
         assert all(torch.equal(p, q) for (model, opt) in made for p, q in zip(model.parameters(), opt.outer_params))
     finally:
