@@ -145,8 +145,8 @@ def all_scenarios(options: argparse.Namespace) -> dict[str, Any]:
         gap = round(abs(churned["accuracy"] - reference["accuracy"]) / reference["accuracy"], 4)
     others = ["t1", "t2", "t3"]
     ratio = link_ratio = gap_f4 = None
+    fragmented = figures(f4)
     if f4 is not None and calm is not None:
-        fragmented = figures(f4)
         peak_f4, peak_f1 = fragmented["peak_round_bytes_sent"], reference["peak_round_bytes_sent"]
         ratio = round(peak_f4 / peak_f1, 3) if peak_f4 and peak_f1 else None
         link_f4, link_f1 = fragmented["peak_sent_bytes_s"], reference["peak_sent_bytes_s"]
@@ -170,10 +170,10 @@ def all_scenarios(options: argparse.Namespace) -> dict[str, Any]:
         "slow_peer_cut_short": slow.trainers["t0"].cut_short if slow else None,
         "peak_bandwidth_ratio_f4": ratio, "metric_gap_relative_f4": gap_f4,
         "peak_round_bytes_sent_f1": reference.get("peak_round_bytes_sent"),
-        "peak_round_bytes_sent_f4": figures(f4).get("peak_round_bytes_sent"),
+        "peak_round_bytes_sent_f4": fragmented.get("peak_round_bytes_sent"),
         "peak_link_ratio_f4": link_ratio,
         "peak_sent_bytes_s_f1": reference.get("peak_sent_bytes_s"),
-        "peak_sent_bytes_s_f4": figures(f4).get("peak_sent_bytes_s"),
+        "peak_sent_bytes_s_f4": fragmented.get("peak_sent_bytes_s"),
         "hash_conflicts": sum(figures(r).get("hash_conflicts", 0) for r in results.values()),
         "survivors_reached_end": {n: figures(r).get("survivors_reached_end") for n, r in results.items()},
         "kills": churned.get("kills"), "kills_skipped": churned.get("kills_skipped"),

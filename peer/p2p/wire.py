@@ -531,7 +531,7 @@ def _topk_nbytes(numel: int, chunk: int, k: int, codec: Compression) -> int:
     parts = _topk_parts(numel, chunk, k)
     chunks = sum(rows for _, rows, _, _ in parts)
     kept = sum(rows * kk for _, rows, _, kk in parts)
-    index_bytes = sum(_indices_nbytes(rows, length, kk) for _, rows, length, kk in parts)
+    index_bytes = sum(sum(_indices_nbytes(rows, length, kk)) for _, rows, length, kk in parts)
     if codec == Compression.TOPK2:
         return chunks * 8 + index_bytes + (kept + 3) // 4
     return chunks * 4 + index_bytes + kept
@@ -619,9 +619,10 @@ def _elias_fano(length: int, kept: int) -> tuple[int, int]:
     return low, kept + ((length - 1) >> low) + 1
 
 
-def _indices_nbytes(rows: int, length: int, kept: int) -> int:
+def _indices_nbytes(rows: int, length: int, kept: int) -> tuple[int, int]:
+    """Bytes of one part's high bit vectors and of its low bits (each byte-aligned)."""
     low, high = _elias_fano(length, kept)
-    return -(-rows * high // 8) + -(-rows * kept * low // 8)
+    return -(-rows * high // 8), -(-rows * kept * low // 8)
 
 
 def _pack_indices(index: torch.Tensor, length: int) -> torch.Tensor:
@@ -642,7 +643,7 @@ def _unpack_indices(raw: torch.Tensor, rows: int, length: int, kept: int) -> tor
     """The inverse of _pack_indices: rows x kept int64; a row whose high bit vector does not hold exactly `kept`
     set bits, or padding that is not zero, is malformed (the caller checks order and range)."""
     low, high = _elias_fano(length, kept)
-    high_nbytes = -(-rows * high // 8)
+    high_nbytes, _ = _indices_nbytes(rows, length, kept)
     bits = _unpack_codes(raw[:high_nbytes], 1, rows * high).view(rows, high)
     if bool((bits.sum(dim=1, dtype=torch.int64) != kept).any()):
         raise MalformedTensor("top-k indices: a chunk's high bit vector does not hold one bit per kept element")
@@ -778,7 +779,7 @@ def _decode_topk(raw: torch.Tensor, numel: int, chunk: int, k: int, codec: Compr
         _check_scales(scales, "TOPK8")
     indices = []
     for _, rows, length, kk in parts:
-        index_nbytes = _indices_nbytes(rows, length, kk)
+        index_nbytes = sum(_indices_nbytes(rows, length, kk))
         indices.append(_unpack_indices(raw[cursor: cursor + index_nbytes], rows, length, kk))
         cursor += index_nbytes
     if codec == Compression.TOPK2:

@@ -471,7 +471,7 @@ def hostile_cases() -> list[tuple[str, bytearray]]:
             variant([name, shape, codec_id, 0, nbytes, [chunk, k * 10**6]], data, "oversized count")
             scale_bytes = 4 * (2 if codec == Compression.TOPK2 else 1)  # one chunk: the tensor is 161 elements
             low, high = wire._elias_fano(chunk, k)
-            index_bytes = wire._indices_nbytes(1, chunk, k)
+            index_bytes = sum(wire._indices_nbytes(1, chunk, k))
             largest = ((((chunk - 1) >> low) + 1) << low) + (1 << low) - 1  # the top of the high vector's range
 
             def with_indices(new: list[int], what: str, chunk=chunk, data=data, start=scale_bytes,
